@@ -1,0 +1,46 @@
+"""``ps-server``: run one shard until SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from ps_server.config import ConfigError, parse_config
+from ps_server.server import create_server
+from wehub_ps.logs import configure, event
+
+log = logging.getLogger("ps_server")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = parse_config(argv)
+    except ConfigError as exc:
+        print(f"ps-server: {exc}", file=sys.stderr)
+        return 2
+    configure(config.log_level)
+    try:
+        server = create_server(config)
+    except (OSError, RuntimeError) as exc:
+        event(log, logging.ERROR, "cannot start", error=str(exc), host=config.host, port=config.port)
+        return 1
+    stop = threading.Event()
+
+    def request_stop(signum: int, _frame) -> None:
+        event(log, logging.INFO, "signal received", signal=signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    server.start()
+    while not stop.wait(1.0):
+        pass
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Daemon settings from flags, environment variables and TF_CONFIG.
+
+Precedence, highest first: command-line flag, its environment variable
+(``PS_`` + the flag in upper case, e.g. ``PS_SHARD_INDEX``), TF_CONFIG (for
+shard index, shard count and port), the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+from wehub_ps.cluster import ClusterConfigError, split_host_port, task_from_tf_config
+from wehub_ps.rpc import DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES
+
+__all__ = ["ServerConfig", "ConfigError", "parse_config", "default_memory_limit"]
+
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """Settings that cannot work together; the message names the flag."""
+
+
+def default_memory_limit() -> int:
+    """80% of physical memory: room for the process itself and the OS."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.8)
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 8 << 30
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 7001
+    shard_index: int = 0
+    num_shards: int = 1
+    checkpoint_dir: str | None = None
+    log_level: str = "info"
+    port_file: str | None = None
+    max_memory_bytes: int = 0  # 0: default_memory_limit()
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    max_concurrent_rpcs: int = 256
+    drain_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1:
+            raise ConfigError(f"--num-shards must be at least 1, got {self.num_shards}")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise ConfigError(
+                f"--shard-index must be in [0, {self.num_shards}) for --num-shards "
+                f"{self.num_shards}, got {self.shard_index}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
+        if self.log_level not in _LOG_LEVELS:
+            raise ConfigError(f"--log-level must be one of {', '.join(_LOG_LEVELS)}, got {self.log_level!r}")
+        if self.max_memory_bytes < 0:
+            raise ConfigError(f"--max-memory-bytes must be >= 0, got {self.max_memory_bytes}")
+        if not 4096 <= self.chunk_bytes <= self.max_message_bytes // 2:
+            raise ConfigError(
+                f"--chunk-bytes must be in [4096, {self.max_message_bytes // 2}] "
+                f"(half of --max-message-bytes), got {self.chunk_bytes}")
+        if self.max_concurrent_rpcs < 4:
+            raise ConfigError(f"--max-concurrent-rpcs must be at least 4, got {self.max_concurrent_rpcs}")
+        if self.drain_timeout < 0:
+            raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
+
+    @property
+    def memory_limit(self) -> int:
+        return self.max_memory_bytes or default_memory_limit()
+
+
+_HELP = {
+    "host": "address to listen on",
+    "port": "port to listen on; 0 picks a free one (see --port-file)",
+    "shard_index": "this server's shard index, 0-based",
+    "num_shards": "number of ps-servers in the cluster",
+    "checkpoint_dir": "directory (shared by all shards) for checkpoints",
+    "log_level": "one of " + ", ".join(_LOG_LEVELS),
+    "port_file": "write the bound port to this file once serving",
+    "max_memory_bytes": "bytes of variables plus optimizer slots this shard may hold; 0 = 80%% of RAM",
+    "chunk_bytes": "default tensor bytes per pull message",
+    "max_message_bytes": "largest gRPC message accepted or sent",
+    "max_concurrent_rpcs": "RPCs served at once; more get RESOURCE_EXHAUSTED",
+    "drain_timeout": "seconds to let pushes in flight finish on SIGTERM",
+}
+
+
+def _env_name(field_name: str) -> str:
+    return "PS_" + field_name.upper()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ps-server",
+        description="wehub-ps parameter server: holds one shard of the variables and applies pushes.",
+        epilog="Every flag can also be set as an environment variable: PS_ plus the flag name "
+               "in upper case with underscores (PS_SHARD_INDEX=1). TF_CONFIG with task.type 'ps' "
+               "sets the shard index, shard count and port.",
+    )
+    for f in fields(ServerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        parser.add_argument(flag, dest=f.name, type=kind, default=None,
+                            help=f"{_HELP[f.name]} (env {_env_name(f.name)}; default {f.default})")
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """Resolve the configuration; ConfigError with an actionable message on bad input."""
+    environ = os.environ if environ is None else environ
+    args = vars(build_parser().parse_args(argv))
+    values: dict[str, object] = {}
+    try:
+        task = task_from_tf_config(environ)
+    except ClusterConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    if task is not None and task.ps_addresses:
+        if task.task_type != "ps":
+            raise ConfigError(
+                f"TF_CONFIG describes a {task.task_type!r} task; ps-server needs task.type 'ps'")
+        if not 0 <= task.task_index < len(task.ps_addresses):
+            raise ConfigError(f"TF_CONFIG task.index {task.task_index} has no entry in cluster.ps")
+        values.update(shard_index=task.task_index, num_shards=len(task.ps_addresses),
+                      port=split_host_port(task.ps_addresses[task.task_index])[1])
+    for f in fields(ServerConfig):
+        raw = args[f.name]
+        source = f"--{f.name.replace('_', '-')}"
+        if raw is None and _env_name(f.name) in environ:
+            raw, source = environ[_env_name(f.name)], _env_name(f.name)
+        if raw is None:
+            continue
+        kind = type(f.default) if f.default is not None else str
+        try:
+            values[f.name] = kind(raw) if kind is not str else str(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{source} must be {kind.__name__}, got {raw!r}") from None
+    return ServerConfig(**values)  # type: ignore[arg-type]

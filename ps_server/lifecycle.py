@@ -1,0 +1,74 @@
+"""Accepting work, and draining it on shutdown.
+
+SIGTERM must never lose a push that has started: the server stops taking
+new requests, lets every push in flight run to its end, and only then stops
+the gRPC server. This object counts pushes in flight and answers "are we
+still accepting"; it knows nothing about gRPC.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+from ps_server.errors import RequestError
+from wehub_ps.errors import Reason
+
+__all__ = ["Lifecycle"]
+
+
+class Lifecycle:
+    def __init__(self) -> None:
+        # Guards _accepting and _in_flight; notified when _in_flight drops.
+        self._cond = threading.Condition()
+        self._accepting = True
+        self._in_flight = 0
+
+    @property
+    def accepting(self) -> bool:
+        with self._cond:
+            return self._accepting
+
+    def check_accepting(self) -> None:
+        """Raise SHUTTING_DOWN once draining started."""
+        with self._cond:
+            if not self._accepting:
+                raise _shutting_down()
+
+    @contextmanager
+    def push_in_flight(self) -> Iterator[None]:
+        """Count a push for the drain; refuses when the server is shutting down."""
+        with self._cond:
+            if not self._accepting:
+                raise _shutting_down()
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                self._cond.notify_all()
+
+    @property
+    def in_flight(self) -> int:
+        with self._cond:
+            return self._in_flight
+
+    def drain(self, timeout: float) -> bool:
+        """Stop accepting; wait up to ``timeout`` s for pushes in flight. True if none is left."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._accepting = False
+            while self._in_flight:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+
+def _shutting_down() -> RequestError:
+    return RequestError(Reason.SHUTTING_DOWN,
+                        "this ps-server is shutting down; retry against its replacement")

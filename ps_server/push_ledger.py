@@ -1,0 +1,192 @@
+"""Exactly-once bookkeeping for pushes.
+
+A push is identified by (worker_id, incarnation, sequence); the incarnation
+is new on every worker process start, and the sequence counts the pushes a
+worker incarnation sends to this shard. A push arrives as chunks, each
+applied the moment it arrives; the ledger records which chunks of which push
+were applied, so that:
+
+* a retried push whose acknowledgement was lost is recognised and applied
+  nothing (``duplicate``);
+* a retried push that was cut off midway applies only the chunks that had
+  not arrived (a retry must chunk the same way; a chunk that overlaps an
+  applied one with different bounds is refused);
+* two streams racing on the same push (an impatient retry while the
+  original still runs) never apply a chunk twice.
+
+Pushes of one worker may complete out of order (several threads pushing);
+the ledger keeps "every sequence below N is done" plus the set of done
+sequences above it. Bounds, so a misbehaving client cannot grow it forever:
+``max_open_pushes`` unfinished pushes per incarnation (more is refused),
+``max_done_window`` sequences above the contiguous mark (beyond it the mark
+jumps, treating ancient gaps as abandoned pushes), and ``max_incarnations``
+remembered incarnations (least recently used forgotten first).
+
+Pure Python, no gRPC; thread-safe.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from ps_server.errors import RequestError
+from wehub_ps.errors import Reason
+
+__all__ = ["PushLedger", "PushSession", "ClaimResult"]
+
+
+class ClaimResult:
+    APPLY = "apply"  # the caller must apply the chunk, then call done()
+    ALREADY_APPLIED = "already"  # applied before (by this push's earlier stream)
+
+
+@dataclass
+class PushSession:
+    """One push on this shard: what it covers and which chunks have landed.
+
+    ``steps`` holds the optimizer step reserved for each variable when the
+    push began, so a retried chunk is applied with the same step.
+    """
+
+    key: tuple[str, str, int]
+    total_elements: int
+    steps: dict[str, int]
+    applied_elements: int = 0
+    finalized: bool = False
+    # Guards every field below and above; waits for chunks applied by
+    # another stream of the same push.
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    # per variable: sorted chunk offsets, and offset -> (count, applied?)
+    _offsets: dict[str, list[int]] = field(default_factory=dict)
+    _chunks: dict[str, dict[int, tuple[int, bool]]] = field(default_factory=dict)
+
+    def claim(self, variable: str, offset: int, count: int) -> str:
+        """Reserve a chunk for applying; blocks while another stream applies it."""
+        with self.cond:
+            while True:
+                chunks = self._chunks.setdefault(variable, {})
+                existing = chunks.get(offset)
+                if existing is not None and existing[0] == count:
+                    if existing[1]:
+                        return ClaimResult.ALREADY_APPLIED
+                    self.cond.wait()
+                    continue
+                offsets = self._offsets.setdefault(variable, [])
+                i = bisect.bisect_left(offsets, offset)
+                overlaps = (existing is not None
+                            or (i > 0 and offsets[i - 1] + chunks[offsets[i - 1]][0] > offset)
+                            or (i < len(offsets) and offset + count > offsets[i]))
+                if overlaps:
+                    raise RequestError(
+                        Reason.INVALID_CHUNK,
+                        f"chunk [{offset}, {offset + count}) of {variable!r} overlaps a chunk of "
+                        "the same push with different bounds; a retried push must be chunked "
+                        "exactly like the original",
+                    )
+                offsets.insert(i, offset)
+                chunks[offset] = (count, False)
+                return ClaimResult.APPLY
+
+    def done(self, variable: str, offset: int) -> bool:
+        """Mark a claimed chunk applied; True when this completed the push."""
+        with self.cond:
+            count, _ = self._chunks[variable][offset]
+            self._chunks[variable][offset] = (count, True)
+            self.applied_elements += count
+            self.cond.notify_all()
+            if self.applied_elements == self.total_elements and not self.finalized:
+                self.finalized = True
+                return True
+            return False
+
+    @property
+    def complete(self) -> bool:
+        with self.cond:
+            return self.applied_elements == self.total_elements
+
+
+@dataclass
+class _IncarnationState:
+    done_below: int = 1  # every sequence < done_below is complete
+    done_above: set[int] = field(default_factory=set)
+    open: dict[int, PushSession] = field(default_factory=dict)
+
+
+class PushLedger:
+    """Which pushes were applied, per (worker, incarnation); thread-safe."""
+
+    def __init__(self, max_open_pushes: int = 64, max_done_window: int = 4096,
+                 max_incarnations: int = 100_000) -> None:
+        self._max_open = max_open_pushes
+        self._max_window = max_done_window
+        self._max_incarnations = max_incarnations
+        # Guards _states (and the _IncarnationState objects in it).
+        self._lock = threading.Lock()
+        self._states: OrderedDict[tuple[str, str], _IncarnationState] = OrderedDict()
+
+    def begin(self, worker_id: str, incarnation: str, sequence: int, total_elements: int,
+              reserve_steps) -> PushSession | None:
+        """The session for this push, or None when it was applied completely before.
+
+        ``reserve_steps()`` is called once, for a push seen for the first time,
+        and returns the optimizer step per variable.
+        """
+        with self._lock:
+            state = self._state(worker_id, incarnation)
+            if sequence < state.done_below or sequence in state.done_above:
+                return None
+            session = state.open.get(sequence)
+            if session is not None:
+                if session.total_elements != total_elements:
+                    raise RequestError(
+                        Reason.INVALID_REQUEST,
+                        f"push {sequence} of {worker_id}/{incarnation} was begun before with "
+                        f"{session.total_elements} elements, now with {total_elements}",
+                    )
+                return session
+            if len(state.open) >= self._max_open:
+                raise RequestError(
+                    Reason.MEMORY_LIMIT,
+                    f"worker {worker_id!r} has {len(state.open)} unfinished pushes on this shard; "
+                    "finish or retry them before starting more",
+                )
+            session = PushSession((worker_id, incarnation, sequence), total_elements,
+                                  reserve_steps())
+            state.open[sequence] = session
+            return session
+
+    def finish(self, session: PushSession) -> None:
+        """Record a completed push (call once, after its last chunk was applied)."""
+        worker_id, incarnation, sequence = session.key
+        with self._lock:
+            state = self._state(worker_id, incarnation)
+            state.open.pop(sequence, None)
+            state.done_above.add(sequence)
+            while state.done_below in state.done_above:
+                state.done_above.discard(state.done_below)
+                state.done_below += 1
+            if len(state.done_above) > self._max_window:
+                # A gap this old belongs to a push that was abandoned.
+                state.done_below = min(state.done_above)
+                while state.done_below in state.done_above:
+                    state.done_above.discard(state.done_below)
+                    state.done_below += 1
+
+    def is_done(self, worker_id: str, incarnation: str, sequence: int) -> bool:
+        with self._lock:
+            state = self._states.get((worker_id, incarnation))
+            return state is not None and (sequence < state.done_below or sequence in state.done_above)
+
+    def _state(self, worker_id: str, incarnation: str) -> _IncarnationState:
+        key = (worker_id, incarnation)
+        state = self._states.get(key)
+        if state is None:
+            state = self._states[key] = _IncarnationState()
+            while len(self._states) > self._max_incarnations:
+                self._states.popitem(last=False)
+        else:
+            self._states.move_to_end(key)
+        return state

@@ -1,0 +1,194 @@
+"""Applying one push stream: validation, exactly-once chunks, completion.
+
+The push protocol (see ``protos/wehub_ps/v1/ps.proto``): the first message
+carries a ``PushBegin`` that declares every variable the push covers on
+this shard, and chunks follow. Everything that can be checked up front is
+checked at the begin (cluster identity, variables, sizes, dtypes), before
+anything is applied; each chunk is checked again before it is applied.
+A stream that breaks midway leaves the chunks before the break applied and
+recorded in the ledger, and a retry of the same push completes it, exactly
+once.
+
+No gRPC here: the service layer feeds decoded messages in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ps_server.errors import RequestError
+from ps_server.push_ledger import ClaimResult, PushLedger, PushSession
+from ps_server.store import VariablePart, VariableStore, check_dtype_allowed
+from wehub_ps.codec import CodecError, DecodedChunk
+from wehub_ps.dtypes import dtype_name, to_numpy_dtype
+from wehub_ps.errors import Reason
+from wehub_ps.v1 import ps_pb2
+
+__all__ = ["PushResult", "ActivePush", "begin_push", "check_cluster"]
+
+MAX_WORKER_ID_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class PushResult:
+    versions: dict[str, int]
+    duplicate: bool
+    elements_applied: int
+
+
+@dataclass(frozen=True)
+class _Item:
+    part: VariablePart
+    wire_dtype: np.dtype
+
+
+def check_cluster(store: VariableStore, shard_index: int, num_shards: int) -> None:
+    """Refuse a caller whose address list disagrees with this server."""
+    if (shard_index, num_shards) != (store.shard_index, store.num_shards):
+        raise RequestError(
+            Reason.CLUSTER_MISMATCH,
+            f"this server is shard {store.shard_index} of {store.num_shards}, but the request "
+            f"was meant for shard {shard_index} of {num_shards}; check the order and length of "
+            "the client's address list",
+        )
+
+
+class ActivePush:
+    """One push stream in progress on this shard."""
+
+    def __init__(self, store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin,
+                 items: dict[str, _Item], session: PushSession | None) -> None:
+        self._store = store
+        self._ledger = ledger
+        self._assign = begin.kind == ps_pb2.ASSIGN
+        self._items = items
+        self._session = session
+        self._applied_here = 0
+        self._versions: dict[str, int] = {}
+
+    def apply(self, chunk: DecodedChunk) -> None:
+        """Check one chunk and apply it unless this push applied it before."""
+        header = chunk.header
+        item = self._items.get(header.variable)
+        if item is None:
+            raise RequestError(Reason.INVALID_CHUNK,
+                               f"chunk for {header.variable!r}, which this push's begin did not declare")
+        try:
+            wire = to_numpy_dtype(header.dtype)
+        except ValueError:
+            raise RequestError(Reason.INVALID_CHUNK,
+                               f"chunk for {header.variable!r} has unknown dtype {header.dtype}") from None
+        if wire != item.wire_dtype:
+            raise RequestError(
+                Reason.INVALID_CHUNK,
+                f"chunk for {header.variable!r} is {dtype_name(wire)}, but the push declared "
+                f"{dtype_name(item.wire_dtype)}",
+            )
+        part = item.part
+        offset, count = header.offset, header.count
+        if offset + count > part.elements:
+            raise RequestError(
+                Reason.INVALID_CHUNK,
+                f"chunk [{offset}, {offset + count}) of {header.variable!r} is outside this "
+                f"shard's part of {part.elements} elements",
+            )
+        try:
+            values = chunk.array()
+        except CodecError as exc:
+            raise RequestError(Reason.INVALID_CHUNK, f"chunk for {header.variable!r}: {exc}") from None
+        if count == 0 or self._session is None:
+            return  # nothing to apply, or the whole push is a duplicate
+        if self._session.claim(header.variable, offset, count) == ClaimResult.ALREADY_APPLIED:
+            return
+        if self._assign:
+            part.assign(offset, values)
+        else:
+            part.apply_gradient(offset, values, self._session.steps[header.variable])
+        self._applied_here += count
+        if self._session.done(header.variable, offset):
+            self._finalize()
+
+    def finish(self) -> PushResult:
+        """The stream ended: the push must be complete by now."""
+        session = self._session
+        if session is not None and not session.complete:
+            raise RequestError(
+                Reason.PUSH_INCOMPLETE,
+                f"push stream ended after {session.applied_elements} of {session.total_elements} "
+                "elements; the applied chunks are recorded, retry the same push to complete it",
+            )
+        versions = self._versions or {
+            name: item.part.info().version for name, item in self._items.items()
+        }
+        duplicate = session is None or (self._applied_here == 0 and session.total_elements > 0)
+        return PushResult(versions, duplicate, self._applied_here)
+
+    def _finalize(self) -> None:
+        for name, item in self._items.items():
+            self._versions[name] = item.part.finish_push(self._assign)
+        self._ledger.finish(self._session)
+
+
+def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin) -> ActivePush:
+    """Validate a PushBegin and open (or rejoin) its session; changes nothing on error."""
+    check_cluster(store, begin.shard_index, begin.num_shards)
+    if not begin.worker_id or len(begin.worker_id) > MAX_WORKER_ID_LENGTH:
+        raise RequestError(Reason.INVALID_REQUEST,
+                           f"worker_id must be 1 to {MAX_WORKER_ID_LENGTH} characters, got {begin.worker_id!r}")
+    if not begin.incarnation or len(begin.incarnation) > MAX_WORKER_ID_LENGTH:
+        raise RequestError(Reason.INVALID_REQUEST, "incarnation must be a non-empty id of the worker process")
+    if begin.sequence < 1:
+        raise RequestError(Reason.INVALID_REQUEST, f"sequence must start at 1, got {begin.sequence}")
+    if begin.kind not in (ps_pb2.GRADIENT, ps_pb2.ASSIGN):
+        raise RequestError(Reason.INVALID_REQUEST, f"push kind must be GRADIENT or ASSIGN, got {begin.kind}")
+    if not begin.items:
+        raise RequestError(Reason.INVALID_REQUEST, "a push must declare at least one variable")
+    assign = begin.kind == ps_pb2.ASSIGN
+    items: dict[str, _Item] = {}
+    for declared in begin.items:
+        if declared.variable in items:
+            raise RequestError(Reason.INVALID_REQUEST, f"variable {declared.variable!r} is declared twice")
+        part = store.get(declared.variable)
+        if not part.holds_part:
+            raise RequestError(
+                Reason.INVALID_REQUEST,
+                f"variable {declared.variable!r} has no part on shard {store.shard_index}",
+            )
+        if declared.elements != part.elements:
+            raise RequestError(
+                Reason.SHAPE_MISMATCH,
+                f"push covers {declared.elements} elements of {declared.variable!r}, but this "
+                f"shard's part (rows {part.row_start}:{part.row_end} of shape "
+                f"{part.spec.shape}) has {part.elements}",
+            )
+        try:
+            wire = to_numpy_dtype(declared.wire_dtype)
+        except ValueError:
+            raise RequestError(Reason.DTYPE_MISMATCH,
+                               f"unknown wire dtype {declared.wire_dtype} for {declared.variable!r}") from None
+        check_dtype_allowed(part, wire, assign)
+        info = part.info()
+        if assign and info.initialized:
+            raise RequestError(Reason.INVALID_REQUEST,
+                               f"variable {declared.variable!r} already has its initial value")
+        if not assign and not info.initialized:
+            raise RequestError(
+                Reason.NOT_INITIALIZED,
+                f"variable {declared.variable!r} is waiting for its explicit initial value",
+            )
+        items[declared.variable] = _Item(part, wire)
+    total = sum(item.part.elements for item in items.values())
+
+    def reserve_steps() -> dict[str, int]:
+        if assign:
+            return {name: 0 for name in items}
+        return {name: item.part.reserve_step() for name, item in items.items()}
+
+    session = ledger.begin(begin.worker_id, begin.incarnation, begin.sequence, total, reserve_steps)
+    push = ActivePush(store, ledger, begin, items, session)
+    if session is not None and total == 0 and not session.finalized:
+        session.finalized = True
+        push._finalize()
+    return push

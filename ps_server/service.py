@@ -1,0 +1,256 @@
+"""The gRPC methods of the ParameterServer service, and nothing else.
+
+Every method takes the raw request bytes and parses them itself, so that a
+request that is not a valid message at all gets INVALID_ARGUMENT (gRPC's
+own deserializer would answer INTERNAL). Data-path messages are framed by
+:mod:`wehub_ps.codec` to copy each tensor byte once. Errors leave through
+one table, :data:`STATUS_BY_REASON`, with the reason in trailing metadata.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
+
+import grpc
+import numpy as np
+
+from ps_server.errors import RequestError
+from ps_server.lifecycle import Lifecycle
+from ps_server.push_ledger import PushLedger
+from ps_server.pushes import begin_push, check_cluster
+from ps_server.store import VariableInfo, VariableStore
+from wehub_ps import __version__
+from wehub_ps.codec import (
+    CodecError,
+    OutgoingChunk,
+    byte_view,
+    chunk_ranges,
+    decode_push_request,
+    encode_pull_response,
+)
+from wehub_ps.dtypes import BFLOAT16, VARIABLE_DTYPES, dtype_name, to_numpy_dtype, to_wire_dtype
+from wehub_ps.errors import REASON_METADATA_KEY, Reason
+from wehub_ps.rpc import SERVICE_NAME
+from wehub_ps.specs import SpecError, VariableSpec
+from wehub_ps.v1 import ps_pb2
+
+__all__ = ["ParameterServerService", "STATUS_BY_REASON"]
+
+log = logging.getLogger("ps_server.service")
+
+STATUS_BY_REASON: dict[Reason, grpc.StatusCode] = {
+    Reason.MALFORMED_MESSAGE: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.INVALID_SPEC: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.INVALID_CHUNK: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.SHAPE_MISMATCH: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.DTYPE_MISMATCH: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.UNKNOWN_VARIABLE: grpc.StatusCode.NOT_FOUND,
+    Reason.SPEC_CONFLICT: grpc.StatusCode.ALREADY_EXISTS,
+    Reason.CLUSTER_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.NOT_INITIALIZED: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.PUSH_INCOMPLETE: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.MEMORY_LIMIT: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
+}
+
+# Chunks smaller than this are copied out under their lock and packed
+# several to a message; a small model's pull is then one message, not one
+# per variable (a message costs far more than copying a few KiB).
+_PACK_BELOW_BYTES = 64 * 1024
+_MIN_CHUNK_BYTES = 4096
+
+M = TypeVar("M")
+
+
+def _abort(context: grpc.ServicerContext, error: RequestError) -> None:
+    context.set_trailing_metadata(((REASON_METADATA_KEY, error.reason.value),))
+    context.abort(STATUS_BY_REASON[error.reason], error.message)
+
+
+def _parse(message_cls: type[M], raw: bytes) -> M:
+    try:
+        return message_cls.FromString(raw)
+    except Exception as exc:  # DecodeError, or upb's errors for garbage
+        raise RequestError(Reason.MALFORMED_MESSAGE,
+                           f"request is not a valid {message_cls.DESCRIPTOR.full_name}: {exc}") from None
+
+
+def _unary(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except RequestError as error:
+            _abort(context, error)
+    return wrapper
+
+
+def _info_proto(info: VariableInfo) -> ps_pb2.VariableInfo:
+    return ps_pb2.VariableInfo(spec=info.spec.to_proto(), row_start=info.row_start,
+                               row_end=info.row_end, version=info.version,
+                               initialized=info.initialized, optimizer_steps=info.optimizer_steps)
+
+
+class ParameterServerService:
+    """RPC methods only: parse, call the store, frame the answer."""
+
+    def __init__(self, store: VariableStore, ledger: PushLedger, lifecycle: Lifecycle,
+                 server_id: str, default_chunk_bytes: int, max_chunk_bytes: int) -> None:
+        self._store = store
+        self._ledger = ledger
+        self._lifecycle = lifecycle
+        self._server_id = server_id
+        self._default_chunk_bytes = default_chunk_bytes
+        self._max_chunk_bytes = max_chunk_bytes
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        """Handlers with raw-bytes (de)serialisation, named as in the proto."""
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "Describe": grpc.unary_unary_rpc_method_handler(self.describe),
+            "CreateVariable": grpc.unary_unary_rpc_method_handler(self.create_variable),
+            "Pull": grpc.unary_stream_rpc_method_handler(self.pull),
+            "Push": grpc.stream_unary_rpc_method_handler(self.push),
+        })
+
+    # ---- control ----
+
+    @_unary
+    def describe(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        _parse(ps_pb2.DescribeRequest, request)
+        response = ps_pb2.DescribeResponse(
+            shard_index=self._store.shard_index, num_shards=self._store.num_shards,
+            server_id=self._server_id, server_version=__version__,
+            variables=[_info_proto(info) for info in self._store.describe()],
+            chunk_bytes_limit=self._max_chunk_bytes)
+        return response.SerializeToString()
+
+    @_unary
+    def create_variable(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        msg = _parse(ps_pb2.CreateVariableRequest, request)
+        self._lifecycle.check_accepting()
+        check_cluster(self._store, msg.shard_index, msg.num_shards)
+        try:
+            spec = VariableSpec.from_proto(msg.spec)
+        except SpecError as exc:
+            raise RequestError(Reason.INVALID_SPEC, str(exc)) from None
+        info, created = self._store.create(spec)
+        if created:
+            log.debug("variable created", extra={"fields": {"variable": spec.name,
+                                                             "shape": list(spec.shape)}})
+        return ps_pb2.CreateVariableResponse(variable=_info_proto(info), created=created).SerializeToString()
+
+    # ---- data path ----
+
+    def pull(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        try:
+            plan = self._plan_pull(_parse(ps_pb2.PullRequest, request))
+        except RequestError as error:
+            _abort(context, error)
+            return
+        yield from self._stream_pull(*plan)
+
+    def _plan_pull(self, msg: ps_pb2.PullRequest):
+        """Validate everything before the first byte is sent."""
+        self._lifecycle.check_accepting()
+        check_cluster(self._store, msg.shard_index, msg.num_shards)
+        if not msg.items:
+            raise RequestError(Reason.INVALID_REQUEST, "a pull must name at least one variable")
+        chunk_bytes = msg.chunk_bytes or self._default_chunk_bytes
+        chunk_bytes = max(_MIN_CHUNK_BYTES, min(chunk_bytes, self._max_chunk_bytes))
+        if msg.wire_dtype != ps_pb2.DATA_TYPE_UNSPECIFIED:
+            try:
+                requested = to_numpy_dtype(msg.wire_dtype)
+            except ValueError:
+                raise RequestError(Reason.DTYPE_MISMATCH, f"unknown wire dtype {msg.wire_dtype}") from None
+            if requested not in VARIABLE_DTYPES and requested != BFLOAT16:
+                raise RequestError(Reason.DTYPE_MISMATCH,
+                                   f"variables can be pulled as floating types only, not {dtype_name(requested)}")
+        else:
+            requested = None
+        plan = []
+        for item in msg.items:
+            part = self._store.get(item.variable)
+            if not part.holds_part:
+                raise RequestError(Reason.INVALID_REQUEST,
+                                   f"variable {item.variable!r} has no part on shard {self._store.shard_index}")
+            if not part.info().initialized:
+                raise RequestError(Reason.NOT_INITIALIZED,
+                                   f"variable {item.variable!r} is waiting for its explicit initial value")
+            end = part.elements if item.count == 0 else item.offset + item.count
+            if item.offset > part.elements or end > part.elements:
+                raise RequestError(
+                    Reason.INVALID_CHUNK,
+                    f"pull range [{item.offset}, {end}) of {item.variable!r} is outside this "
+                    f"shard's part of {part.elements} elements")
+            plan.append((part, item.offset, end - item.offset, requested or part.spec.dtype))
+        return plan, chunk_bytes
+
+    def _stream_pull(self, plan, chunk_bytes: int) -> Iterator[bytes]:
+        pending: list[OutgoingChunk] = []
+        pending_bytes = 0
+        for part, start, count, wire in plan:
+            wire_enum = to_wire_dtype(wire)
+            per_chunk = max(1, chunk_bytes // wire.itemsize)
+            for offset, n in chunk_ranges(count, per_chunk):
+                header = ps_pb2.ChunkHeader(variable=part.spec.name, offset=start + offset, count=n,
+                                            dtype=wire_enum, part_elements=part.elements)
+                if n * wire.itemsize >= _PACK_BELOW_BYTES:
+                    if pending:
+                        yield encode_pull_response(pending)
+                        pending, pending_bytes = [], 0
+                    yield part.read(start + offset, n, wire,
+                                    lambda values, version, h=header: _encode_one(h, values, version))
+                    continue
+                pending.append(part.read(start + offset, n, wire,
+                                         lambda values, version, h=header: _copy_chunk(h, values, version)))
+                pending_bytes += n * wire.itemsize
+                if pending_bytes >= chunk_bytes:
+                    yield encode_pull_response(pending)
+                    pending, pending_bytes = [], 0
+        if pending:
+            yield encode_pull_response(pending)
+
+    def push(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> bytes:
+        try:
+            with self._lifecycle.push_in_flight():
+                active = None
+                for raw in request_iterator:
+                    try:
+                        begin, chunks = decode_push_request(raw)
+                    except CodecError as exc:
+                        raise RequestError(Reason.MALFORMED_MESSAGE,
+                                           f"request is not a valid wehub_ps.v1.PushRequest: {exc}") from None
+                    if begin is not None:
+                        if active is not None:
+                            raise RequestError(Reason.INVALID_REQUEST,
+                                               "PushBegin may only appear in the first message")
+                        active = begin_push(self._store, self._ledger, begin)
+                    elif active is None:
+                        raise RequestError(Reason.INVALID_REQUEST,
+                                           "the first message of a push must carry PushBegin")
+                    for chunk in chunks:
+                        active.apply(chunk)
+                if active is None:
+                    raise RequestError(Reason.INVALID_REQUEST, "empty push stream")
+                result = active.finish()
+        except RequestError as error:
+            _abort(context, error)
+            return b""
+        response = ps_pb2.PushResponse(
+            versions=[ps_pb2.VariableVersion(variable=k, version=v) for k, v in result.versions.items()],
+            duplicate=result.duplicate, elements_applied=result.elements_applied)
+        return response.SerializeToString()
+
+
+def _encode_one(header: ps_pb2.ChunkHeader, values: np.ndarray, version: int) -> bytes:
+    header.version = version
+    return encode_pull_response([OutgoingChunk(header, byte_view(values))])
+
+
+def _copy_chunk(header: ps_pb2.ChunkHeader, values: np.ndarray, version: int) -> OutgoingChunk:
+    header.version = version
+    return OutgoingChunk(header, memoryview(bytes(byte_view(values))))

@@ -1,0 +1,257 @@
+"""This shard's variables: values, optimizer slots, versions.
+
+No gRPC here: the store works on numpy arrays and raises
+:class:`~ps_server.errors.RequestError` for requests it refuses, always
+before changing anything.
+
+Each variable part is stored flat (C order of its rows), so a chunk is a
+plain slice. Concurrency: every :class:`VariablePart` has its own lock, held
+for the duration of one chunk's read or update (a chunk is at most the
+negotiated chunk size, so the lock is short); pushes to different variables
+therefore proceed in parallel (numpy releases the GIL), and concurrent pushes
+to one variable serialise per chunk, so none is ever lost.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+import numpy as np
+
+from ps_server.errors import RequestError
+from ps_server.initializers import fill_initial_values
+from ps_server.optimizers import make_kernel
+from wehub_ps.dtypes import WIRE_FLOAT_DTYPES, dtype_name
+from wehub_ps.errors import Reason
+from wehub_ps.placement import rows_of
+from wehub_ps.specs import Explicit, VariableSpec
+
+__all__ = ["VariableInfo", "VariablePart", "VariableStore", "check_dtype_allowed"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class VariableInfo:
+    """A consistent snapshot of one variable's metadata on this shard."""
+
+    spec: VariableSpec
+    row_start: int
+    row_end: int
+    version: int
+    initialized: bool
+    optimizer_steps: int
+
+    @property
+    def elements(self) -> int:
+        return (self.row_end - self.row_start) * rows_of(self.spec.shape)[1]
+
+
+class _Scratch(threading.local):
+    """Per-thread reusable buffers, so applying a chunk allocates nothing."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, np.dtype], np.ndarray] = {}
+
+    def get(self, purpose: str, dtype: np.dtype, size: int) -> np.ndarray:
+        buf = self.buffers.get((purpose, dtype))
+        if buf is None or buf.size < size:
+            buf = np.empty(max(size, 1), dtype=dtype)
+            self.buffers[(purpose, dtype)] = buf
+        return buf[:size]
+
+
+_scratch = _Scratch()
+
+
+class VariablePart:
+    """This shard's rows of one variable and their optimizer state."""
+
+    def __init__(self, spec: VariableSpec, row_start: int, row_end: int, holds_part: bool) -> None:
+        self.spec = spec
+        # False when placement puts no rows of this variable on this shard:
+        # the shard then only remembers the spec (for idempotent creates).
+        self.holds_part = holds_part
+        self.row_start = row_start
+        self.row_end = row_end
+        self.elements = (row_end - row_start) * rows_of(spec.shape)[1]
+        self.kernel = make_kernel(spec.optimizer)
+        # Guards value, slots, version, optimizer_steps and initialized. Held
+        # for one chunk at a time (and during the initial fill).
+        self.lock = threading.Lock()
+        self.value = np.empty(0, dtype=spec.dtype)
+        self.slots: dict[str, np.ndarray] = {}
+        self.version = 0
+        self.optimizer_steps = 0
+        self.initialized = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of values plus optimizer slots."""
+        return self.elements * self.spec.dtype.itemsize * (1 + len(self.kernel.slot_names))
+
+    def allocate_and_fill(self) -> None:
+        """Allocate values and slots and write the initial values (lock held by caller)."""
+        dtype = self.spec.dtype
+        self.value = np.zeros(self.elements, dtype=dtype)
+        first = self.row_start * rows_of(self.spec.shape)[1]
+        fill_initial_values(self.spec.initializer, self.spec.shape, self.value, first)
+        for name in self.kernel.slot_names:
+            slot = np.empty(self.elements, dtype=dtype)
+            self.kernel.init_slot(name, slot)
+            self.slots[name] = slot
+        self.initialized = not isinstance(self.spec.initializer, Explicit)
+
+    def info(self) -> VariableInfo:
+        with self.lock:
+            return VariableInfo(self.spec, self.row_start, self.row_end, self.version,
+                                self.initialized, self.optimizer_steps)
+
+    def read(self, offset: int, count: int, wire_dtype: np.dtype,
+             sink: Callable[[np.ndarray, int], T]) -> T:
+        """Call ``sink(values, version)`` under the lock and return its result.
+
+        ``values`` is a view of the stored chunk (or a converted copy when
+        ``wire_dtype`` is narrower); the sink must copy what it keeps before
+        returning, which is how a pull copies each byte exactly once.
+        """
+        with self.lock:
+            view = self.value[offset : offset + count]
+            if wire_dtype != view.dtype:
+                converted = _scratch.get("wire-out", wire_dtype, count)
+                np.copyto(converted, view, casting="unsafe")
+                view = converted
+            return sink(view, self.version)
+
+    def reserve_step(self) -> int:
+        """Take the next optimizer step number for a push that starts now."""
+        with self.lock:
+            self.optimizer_steps += 1
+            return self.optimizer_steps
+
+    def apply_gradient(self, offset: int, grad: np.ndarray, step: int) -> None:
+        """Run the optimizer on elements [offset, offset + grad.size)."""
+        count = grad.size
+        if grad.dtype != self.spec.dtype:
+            widened = _scratch.get("wire-in", self.spec.dtype, count)
+            np.copyto(widened, grad, casting="unsafe")
+            grad = widened
+        scratch = _scratch.get("kernel", self.spec.dtype, count)
+        with self.lock:
+            end = offset + count
+            slots = {name: slot[offset:end] for name, slot in self.slots.items()}
+            self.kernel.apply(self.value[offset:end], grad, slots, step, scratch)
+
+    def assign(self, offset: int, values: np.ndarray) -> None:
+        """Overwrite elements [offset, offset + values.size) (explicit initial value)."""
+        with self.lock:
+            np.copyto(self.value[offset : offset + values.size], values, casting="unsafe")
+
+    def finish_push(self, assigned: bool) -> int:
+        """Count a completed push; return the new version."""
+        with self.lock:
+            if assigned:
+                self.initialized = True
+            else:
+                self.version += 1
+            return self.version
+
+
+class VariableStore:
+    """All variables of one shard; thread-safe.
+
+    ``memory_limit`` bounds the bytes of values plus optimizer slots: a
+    create that would exceed it is refused with MEMORY_LIMIT, so a hostile
+    or mistaken shape cannot take the server down.
+    """
+
+    def __init__(self, shard_index: int, num_shards: int, memory_limit: int) -> None:
+        if not 0 <= shard_index < num_shards:
+            raise ValueError(f"shard_index {shard_index} is outside [0, {num_shards})")
+        self.shard_index = shard_index
+        self.num_shards = num_shards
+        self.memory_limit = memory_limit
+        # Guards _parts and _reserved. Lock order: this lock, then a part's.
+        self._lock = threading.Lock()
+        self._parts: dict[str, VariablePart] = {}
+        self._reserved = 0
+
+    @property
+    def reserved_bytes(self) -> int:
+        with self._lock:
+            return self._reserved
+
+    def create(self, spec: VariableSpec) -> tuple[VariableInfo, bool]:
+        """Create the variable (this shard's part of it); idempotent for the same spec.
+
+        Returns (info, created). Blocks while another thread is still filling
+        the same variable's initial values.
+        """
+        part = spec.placement(self.num_shards).part_on(self.shard_index)
+        row_start, row_end = (part.row_start, part.row_end) if part else (0, 0)
+        with self._lock:
+            existing = self._parts.get(spec.name)
+            if existing is None:
+                new = VariablePart(spec, row_start, row_end, part is not None)
+                if self._reserved + new.nbytes > self.memory_limit:
+                    raise RequestError(
+                        Reason.MEMORY_LIMIT,
+                        f"variable {spec.name!r} needs {new.nbytes} bytes on shard "
+                        f"{self.shard_index} (values and optimizer slots); {self._reserved} of "
+                        f"the {self.memory_limit}-byte limit are in use (--max-memory-bytes)",
+                    )
+                self._reserved += new.nbytes
+                new.lock.acquire()  # readers wait until the initial values are in
+                self._parts[spec.name] = new
+        if existing is not None:
+            differences = existing.spec.differences(spec)
+            if differences:
+                raise RequestError(
+                    Reason.SPEC_CONFLICT,
+                    f"variable {spec.name!r} already exists with a different spec: "
+                    + "; ".join(differences),
+                )
+            return existing.info(), False
+        try:
+            new.allocate_and_fill()
+        except MemoryError:
+            with self._lock:
+                self._parts.pop(spec.name, None)
+                self._reserved -= new.nbytes
+            raise RequestError(Reason.MEMORY_LIMIT,
+                               f"out of memory allocating {new.nbytes} bytes for {spec.name!r}") from None
+        finally:
+            new.lock.release()
+        return new.info(), True
+
+    def get(self, name: str) -> VariablePart:
+        with self._lock:
+            part = self._parts.get(name)
+        if part is None:
+            raise RequestError(Reason.UNKNOWN_VARIABLE,
+                               f"variable {name!r} does not exist; create it with create_variable first")
+        return part
+
+    def parts(self) -> list[VariablePart]:
+        with self._lock:
+            return list(self._parts.values())
+
+    def describe(self) -> list[VariableInfo]:
+        return [part.info() for part in self.parts()]
+
+
+def check_dtype_allowed(part: VariablePart, wire_dtype: np.dtype, assign: bool) -> None:
+    """A push may send the variable's own dtype, or float16/bfloat16 gradients."""
+    own = part.spec.dtype
+    if wire_dtype == own:
+        return
+    if not assign and wire_dtype in WIRE_FLOAT_DTYPES:
+        return
+    allowed = dtype_name(own) if assign else f"{dtype_name(own)}, float16 or bfloat16"
+    raise RequestError(
+        Reason.DTYPE_MISMATCH,
+        f"variable {part.spec.name!r} is {dtype_name(own)}; data for it must be {allowed}, "
+        f"got {dtype_name(wire_dtype)}",
+    )

@@ -1,0 +1,283 @@
+"""Framing of the data-path messages without copying tensor bytes.
+
+``PullResponse`` and ``PushRequest`` carry ``TensorChunk`` messages whose
+``data`` field is up to a chunk of raw tensor bytes. Serialising them through
+protobuf objects would copy every byte two or three times (``tobytes()``,
+field assignment, ``SerializeToString``). Here the small headers go through
+protobuf and the bulk bytes are spliced in by hand:
+
+* encoding joins ``[tag, length, header, tag, length, <tensor memoryview>]``
+  once, so each tensor byte is copied exactly once into the message;
+* decoding returns ``memoryview`` slices of the received message, so the
+  receiver copies each byte once, straight into its destination array.
+
+The output is ordinary protobuf (a test compares it with
+``SerializeToString``), so any protobuf client can speak the protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from wehub_ps.dtypes import to_numpy_dtype, to_wire_dtype
+from wehub_ps.v1 import ps_pb2
+
+__all__ = [
+    "CodecError",
+    "DecodedChunk",
+    "OutgoingChunk",
+    "encode_pull_response",
+    "encode_push_request",
+    "decode_pull_response",
+    "decode_push_request",
+    "as_wire_array",
+    "chunk_view",
+    "chunk_ranges",
+    "byte_view",
+    "wire_dtype_of",
+]
+
+_WIRE_VARINT = 0
+_WIRE_FIXED64 = 1
+_WIRE_LEN = 2
+_WIRE_FIXED32 = 5
+
+# Field numbers from protos/wehub_ps/v1/ps.proto.
+_TENSOR_CHUNK_HEADER = 1
+_TENSOR_CHUNK_DATA = 2
+_PULL_RESPONSE_CHUNKS = 1
+_PUSH_REQUEST_BEGIN = 1
+_PUSH_REQUEST_CHUNKS = 2
+
+
+class CodecError(ValueError):
+    """The bytes are not a valid message of the expected type."""
+
+
+@dataclass(frozen=True, slots=True)
+class OutgoingChunk:
+    """A chunk to send: a protobuf header and a buffer of little-endian bytes."""
+
+    header: ps_pb2.ChunkHeader
+    data: memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedChunk:
+    """A received chunk; ``data`` is a view into the received message."""
+
+    header: ps_pb2.ChunkHeader
+    data: memoryview
+
+    def array(self) -> np.ndarray:
+        """The payload as a read-only array of the header's dtype (no copy)."""
+        return chunk_view(self.data, self.header.dtype, self.header.count)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _tag(field: int, wire_type: int) -> bytes:
+    return _varint((field << 3) | wire_type)
+
+
+_TAG_CHUNK_HEADER = _tag(_TENSOR_CHUNK_HEADER, _WIRE_LEN)
+_TAG_CHUNK_DATA = _tag(_TENSOR_CHUNK_DATA, _WIRE_LEN)
+_TAG_PULL_CHUNKS = _tag(_PULL_RESPONSE_CHUNKS, _WIRE_LEN)
+_TAG_PUSH_BEGIN = _tag(_PUSH_REQUEST_BEGIN, _WIRE_LEN)
+_TAG_PUSH_CHUNKS = _tag(_PUSH_REQUEST_CHUNKS, _WIRE_LEN)
+
+
+def _append_chunks(pieces: list, outer_tag: bytes, chunks: Sequence[OutgoingChunk]) -> None:
+    for chunk in chunks:
+        header = chunk.header.SerializeToString()
+        data_len = chunk.data.nbytes
+        inner = [_TAG_CHUNK_HEADER, _varint(len(header)), header]
+        # proto3 omits an empty bytes field; do the same so that the encoding
+        # is byte-identical to protobuf's own.
+        if data_len:
+            inner += [_TAG_CHUNK_DATA, _varint(data_len)]
+        body_len = sum(len(p) for p in inner) + data_len
+        pieces += [outer_tag, _varint(body_len)]
+        pieces += inner
+        if data_len:
+            pieces.append(chunk.data)
+
+
+def encode_pull_response(chunks: Sequence[OutgoingChunk]) -> bytes:
+    """Serialise a ``PullResponse``; copies each tensor byte once."""
+    pieces: list = []
+    _append_chunks(pieces, _TAG_PULL_CHUNKS, chunks)
+    return b"".join(pieces)
+
+
+def encode_push_request(
+    begin: ps_pb2.PushBegin | None, chunks: Sequence[OutgoingChunk]
+) -> bytes:
+    """Serialise a ``PushRequest``; copies each tensor byte once."""
+    pieces: list = []
+    if begin is not None:
+        body = begin.SerializeToString()
+        pieces += [_TAG_PUSH_BEGIN, _varint(len(body)), body]
+    _append_chunks(pieces, _TAG_PUSH_CHUNKS, chunks)
+    return b"".join(pieces)
+
+
+def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    result = 0
+    shift = 0
+    while True:
+        if pos >= end:
+            raise CodecError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+        if shift >= 64:
+            raise CodecError("varint longer than 64 bits")
+
+
+def _iter_fields(buf: memoryview, pos: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+    """Yield (field, wire_type, start, stop) of each field; stop is exclusive.
+
+    For varints start/stop delimit the encoded value. Unknown fields are
+    yielded too, so callers can skip them (forward compatibility).
+    """
+    while pos < end:
+        key, pos = _read_varint(buf, pos, end)
+        field, wire_type = key >> 3, key & 7
+        if field == 0:
+            raise CodecError("field number 0")
+        if wire_type == _WIRE_VARINT:
+            start = pos
+            _, pos = _read_varint(buf, pos, end)
+        elif wire_type == _WIRE_LEN:
+            length, start = _read_varint(buf, pos, end)
+            pos = start + length
+        elif wire_type == _WIRE_FIXED64:
+            start, pos = pos, pos + 8
+        elif wire_type == _WIRE_FIXED32:
+            start, pos = pos, pos + 4
+        else:
+            raise CodecError(f"unsupported wire type {wire_type}")
+        if pos > end:
+            raise CodecError("field runs past the end of the message")
+        yield field, wire_type, start, pos
+
+
+def _parse(message_cls, buf: memoryview):
+    try:
+        return message_cls.FromString(buf)
+    except Exception as exc:  # protobuf raises DecodeError, upb sometimes others
+        raise CodecError(f"invalid {message_cls.DESCRIPTOR.name}: {exc}") from exc
+
+
+def _decode_chunk(buf: memoryview, start: int, stop: int) -> DecodedChunk:
+    header = None
+    data = buf[0:0]
+    for field, wire_type, fstart, fstop in _iter_fields(buf, start, stop):
+        if field == _TENSOR_CHUNK_HEADER:
+            if wire_type != _WIRE_LEN:
+                raise CodecError("TensorChunk.header has the wrong wire type")
+            header = _parse(ps_pb2.ChunkHeader, buf[fstart:fstop])
+        elif field == _TENSOR_CHUNK_DATA:
+            if wire_type != _WIRE_LEN:
+                raise CodecError("TensorChunk.data has the wrong wire type")
+            data = buf[fstart:fstop]
+    if header is None:
+        header = ps_pb2.ChunkHeader()
+    return DecodedChunk(header, data)
+
+
+def decode_pull_response(message: bytes) -> list[DecodedChunk]:
+    """Parse a serialised ``PullResponse``; chunk data are views of ``message``."""
+    buf = memoryview(message)
+    chunks = []
+    for field, wire_type, start, stop in _iter_fields(buf, 0, len(buf)):
+        if field == _PULL_RESPONSE_CHUNKS:
+            if wire_type != _WIRE_LEN:
+                raise CodecError("PullResponse.chunks has the wrong wire type")
+            chunks.append(_decode_chunk(buf, start, stop))
+    return chunks
+
+
+def decode_push_request(
+    message: bytes,
+) -> tuple[ps_pb2.PushBegin | None, list[DecodedChunk]]:
+    """Parse a serialised ``PushRequest``; chunk data are views of ``message``."""
+    buf = memoryview(message)
+    begin = None
+    chunks = []
+    for field, wire_type, start, stop in _iter_fields(buf, 0, len(buf)):
+        if wire_type != _WIRE_LEN and field in (_PUSH_REQUEST_BEGIN, _PUSH_REQUEST_CHUNKS):
+            raise CodecError(f"PushRequest field {field} has the wrong wire type")
+        if field == _PUSH_REQUEST_BEGIN:
+            begin = _parse(ps_pb2.PushBegin, buf[start:stop])
+        elif field == _PUSH_REQUEST_CHUNKS:
+            chunks.append(_decode_chunk(buf, start, stop))
+    return begin, chunks
+
+
+def as_wire_array(array: np.ndarray, wire_dtype: np.dtype | None = None) -> np.ndarray:
+    """A flat, C-contiguous, little-endian array ready to be viewed as bytes.
+
+    No copy when the input already is one (the common case); a converted copy
+    otherwise (non-contiguous, big-endian, or a narrower ``wire_dtype``).
+    """
+    target = np.dtype(wire_dtype) if wire_dtype is not None else array.dtype
+    if target.byteorder == ">" or (target.byteorder == "=" and target.itemsize > 1):
+        target = target.newbyteorder("<")
+    flat = array.reshape(-1) if array.flags.c_contiguous else np.ravel(array, order="C")
+    if flat.dtype != target:
+        flat = flat.astype(target)
+    return np.ascontiguousarray(flat)
+
+
+def chunk_view(data: memoryview, wire_dtype: int, count: int) -> np.ndarray:
+    """View ``count`` elements of a wire dtype in ``data``; CodecError on size mismatch."""
+    try:
+        dtype = to_numpy_dtype(wire_dtype)
+    except ValueError as exc:
+        raise CodecError(str(exc)) from None
+    if data.nbytes != count * dtype.itemsize:
+        raise CodecError(
+            f"chunk carries {data.nbytes} bytes, but {count} elements of "
+            f"{dtype.name} need {count * dtype.itemsize}"
+        )
+    return np.frombuffer(data, dtype=dtype, count=count)
+
+
+def chunk_ranges(total: int, chunk_elements: int) -> Iterator[tuple[int, int]]:
+    """(offset, count) covering ``total`` elements; one empty range when total is 0."""
+    if chunk_elements <= 0:
+        raise ValueError(f"chunk_elements must be positive, got {chunk_elements}")
+    if total == 0:
+        yield 0, 0
+        return
+    for offset in range(0, total, chunk_elements):
+        yield offset, min(chunk_elements, total - offset)
+
+
+def byte_view(array: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array as a flat memoryview (no copy).
+
+    Goes through a uint8 view because dtypes such as bfloat16 have no
+    buffer-protocol format of their own.
+    """
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+def wire_dtype_of(array: np.ndarray) -> int:
+    """The wire DataType of an array's dtype."""
+    return to_wire_dtype(array.dtype)

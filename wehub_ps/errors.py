@@ -1,0 +1,32 @@
+"""Machine-readable error reasons shared by server and client.
+
+The server attaches the reason to every error status as trailing metadata
+under :data:`REASON_METADATA_KEY`; the client picks the exception class from
+it. Neither side ever classifies an error by its message text.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["Reason", "REASON_METADATA_KEY"]
+
+REASON_METADATA_KEY = "wehub-ps-reason"
+
+
+class Reason(str, enum.Enum):
+    """Why a request failed. The gRPC status code is derived from it."""
+
+    MALFORMED_MESSAGE = "MALFORMED_MESSAGE"  # not a valid protobuf message
+    INVALID_SPEC = "INVALID_SPEC"  # bad name, shape, dtype, optimizer ...
+    INVALID_CHUNK = "INVALID_CHUNK"  # offset/count/bytes out of range
+    INVALID_REQUEST = "INVALID_REQUEST"  # well-formed but inconsistent request
+    SHAPE_MISMATCH = "SHAPE_MISMATCH"
+    DTYPE_MISMATCH = "DTYPE_MISMATCH"
+    UNKNOWN_VARIABLE = "UNKNOWN_VARIABLE"
+    SPEC_CONFLICT = "SPEC_CONFLICT"  # same name, different spec
+    CLUSTER_MISMATCH = "CLUSTER_MISMATCH"  # caller's shard index/count differ
+    NOT_INITIALIZED = "NOT_INITIALIZED"  # explicit initial value not uploaded
+    PUSH_INCOMPLETE = "PUSH_INCOMPLETE"  # stream ended before all chunks came
+    MEMORY_LIMIT = "MEMORY_LIMIT"  # would exceed the server's memory budget
+    SHUTTING_DOWN = "SHUTTING_DOWN"  # server is draining after SIGTERM

@@ -1,0 +1,384 @@
+"""Variable specifications: what a variable is, independent of where it lives.
+
+Dataclasses that both sides use: the client builds them from user arguments
+(and checks them at the API edge), the server rebuilds them from the wire and
+runs exactly the same checks. Equality of two specs is what makes
+``create_variable`` idempotent.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, fields
+from typing import Union
+
+import numpy as np
+
+from wehub_ps.dtypes import VARIABLE_DTYPES, dtype_name, parse_dtype, to_numpy_dtype, to_wire_dtype
+from wehub_ps.placement import (
+    FixedShardsPartitioner,
+    MaxSizePartitioner,
+    MinSizePartitioner,
+    Partitioner,
+    Placement,
+    place,
+    stable_hash64,
+)
+from wehub_ps.v1 import ps_pb2
+
+__all__ = [
+    "SpecError",
+    "SGD",
+    "Momentum",
+    "Adagrad",
+    "Adam",
+    "Optimizer",
+    "Zeros",
+    "Constant",
+    "Uniform",
+    "Normal",
+    "GlorotUniform",
+    "Explicit",
+    "Initializer",
+    "VariableSpec",
+    "MAX_NAME_LENGTH",
+    "MAX_RANK",
+]
+
+MAX_NAME_LENGTH = 256
+MAX_RANK = 16
+# Names end up in checkpoint keys, metric labels and file listings.
+_NAME_PATTERN = re.compile(r"[A-Za-z0-9_.:/\-]+")
+_UINT64_MAX = 2**64 - 1
+
+
+class SpecError(ValueError):
+    """A specification is invalid; the message names the field and value."""
+
+
+def _check_rate(owner: str, name: str, value: float, *, low: float = 0.0, high: float = math.inf,
+                low_open: bool = True, high_open: bool = True) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise SpecError(f"{owner}.{name} must be a finite number, got {value!r}")
+    too_low = value <= low if low_open else value < low
+    too_high = value >= high if high_open else value > high
+    if too_low or too_high:
+        lo = "(" if low_open else "["
+        hi = ")" if high_open else "]"
+        raise SpecError(f"{owner}.{name} must be in {lo}{low}, {high}{hi}, got {value!r}")
+
+
+# ---- optimizers -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SGD:
+    """Plain SGD: ``w -= learning_rate * g``."""
+
+    learning_rate: float = 0.01
+
+    def __post_init__(self) -> None:
+        _check_rate("SGD", "learning_rate", self.learning_rate)
+
+
+@dataclass(frozen=True)
+class Momentum:
+    """SGD with momentum, TensorFlow's formulation.
+
+    ``a = momentum * a + g``; ``w -= lr * a``, or with Nesterov
+    ``w -= lr * (g + momentum * a)``.
+    """
+
+    learning_rate: float = 0.01
+    momentum: float = 0.9
+    nesterov: bool = False
+
+    def __post_init__(self) -> None:
+        _check_rate("Momentum", "learning_rate", self.learning_rate)
+        _check_rate("Momentum", "momentum", self.momentum, low_open=False)
+        if not isinstance(self.nesterov, bool):
+            raise SpecError(f"Momentum.nesterov must be a bool, got {self.nesterov!r}")
+
+
+@dataclass(frozen=True)
+class Adagrad:
+    """``acc += g*g``; ``w -= lr * g / (sqrt(acc) + epsilon)`` (Keras defaults)."""
+
+    learning_rate: float = 0.001
+    initial_accumulator_value: float = 0.1
+    epsilon: float = 1e-7
+
+    def __post_init__(self) -> None:
+        _check_rate("Adagrad", "learning_rate", self.learning_rate)
+        _check_rate("Adagrad", "initial_accumulator_value", self.initial_accumulator_value,
+                    low_open=False)
+        _check_rate("Adagrad", "epsilon", self.epsilon)
+
+
+@dataclass(frozen=True)
+class Adam:
+    """Adam with bias correction folded into the step size (Keras formulation).
+
+    ``m = b1 m + (1-b1) g``; ``v = b2 v + (1-b2) g²``;
+    ``w -= lr * sqrt(1-b2^t)/(1-b1^t) * m / (sqrt(v) + epsilon)``.
+    """
+
+    learning_rate: float = 0.001
+    beta_1: float = 0.9
+    beta_2: float = 0.999
+    epsilon: float = 1e-7
+
+    def __post_init__(self) -> None:
+        _check_rate("Adam", "learning_rate", self.learning_rate)
+        _check_rate("Adam", "beta_1", self.beta_1, high=1.0, low_open=False)
+        _check_rate("Adam", "beta_2", self.beta_2, high=1.0, low_open=False)
+        _check_rate("Adam", "epsilon", self.epsilon)
+
+
+Optimizer = Union[SGD, Momentum, Adagrad, Adam]
+_OPTIMIZER_FIELDS: dict[type, tuple[str, type]] = {
+    SGD: ("sgd", ps_pb2.SGDConfig),
+    Momentum: ("momentum", ps_pb2.MomentumConfig),
+    Adagrad: ("adagrad", ps_pb2.AdagradConfig),
+    Adam: ("adam", ps_pb2.AdamConfig),
+}
+
+
+# ---- initializers -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Zeros:
+    """All zeros."""
+
+
+@dataclass(frozen=True)
+class Constant:
+    """Every element ``value``."""
+
+    value: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_rate("Constant", "value", self.value, low=-math.inf)
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """Uniform in ``[minval, maxval)``; seeded, identical for any shard count."""
+
+    minval: float = -0.05
+    maxval: float = 0.05
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_rate("Uniform", "minval", self.minval, low=-math.inf)
+        _check_rate("Uniform", "maxval", self.maxval, low=-math.inf)
+        if self.maxval < self.minval:
+            raise SpecError(f"Uniform.maxval ({self.maxval}) must be >= minval ({self.minval})")
+        _check_seed("Uniform", self.seed)
+
+
+@dataclass(frozen=True)
+class Normal:
+    """Normal with ``mean`` and ``stddev``; seeded, identical for any shard count."""
+
+    mean: float = 0.0
+    stddev: float = 0.05
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_rate("Normal", "mean", self.mean, low=-math.inf)
+        _check_rate("Normal", "stddev", self.stddev, low_open=False)
+        _check_seed("Normal", self.seed)
+
+
+@dataclass(frozen=True)
+class GlorotUniform:
+    """Uniform in ``±sqrt(6 / (fan_in + fan_out))`` (Keras' fan computation)."""
+
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_seed("GlorotUniform", self.seed)
+
+
+@dataclass(frozen=True)
+class Explicit:
+    """A value the client uploads; identified by the SHA-256 of its bytes."""
+
+    sha256: bytes = b""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sha256, bytes) or len(self.sha256) != 32:
+            raise SpecError("Explicit.sha256 must be the 32-byte SHA-256 of the initial value")
+
+
+def _check_seed(owner: str, seed: int | None) -> None:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not 0 <= seed <= _UINT64_MAX):
+        raise SpecError(f"{owner}.seed must be an integer in [0, 2**64), got {seed!r}")
+
+
+Initializer = Union[Zeros, Constant, Uniform, Normal, GlorotUniform, Explicit]
+_INITIALIZER_FIELDS: dict[type, tuple[str, type]] = {
+    Zeros: ("zeros", ps_pb2.ZerosInitializer),
+    Constant: ("constant", ps_pb2.ConstantInitializer),
+    Uniform: ("uniform", ps_pb2.UniformInitializer),
+    Normal: ("normal", ps_pb2.NormalInitializer),
+    GlorotUniform: ("glorot_uniform", ps_pb2.GlorotUniformInitializer),
+    Explicit: ("explicit", ps_pb2.ExplicitInitializer),
+}
+_INITIALIZERS_BY_NAME = {name: cls for cls, (name, _) in _INITIALIZER_FIELDS.items()}
+_SEEDED = (Uniform, Normal, GlorotUniform)
+
+_PARTITIONER_FIELDS: dict[type, tuple[str, type]] = {
+    MinSizePartitioner: ("min_size", ps_pb2.MinSizePartitionerSpec),
+    FixedShardsPartitioner: ("fixed_shards", ps_pb2.FixedShardsPartitionerSpec),
+    MaxSizePartitioner: ("max_size", ps_pb2.MaxSizePartitionerSpec),
+}
+
+
+def initializer_from_name(name: str) -> Initializer:
+    """'zeros', 'glorot_uniform', ... with default parameters."""
+    try:
+        return _INITIALIZERS_BY_NAME[name]()
+    except KeyError:
+        known = ", ".join(sorted(n for n in _INITIALIZERS_BY_NAME if n != "explicit"))
+        raise SpecError(f"initializer must be one of {known} or an array, got {name!r}") from None
+
+
+def with_seed(initializer: Initializer, name: str) -> Initializer:
+    """Fill in a missing seed from the variable name, so every worker agrees."""
+    if isinstance(initializer, _SEEDED) and initializer.seed is None:
+        return type(initializer)(**{**_as_dict(initializer), "seed": stable_hash64(name)})
+    return initializer
+
+
+def _as_dict(obj) -> dict:
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+def _oneof_to_proto(obj, table: dict[type, tuple[str, type]], message) -> None:
+    try:
+        field_name, cls = table[type(obj)]
+    except KeyError:
+        raise SpecError(f"unsupported {type(message).__name__} value {obj!r}") from None
+    values = {k: v for k, v in _as_dict(obj).items() if k != "seed"}
+    getattr(message, field_name).CopyFrom(cls(**values))
+
+
+def _oneof_from_proto(message, table: dict[type, tuple[str, type]], what: str, **extra):
+    which = message.WhichOneof("kind")
+    for cls, (field_name, _) in table.items():
+        if field_name == which:
+            sub = getattr(message, field_name)
+            values = {f.name: getattr(sub, f.name) for f in fields(cls) if f.name not in extra}
+            return cls(**values, **{k: v for k, v in extra.items() if k in {f.name for f in fields(cls)}})
+    raise SpecError(f"{what} is missing or of an unknown kind")
+
+
+# ---- the variable spec ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VariableSpec:
+    """A dense variable: name, global shape, dtype and how it is trained.
+
+    Random initializers always carry an explicit seed here (see
+    :func:`with_seed`), so two specs compare equal exactly when every worker
+    would get identical values.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    initializer: Initializer = field(default_factory=Zeros)
+    optimizer: Optimizer = field(default_factory=SGD)
+    partitioner: Partitioner = field(default_factory=MinSizePartitioner)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise SpecError(f"name must be a non-empty string, got {self.name!r}")
+        if len(self.name) > MAX_NAME_LENGTH or not _NAME_PATTERN.fullmatch(self.name):
+            raise SpecError(
+                f"name {self.name!r} must be at most {MAX_NAME_LENGTH} characters of "
+                "letters, digits and _ . : / -"
+            )
+        shape = self.shape
+        if not isinstance(shape, tuple) or any(
+            isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0 for d in shape
+        ):
+            raise SpecError(f"shape of {self.name!r} must be a tuple of non-negative ints, got {shape!r}")
+        if len(shape) > MAX_RANK:
+            raise SpecError(f"shape of {self.name!r} has rank {len(shape)}; at most {MAX_RANK} is supported")
+        object.__setattr__(self, "shape", tuple(int(d) for d in shape))
+        if math.prod(self.shape) > _UINT64_MAX // 8:
+            raise SpecError(f"shape {self.shape} of {self.name!r} has too many elements")
+        try:
+            dtype = parse_dtype(self.dtype)
+        except ValueError as exc:
+            raise SpecError(f"dtype of {self.name!r}: {exc}") from None
+        if dtype not in VARIABLE_DTYPES:
+            raise SpecError(
+                f"dtype of {self.name!r} must be float16, float32 or float64, got {dtype_name(dtype)}"
+            )
+        object.__setattr__(self, "dtype", dtype)
+        for attr, table in (("initializer", _INITIALIZER_FIELDS), ("optimizer", _OPTIMIZER_FIELDS),
+                            ("partitioner", _PARTITIONER_FIELDS)):
+            if type(getattr(self, attr)) not in table:
+                raise SpecError(f"{attr} of {self.name!r} has unsupported type {type(getattr(self, attr)).__name__}")
+        object.__setattr__(self, "initializer", with_seed(self.initializer, self.name))
+
+    @property
+    def num_elements(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_elements * self.dtype.itemsize
+
+    def placement(self, num_shards: int) -> Placement:
+        return place(self.name, self.shape, self.dtype.itemsize, self.partitioner, num_shards)
+
+    def differences(self, other: "VariableSpec") -> list[str]:
+        """Human-readable differences, e.g. ``["shape (10,) != (20,)"]``."""
+        out = []
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine != theirs:
+                shown = (dtype_name(mine), dtype_name(theirs)) if f.name == "dtype" else (mine, theirs)
+                out.append(f"{f.name} {shown[0]!r} != {shown[1]!r}")
+        return out
+
+    def to_proto(self) -> ps_pb2.VariableSpec:
+        msg = ps_pb2.VariableSpec(name=self.name, shape=self.shape, dtype=to_wire_dtype(self.dtype))
+        _oneof_to_proto(self.initializer, _INITIALIZER_FIELDS, msg.initializer)
+        seed = getattr(self.initializer, "seed", None)
+        if seed is not None:
+            msg.initializer.seed = seed
+        _oneof_to_proto(self.optimizer, _OPTIMIZER_FIELDS, msg.optimizer)
+        _oneof_to_proto(self.partitioner, _PARTITIONER_FIELDS, msg.partitioner)
+        return msg
+
+    @classmethod
+    def from_proto(cls, msg: ps_pb2.VariableSpec) -> "VariableSpec":
+        """Rebuild and validate; SpecError names what is wrong."""
+        try:
+            dtype = to_numpy_dtype(msg.dtype)
+        except ValueError:
+            raise SpecError(f"dtype of {msg.name!r} is missing or unknown ({msg.dtype})") from None
+        try:
+            initializer = _oneof_from_proto(msg.initializer, _INITIALIZER_FIELDS, "initializer",
+                                            seed=msg.initializer.seed)
+            optimizer = _oneof_from_proto(msg.optimizer, _OPTIMIZER_FIELDS, "optimizer")
+            if msg.HasField("partitioner"):
+                partitioner = _oneof_from_proto(msg.partitioner, _PARTITIONER_FIELDS, "partitioner")
+            else:
+                partitioner = MinSizePartitioner()
+            return cls(name=msg.name, shape=tuple(msg.shape), dtype=dtype,
+                       initializer=initializer, optimizer=optimizer, partitioner=partitioner)
+        except SpecError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise SpecError(f"invalid spec for {msg.name!r}: {exc}") from exc

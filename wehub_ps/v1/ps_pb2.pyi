@@ -1,0 +1,366 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DataType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DATA_TYPE_UNSPECIFIED: _ClassVar[DataType]
+    FLOAT32: _ClassVar[DataType]
+    FLOAT64: _ClassVar[DataType]
+    FLOAT16: _ClassVar[DataType]
+    BFLOAT16: _ClassVar[DataType]
+    INT8: _ClassVar[DataType]
+    INT16: _ClassVar[DataType]
+    INT32: _ClassVar[DataType]
+    INT64: _ClassVar[DataType]
+    UINT8: _ClassVar[DataType]
+    UINT16: _ClassVar[DataType]
+    UINT32: _ClassVar[DataType]
+    UINT64: _ClassVar[DataType]
+    BOOL: _ClassVar[DataType]
+
+class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PUSH_KIND_UNSPECIFIED: _ClassVar[PushKind]
+    GRADIENT: _ClassVar[PushKind]
+    ASSIGN: _ClassVar[PushKind]
+DATA_TYPE_UNSPECIFIED: DataType
+FLOAT32: DataType
+FLOAT64: DataType
+FLOAT16: DataType
+BFLOAT16: DataType
+INT8: DataType
+INT16: DataType
+INT32: DataType
+INT64: DataType
+UINT8: DataType
+UINT16: DataType
+UINT32: DataType
+UINT64: DataType
+BOOL: DataType
+PUSH_KIND_UNSPECIFIED: PushKind
+GRADIENT: PushKind
+ASSIGN: PushKind
+
+class ZerosInitializer(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ConstantInitializer(_message.Message):
+    __slots__ = ("value",)
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    value: float
+    def __init__(self, value: _Optional[float] = ...) -> None: ...
+
+class UniformInitializer(_message.Message):
+    __slots__ = ("minval", "maxval")
+    MINVAL_FIELD_NUMBER: _ClassVar[int]
+    MAXVAL_FIELD_NUMBER: _ClassVar[int]
+    minval: float
+    maxval: float
+    def __init__(self, minval: _Optional[float] = ..., maxval: _Optional[float] = ...) -> None: ...
+
+class NormalInitializer(_message.Message):
+    __slots__ = ("mean", "stddev")
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    STDDEV_FIELD_NUMBER: _ClassVar[int]
+    mean: float
+    stddev: float
+    def __init__(self, mean: _Optional[float] = ..., stddev: _Optional[float] = ...) -> None: ...
+
+class GlorotUniformInitializer(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExplicitInitializer(_message.Message):
+    __slots__ = ("sha256",)
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    sha256: bytes
+    def __init__(self, sha256: _Optional[bytes] = ...) -> None: ...
+
+class InitializerSpec(_message.Message):
+    __slots__ = ("zeros", "constant", "uniform", "normal", "glorot_uniform", "explicit", "seed")
+    ZEROS_FIELD_NUMBER: _ClassVar[int]
+    CONSTANT_FIELD_NUMBER: _ClassVar[int]
+    UNIFORM_FIELD_NUMBER: _ClassVar[int]
+    NORMAL_FIELD_NUMBER: _ClassVar[int]
+    GLOROT_UNIFORM_FIELD_NUMBER: _ClassVar[int]
+    EXPLICIT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    zeros: ZerosInitializer
+    constant: ConstantInitializer
+    uniform: UniformInitializer
+    normal: NormalInitializer
+    glorot_uniform: GlorotUniformInitializer
+    explicit: ExplicitInitializer
+    seed: int
+    def __init__(self, zeros: _Optional[_Union[ZerosInitializer, _Mapping]] = ..., constant: _Optional[_Union[ConstantInitializer, _Mapping]] = ..., uniform: _Optional[_Union[UniformInitializer, _Mapping]] = ..., normal: _Optional[_Union[NormalInitializer, _Mapping]] = ..., glorot_uniform: _Optional[_Union[GlorotUniformInitializer, _Mapping]] = ..., explicit: _Optional[_Union[ExplicitInitializer, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SGDConfig(_message.Message):
+    __slots__ = ("learning_rate",)
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    def __init__(self, learning_rate: _Optional[float] = ...) -> None: ...
+
+class MomentumConfig(_message.Message):
+    __slots__ = ("learning_rate", "momentum", "nesterov")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    momentum: float
+    nesterov: bool
+    def __init__(self, learning_rate: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ...) -> None: ...
+
+class AdagradConfig(_message.Message):
+    __slots__ = ("learning_rate", "initial_accumulator_value", "epsilon")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_ACCUMULATOR_VALUE_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    initial_accumulator_value: float
+    epsilon: float
+    def __init__(self, learning_rate: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., epsilon: _Optional[float] = ...) -> None: ...
+
+class AdamConfig(_message.Message):
+    __slots__ = ("learning_rate", "beta_1", "beta_2", "epsilon")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BETA_1_FIELD_NUMBER: _ClassVar[int]
+    BETA_2_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    beta_1: float
+    beta_2: float
+    epsilon: float
+    def __init__(self, learning_rate: _Optional[float] = ..., beta_1: _Optional[float] = ..., beta_2: _Optional[float] = ..., epsilon: _Optional[float] = ...) -> None: ...
+
+class OptimizerSpec(_message.Message):
+    __slots__ = ("sgd", "momentum", "adagrad", "adam")
+    SGD_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    ADAGRAD_FIELD_NUMBER: _ClassVar[int]
+    ADAM_FIELD_NUMBER: _ClassVar[int]
+    sgd: SGDConfig
+    momentum: MomentumConfig
+    adagrad: AdagradConfig
+    adam: AdamConfig
+    def __init__(self, sgd: _Optional[_Union[SGDConfig, _Mapping]] = ..., momentum: _Optional[_Union[MomentumConfig, _Mapping]] = ..., adagrad: _Optional[_Union[AdagradConfig, _Mapping]] = ..., adam: _Optional[_Union[AdamConfig, _Mapping]] = ...) -> None: ...
+
+class MinSizePartitionerSpec(_message.Message):
+    __slots__ = ("min_shard_bytes", "max_shards")
+    MIN_SHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    min_shard_bytes: int
+    max_shards: int
+    def __init__(self, min_shard_bytes: _Optional[int] = ..., max_shards: _Optional[int] = ...) -> None: ...
+
+class FixedShardsPartitionerSpec(_message.Message):
+    __slots__ = ("num_shards",)
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    num_shards: int
+    def __init__(self, num_shards: _Optional[int] = ...) -> None: ...
+
+class MaxSizePartitionerSpec(_message.Message):
+    __slots__ = ("max_shard_bytes", "max_shards")
+    MAX_SHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    max_shard_bytes: int
+    max_shards: int
+    def __init__(self, max_shard_bytes: _Optional[int] = ..., max_shards: _Optional[int] = ...) -> None: ...
+
+class PartitionerSpec(_message.Message):
+    __slots__ = ("min_size", "fixed_shards", "max_size")
+    MIN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FIXED_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SIZE_FIELD_NUMBER: _ClassVar[int]
+    min_size: MinSizePartitionerSpec
+    fixed_shards: FixedShardsPartitionerSpec
+    max_size: MaxSizePartitionerSpec
+    def __init__(self, min_size: _Optional[_Union[MinSizePartitionerSpec, _Mapping]] = ..., fixed_shards: _Optional[_Union[FixedShardsPartitionerSpec, _Mapping]] = ..., max_size: _Optional[_Union[MaxSizePartitionerSpec, _Mapping]] = ...) -> None: ...
+
+class VariableSpec(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "initializer", "optimizer", "partitioner")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZER_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DataType
+    initializer: InitializerSpec
+    optimizer: OptimizerSpec
+    partitioner: PartitionerSpec
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DataType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., partitioner: _Optional[_Union[PartitionerSpec, _Mapping]] = ...) -> None: ...
+
+class VariableInfo(_message.Message):
+    __slots__ = ("spec", "row_start", "row_end", "version", "initialized", "optimizer_steps")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    ROW_START_FIELD_NUMBER: _ClassVar[int]
+    ROW_END_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    spec: VariableSpec
+    row_start: int
+    row_end: int
+    version: int
+    initialized: bool
+    optimizer_steps: int
+    def __init__(self, spec: _Optional[_Union[VariableSpec, _Mapping]] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., optimizer_steps: _Optional[int] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("shard_index", "num_shards", "server_id", "server_version", "variables", "chunk_bytes_limit")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    num_shards: int
+    server_id: str
+    server_version: str
+    variables: _containers.RepeatedCompositeFieldContainer[VariableInfo]
+    chunk_bytes_limit: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., server_id: _Optional[str] = ..., server_version: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., chunk_bytes_limit: _Optional[int] = ...) -> None: ...
+
+class CreateVariableRequest(_message.Message):
+    __slots__ = ("spec", "shard_index", "num_shards")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    spec: VariableSpec
+    shard_index: int
+    num_shards: int
+    def __init__(self, spec: _Optional[_Union[VariableSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+
+class CreateVariableResponse(_message.Message):
+    __slots__ = ("variable", "created")
+    VARIABLE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    variable: VariableInfo
+    created: bool
+    def __init__(self, variable: _Optional[_Union[VariableInfo, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class PullItem(_message.Message):
+    __slots__ = ("variable", "offset", "count")
+    VARIABLE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    variable: str
+    offset: int
+    count: int
+    def __init__(self, variable: _Optional[str] = ..., offset: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("shard_index", "num_shards", "items", "wire_dtype", "chunk_bytes", "worker_id")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    num_shards: int
+    items: _containers.RepeatedCompositeFieldContainer[PullItem]
+    wire_dtype: DataType
+    chunk_bytes: int
+    worker_id: str
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., items: _Optional[_Iterable[_Union[PullItem, _Mapping]]] = ..., wire_dtype: _Optional[_Union[DataType, str]] = ..., chunk_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class ChunkHeader(_message.Message):
+    __slots__ = ("variable", "offset", "count", "dtype", "version", "part_elements")
+    VARIABLE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PART_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    variable: str
+    offset: int
+    count: int
+    dtype: DataType
+    version: int
+    part_elements: int
+    def __init__(self, variable: _Optional[str] = ..., offset: _Optional[int] = ..., count: _Optional[int] = ..., dtype: _Optional[_Union[DataType, str]] = ..., version: _Optional[int] = ..., part_elements: _Optional[int] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ChunkHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PullResponse(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+
+class PushItem(_message.Message):
+    __slots__ = ("variable", "elements", "wire_dtype", "base_version")
+    VARIABLE_FIELD_NUMBER: _ClassVar[int]
+    ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    variable: str
+    elements: int
+    wire_dtype: DataType
+    base_version: int
+    def __init__(self, variable: _Optional[str] = ..., elements: _Optional[int] = ..., wire_dtype: _Optional[_Union[DataType, str]] = ..., base_version: _Optional[int] = ...) -> None: ...
+
+class PushBegin(_message.Message):
+    __slots__ = ("worker_id", "incarnation", "sequence", "shard_index", "num_shards", "kind", "items")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    incarnation: str
+    sequence: int
+    shard_index: int
+    num_shards: int
+    kind: PushKind
+    items: _containers.RepeatedCompositeFieldContainer[PushItem]
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., sequence: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., items: _Optional[_Iterable[_Union[PushItem, _Mapping]]] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("begin", "chunks")
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    begin: PushBegin
+    chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    def __init__(self, begin: _Optional[_Union[PushBegin, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+
+class VariableVersion(_message.Message):
+    __slots__ = ("variable", "version")
+    VARIABLE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    variable: str
+    version: int
+    def __init__(self, variable: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("versions", "duplicate", "elements_applied")
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    ELEMENTS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedCompositeFieldContainer[VariableVersion]
+    duplicate: bool
+    elements_applied: int
+    def __init__(self, versions: _Optional[_Iterable[_Union[VariableVersion, _Mapping]]] = ..., duplicate: _Optional[bool] = ..., elements_applied: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,49 @@
+"""The library workers import to train through wehub-ps.
+
+    from worker_client import PSClient, SGD
+    with PSClient(["127.0.0.1:7001"], worker_id="worker-0") as client:
+        client.create_variable("w", shape=(10,), optimizer=SGD(learning_rate=0.1))
+        with client.step() as step:
+            step.push({"w": compute_gradient(step.params["w"])})
+"""
+
+from worker_client.client import PSClient, ShardInfo, Variable
+from worker_client.errors import (
+    ClusterMismatchError,
+    DTypeMismatchError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotInitializedError,
+    PSError,
+    PSInternalError,
+    PSUnavailableError,
+    ResourceExhaustedError,
+    ShapeMismatchError,
+    VariableConflictError,
+    VariableNotFoundError,
+)
+from worker_client.step import Step
+from wehub_ps.placement import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
+from wehub_ps.specs import (
+    SGD,
+    Adagrad,
+    Adam,
+    Constant,
+    GlorotUniform,
+    Momentum,
+    Normal,
+    SpecError,
+    Uniform,
+    Zeros,
+)
+
+__all__ = [
+    "PSClient", "Variable", "ShardInfo", "Step",
+    "SGD", "Momentum", "Adagrad", "Adam",
+    "Zeros", "Constant", "Uniform", "Normal", "GlorotUniform",
+    "MinSizePartitioner", "FixedShardsPartitioner", "MaxSizePartitioner",
+    "PSError", "InvalidArgumentError", "ShapeMismatchError", "DTypeMismatchError",
+    "VariableNotFoundError", "VariableConflictError", "FailedPreconditionError",
+    "ClusterMismatchError", "NotInitializedError", "ResourceExhaustedError",
+    "PSUnavailableError", "PSInternalError", "SpecError",
+]

@@ -1,0 +1,81 @@
+"""Moving arrays between the caller's device and host memory.
+
+The client speaks numpy internally. Gradients may come as numpy arrays,
+CuPy arrays, or anything that implements ``__dlpack__`` (PyTorch, JAX, ...);
+pulled values go back as numpy, or as CuPy arrays on a requested GPU.
+CuPy is optional (the ``gpu`` extra) and imported only when needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import numpy as np
+
+__all__ = ["to_host", "to_device", "parse_device"]
+
+_DLPACK_CPU = 1
+_DLPACK_CUDA = 2
+_DLPACK_CUDA_HOST = 3
+
+
+def _cupy():
+    try:
+        return importlib.import_module("cupy")
+    except ImportError:
+        raise RuntimeError(
+            "this needs CuPy: install the gpu extra (pip install 'wehub-ps[gpu]')"
+        ) from None
+
+
+def _is_cupy(x: Any) -> bool:
+    return type(x).__module__.split(".", 1)[0] == "cupy"
+
+
+def to_host(x: Any, argument: str) -> np.ndarray:
+    """A numpy array with the same values; no copy for numpy or CPU DLPack input."""
+    if isinstance(x, np.ndarray):
+        return x
+    if _is_cupy(x):
+        return _cupy().asnumpy(x)
+    if hasattr(x, "__dlpack__"):
+        device_type = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else _DLPACK_CPU
+        if device_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
+            return np.from_dlpack(x)
+        if device_type == _DLPACK_CUDA:
+            return _cupy().asnumpy(_cupy().from_dlpack(x))
+        raise TypeError(f"{argument}: arrays on DLPack device type {device_type} are not supported")
+    if isinstance(x, (list, tuple, int, float, np.generic)):
+        return np.asarray(x)
+    raise TypeError(
+        f"{argument} must be a numpy array, a CuPy array or support __dlpack__, got {type(x).__name__}"
+    )
+
+
+def parse_device(device: Any) -> int | None:
+    """None/'cpu' -> None (host); 'cuda', 'cuda:N', N, or a cupy Device -> GPU index."""
+    if device is None or device == "cpu":
+        return None
+    if isinstance(device, bool):
+        raise ValueError(f"device must be None, 'cpu', 'cuda', 'cuda:N' or an int, got {device!r}")
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str) and device.startswith("cuda"):
+        rest = device[4:]
+        if rest == "":
+            return 0
+        if rest.startswith(":") and rest[1:].isdigit():
+            return int(rest[1:])
+    if hasattr(device, "id") and type(device).__module__.startswith("cupy"):
+        return int(device.id)
+    raise ValueError(f"device must be None, 'cpu', 'cuda', 'cuda:N' or an int, got {device!r}")
+
+
+def to_device(array: np.ndarray, gpu: int | None) -> Any:
+    """``array`` itself for the host, else a CuPy copy on GPU ``gpu``."""
+    if gpu is None:
+        return array
+    cupy = _cupy()
+    with cupy.cuda.Device(gpu):
+        return cupy.asarray(array)

@@ -1,0 +1,137 @@
+"""Exceptions the worker client raises: one hierarchy, one translation table.
+
+gRPC errors are translated at the boundary (:func:`translate_rpc_error`)
+from the status code and the server's machine-readable reason; the
+original ``grpc.RpcError`` is kept as ``__cause__`` for debugging but never
+escapes to training code.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from wehub_ps.errors import REASON_METADATA_KEY, Reason
+
+__all__ = [
+    "PSError",
+    "InvalidArgumentError",
+    "ShapeMismatchError",
+    "DTypeMismatchError",
+    "VariableNotFoundError",
+    "VariableConflictError",
+    "ClusterMismatchError",
+    "FailedPreconditionError",
+    "NotInitializedError",
+    "ResourceExhaustedError",
+    "PSUnavailableError",
+    "PSInternalError",
+    "translate_rpc_error",
+]
+
+
+class PSError(Exception):
+    """Base of every error the client raises for a failed request.
+
+    ``address`` names the ps-server involved (None when the error arose in
+    the client), ``reason`` the server's reason code when it sent one.
+    """
+
+    def __init__(self, message: str, *, address: str | None = None,
+                 reason: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.address = address
+        self.reason = reason
+        self.code = code
+
+
+class InvalidArgumentError(PSError, ValueError):
+    """The request was malformed or inconsistent with the variable."""
+
+
+class ShapeMismatchError(InvalidArgumentError):
+    """An array's shape differs from the variable's."""
+
+
+class DTypeMismatchError(InvalidArgumentError):
+    """An array's dtype differs from the variable's."""
+
+
+class VariableNotFoundError(PSError, LookupError):
+    """No variable of that name exists in the cluster."""
+
+
+class VariableConflictError(PSError):
+    """A variable of that name exists with a different spec."""
+
+
+class FailedPreconditionError(PSError):
+    """The cluster is not in a state that allows the request."""
+
+
+class ClusterMismatchError(FailedPreconditionError):
+    """The servers disagree with the client's address list (order or length)."""
+
+
+class NotInitializedError(FailedPreconditionError):
+    """The variable's explicit initial value has not been uploaded yet."""
+
+
+class ResourceExhaustedError(PSError):
+    """A server limit (memory, message size, concurrent requests) was hit."""
+
+
+class PSUnavailableError(PSError):
+    """A ps-server could not be reached in time, or is shutting down."""
+
+
+class PSInternalError(PSError):
+    """A server bug or an unexpected status; the message has the details."""
+
+
+_BY_REASON: dict[str, type[PSError]] = {
+    Reason.SHAPE_MISMATCH.value: ShapeMismatchError,
+    Reason.DTYPE_MISMATCH.value: DTypeMismatchError,
+    Reason.UNKNOWN_VARIABLE.value: VariableNotFoundError,
+    Reason.SPEC_CONFLICT.value: VariableConflictError,
+    Reason.CLUSTER_MISMATCH.value: ClusterMismatchError,
+    Reason.NOT_INITIALIZED.value: NotInitializedError,
+}
+
+_BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.OUT_OF_RANGE: InvalidArgumentError,
+    grpc.StatusCode.NOT_FOUND: VariableNotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: VariableConflictError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.UNAVAILABLE: PSUnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: PSUnavailableError,
+    grpc.StatusCode.CANCELLED: PSUnavailableError,
+}
+
+
+def _reason_of(error: grpc.RpcError) -> str | None:
+    try:
+        metadata = error.trailing_metadata() or ()
+    except Exception:  # not a Call (e.g. raised before the call started)
+        return None
+    for key, value in metadata:
+        if key == REASON_METADATA_KEY:
+            return value if isinstance(value, str) else value.decode()
+    return None
+
+
+def translate_rpc_error(error: grpc.RpcError, address: str, what: str) -> PSError:
+    """The typed exception for a failed RPC; ``what`` says what was attempted."""
+    try:
+        code = error.code()
+        details = error.details() or ""
+    except Exception:
+        code, details = grpc.StatusCode.UNKNOWN, str(error)
+    reason = _reason_of(error)
+    cls = _BY_REASON.get(reason or "") or _BY_CODE.get(code, PSInternalError)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        message = f"{what}: ps-server {address} is unavailable ({code.name}: {details})"
+    else:
+        message = f"{what} on ps-server {address}: {details}"
+    return cls(message, address=address, reason=reason, code=code.name)
