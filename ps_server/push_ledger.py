@@ -31,6 +31,7 @@ import bisect
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ps_server.errors import RequestError
 from wehub_ps.errors import Reason
@@ -47,13 +48,14 @@ class ClaimResult:
 class PushSession:
     """One push on this shard: what it covers and which chunks have landed.
 
-    ``steps`` holds the optimizer step reserved for each variable when the
-    push began, so a retried chunk is applied with the same step.
+    ``steps`` holds the optimizer step reserved for each variable when its
+    first chunk was applied (not at the begin, so a push refused before any
+    chunk landed leaves the optimizer untouched); retried chunks reuse it.
     """
 
     key: tuple[str, str, int]
     total_elements: int
-    steps: dict[str, int]
+    steps: dict[str, int] = field(default_factory=dict)
     applied_elements: int = 0
     finalized: bool = False
     # Guards every field below and above; waits for chunks applied by
@@ -89,6 +91,14 @@ class PushSession:
                 offsets.insert(i, offset)
                 chunks[offset] = (count, False)
                 return ClaimResult.APPLY
+
+    def step_for(self, variable: str, reserve: Callable[[], int]) -> int:
+        """The optimizer step of ``variable`` in this push, reserved on first use."""
+        with self.cond:
+            step = self.steps.get(variable)
+            if step is None:
+                step = self.steps[variable] = reserve()
+            return step
 
     def done(self, variable: str, offset: int) -> bool:
         """Mark a claimed chunk applied; True when this completed the push."""
@@ -127,13 +137,9 @@ class PushLedger:
         self._lock = threading.Lock()
         self._states: OrderedDict[tuple[str, str], _IncarnationState] = OrderedDict()
 
-    def begin(self, worker_id: str, incarnation: str, sequence: int, total_elements: int,
-              reserve_steps) -> PushSession | None:
-        """The session for this push, or None when it was applied completely before.
-
-        ``reserve_steps()`` is called once, for a push seen for the first time,
-        and returns the optimizer step per variable.
-        """
+    def begin(self, worker_id: str, incarnation: str, sequence: int,
+              total_elements: int) -> PushSession | None:
+        """The session for this push, or None when it was applied completely before."""
         with self._lock:
             state = self._state(worker_id, incarnation)
             if sequence < state.done_below or sequence in state.done_above:
@@ -153,8 +159,7 @@ class PushLedger:
                     f"worker {worker_id!r} has {len(state.open)} unfinished pushes on this shard; "
                     "finish or retry them before starting more",
                 )
-            session = PushSession((worker_id, incarnation, sequence), total_elements,
-                                  reserve_steps())
+            session = PushSession((worker_id, incarnation, sequence), total_elements)
             state.open[sequence] = session
             return session
 

@@ -105,7 +105,8 @@ class ActivePush:
         if self._assign:
             part.assign(offset, values)
         else:
-            part.apply_gradient(offset, values, self._session.steps[header.variable])
+            step = self._session.step_for(header.variable, part.reserve_step)
+            part.apply_gradient(offset, values, step)
         self._applied_here += count
         if self._session.done(header.variable, offset):
             self._finalize()
@@ -180,13 +181,7 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
             )
         items[declared.variable] = _Item(part, wire)
     total = sum(item.part.elements for item in items.values())
-
-    def reserve_steps() -> dict[str, int]:
-        if assign:
-            return {name: 0 for name in items}
-        return {name: item.part.reserve_step() for name, item in items.items()}
-
-    session = ledger.begin(begin.worker_id, begin.incarnation, begin.sequence, total, reserve_steps)
+    session = ledger.begin(begin.worker_id, begin.incarnation, begin.sequence, total)
     push = ActivePush(store, ledger, begin, items, session)
     if session is not None and total == 0 and not session.finalized:
         session.finalized = True

@@ -73,7 +73,15 @@ class PSServer:
 
     def start(self) -> None:
         """Serve; health turns SERVING once requests can be answered."""
+        self.start_transport()
+        self.mark_serving()
+
+    def start_transport(self) -> None:
+        """Accept connections; health still answers NOT_SERVING."""
         self.grpc_server.start()
+
+    def mark_serving(self) -> None:
+        """Ready for work: health SERVING, port file written."""
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if self.config.port_file:
             _write_atomically(self.config.port_file, f"{self.port}\n")

@@ -98,6 +98,7 @@ class ShardInfo:
     server_id: str
     server_version: str
     variables: dict[str, dict[str, Any]]
+    chunk_bytes_limit: int = 0
 
 
 def _check_addresses(addresses: Sequence[str] | str) -> tuple[str, ...]:
@@ -208,6 +209,10 @@ class PSClient:
         wrong = [f"{info.address} says it is shard {info.shard_index} of {info.num_shards}"
                  for i, info in infos.items()
                  if (info.shard_index, info.num_shards) != (i, len(self._shards))]
+        # Never send a message a server would refuse for its size.
+        limits = [info.chunk_bytes_limit for info in infos.values() if info.chunk_bytes_limit]
+        if limits:
+            self.chunk_bytes = min(self.chunk_bytes, *limits)
         if wrong:
             raise ClusterMismatchError(
                 f"the address list {list(self.addresses)} does not match the cluster: "
@@ -224,7 +229,7 @@ class PSClient:
                                     "version": info.version, "initialized": info.initialized,
                                     "optimizer_steps": info.optimizer_steps}
         return ShardInfo(shard.address, msg.shard_index, msg.num_shards, msg.server_id,
-                         msg.server_version, variables)
+                         msg.server_version, variables, msg.chunk_bytes_limit)
 
     def _remember(self, spec: VariableSpec, created: bool = False) -> Variable:
         variable = Variable(spec, spec.placement(len(self._shards)), created)

@@ -1,0 +1,241 @@
+"""``ps-local``: run a built-in example on a local wehub-ps cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, fields
+from typing import Any, TextIO
+
+from ps_local.examples import EXAMPLES, load_example
+from ps_local.processes import ManagedProcess, ProcessGroup
+from wehub_ps.logs import configure, event
+
+log = logging.getLogger("ps_local")
+
+_SERVER_START_TIMEOUT = 60.0
+
+
+class LocalRunError(RuntimeError):
+    """The local cluster could not run; the message says which process and why."""
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="ps-local",
+        description="Start ps-servers and workers on this machine and train a built-in example.")
+    parser.add_argument("--num-ps", type=int, default=2, help="ps-server processes (default 2)")
+    parser.add_argument("--num-workers", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument("--example", default="digits", choices=sorted(EXAMPLES),
+                        help="built-in example to train (default digits)")
+    parser.add_argument("--epochs", type=int, default=None, help="override the example's epochs")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override an example setting, e.g. --set learning_rate=0.05")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where workers compute: cuda needs CuPy and a GPU (default auto)")
+    parser.add_argument("--timeout", type=float, default=900.0,
+                        help="seconds before the run is abandoned (default 900)")
+    parser.add_argument("--log-level", default="warning", help="log level of ps-local and the servers")
+    args = parser.parse_args(argv)
+    if args.num_ps < 1 or args.num_workers < 1:
+        parser.error(f"--num-ps and --num-workers must be at least 1, got {args.num_ps} and {args.num_workers}")
+    return args
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def _example_config(example, args: argparse.Namespace):
+    known = {f.name: f for f in fields(example.Config)}
+    overrides: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep or key not in known:
+            raise LocalRunError(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(known)}")
+        default = known[key].default
+        try:
+            overrides[key] = type(default)(raw) if not isinstance(default, bool) else raw.lower() in ("1", "true", "yes")
+        except ValueError:
+            raise LocalRunError(f"--set {item!r}: {key} must be {type(default).__name__}") from None
+    if args.epochs is not None:
+        overrides["epochs"] = args.epochs
+    if "device" in known:
+        device = args.device
+        if device == "auto":
+            device = "cuda" if _gpu_available() else "cpu"
+        overrides["device"] = device
+    return example.Config(**overrides)
+
+
+def _start_servers(group: ProcessGroup, num_ps: int, log_level: str) -> list[str]:
+    servers = []
+    for i in range(num_ps):
+        port_file = os.path.join(group.workdir, f"ps-{i}.port")
+        proc = group.start(f"ps-{i}", [
+            sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0",
+            "--port-file", port_file, "--shard-index", str(i), "--num-shards", str(num_ps),
+            "--log-level", log_level])
+        servers.append((proc, port_file))
+    addresses = []
+    deadline = time.monotonic() + _SERVER_START_TIMEOUT
+    for proc, port_file in servers:
+        while not os.path.exists(port_file):
+            if proc.popen.poll() is not None:
+                raise LocalRunError(f"{proc.name} exited with code {proc.popen.returncode}:\n{proc.stderr_tail()}")
+            if time.monotonic() > deadline:
+                raise LocalRunError(f"{proc.name} did not start within {_SERVER_START_TIMEOUT:.0f}s")
+            time.sleep(0.05)
+        with open(port_file) as f:
+            addresses.append(f"127.0.0.1:{int(f.read())}")
+    return addresses
+
+
+class _Progress:
+    """Aggregates the workers' progress lines into one status line."""
+
+    def __init__(self, num_workers: int, stream: TextIO) -> None:
+        self.latest: dict[int, dict[str, Any]] = {}
+        self.done: set[int] = set()
+        self.num_workers = num_workers
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.started = time.perf_counter()
+        self._last_print = 0.0
+
+    def update(self, message: dict[str, Any]) -> None:
+        if message.get("type") == "progress":
+            self.latest[message["worker"]] = message
+        elif message.get("type") == "done":
+            self.done.add(message["worker"])
+
+    def line(self) -> str:
+        elapsed = time.perf_counter() - self.started
+        if not self.latest:
+            return f"[{elapsed:6.1f}s] starting {self.num_workers} workers..."
+        steps = sum(m["step"] for m in self.latest.values())
+        total = sum(m["total_steps"] for m in self.latest.values())
+        total = total * self.num_workers // max(1, len(self.latest))
+        loss = sum(m["loss"] for m in self.latest.values()) / len(self.latest)
+        rate = sum(m["examples_per_s"] for m in self.latest.values())
+        return (f"[{elapsed:6.1f}s] step {steps}/{total} ({100 * steps / max(1, total):3.0f}%)  "
+                f"loss {loss:.4f}  {rate:,.0f} examples/s  workers done {len(self.done)}/{self.num_workers}")
+
+    def render(self, final: bool = False) -> None:
+        now = time.perf_counter()
+        if self.tty:
+            self.stream.write("\r" + self.line().ljust(100) + ("\n" if final else ""))
+            self.stream.flush()
+        elif final or now - self._last_print >= 2.0:
+            self.stream.write(self.line() + "\n")
+            self.stream.flush()
+            self._last_print = now
+
+
+def _read_lines(proc: ManagedProcess, sink: "queue.Queue[dict[str, Any]]") -> None:
+    assert proc.popen.stdout is not None
+    for line in proc.popen.stdout:
+        try:
+            message = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a stray print from user code; progress lines are JSON
+        if isinstance(message, dict):
+            sink.put(message)
+
+
+def _run_workers(group: ProcessGroup, args: argparse.Namespace, addresses: list[str], config,
+                 out: TextIO) -> None:
+    config_json = json.dumps(asdict(config))
+    workers = []
+    messages: queue.Queue[dict[str, Any]] = queue.Queue()
+    for i in range(args.num_workers):
+        proc = group.start(f"worker-{i}", [
+            sys.executable, "-m", "ps_local.worker", "--example", args.example,
+            "--addresses", ",".join(addresses), "--worker-index", str(i),
+            "--num-workers", str(args.num_workers), "--config", config_json], capture_stdout=True)
+        threading.Thread(target=_read_lines, args=(proc, messages), name=f"read-{proc.name}",
+                         daemon=True).start()
+        workers.append(proc)
+    progress = _Progress(args.num_workers, out)
+    deadline = time.monotonic() + args.timeout
+    while True:
+        try:
+            progress.update(messages.get(timeout=0.25))
+            while True:
+                progress.update(messages.get_nowait())
+        except queue.Empty:
+            pass
+        progress.render()
+        failed = [w for w in workers if w.popen.poll() not in (None, 0)]
+        if failed:
+            progress.render(final=True)
+            w = failed[0]
+            raise LocalRunError(f"{w.name} failed with exit code {w.popen.returncode}:\n{w.stderr_tail()}")
+        if all(w.popen.poll() == 0 for w in workers):
+            break
+        if time.monotonic() > deadline:
+            raise LocalRunError(f"training did not finish within --timeout {args.timeout:.0f}s")
+    time.sleep(0.05)
+    while not messages.empty():
+        progress.update(messages.get_nowait())
+    progress.render(final=True)
+
+
+def _interrupt(signum: int, _frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    configure(args.log_level)
+    out = sys.stdout
+    example = load_example(args.example)
+    group = ProcessGroup()
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        config = _example_config(example, args)
+        out.write(f"ps-local: example {example.NAME!r} ({example.DESCRIPTION}); "
+                  f"{args.num_ps} ps-servers, {args.num_workers} workers, device {getattr(config, 'device', 'cpu')}\n")
+        started = time.perf_counter()
+        addresses = _start_servers(group, args.num_ps, args.log_level)
+        out.write(f"ps-local: ps-servers at {', '.join(addresses)}\n")
+        out.flush()
+        _run_workers(group, args, addresses, config, out)
+        from worker_client import PSClient
+
+        with PSClient(addresses, worker_id="ps-local-evaluator") as client:
+            metric = example.evaluate(client, config)
+        elapsed = time.perf_counter() - started
+        reached = metric >= example.TARGET if example.HIGHER_IS_BETTER else metric <= example.TARGET
+        out.write(f"ps-local: {example.METRIC} {metric:.4f} (target {example.TARGET}) "
+                  f"after {elapsed:.1f}s: {'reached' if reached else 'NOT reached'}\n")
+        out.flush()
+        event(log, logging.INFO, "finished", metric=metric, target=example.TARGET, seconds=elapsed)
+        return 0 if reached else 1
+    except LocalRunError as exc:
+        out.write(f"\nps-local: error: {exc}\n")
+        return 1
+    except KeyboardInterrupt:
+        out.write("\nps-local: interrupted; stopping every process it started\n")
+        return 130
+    finally:
+        group.stop_all()
+        shutil.rmtree(group.workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Starting and always stopping the processes of a local cluster.
+
+Every child is started with a parent-death signal (Linux), so even a
+``kill -9`` of ps-local cannot leave ps-servers running; the normal path
+stops them by PID: SIGTERM, a grace period, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["ManagedProcess", "ProcessGroup", "repo_python_env"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def repo_python_env() -> dict[str, str]:
+    """The environment for child Pythons: unbuffered, same import path as ours."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    paths = [p for p in sys.path if p and os.path.isdir(p)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    popen: subprocess.Popen
+    stderr_path: str
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def stderr_tail(self, lines: int = 20) -> str:
+        try:
+            with open(self.stderr_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class ProcessGroup:
+    """Children started by this process, stopped by PID in reverse order."""
+
+    workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="ps-local-"))
+    processes: list[ManagedProcess] = field(default_factory=list)
+
+    def start(self, name: str, argv: Sequence[str], *, capture_stdout: bool = False) -> ManagedProcess:
+        stderr_path = os.path.join(self.workdir, f"{name}.stderr")
+        with open(stderr_path, "wb") as stderr:
+            popen = subprocess.Popen(
+                list(argv), stdout=subprocess.PIPE if capture_stdout else subprocess.DEVNULL,
+                stderr=stderr, stdin=subprocess.DEVNULL, env=repo_python_env(),
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                text=capture_stdout, bufsize=1 if capture_stdout else -1)
+        process = ManagedProcess(name, popen, stderr_path)
+        self.processes.append(process)
+        return process
+
+    def stop_all(self, grace: float = 10.0) -> None:
+        """SIGTERM every live child, wait up to ``grace`` s, SIGKILL what remains."""
+        live = [p for p in reversed(self.processes) if p.popen.poll() is None]
+        for p in live:
+            try:
+                os.kill(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        for p in live:
+            try:
+                p.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait()
