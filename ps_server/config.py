@@ -8,6 +8,7 @@ shard index, shard count and port), the default.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -66,7 +67,7 @@ class ServerConfig:
                 f"(half of --max-message-bytes), got {self.chunk_bytes}")
         if self.max_concurrent_rpcs < 4:
             raise ConfigError(f"--max-concurrent-rpcs must be at least 4, got {self.max_concurrent_rpcs}")
-        if self.drain_timeout < 0:
+        if not math.isfinite(self.drain_timeout) or self.drain_timeout < 0:
             raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
 
     @property

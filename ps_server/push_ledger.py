@@ -17,7 +17,8 @@ were applied, so that:
 Pushes of one worker may complete out of order (several threads pushing);
 the ledger keeps "every sequence below N is done" plus the set of done
 sequences above it. Bounds, so a misbehaving client cannot grow it forever:
-``max_open_pushes`` unfinished pushes per incarnation (more is refused),
+``max_open_pushes`` unfinished pushes per incarnation (beyond it the oldest
+is written off as abandoned),
 ``max_done_window`` sequences above the contiguous mark (beyond it the mark
 jumps, treating ancient gaps as abandoned pushes), and ``max_incarnations``
 remembered incarnations (least recently used forgotten first).
@@ -100,6 +101,14 @@ class PushSession:
                 step = self.steps[variable] = reserve()
             return step
 
+    def release(self, variable: str, offset: int) -> None:
+        """Give back a claimed chunk that could not be applied, so a retry can apply it."""
+        with self.cond:
+            self._chunks[variable].pop(offset, None)
+            offsets = self._offsets[variable]
+            offsets.pop(bisect.bisect_left(offsets, offset))
+            self.cond.notify_all()
+
     def done(self, variable: str, offset: int) -> bool:
         """Mark a claimed chunk applied; True when this completed the push."""
         with self.cond:
@@ -120,9 +129,31 @@ class PushSession:
 
 @dataclass
 class _IncarnationState:
-    done_below: int = 1  # every sequence < done_below is complete
+    """Invariant: every sequence < done_below is done (or abandoned); done_above
+    holds the done sequences >= done_below; open holds unfinished ones >= done_below."""
+
+    done_below: int = 1
     done_above: set[int] = field(default_factory=set)
     open: dict[int, PushSession] = field(default_factory=dict)
+
+    def mark_done(self, sequence: int) -> None:
+        if sequence >= self.done_below:
+            self.done_above.add(sequence)
+        self.open.pop(sequence, None)
+        self._advance()
+
+    def write_off_below(self, mark: int) -> None:
+        """Treat every sequence below ``mark`` as done: gaps there were abandoned."""
+        if mark > self.done_below:
+            self.done_below = mark
+            self.done_above = {s for s in self.done_above if s >= mark}
+            self.open = {s: p for s, p in self.open.items() if s >= mark}
+        self._advance()
+
+    def _advance(self) -> None:
+        while self.done_below in self.done_above:
+            self.done_above.discard(self.done_below)
+            self.done_below += 1
 
 
 class PushLedger:
@@ -139,7 +170,12 @@ class PushLedger:
 
     def begin(self, worker_id: str, incarnation: str, sequence: int,
               total_elements: int) -> PushSession | None:
-        """The session for this push, or None when it was applied completely before."""
+        """The session for this push, or None when it was applied completely before.
+
+        At most ``max_open_pushes`` pushes per incarnation stay open: beyond
+        that the oldest is written off as abandoned (a later retry of it is
+        answered as a duplicate, so it is applied at most once, never twice).
+        """
         with self._lock:
             state = self._state(worker_id, incarnation)
             if sequence < state.done_below or sequence in state.done_above:
@@ -153,12 +189,8 @@ class PushLedger:
                         f"{session.total_elements} elements, now with {total_elements}",
                     )
                 return session
-            if len(state.open) >= self._max_open:
-                raise RequestError(
-                    Reason.MEMORY_LIMIT,
-                    f"worker {worker_id!r} has {len(state.open)} unfinished pushes on this shard; "
-                    "finish or retry them before starting more",
-                )
+            while len(state.open) >= self._max_open:
+                state.mark_done(min(state.open))
             session = PushSession((worker_id, incarnation, sequence), total_elements)
             state.open[sequence] = session
             return session
@@ -168,17 +200,10 @@ class PushLedger:
         worker_id, incarnation, sequence = session.key
         with self._lock:
             state = self._state(worker_id, incarnation)
-            state.open.pop(sequence, None)
-            state.done_above.add(sequence)
-            while state.done_below in state.done_above:
-                state.done_above.discard(state.done_below)
-                state.done_below += 1
+            state.mark_done(sequence)
             if len(state.done_above) > self._max_window:
                 # A gap this old belongs to a push that was abandoned.
-                state.done_below = min(state.done_above)
-                while state.done_below in state.done_above:
-                    state.done_above.discard(state.done_below)
-                    state.done_below += 1
+                state.write_off_below(min(state.done_above))
 
     def is_done(self, worker_id: str, incarnation: str, sequence: int) -> bool:
         with self._lock:

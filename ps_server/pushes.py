@@ -102,11 +102,15 @@ class ActivePush:
             return  # nothing to apply, or the whole push is a duplicate
         if self._session.claim(header.variable, offset, count) == ClaimResult.ALREADY_APPLIED:
             return
-        if self._assign:
-            part.assign(offset, values)
-        else:
-            step = self._session.step_for(header.variable, part.reserve_step)
-            part.apply_gradient(offset, values, step)
+        try:
+            if self._assign:
+                part.assign(offset, values)
+            else:
+                step = self._session.step_for(header.variable, part.reserve_step)
+                part.apply_gradient(offset, values, step)
+        except BaseException:
+            self._session.release(header.variable, offset)
+            raise
         self._applied_here += count
         if self._session.done(header.variable, offset):
             self._finalize()
@@ -147,6 +151,9 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
     if not begin.items:
         raise RequestError(Reason.INVALID_REQUEST, "a push must declare at least one variable")
     assign = begin.kind == ps_pb2.ASSIGN
+    # A retry of a push that completed before is answered as a duplicate,
+    # even when its effect (an initial value) now makes it look invalid.
+    already_done = ledger.is_done(begin.worker_id, begin.incarnation, begin.sequence)
     items: dict[str, _Item] = {}
     for declared in begin.items:
         if declared.variable in items:
@@ -171,7 +178,7 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
                                f"unknown wire dtype {declared.wire_dtype} for {declared.variable!r}") from None
         check_dtype_allowed(part, wire, assign)
         info = part.info()
-        if assign and info.initialized:
+        if assign and info.initialized and not already_done:
             raise RequestError(Reason.INVALID_REQUEST,
                                f"variable {declared.variable!r} already has its initial value")
         if not assign and not info.initialized:

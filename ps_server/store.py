@@ -78,6 +78,9 @@ class VariablePart:
         self.row_end = row_end
         self.elements = (row_end - row_start) * rows_of(spec.shape)[1]
         self.kernel = make_kernel(spec.optimizer)
+        # float16 variables are updated in float32 (slots too): in float16,
+        # Adam's g*g underflows to 0 for |g| < 0.01 and the step explodes.
+        self.compute_dtype = np.dtype(np.float32) if spec.dtype == np.float16 else spec.dtype
         # Guards value, slots, version, optimizer_steps and initialized. Held
         # for one chunk at a time (and during the initial fill).
         self.lock = threading.Lock()
@@ -90,7 +93,8 @@ class VariablePart:
     @property
     def nbytes(self) -> int:
         """Bytes of values plus optimizer slots."""
-        return self.elements * self.spec.dtype.itemsize * (1 + len(self.kernel.slot_names))
+        return self.elements * (self.spec.dtype.itemsize
+                                + self.compute_dtype.itemsize * len(self.kernel.slot_names))
 
     def allocate_and_fill(self) -> None:
         """Allocate values and slots and write the initial values (lock held by caller)."""
@@ -99,7 +103,7 @@ class VariablePart:
         first = self.row_start * rows_of(self.spec.shape)[1]
         fill_initial_values(self.spec.initializer, self.spec.shape, self.value, first)
         for name in self.kernel.slot_names:
-            slot = np.empty(self.elements, dtype=dtype)
+            slot = np.empty(self.elements, dtype=self.compute_dtype)
             self.kernel.init_slot(name, slot)
             self.slots[name] = slot
         self.initialized = not isinstance(self.spec.initializer, Explicit)
@@ -134,15 +138,23 @@ class VariablePart:
     def apply_gradient(self, offset: int, grad: np.ndarray, step: int) -> None:
         """Run the optimizer on elements [offset, offset + grad.size)."""
         count = grad.size
-        if grad.dtype != self.spec.dtype:
-            widened = _scratch.get("wire-in", self.spec.dtype, count)
+        compute = self.compute_dtype
+        if grad.dtype != compute:
+            widened = _scratch.get("wire-in", compute, count)
             np.copyto(widened, grad, casting="unsafe")
             grad = widened
-        scratch = _scratch.get("kernel", self.spec.dtype, count)
+        scratch = _scratch.get("kernel", compute, count)
         with self.lock:
             end = offset + count
             slots = {name: slot[offset:end] for name, slot in self.slots.items()}
-            self.kernel.apply(self.value[offset:end], grad, slots, step, scratch)
+            stored = self.value[offset:end]
+            if compute == stored.dtype:
+                self.kernel.apply(stored, grad, slots, step, scratch)
+            else:
+                weights = _scratch.get("weights", compute, count)
+                np.copyto(weights, stored, casting="unsafe")
+                self.kernel.apply(weights, grad, slots, step, scratch)
+                np.copyto(stored, weights, casting="unsafe")
 
     def assign(self, offset: int, values: np.ndarray) -> None:
         """Overwrite elements [offset, offset + values.size) (explicit initial value)."""

@@ -32,8 +32,9 @@ class TaskSpec:
 def split_host_port(address: str) -> tuple[str, int]:
     """'host:port' or '[v6]:port' -> (host, port); ClusterConfigError otherwise."""
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ClusterConfigError(f"address must look like host:port, got {address!r}")
+    bad_v6 = ":" in host and not (host.startswith("[") and host.endswith("]"))
+    if not sep or not host or bad_v6 or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ClusterConfigError(f"address must look like host:port or [ipv6]:port, got {address!r}")
     return host.strip("[]"), int(port)
 
 

@@ -176,27 +176,27 @@ def _iter_fields(buf: memoryview, pos: int, end: int) -> Iterator[tuple[int, int
         yield field, wire_type, start, pos
 
 
-def _parse(message_cls, buf: memoryview):
+def _merge(message, buf: memoryview):
+    """Merge one occurrence of a message field, as protobuf does for repeats."""
     try:
-        return message_cls.FromString(buf)
+        message.MergeFromString(buf)
     except Exception as exc:  # protobuf raises DecodeError, upb sometimes others
-        raise CodecError(f"invalid {message_cls.DESCRIPTOR.name}: {exc}") from exc
+        raise CodecError(f"invalid {message.DESCRIPTOR.name}: {exc}") from exc
+    return message
 
 
 def _decode_chunk(buf: memoryview, start: int, stop: int) -> DecodedChunk:
-    header = None
+    header = ps_pb2.ChunkHeader()
     data = buf[0:0]
     for field, wire_type, fstart, fstop in _iter_fields(buf, start, stop):
         if field == _TENSOR_CHUNK_HEADER:
             if wire_type != _WIRE_LEN:
                 raise CodecError("TensorChunk.header has the wrong wire type")
-            header = _parse(ps_pb2.ChunkHeader, buf[fstart:fstop])
+            _merge(header, buf[fstart:fstop])
         elif field == _TENSOR_CHUNK_DATA:
             if wire_type != _WIRE_LEN:
                 raise CodecError("TensorChunk.data has the wrong wire type")
             data = buf[fstart:fstop]
-    if header is None:
-        header = ps_pb2.ChunkHeader()
     return DecodedChunk(header, data)
 
 
@@ -223,7 +223,7 @@ def decode_push_request(
         if wire_type != _WIRE_LEN and field in (_PUSH_REQUEST_BEGIN, _PUSH_REQUEST_CHUNKS):
             raise CodecError(f"PushRequest field {field} has the wrong wire type")
         if field == _PUSH_REQUEST_BEGIN:
-            begin = _parse(ps_pb2.PushBegin, buf[start:stop])
+            begin = _merge(begin if begin is not None else ps_pb2.PushBegin(), buf[start:stop])
         elif field == _PUSH_REQUEST_CHUNKS:
             chunks.append(_decode_chunk(buf, start, stop))
     return begin, chunks

@@ -11,6 +11,9 @@ Invariant of :func:`place` (property-tested):
   cover ``[0, rows)`` exactly, in ascending order (a 0-d variable has one row,
   an empty one a single part with no rows);
 * every part holds at least one row unless the variable has no rows;
+* a ``MinSizePartitioner`` part holds at least ``min_shard_bytes`` and a
+  ``MaxSizePartitioner`` part at most ``max_shard_bytes`` (whole rows; when the
+  shard count caps the number of parts, parts grow beyond the maximum);
 * no two parts share a shard, and every shard index is in ``[0, num_shards)``;
 * rows are spread evenly: part sizes differ by at most one row, larger first;
 * part ``i`` lives on shard ``(h + i) % num_shards`` where ``h`` is the stable
@@ -69,8 +72,12 @@ class MinSizePartitioner:
         _check_positive("max_shards", self.max_shards, allow_zero=True)
 
     def num_parts(self, rows: int, row_bytes: int, num_shards: int) -> int:
+        if row_bytes == 0:
+            return 1  # rows of nothing: no bytes worth spreading
         cap = min(num_shards, self.max_shards or num_shards)
-        return min(cap, max(1, (rows * row_bytes) // self.min_shard_bytes))
+        # Whole rows: a part needs ceil(min_shard_bytes / row_bytes) of them.
+        rows_per_part = -(-self.min_shard_bytes // row_bytes)
+        return min(cap, max(1, rows // rows_per_part))
 
 
 @dataclass(frozen=True)
@@ -103,7 +110,9 @@ class MaxSizePartitioner:
 
     def num_parts(self, rows: int, row_bytes: int, num_shards: int) -> int:
         cap = min(num_shards, self.max_shards or num_shards)
-        return min(cap, max(1, math.ceil(rows * row_bytes / self.max_shard_bytes)))
+        # Whole rows: a part may take floor(max_shard_bytes / row_bytes) of them.
+        rows_per_part = max(1, self.max_shard_bytes // max(1, row_bytes))
+        return min(cap, max(1, math.ceil(rows / rows_per_part)))
 
 
 Partitioner = MinSizePartitioner | FixedShardsPartitioner | MaxSizePartitioner

@@ -60,6 +60,8 @@ def parse_device(device: Any) -> int | None:
     if isinstance(device, bool):
         raise ValueError(f"device must be None, 'cpu', 'cuda', 'cuda:N' or an int, got {device!r}")
     if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"device must be a GPU index >= 0, got {device!r}")
         return device
     if isinstance(device, str) and device.startswith("cuda"):
         rest = device[4:]

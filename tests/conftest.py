@@ -1,0 +1,36 @@
+"""Shared fixtures: real ps-server processes on free loopback ports.
+
+Servers bind port 0 and report the port through --port-file, so tests never
+race for ports and two test runs can share the machine. Every process a
+test starts is stopped by PID at teardown.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+for path in (str(_ROOT), str(_ROOT / "tests")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+from ps_testing import ClusterFactory  # noqa: E402
+
+
+@pytest.fixture
+def cluster_factory(tmp_path):
+    """``cluster_factory(num_shards, **server_flags) -> Cluster``; all stopped at teardown."""
+    factory = ClusterFactory(tmp_path)
+    try:
+        yield factory
+    finally:
+        factory.stop_all()
+
+
+@pytest.fixture
+def cluster2(cluster_factory):
+    """A running 2-shard cluster."""
+    return cluster_factory(2)

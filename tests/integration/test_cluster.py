@@ -1,0 +1,191 @@
+"""The worker API against real multi-process clusters."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from worker_client import (
+    SGD,
+    Adam,
+    ClusterMismatchError,
+    DTypeMismatchError,
+    Momentum,
+    PSClient,
+    ShapeMismatchError,
+    VariableConflictError,
+    VariableNotFoundError,
+)
+
+
+def test_initial_values_do_not_depend_on_the_number_of_shards(cluster_factory):
+    one, three = cluster_factory(1), cluster_factory(3)
+    pulled = []
+    for cluster in (one, three):
+        with PSClient(cluster.addresses) as client:
+            client.create_variable("emb", shape=(3000, 64), initializer="glorot_uniform")
+            client.create_variable("bias", shape=(64,), initializer="normal")
+            pulled.append(client.pull())
+    for name in ("emb", "bias"):
+        assert pulled[0][name].tobytes() == pulled[1][name].tobytes(), name
+    limit = np.sqrt(6 / (3000 + 64))
+    assert np.abs(pulled[0]["emb"]).max() <= limit and pulled[0]["emb"].std() > limit / 3
+
+
+def test_push_applies_sgd_on_every_shard(cluster2):
+    with PSClient(cluster2.addresses, chunk_bytes=64 * 1024) as client:
+        var = client.create_variable("w", shape=(1000, 200), initializer="uniform",
+                                     optimizer=SGD(learning_rate=0.5))
+        assert len(var.placement.parts) == 2  # 800 KB: split over both shards
+        before = client.pull(["w"])["w"]
+        grad = np.random.default_rng(1).standard_normal((1000, 200)).astype(np.float32)
+        client.push({"w": grad})
+        after = client.pull(["w"])["w"]
+        expected = before - (grad * np.float32(0.5))
+        np.testing.assert_array_equal(after, expected)
+        assert client.versions("w") == {0: 1, 1: 1}
+
+
+def test_momentum_on_two_shards_equals_one_shard(cluster_factory):
+    results = []
+    for n in (1, 2):
+        with PSClient(cluster_factory(n).addresses) as client:
+            client.create_variable("m", shape=(300, 300), initializer="normal",
+                                   optimizer=Momentum(learning_rate=0.1, momentum=0.9, nesterov=True))
+            rng = np.random.default_rng(7)
+            for _ in range(3):
+                client.push({"m": rng.standard_normal((300, 300)).astype(np.float32)})
+            results.append(client.pull(["m"])["m"])
+    assert results[0].tobytes() == results[1].tobytes()
+
+
+def test_create_is_idempotent_and_conflicts_name_the_difference(cluster2):
+    with PSClient(cluster2.addresses, worker_id="a") as a, PSClient(cluster2.addresses, worker_id="b") as b:
+        first = a.create_variable("x", shape=(10, 4), optimizer=Adam(learning_rate=0.01))
+        second = b.create_variable("x", shape=(10, 4), optimizer=Adam(learning_rate=0.01))
+        assert first.created and not second.created
+        a.push({"x": np.ones((10, 4), np.float32)})
+        snapshot = a.pull(["x"])["x"]
+        with pytest.raises(VariableConflictError, match="shape"):
+            b.create_variable("x", shape=(10, 5), optimizer=Adam(learning_rate=0.01))
+        with pytest.raises(VariableConflictError, match="optimizer"):
+            b.create_variable("x", shape=(10, 4), optimizer=SGD(learning_rate=0.01))
+        np.testing.assert_array_equal(a.pull(["x"])["x"], snapshot)
+
+
+def test_explicit_initial_value_is_uploaded_once(cluster2):
+    value = np.arange(200_000, dtype=np.float64).reshape(400, 500)
+    with PSClient(cluster2.addresses, chunk_bytes=256 * 1024) as client:
+        client.create_variable("table", shape=value.shape, dtype="float64", initializer=value)
+        np.testing.assert_array_equal(client.pull(["table"])["table"], value)
+    with PSClient(cluster2.addresses) as other:
+        again = other.create_variable("table", shape=value.shape, dtype="float64", initializer=value.copy())
+        assert not again.created
+        with pytest.raises(VariableConflictError, match="initializer"):
+            other.create_variable("table", shape=value.shape, dtype="float64", initializer=value + 1)
+        np.testing.assert_array_equal(other.pull(["table"])["table"], value)
+
+
+def test_mis_ordered_or_short_address_list_is_refused(cluster_factory):
+    cluster = cluster_factory(3)
+    with pytest.raises(ClusterMismatchError, match="shard 2 of 3"):
+        PSClient(list(reversed(cluster.addresses)))
+    with pytest.raises(ClusterMismatchError, match="of 3"):
+        PSClient(cluster.addresses[:2])
+
+
+def test_client_side_checks_raise_typed_errors(cluster2):
+    with PSClient(cluster2.addresses) as client:
+        client.create_variable("v", shape=(5, 3))
+        with pytest.raises(ShapeMismatchError, match=r"\(5, 4\)"):
+            client.push({"v": np.zeros((5, 4), np.float32)})
+        with pytest.raises(DTypeMismatchError, match="float64"):
+            client.push({"v": np.zeros((5, 3), np.float64)})
+        with pytest.raises(VariableNotFoundError, match="nope"):
+            client.pull(["nope"])
+        with pytest.raises(VariableNotFoundError):
+            client.push({"nope": np.zeros(3, np.float32)})
+        np.testing.assert_array_equal(client.pull(["v"])["v"], np.zeros((5, 3), np.float32))
+        assert client.versions("v") in ({0: 0}, {1: 0})
+
+
+def test_other_workers_find_variables_created_elsewhere(cluster2):
+    with PSClient(cluster2.addresses) as creator:
+        creator.create_variable("shared", shape=(4,), initializer="constant")
+    with PSClient(cluster2.addresses) as reader:
+        assert set(reader.pull()) == {"shared"}
+        assert reader.variables()["shared"].shape == (4,)
+
+
+def test_step_pulls_at_start_and_pushes_once(cluster2):
+    with PSClient(cluster2.addresses) as client:
+        client.create_variable("s", shape=(3,), initializer="zeros", optimizer=SGD(learning_rate=1.0))
+        with client.step() as step:
+            assert np.array_equal(step.params["s"], np.zeros(3, np.float32))
+            step.push({"s": np.ones(3, np.float32)})
+            with pytest.raises(RuntimeError, match="already pushed"):
+                step.push({"s": np.ones(3, np.float32)})
+        with pytest.raises(ZeroDivisionError):
+            with client.step() as step:
+                1 / 0
+        np.testing.assert_array_equal(client.pull(["s"])["s"], -np.ones(3, np.float32))
+
+
+def test_from_env_reads_ps_addresses_and_tf_config(cluster2):
+    with PSClient.from_env({"PS_ADDRESSES": ",".join(cluster2.addresses)}) as client:
+        assert client.addresses == tuple(cluster2.addresses)
+    tf_config = json.dumps({"cluster": {"ps": cluster2.addresses, "worker": ["w0:1", "w1:1"]},
+                            "task": {"type": "worker", "index": 1}})
+    with PSClient.from_env({"TF_CONFIG": tf_config}) as client:
+        assert client.worker_id == "worker-1"
+        assert client.addresses == tuple(cluster2.addresses)
+
+
+def test_small_chunks_and_packed_small_variables_round_trip(cluster2):
+    rng = np.random.default_rng(3)
+    values = {f"v{i}": rng.standard_normal(shape).astype(np.float32)
+              for i, shape in enumerate([(), (0, 3), (1,), (17, 5), (70_000,), (300, 301)])}
+    with PSClient(cluster2.addresses, chunk_bytes=4096) as client:
+        for name, value in values.items():
+            client.create_variable(name, shape=value.shape, initializer=value)
+        pulled = client.pull()
+        for name, value in values.items():
+            assert pulled[name].shape == value.shape
+            np.testing.assert_array_equal(pulled[name], value)
+
+
+def test_bfloat16_on_the_wire(cluster2):
+    with PSClient(cluster2.addresses, wire_dtype="bfloat16") as client:
+        client.create_variable("w", shape=(256, 256), initializer="uniform", optimizer=SGD(learning_rate=1.0))
+        before = client.pull(["w"])["w"]
+        assert before.dtype == np.float32
+        grad = np.full((256, 256), 0.5, np.float32)  # exact in bfloat16
+        client.push({"w": grad})
+        after = client.pull(["w"])["w"]
+        # values travel rounded to bfloat16 (8 bits of mantissa): relative error < 2**-8
+        np.testing.assert_allclose(after, before - 0.5, rtol=2**-7, atol=2**-8)
+
+
+def test_concurrent_pushes_from_threads_lose_nothing(cluster2):
+    with PSClient(cluster2.addresses) as client:
+        client.create_variable("c", shape=(200, 400), initializer="zeros", optimizer=SGD(learning_rate=1.0))
+        errors = []
+
+        def worker(seed: int) -> None:
+            try:
+                for step in range(20):
+                    client.push({"c": np.full((200, 400), seed * 100 + step, np.float32)})
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        expected = -sum(seed * 100 + step for seed in range(4) for step in range(20))
+        np.testing.assert_array_equal(client.pull(["c"])["c"], np.full((200, 400), expected, np.float32))

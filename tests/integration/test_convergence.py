@@ -1,0 +1,28 @@
+"""The default example trains through real servers to its accuracy target."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from ps_testing import ROOT, child_env
+
+
+def test_ps_local_trains_digits_to_target_accuracy():
+    result = subprocess.run([sys.executable, "-m", "ps_local", "--num-ps", "2", "--num-workers", "2"],
+                            capture_output=True, text=True, cwd=str(ROOT), env=child_env(), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    match = re.search(r"held-out accuracy (\d\.\d+) \(target 0\.9\)", result.stdout)
+    assert match, result.stdout
+    assert float(match.group(1)) >= 0.90
+    assert "step" in result.stdout and "examples/s" in result.stdout  # progress was shown
+
+
+def test_ps_local_fails_loudly_when_the_target_is_missed():
+    # One epoch at a tiny learning rate cannot reach 90%: the run must say so and exit 1.
+    result = subprocess.run([sys.executable, "-m", "ps_local", "--num-ps", "1", "--num-workers", "1",
+                             "--epochs", "1", "--set", "learning_rate=0.0001"],
+                            capture_output=True, text=True, cwd=str(ROOT), env=child_env(), timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "NOT reached" in result.stdout

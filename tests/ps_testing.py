@@ -1,0 +1,162 @@
+"""Starting and stopping real ps-server and worker processes for tests."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+START_TIMEOUT = 60.0
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("TF_CONFIG", None)
+    env.pop("PS_ADDRESSES", None)
+    if extra:
+        extra = dict(extra)
+        if "PYTHONPATH" in extra:
+            env["PYTHONPATH"] = os.pathsep.join([extra.pop("PYTHONPATH"), env["PYTHONPATH"]])
+        env.update(extra)
+    return env
+
+
+@dataclass
+class ServerProcess:
+    """One ps-server child process."""
+
+    shard_index: int
+    num_shards: int
+    workdir: pathlib.Path
+    extra_args: Sequence[str] = ()
+    popen: subprocess.Popen | None = None
+    port: int = 0
+
+    @property
+    def port_file(self) -> pathlib.Path:
+        return self.workdir / f"ps-{self.shard_index}.port"
+
+    @property
+    def log_path(self) -> pathlib.Path:
+        return self.workdir / f"ps-{self.shard_index}.log"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, port: int = 0) -> "ServerProcess":
+        """Launch and wait until serving."""
+        self.launch(port)
+        return self.wait_ready()
+
+    def launch(self, port: int = 0) -> None:
+        if self.port_file.exists():
+            self.port_file.unlink()
+        argv = [sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", str(port),
+                "--port-file", str(self.port_file), "--shard-index", str(self.shard_index),
+                "--num-shards", str(self.num_shards), *self.extra_args]
+        log = open(self.log_path, "ab")
+        self.popen = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                      cwd=str(ROOT), env=child_env())
+        log.close()
+
+    def wait_ready(self) -> "ServerProcess":
+        assert self.popen is not None
+        deadline = time.monotonic() + START_TIMEOUT
+        while not self.port_file.exists():
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"ps-server {self.shard_index} exited with {self.popen.returncode}:\n"
+                                   + self.log_path.read_text(errors="replace"))
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ps-server {self.shard_index} did not start in {START_TIMEOUT}s")
+            time.sleep(0.02)
+        self.port = int(self.port_file.read_text())
+        return self
+
+    def signal(self, signum: int) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            os.kill(self.popen.pid, signum)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        assert self.popen is not None
+        return self.popen.wait(timeout)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 15 s; by PID."""
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        self.signal(signal.SIGTERM)
+        try:
+            self.popen.wait(15)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def health(self) -> int:
+        """The health status of the server's ParameterServer service."""
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            return stub.Check(health_pb2.HealthCheckRequest(service="wehub_ps.v1.ParameterServer"),
+                              timeout=10).status
+
+
+@dataclass
+class Cluster:
+    servers: list[ServerProcess]
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.servers]
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+@dataclass
+class ClusterFactory:
+    workdir: pathlib.Path
+    clusters: list[Cluster] = field(default_factory=list)
+    others: list[subprocess.Popen] = field(default_factory=list)
+
+    def __call__(self, num_shards: int, *extra_args: str) -> Cluster:
+        index = len(self.clusters)
+        directory = self.workdir / f"cluster-{index}"
+        directory.mkdir()
+        servers = [ServerProcess(i, num_shards, directory, extra_args) for i in range(num_shards)]
+        cluster = Cluster(servers)
+        self.clusters.append(cluster)
+        for server in servers:  # launch all before waiting: they boot in parallel
+            server.launch()
+        for server in servers:
+            server.wait_ready()
+        return cluster
+
+    def python(self, code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start ``python -c code args...`` with the repo importable; stopped at teardown."""
+        popen = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, cwd=str(ROOT), env=child_env(env))
+        self.others.append(popen)
+        return popen
+
+    def stop_all(self) -> None:
+        for popen in self.others:
+            if popen.poll() is None:
+                popen.kill()
+                popen.wait()
+        for cluster in self.clusters:
+            cluster.stop()

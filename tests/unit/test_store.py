@@ -1,0 +1,483 @@
+"""The shard's variable store (ps_server.store) and push validation (ps_server.pushes)."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import numpy as np
+import pytest
+
+from ps_server.errors import RequestError
+from ps_server.initializers import fill_initial_values
+from ps_server.push_ledger import PushLedger
+from ps_server.pushes import begin_push, check_cluster
+from ps_server.store import VariableStore, check_dtype_allowed
+from wehub_ps.codec import DecodedChunk, as_wire_array, byte_view, chunk_ranges
+from wehub_ps.dtypes import BFLOAT16, to_wire_dtype
+from wehub_ps.errors import Reason
+from wehub_ps.placement import FixedShardsPartitioner, rows_of
+from wehub_ps.specs import (
+    SGD,
+    Adagrad,
+    Adam,
+    Constant,
+    Explicit,
+    Momentum,
+    Normal,
+    Uniform,
+    VariableSpec,
+)
+from wehub_ps.v1 import ps_pb2
+
+LIMIT = 1 << 30
+
+
+def _spec(name="v", shape=(10, 4), dtype="float32", **kwargs):
+    return VariableSpec(name, shape, dtype, **kwargs)
+
+
+# ---- create ----------------------------------------------------------------------------------
+
+
+def test_create_is_idempotent():
+    store = VariableStore(0, 1, LIMIT)
+    spec = _spec(initializer=Uniform(), optimizer=Adam())
+    info, created = store.create(spec)
+    assert created
+    assert (info.row_start, info.row_end, info.version, info.optimizer_steps) == (0, 10, 0, 0)
+    assert info.initialized and info.elements == 40
+    reserved = store.reserved_bytes
+    assert reserved == 40 * 4 * 3  # values plus m and v
+    values = store.get("v").value.copy()
+
+    # The same spec again (the seed is filled from the name both times).
+    info2, created2 = store.create(_spec(initializer=Uniform(), optimizer=Adam()))
+    assert not created2
+    assert info2 == info
+    assert store.reserved_bytes == reserved
+    assert len(store.parts()) == 1
+    np.testing.assert_array_equal(store.get("v").value, values)
+
+
+@pytest.mark.parametrize("other, field", [
+    (_spec(shape=(10, 5)), "shape"),
+    (_spec(dtype="float64"), "dtype"),
+    (_spec(optimizer=SGD(learning_rate=0.5)), "optimizer"),
+    (_spec(optimizer=Adam()), "optimizer"),
+    (_spec(initializer=Constant(1.0)), "initializer"),
+    (_spec(initializer=Uniform(seed=1)), "initializer"),
+    (_spec(partitioner=FixedShardsPartitioner(2)), "partitioner"),
+])
+def test_create_with_a_different_spec_conflicts(other, field):
+    store = VariableStore(0, 1, LIMIT)
+    store.create(_spec())
+    reserved = store.reserved_bytes
+    with pytest.raises(RequestError) as info:
+        store.create(other)
+    assert info.value.reason == Reason.SPEC_CONFLICT
+    assert "'v'" in info.value.message
+    assert field in info.value.message
+    # The difference itself is named, e.g. "shape (10, 4) != (10, 5)".
+    assert any(d in info.value.message for d in _spec().differences(other))
+    assert store.reserved_bytes == reserved
+    assert store.get("v").spec == _spec()
+
+
+def test_memory_limit_refuses_and_stores_nothing():
+    spec = _spec(shape=(100, 10), optimizer=Adam())  # 1000 * 4 * 3 = 12000 bytes
+    store = VariableStore(0, 1, 12000 + 399)
+    store.create(_spec("small", (100,)))  # 400 bytes
+    assert store.reserved_bytes == 400
+    with pytest.raises(RequestError) as info:
+        store.create(spec)
+    assert info.value.reason == Reason.MEMORY_LIMIT
+    assert "12000" in info.value.message and "'v'" in info.value.message
+    assert store.reserved_bytes == 400
+    assert [p.spec.name for p in store.parts()] == ["small"]
+    with pytest.raises(RequestError) as missing:
+        store.get("v")
+    assert missing.value.reason == Reason.UNKNOWN_VARIABLE
+    # Exactly at the limit is fine.
+    store = VariableStore(0, 1, 12000)
+    _, created = store.create(spec)
+    assert created and store.reserved_bytes == 12000
+
+
+def test_memory_accounting_counts_only_this_shards_part():
+    spec = _spec("big", (10, 100), partitioner=FixedShardsPartitioner(2), optimizer=Momentum())
+    total = 0
+    for shard in range(3):
+        store = VariableStore(shard, 3, LIMIT)
+        info, _ = store.create(spec)
+        part = store.get("big")
+        assert store.reserved_bytes == part.elements * 4 * 2
+        total += part.elements
+        if part.holds_part:
+            assert info.row_end - info.row_start == 5
+        else:
+            assert (info.row_start, info.row_end, info.elements) == (0, 0, 0)
+            assert store.reserved_bytes == 0
+    assert total == 1000
+
+
+@pytest.mark.parametrize("initializer", [Uniform(-1.0, 1.0), Normal(), Constant(2.0)])
+def test_shards_hold_their_rows_of_the_global_initial_value(initializer):
+    spec = _spec("w", (23, 3), initializer=initializer, partitioner=FixedShardsPartitioner(4))
+    expected = np.empty(69, dtype=np.float32)
+    fill_initial_values(spec.initializer, spec.shape, expected, 0)
+    assembled = np.full(69, np.nan, dtype=np.float32)
+    for shard in range(5):
+        store = VariableStore(shard, 5, LIMIT)
+        info, _ = store.create(spec)
+        part = store.get("w")
+        assembled[info.row_start * 3: info.row_end * 3] = part.value
+    np.testing.assert_array_equal(assembled, expected)
+
+
+def test_explicit_initializer_starts_uninitialized():
+    store = VariableStore(0, 1, LIMIT)
+    info, _ = store.create(_spec(initializer=Explicit(b"\x01" * 32)))
+    assert not info.initialized
+
+
+def test_store_rejects_a_bad_shard_index():
+    with pytest.raises(ValueError, match="shard_index"):
+        VariableStore(2, 2, LIMIT)
+    with pytest.raises(ValueError, match="shard_index"):
+        VariableStore(-1, 2, LIMIT)
+
+
+def test_concurrent_creates_make_one_variable():
+    store = VariableStore(0, 1, LIMIT)
+    spec = _spec("c", (2000, 50), initializer=Normal())
+    results = []
+    barrier = threading.Barrier(6)
+
+    def create():
+        barrier.wait()
+        results.append(store.create(spec))
+
+    threads = [threading.Thread(target=create) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(created for _, created in results) == [False] * 5 + [True]
+    assert all(info.initialized for info, _ in results)
+    assert store.reserved_bytes == 2000 * 50 * 4
+
+
+def test_check_dtype_allowed():
+    store = VariableStore(0, 1, LIMIT)
+    store.create(_spec())
+    part = store.get("v")
+    check_dtype_allowed(part, np.dtype("<f4"), assign=False)
+    check_dtype_allowed(part, np.dtype("<f4"), assign=True)
+    check_dtype_allowed(part, np.dtype("<f2"), assign=False)
+    check_dtype_allowed(part, BFLOAT16, assign=False)
+    for dtype, assign in [(np.dtype("<f2"), True), (BFLOAT16, True), (np.dtype("<f8"), False),
+                          (np.dtype("<i4"), False)]:
+        with pytest.raises(RequestError) as info:
+            check_dtype_allowed(part, dtype, assign)
+        assert info.value.reason == Reason.DTYPE_MISMATCH
+
+
+# ---- begin_push validation --------------------------------------------------------------------
+
+
+def _begin(items, *, sequence=1, kind=ps_pb2.GRADIENT, shard_index=0, num_shards=1,
+           worker_id="worker-0", incarnation="inc-1"):
+    return ps_pb2.PushBegin(
+        worker_id=worker_id, incarnation=incarnation, sequence=sequence,
+        shard_index=shard_index, num_shards=num_shards, kind=kind,
+        items=[ps_pb2.PushItem(variable=name, elements=elements, wire_dtype=wire)
+               for name, elements, wire in items])
+
+
+def _chunks(name: str, values: np.ndarray, chunk_elements: int):
+    wire = as_wire_array(values)
+    out = []
+    for offset, count in chunk_ranges(wire.size, chunk_elements):
+        header = ps_pb2.ChunkHeader(variable=name, offset=offset, count=count,
+                                    dtype=to_wire_dtype(wire.dtype), part_elements=wire.size)
+        out.append(DecodedChunk(header, byte_view(wire[offset:offset + count])))
+    return out
+
+
+@pytest.fixture
+def setup():
+    store = VariableStore(0, 1, LIMIT)
+    store.create(_spec("a", (10, 4), initializer=Constant(1.0), optimizer=SGD(0.5)))
+    store.create(_spec("b", (6,), initializer=Constant(2.0), optimizer=Adagrad()))
+    return store, PushLedger()
+
+
+def _snapshot(store):
+    return [(p.info(), p.value.copy(), {k: v.copy() for k, v in p.slots.items()})
+            for p in store.parts()]
+
+
+def _assert_unchanged(store, ledger, before):
+    after = _snapshot(store)
+    assert len(after) == len(before)
+    for (info_a, value_a, slots_a), (info_b, value_b, slots_b) in zip(before, after):
+        assert info_a == info_b
+        np.testing.assert_array_equal(value_a, value_b)
+        assert slots_a.keys() == slots_b.keys()
+        for k in slots_a:
+            np.testing.assert_array_equal(slots_a[k], slots_b[k])
+    assert not ledger.is_done("worker-0", "inc-1", 1)
+    assert ledger._states.get(("worker-0", "inc-1")) is None or not ledger._states[
+        ("worker-0", "inc-1")].open
+
+
+@pytest.mark.parametrize("begin, reason, words", [
+    (_begin([("nope", 40, ps_pb2.FLOAT32)]), Reason.UNKNOWN_VARIABLE, ["'nope'"]),
+    (_begin([("a", 39, ps_pb2.FLOAT32)]), Reason.SHAPE_MISMATCH, ["39", "40", "'a'"]),
+    (_begin([("a", 41, ps_pb2.FLOAT32)]), Reason.SHAPE_MISMATCH, ["41", "40"]),
+    (_begin([("a", 40, ps_pb2.INT32)]), Reason.DTYPE_MISMATCH, ["int32", "float32"]),
+    (_begin([("a", 40, ps_pb2.FLOAT64)]), Reason.DTYPE_MISMATCH, ["float64"]),
+    (_begin([("a", 40, ps_pb2.DATA_TYPE_UNSPECIFIED)]), Reason.DTYPE_MISMATCH, ["'a'"]),
+    (_begin([("a", 40, ps_pb2.FLOAT16)], kind=ps_pb2.ASSIGN), Reason.DTYPE_MISMATCH, ["float16"]),
+    (_begin([("a", 40, ps_pb2.FLOAT32)], shard_index=1, num_shards=2), Reason.CLUSTER_MISMATCH,
+     ["shard 0 of 1", "shard 1 of 2"]),
+    (_begin([("a", 40, ps_pb2.FLOAT32)], num_shards=3), Reason.CLUSTER_MISMATCH, ["0 of 3"]),
+    (_begin([("a", 40, ps_pb2.FLOAT32)], worker_id=""), Reason.INVALID_REQUEST, ["worker_id"]),
+    (_begin([("a", 40, ps_pb2.FLOAT32)], worker_id="x" * 257), Reason.INVALID_REQUEST, ["worker_id"]),
+    (_begin([("a", 40, ps_pb2.FLOAT32)], incarnation=""), Reason.INVALID_REQUEST, ["incarnation"]),
+    (_begin([("a", 40, ps_pb2.FLOAT32)], sequence=0), Reason.INVALID_REQUEST, ["sequence"]),
+    (_begin([("a", 40, ps_pb2.FLOAT32)], kind=ps_pb2.PUSH_KIND_UNSPECIFIED), Reason.INVALID_REQUEST,
+     ["kind"]),
+    (_begin([]), Reason.INVALID_REQUEST, ["at least one"]),
+    (_begin([("a", 40, ps_pb2.FLOAT32), ("a", 40, ps_pb2.FLOAT32)]), Reason.INVALID_REQUEST,
+     ["twice"]),
+    # A valid first item does not get applied when the second is bad.
+    (_begin([("a", 40, ps_pb2.FLOAT32), ("b", 7, ps_pb2.FLOAT32)]), Reason.SHAPE_MISMATCH, ["'b'"]),
+    (_begin([("a", 40, ps_pb2.FLOAT32), ("zz", 6, ps_pb2.FLOAT32)]), Reason.UNKNOWN_VARIABLE,
+     ["'zz'"]),
+    # Assign to a variable that already has its value.
+    (_begin([("a", 40, ps_pb2.FLOAT32)], kind=ps_pb2.ASSIGN), Reason.INVALID_REQUEST, ["'a'"]),
+])
+def test_begin_push_validation_changes_nothing(setup, begin, reason, words):
+    store, ledger = setup
+    before = _snapshot(store)
+    with pytest.raises(RequestError) as info:
+        begin_push(store, ledger, begin)
+    assert info.value.reason == reason
+    for word in words:
+        assert word in info.value.message, f"{word!r} missing from {info.value.message}"
+    _assert_unchanged(store, ledger, before)
+    # A valid push afterwards still works as the very first push of this worker.
+    push = begin_push(store, ledger, _begin([("a", 40, ps_pb2.FLOAT32)]))
+    for chunk in _chunks("a", np.ones(40, np.float32), 40):
+        push.apply(chunk)
+    result = push.finish()
+    assert result.versions == {"a": 1} and not result.duplicate
+    np.testing.assert_array_equal(store.get("a").value, np.full(40, 0.5, np.float32))
+    assert store.get("a").info().optimizer_steps == 1
+
+
+def test_gradient_push_to_an_explicit_variable_waits_for_its_value():
+    store, ledger = VariableStore(0, 1, LIMIT), PushLedger()
+    store.create(_spec("e", (4,), initializer=Explicit(b"\x00" * 32)))
+    with pytest.raises(RequestError) as info:
+        begin_push(store, ledger, _begin([("e", 4, ps_pb2.FLOAT32)]))
+    assert info.value.reason == Reason.NOT_INITIALIZED
+    # Upload the value, then gradients are accepted.
+    value = np.arange(4, dtype=np.float32)
+    push = begin_push(store, ledger, _begin([("e", 4, ps_pb2.FLOAT32)], kind=ps_pb2.ASSIGN))
+    for chunk in _chunks("e", value, 3):
+        push.apply(chunk)
+    result = push.finish()
+    assert result.versions == {"e": 0}, "an assign is not a training step"
+    info = store.get("e").info()
+    assert info.initialized and info.optimizer_steps == 0
+    np.testing.assert_array_equal(store.get("e").value, value)
+    push = begin_push(store, ledger, _begin([("e", 4, ps_pb2.FLOAT32)], sequence=2))
+    for chunk in _chunks("e", np.ones(4, np.float32), 4):
+        push.apply(chunk)
+    assert push.finish().versions == {"e": 1}
+
+
+def test_variable_with_no_part_here_is_refused():
+    store, ledger = VariableStore(1, 2, LIMIT), PushLedger()
+    spec = _spec("solo", (3,))  # small: one part, on one of the two shards
+    if spec.placement(2).part_on(1) is not None:
+        store = VariableStore(0, 2, LIMIT)
+        shard = 0
+    else:
+        shard = 1
+    store.create(spec)
+    with pytest.raises(RequestError) as info:
+        begin_push(store, ledger, _begin([("solo", 0, ps_pb2.FLOAT32)], shard_index=shard,
+                                         num_shards=2))
+    assert info.value.reason == Reason.INVALID_REQUEST
+    assert "no part" in info.value.message
+
+
+def test_check_cluster():
+    store = VariableStore(1, 3, LIMIT)
+    check_cluster(store, 1, 3)
+    for index, count in [(0, 3), (1, 2), (2, 4)]:
+        with pytest.raises(RequestError) as info:
+            check_cluster(store, index, count)
+        assert info.value.reason == Reason.CLUSTER_MISMATCH
+
+
+# ---- applying pushes ----------------------------------------------------------------------------
+
+
+def test_push_exactly_once_across_a_cut_and_a_retry(setup):
+    store, ledger = setup
+    g_a = np.arange(40, dtype=np.float32) / 10
+    g_b = np.linspace(-1, 1, 6).astype(np.float32)
+    begin = _begin([("a", 40, ps_pb2.FLOAT32), ("b", 6, ps_pb2.FLOAT32)], sequence=1)
+    chunks = _chunks("a", g_a, 7) + _chunks("b", g_b, 4)
+
+    # First stream: cut off after three chunks.
+    push = begin_push(store, ledger, begin)
+    for chunk in chunks[:3]:
+        push.apply(chunk)
+    with pytest.raises(RequestError) as info:
+        push.finish()
+    assert info.value.reason == Reason.PUSH_INCOMPLETE
+    assert store.get("a").info().version == 0
+
+    # Retry: sends everything again; only the missing chunks are applied.
+    retry = begin_push(store, ledger, begin)
+    for chunk in chunks:
+        retry.apply(chunk)
+    result = retry.finish()
+    assert not result.duplicate
+    assert result.elements_applied == 46 - 21
+    assert result.versions == {"a": 1, "b": 1}
+    expected_a = np.float32(1.0) - np.float32(0.5) * g_a
+    np.testing.assert_array_equal(store.get("a").value, expected_a)
+    assert store.get("a").info().optimizer_steps == 1
+    assert store.get("b").info().optimizer_steps == 1
+
+    # A retry after completion (ack lost) is a duplicate and applies nothing.
+    again = begin_push(store, ledger, begin)
+    for chunk in chunks:
+        again.apply(chunk)
+    result = again.finish()
+    assert result.duplicate and result.elements_applied == 0
+    assert result.versions == {"a": 1, "b": 1}
+    np.testing.assert_array_equal(store.get("a").value, expected_a)
+    assert store.get("a").info().optimizer_steps == 1
+
+
+def test_narrow_gradients_are_applied(setup):
+    store, ledger = setup
+    g = np.full(40, 0.25, dtype=np.float32)
+    push = begin_push(store, ledger, _begin([("a", 40, ps_pb2.BFLOAT16)]))
+    for chunk in _chunks("a", g.astype(BFLOAT16), 16):
+        push.apply(chunk)
+    push.finish()
+    np.testing.assert_array_equal(store.get("a").value, np.full(40, 1.0 - 0.5 * 0.25, np.float32))
+
+
+@pytest.mark.parametrize("mutate, words", [
+    (lambda h, d: (h.__setattr__("variable", "b"), d), ["'b'"]),
+    (lambda h, d: (h.__setattr__("dtype", ps_pb2.FLOAT16), d[: len(d) // 2]), ["float16"]),
+    (lambda h, d: (h.__setattr__("dtype", 77), d), ["77"]),
+    (lambda h, d: (h.__setattr__("offset", 38), d), ["outside", "40"]),
+    (lambda h, d: (h.__setattr__("count", 3), d), ["'a'"]),
+])
+def test_invalid_chunks_are_refused_before_anything_is_applied(setup, mutate, words):
+    store, ledger = setup
+    push = begin_push(store, ledger, _begin([("a", 40, ps_pb2.FLOAT32)]))
+    (chunk,) = _chunks("a", np.ones(4, np.float32), 4)
+    header = ps_pb2.ChunkHeader()
+    header.CopyFrom(chunk.header)
+    _, data = mutate(header, chunk.data)
+    before = store.get("a").value.copy()
+    with pytest.raises(RequestError) as info:
+        push.apply(DecodedChunk(header, data))
+    assert info.value.reason == Reason.INVALID_CHUNK
+    for word in words:
+        assert word in info.value.message
+    np.testing.assert_array_equal(store.get("a").value, before)
+    assert store.get("a").info().optimizer_steps == 0
+
+
+def test_concurrent_pushes_to_one_variable_lose_nothing():
+    store, ledger = VariableStore(0, 1, LIMIT), PushLedger()
+    store.create(_spec("acc", (1000,), initializer=Constant(0.0), optimizer=SGD(1.0)))
+    workers, pushes = 4, 10
+
+    def worker(w):
+        for seq in range(1, pushes + 1):
+            push = begin_push(store, ledger, _begin([("acc", 1000, ps_pb2.FLOAT32)],
+                                                    sequence=seq, worker_id=f"w{w}"))
+            for chunk in _chunks("acc", np.full(1000, -1.0, np.float32), 128):
+                push.apply(chunk)
+            push.finish()
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    part = store.get("acc")
+    np.testing.assert_array_equal(part.value, np.full(1000, workers * pushes, np.float32))
+    assert part.info().version == workers * pushes
+    assert part.info().optimizer_steps == workers * pushes
+
+
+def test_retried_assign_push_is_a_duplicate():
+    store, ledger = VariableStore(0, 1, LIMIT), PushLedger()
+    value = np.arange(4, dtype=np.float32)
+    store.create(_spec("e", (4,), initializer=Explicit(hashlib.sha256(value.tobytes()).digest())))
+    begin = _begin([("e", 4, ps_pb2.FLOAT32)], kind=ps_pb2.ASSIGN)
+    push = begin_push(store, ledger, begin)
+    for chunk in _chunks("e", value, 4):
+        push.apply(chunk)
+    push.finish()
+    retry = begin_push(store, ledger, begin)
+    for chunk in _chunks("e", value, 4):
+        retry.apply(chunk)
+    assert retry.finish().duplicate
+
+
+def test_empty_variable_push_completes_at_once():
+    store, ledger = VariableStore(0, 1, LIMIT), PushLedger()
+    store.create(_spec("z", (0, 3)))
+    push = begin_push(store, ledger, _begin([("z", 0, ps_pb2.FLOAT32)]))
+    result = push.finish()
+    assert result.versions == {"z": 1}
+    assert ledger.is_done("worker-0", "inc-1", 1)
+    assert rows_of((0, 3)) == (0, 3)
+
+
+def test_failed_chunk_application_does_not_block_the_retry(setup, monkeypatch):
+    store, ledger = setup
+    part = store.get("a")
+    original = part.apply_gradient
+    calls = []
+
+    def flaky(offset, grad, step):
+        calls.append(offset)
+        if len(calls) == 1:
+            raise MemoryError("simulated")
+        original(offset, grad, step)
+
+    monkeypatch.setattr(part, "apply_gradient", flaky)
+    begin = _begin([("a", 40, ps_pb2.FLOAT32)])
+    (chunk,) = _chunks("a", np.ones(40, np.float32), 40)
+    push = begin_push(store, ledger, begin)
+    with pytest.raises(MemoryError):
+        push.apply(chunk)
+    outcome = []
+
+    def retry():
+        again = begin_push(store, ledger, begin)
+        again.apply(chunk)
+        outcome.append(again.finish())
+
+    thread = threading.Thread(target=retry, daemon=True)
+    thread.start()
+    thread.join(2)
+    assert not thread.is_alive(), "the retry hangs on the unreleased claim"
+    assert outcome and not outcome[0].duplicate
