@@ -8,6 +8,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from ps_server.checkpoint import CheckpointError
 from ps_server.config import ConfigError, parse_config
 from ps_server.server import create_server
 from wehub_ps.logs import configure, event
@@ -35,7 +36,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    server.start()
+    try:
+        server.start()
+    except CheckpointError as exc:
+        event(log, logging.ERROR, "cannot restore", error=str(exc))
+        server.grpc_server.stop(0)
+        return 1
     while not stop.wait(1.0):
         pass
     server.stop()

@@ -47,6 +47,9 @@ class ServerConfig:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_concurrent_rpcs: int = 256
     drain_timeout: float = 30.0
+    checkpoint_interval: float = 300.0
+    keep_checkpoints: int = 3
+    worker_lease: float = 30.0
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -67,8 +70,14 @@ class ServerConfig:
                 f"(half of --max-message-bytes), got {self.chunk_bytes}")
         if self.max_concurrent_rpcs < 4:
             raise ConfigError(f"--max-concurrent-rpcs must be at least 4, got {self.max_concurrent_rpcs}")
-        if not math.isfinite(self.drain_timeout) or self.drain_timeout < 0:
-            raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
+        for flag, value in (("--drain-timeout", self.drain_timeout),
+                            ("--checkpoint-interval", self.checkpoint_interval)):
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{flag} must be a number >= 0, got {value}")
+        if self.keep_checkpoints < 1:
+            raise ConfigError(f"--keep-checkpoints must be at least 1, got {self.keep_checkpoints}")
+        if not math.isfinite(self.worker_lease) or self.worker_lease <= 0:
+            raise ConfigError(f"--worker-lease must be positive seconds, got {self.worker_lease}")
 
     @property
     def memory_limit(self) -> int:
@@ -88,6 +97,9 @@ _HELP = {
     "max_message_bytes": "largest gRPC message accepted or sent",
     "max_concurrent_rpcs": "RPCs served at once; more get RESOURCE_EXHAUSTED",
     "drain_timeout": "seconds to let pushes in flight finish on SIGTERM",
+    "checkpoint_interval": "seconds between periodic checkpoints (with --checkpoint-dir); 0 = only on request and SIGTERM",
+    "keep_checkpoints": "checkpoints of this shard to keep",
+    "worker_lease": "seconds a worker stays live without a heartbeat",
 }
 
 

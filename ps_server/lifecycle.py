@@ -20,11 +20,23 @@ __all__ = ["Lifecycle"]
 
 
 class Lifecycle:
+    """starting (restoring; refuses work) -> accepting -> draining (refuses work)."""
+
     def __init__(self) -> None:
-        # Guards _accepting and _in_flight; notified when _in_flight drops.
+        # Guards _state and _in_flight; notified when _in_flight drops.
         self._cond = threading.Condition()
-        self._accepting = True
+        self._state = "starting"
         self._in_flight = 0
+
+    @property
+    def _accepting(self) -> bool:
+        return self._state == "accepting"
+
+    def open(self) -> None:
+        """Ready: start accepting work."""
+        with self._cond:
+            if self._state == "starting":
+                self._state = "accepting"
 
     @property
     def accepting(self) -> bool:
@@ -35,14 +47,14 @@ class Lifecycle:
         """Raise SHUTTING_DOWN once draining started."""
         with self._cond:
             if not self._accepting:
-                raise _shutting_down()
+                raise _refusal(self._state)
 
     @contextmanager
     def push_in_flight(self) -> Iterator[None]:
         """Count a push for the drain; refuses when the server is shutting down."""
         with self._cond:
             if not self._accepting:
-                raise _shutting_down()
+                raise _refusal(self._state)
             self._in_flight += 1
         try:
             yield
@@ -60,7 +72,7 @@ class Lifecycle:
         """Stop accepting; wait up to ``timeout`` s for pushes in flight. True if none is left."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            self._accepting = False
+            self._state = "draining"
             while self._in_flight:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -69,6 +81,9 @@ class Lifecycle:
             return True
 
 
-def _shutting_down() -> RequestError:
+def _refusal(state: str) -> RequestError:
+    if state == "starting":
+        return RequestError(Reason.SHUTTING_DOWN,
+                            "this ps-server is starting (restoring its checkpoint); retry shortly")
     return RequestError(Reason.SHUTTING_DOWN,
                         "this ps-server is shutting down; retry against its replacement")

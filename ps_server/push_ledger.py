@@ -126,6 +126,22 @@ class PushSession:
         with self.cond:
             return self.applied_elements == self.total_elements
 
+    def to_json(self) -> dict:
+        """The applied chunks (claimed-but-unapplied ones cannot exist under the apply gate)."""
+        with self.cond:
+            return {"total": self.total_elements, "steps": dict(self.steps),
+                    "chunks": {var: [[off, n] for off, (n, applied) in sorted(chunks.items()) if applied]
+                               for var, chunks in self._chunks.items()}}
+
+    @classmethod
+    def from_json(cls, key: tuple[str, str, int], data: dict) -> "PushSession":
+        session = cls(key, int(data["total"]), {k: int(v) for k, v in data["steps"].items()})
+        for var, chunks in data["chunks"].items():
+            session._offsets[var] = [int(off) for off, _ in chunks]
+            session._chunks[var] = {int(off): (int(n), True) for off, n in chunks}
+            session.applied_elements += sum(int(n) for _, n in chunks)
+        return session
+
 
 @dataclass
 class _IncarnationState:
@@ -204,6 +220,25 @@ class PushLedger:
             if len(state.done_above) > self._max_window:
                 # A gap this old belongs to a push that was abandoned.
                 state.write_off_below(min(state.done_above))
+
+    def snapshot(self) -> list[dict]:
+        """A JSON-able copy of the whole ledger, least recently used first."""
+        with self._lock:
+            return [{"worker_id": w, "incarnation": i, "done_below": st.done_below,
+                     "done_above": sorted(st.done_above),
+                     "open": {str(seq): session.to_json() for seq, session in st.open.items()}}
+                    for (w, i), st in self._states.items()]
+
+    def restore(self, entries: list[dict]) -> None:
+        """Replace the ledger with a snapshot taken by :meth:`snapshot`."""
+        states: OrderedDict[tuple[str, str], _IncarnationState] = OrderedDict()
+        for entry in entries:
+            key = (entry["worker_id"], entry["incarnation"])
+            states[key] = _IncarnationState(
+                int(entry["done_below"]), {int(s) for s in entry["done_above"]},
+                {int(seq): PushSession.from_json((*key, int(seq)), data) for seq, data in entry["open"].items()})
+        with self._lock:
+            self._states = states
 
     def is_done(self, worker_id: str, incarnation: str, sequence: int) -> bool:
         with self._lock:

@@ -100,20 +100,24 @@ class ActivePush:
             raise RequestError(Reason.INVALID_CHUNK, f"chunk for {header.variable!r}: {exc}") from None
         if count == 0 or self._session is None:
             return  # nothing to apply, or the whole push is a duplicate
-        if self._session.claim(header.variable, offset, count) == ClaimResult.ALREADY_APPLIED:
-            return
-        try:
-            if self._assign:
-                part.assign(offset, values)
-            else:
-                step = self._session.step_for(header.variable, part.reserve_step)
-                part.apply_gradient(offset, values, step)
-        except BaseException:
-            self._session.release(header.variable, offset)
-            raise
-        self._applied_here += count
-        if self._session.done(header.variable, offset):
-            self._finalize()
+        # Claim, apply and record under the shared gate, so that a checkpoint
+        # sees each chunk either applied and recorded, or neither.
+        with self._store.gate.shared():
+            if self._session.claim(header.variable, offset, count) == ClaimResult.ALREADY_APPLIED:
+                return
+            try:
+                if self._assign:
+                    part.assign(offset, values)
+                else:
+                    step = self._session.step_for(header.variable, part.reserve_step)
+                    part.apply_gradient(offset, values, step)
+            except BaseException:
+                self._session.release(header.variable, offset)
+                raise
+            self._applied_here += count
+            self._store.generation += 1
+            if self._session.done(header.variable, offset):
+                self._finalize()
 
     def finish(self) -> PushResult:
         """The stream ended: the push must be complete by now."""
@@ -192,5 +196,6 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
     push = ActivePush(store, ledger, begin, items, session)
     if session is not None and total == 0 and not session.finalized:
         session.finalized = True
-        push._finalize()
+        with store.gate.shared():
+            push._finalize()
     return push

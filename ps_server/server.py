@@ -2,9 +2,12 @@
 
 Building is separate from serving: :func:`create_server` binds the port
 (tests bind port 0 and read :attr:`PSServer.port`), :meth:`PSServer.start`
-serves. Health is NOT_SERVING until the server is ready and again from the
-moment shutdown begins, so load balancers and Kubernetes probes never send
-work to a server that cannot take it.
+restores the newest checkpoint and then serves. Health is NOT_SERVING until
+the restore is done and again from the moment shutdown begins, so probes
+and load balancers never send work to a server that cannot take it.
+
+Shutdown (SIGTERM): health NOT_SERVING, refuse new work, let pushes in
+flight finish, write the final checkpoint, stop the gRPC server.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
+import time
 import uuid
 from concurrent import futures
 
@@ -19,8 +24,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ps_server.checkpoint import find_restore_plan, load_parts
+from ps_server.checkpointer import Checkpointer
 from ps_server.config import ServerConfig
+from ps_server.context import RestoredFrom, ShardContext
+from ps_server.gate import ApplyGate
 from ps_server.lifecycle import Lifecycle
+from ps_server.membership import Membership
 from ps_server.push_ledger import PushLedger
 from ps_server.service import ParameterServerService
 from ps_server.store import VariableStore
@@ -38,20 +48,31 @@ class PSServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.server_id = uuid.uuid4().hex
-        self.store = VariableStore(config.shard_index, config.num_shards, config.memory_limit)
+        self.store = VariableStore(config.shard_index, config.num_shards, config.memory_limit, ApplyGate())
         self.ledger = PushLedger()
+        self.membership = Membership(config.worker_lease)
         self.lifecycle = Lifecycle()
+        checkpointer = None
+        if config.checkpoint_dir:
+            checkpointer = Checkpointer(self.store, self.ledger, config.checkpoint_dir, self.server_id,
+                                        keep=config.keep_checkpoints, interval=config.checkpoint_interval)
+        self.context = ShardContext(
+            self.store, self.ledger, self.lifecycle, self.membership, self.server_id,
+            default_chunk_bytes=config.chunk_bytes, max_chunk_bytes=config.max_message_bytes // 2,
+            checkpointer=checkpointer)
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.service = ParameterServerService(
-            self.store, self.ledger, self.lifecycle, self.server_id,
-            default_chunk_bytes=config.chunk_bytes, max_chunk_bytes=config.max_message_bytes // 2)
+        self.service = ParameterServerService(self.context)
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
             # Never share a port with another process: two shards on one port
             # would silently split the traffic between them.
             ("grpc.so_reuseport", 0),
+            # Clients ping every 20 s to notice dead connections; allow it.
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.max_ping_strikes", 0),
         ]
         # One thread per concurrent RPC: streams block their thread while
         # waiting for the network, and the RPC bound makes the pool the cap.
@@ -66,22 +87,63 @@ class PSServer:
         self.port = self.grpc_server.add_insecure_port(f"{config.host}:{config.port}")
         if self.port == 0:
             raise OSError(f"could not bind {config.host}:{config.port}")
+        self._stop_reaper = threading.Event()
+        self._reaper: threading.Thread | None = None
+
+    @property
+    def checkpointer(self) -> Checkpointer | None:
+        return self.context.checkpointer
 
     def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
 
     def start(self) -> None:
-        """Serve; health turns SERVING once requests can be answered."""
+        """Restore, then serve; health turns SERVING once requests can be answered."""
         self.start_transport()
+        self.restore()
         self.mark_serving()
 
     def start_transport(self) -> None:
-        """Accept connections; health still answers NOT_SERVING."""
+        """Accept connections; health answers NOT_SERVING and work is refused until ready."""
         self.grpc_server.start()
 
+    def restore(self) -> None:
+        """Load the newest intact checkpoint, if any (CheckpointError if unusable)."""
+        config = self.config
+        if not config.checkpoint_dir:
+            return
+        started = time.perf_counter()
+        plan = find_restore_plan(config.checkpoint_dir, config.shard_index, config.num_shards)
+        if plan is None:
+            event(log, logging.INFO, "no checkpoint to restore", checkpoint_dir=config.checkpoint_dir)
+            return
+        self.store.restore(load_parts(plan, config.shard_index, config.num_shards))
+        resharded = plan.num_shards != config.num_shards
+        if not resharded:
+            self.ledger.restore(next(iter(plan.manifests.values()))["ledger"]["entries"])
+        newest = max(plan.manifests.values(), key=lambda m: m["created_unix"])
+        self.context.restored_from = RestoredFrom(
+            {i: m["checkpoint_id"] for i, m in plan.manifests.items()},
+            ",".join(str(p) for p in plan.checkpoints.values()), newest["created_unix"], plan.num_shards)
+        event(log, logging.INFO, "restored", from_num_shards=plan.num_shards, resharded=resharded,
+              checkpoints={i: str(p) for i, p in plan.checkpoints.items()},
+              variables={p.spec.name: p.version for p in self.store.parts()},
+              seconds=round(time.perf_counter() - started, 3))
+        assert self.checkpointer is not None
+        if resharded:
+            # Give the new layout a checkpoint of its own right away.
+            self.checkpointer.checkpoint("resharded")
+        else:
+            self.checkpointer.mark_restored()
+
     def mark_serving(self) -> None:
-        """Ready for work: health SERVING, port file written."""
+        """Ready for work: accept requests, health SERVING, port file written."""
+        self.lifecycle.open()
+        if self.checkpointer is not None:
+            self.checkpointer.start_periodic()
+        self._reaper = threading.Thread(target=self._reap_leases, name="ps-lease-reaper", daemon=True)
+        self._reaper.start()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if self.config.port_file:
             _write_atomically(self.config.port_file, f"{self.port}\n")
@@ -89,18 +151,29 @@ class PSServer:
               shard_index=self.config.shard_index, num_shards=self.config.num_shards,
               server_id=self.server_id)
 
+    def _reap_leases(self) -> None:
+        interval = max(0.05, self.membership.lease_seconds / 4)
+        while not self._stop_reaper.wait(interval):
+            self.membership.expire()
+
     def stop(self, grace: float = 5.0) -> bool:
-        """Health NOT_SERVING, refuse new work, finish pushes in flight, stop.
+        """Health NOT_SERVING, refuse new work, finish pushes in flight, final checkpoint, stop.
 
         Returns True when every push in flight finished within the drain timeout.
         """
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        in_flight = self.lifecycle.in_flight
-        event(log, logging.INFO, "draining", pushes_in_flight=in_flight)
+        event(log, logging.INFO, "draining", pushes_in_flight=self.lifecycle.in_flight)
         drained = self.lifecycle.drain(self.config.drain_timeout)
         if not drained:
             event(log, logging.WARNING, "drain timed out", pushes_in_flight=self.lifecycle.in_flight,
                   drain_timeout=self.config.drain_timeout)
+        self._stop_reaper.set()
+        if self.checkpointer is not None:
+            self.checkpointer.stop_periodic()
+            try:
+                self.checkpointer.checkpoint("shutdown")
+            except Exception:
+                log.exception("final checkpoint failed")
         self.grpc_server.stop(grace).wait()
         self._executor.shutdown(wait=False)
         event(log, logging.INFO, "stopped", drained=drained)

@@ -17,11 +17,11 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
+from ps_server.checkpointer import CheckpointRecord
+from ps_server.context import ShardContext
 from ps_server.errors import RequestError
-from ps_server.lifecycle import Lifecycle
-from ps_server.push_ledger import PushLedger
-from ps_server.pushes import begin_push, check_cluster
-from ps_server.store import VariableInfo, VariableStore
+from ps_server.pushes import MAX_WORKER_ID_LENGTH, begin_push, check_cluster
+from ps_server.store import VariableInfo
 from wehub_ps import __version__
 from wehub_ps.codec import (
     CodecError,
@@ -55,6 +55,7 @@ STATUS_BY_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.PUSH_INCOMPLETE: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.MEMORY_LIMIT: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
+    Reason.CHECKPOINTS_DISABLED: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 # Chunks smaller than this are copied out under their lock and packed
@@ -95,17 +96,25 @@ def _info_proto(info: VariableInfo) -> ps_pb2.VariableInfo:
                                initialized=info.initialized, optimizer_steps=info.optimizer_steps)
 
 
+def _checkpoint_proto(record: CheckpointRecord) -> ps_pb2.CheckpointInfo:
+    w = record.written
+    return ps_pb2.CheckpointInfo(checkpoint_id=w.checkpoint_id, path=str(w.path), created_unix=w.created_unix,
+                                 write_seconds=w.write_seconds, pause_seconds=record.pause_seconds,
+                                 bytes=w.bytes, num_shards=w.num_shards)
+
+
 class ParameterServerService:
     """RPC methods only: parse, call the store, frame the answer."""
 
-    def __init__(self, store: VariableStore, ledger: PushLedger, lifecycle: Lifecycle,
-                 server_id: str, default_chunk_bytes: int, max_chunk_bytes: int) -> None:
-        self._store = store
-        self._ledger = ledger
-        self._lifecycle = lifecycle
-        self._server_id = server_id
-        self._default_chunk_bytes = default_chunk_bytes
-        self._max_chunk_bytes = max_chunk_bytes
+    def __init__(self, context: ShardContext) -> None:
+        self._context = context
+        self._store = context.store
+        self._ledger = context.ledger
+        self._lifecycle = context.lifecycle
+        self._membership = context.membership
+        self._server_id = context.server_id
+        self._default_chunk_bytes = context.default_chunk_bytes
+        self._max_chunk_bytes = context.max_chunk_bytes
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """Handlers with raw-bytes (de)serialisation, named as in the proto."""
@@ -114,6 +123,8 @@ class ParameterServerService:
             "CreateVariable": grpc.unary_unary_rpc_method_handler(self.create_variable),
             "Pull": grpc.unary_stream_rpc_method_handler(self.pull),
             "Push": grpc.stream_unary_rpc_method_handler(self.push),
+            "Checkpoint": grpc.unary_unary_rpc_method_handler(self.checkpoint),
+            "Heartbeat": grpc.unary_unary_rpc_method_handler(self.heartbeat),
         })
 
     # ---- control ----
@@ -121,12 +132,45 @@ class ParameterServerService:
     @_unary
     def describe(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         _parse(ps_pb2.DescribeRequest, request)
+        membership = self._membership
         response = ps_pb2.DescribeResponse(
             shard_index=self._store.shard_index, num_shards=self._store.num_shards,
             server_id=self._server_id, server_version=__version__,
             variables=[_info_proto(info) for info in self._store.describe()],
-            chunk_bytes_limit=self._max_chunk_bytes)
+            chunk_bytes_limit=self._max_chunk_bytes,
+            worker_lease_seconds=membership.lease_seconds,
+            workers=[ps_pb2.WorkerInfo(worker_id=r.worker_id, incarnation=r.incarnation, live=r.live,
+                                       seconds_since_seen=membership.seconds_since_seen(r), step=r.step,
+                                       registered_unix=r.registered_unix, pushes=r.pushes)
+                     for r in membership.workers()])
+        checkpointer = self._context.checkpointer
+        if checkpointer is not None and checkpointer.last is not None:
+            response.last_checkpoint.CopyFrom(_checkpoint_proto(checkpointer.last))
+        restored = self._context.restored_from
+        if restored is not None:
+            response.restored_from.CopyFrom(ps_pb2.CheckpointInfo(
+                checkpoint_id=",".join(f"{k}:{v}" for k, v in sorted(restored.checkpoint_ids.items())),
+                path=restored.path, created_unix=restored.created_unix, num_shards=restored.num_shards))
         return response.SerializeToString()
+
+    @_unary
+    def checkpoint(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        _parse(ps_pb2.CheckpointRequest, request)
+        checkpointer = self._context.checkpointer
+        if checkpointer is None:
+            raise RequestError(Reason.CHECKPOINTS_DISABLED,
+                               "this ps-server has no --checkpoint-dir; start it with one to take checkpoints")
+        record = checkpointer.checkpoint("request")
+        assert record is not None
+        return ps_pb2.CheckpointResponse(checkpoint=_checkpoint_proto(record)).SerializeToString()
+
+    @_unary
+    def heartbeat(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        msg = _parse(ps_pb2.HeartbeatRequest, request)
+        _check_worker(msg.worker_id, msg.incarnation)
+        self._membership.seen(msg.worker_id, msg.incarnation, msg.step)
+        return ps_pb2.HeartbeatResponse(lease_seconds=self._membership.lease_seconds,
+                                        server_id=self._server_id).SerializeToString()
 
     @_unary
     def create_variable(self, request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -157,6 +201,9 @@ class ParameterServerService:
         """Validate everything before the first byte is sent."""
         self._lifecycle.check_accepting()
         check_cluster(self._store, msg.shard_index, msg.num_shards)
+        if msg.worker_id and msg.incarnation:
+            _check_worker(msg.worker_id, msg.incarnation)
+            self._membership.seen(msg.worker_id, msg.incarnation, msg.step)
         if not msg.items:
             raise RequestError(Reason.INVALID_REQUEST, "a pull must name at least one variable")
         chunk_bytes = msg.chunk_bytes or self._default_chunk_bytes
@@ -229,6 +276,7 @@ class ParameterServerService:
                             raise RequestError(Reason.INVALID_REQUEST,
                                                "PushBegin may only appear in the first message")
                         active = begin_push(self._store, self._ledger, begin)
+                        self._membership.seen(begin.worker_id, begin.incarnation, begin.step, pushed=True)
                     elif active is None:
                         raise RequestError(Reason.INVALID_REQUEST,
                                            "the first message of a push must carry PushBegin")
@@ -244,6 +292,14 @@ class ParameterServerService:
             versions=[ps_pb2.VariableVersion(variable=k, version=v) for k, v in result.versions.items()],
             duplicate=result.duplicate, elements_applied=result.elements_applied)
         return response.SerializeToString()
+
+
+def _check_worker(worker_id: str, incarnation: str) -> None:
+    if not worker_id or len(worker_id) > MAX_WORKER_ID_LENGTH:
+        raise RequestError(Reason.INVALID_REQUEST,
+                           f"worker_id must be 1 to {MAX_WORKER_ID_LENGTH} characters, got {worker_id!r}")
+    if not incarnation or len(incarnation) > MAX_WORKER_ID_LENGTH:
+        raise RequestError(Reason.INVALID_REQUEST, "incarnation must be a non-empty id of the worker process")
 
 
 def _encode_one(header: ps_pb2.ChunkHeader, values: np.ndarray, version: int) -> bytes:

@@ -20,7 +20,9 @@ from typing import Callable, TypeVar
 
 import numpy as np
 
+from ps_server.checkpoint import LoadedPart, PartSnapshot
 from ps_server.errors import RequestError
+from ps_server.gate import ApplyGate
 from ps_server.initializers import fill_initial_values
 from ps_server.optimizers import make_kernel
 from wehub_ps.dtypes import WIRE_FLOAT_DTYPES, dtype_name
@@ -108,6 +110,31 @@ class VariablePart:
             self.slots[name] = slot
         self.initialized = not isinstance(self.spec.initializer, Explicit)
 
+    def snapshot(self) -> "PartSnapshot":
+        """A copy of values, slots and counters (the caller holds the apply gate exclusive)."""
+        with self.lock:
+            return PartSnapshot(self.spec, self.row_start, self.row_end, self.holds_part, self.version,
+                                self.optimizer_steps, self.initialized, self.value.copy(),
+                                {name: slot.copy() for name, slot in self.slots.items()})
+
+    @classmethod
+    def from_checkpoint(cls, loaded: "LoadedPart") -> "VariablePart":
+        part = cls(loaded.spec, loaded.row_start, loaded.row_end, loaded.holds_part)
+        if loaded.value.size != part.elements:
+            raise ValueError(f"checkpoint holds {loaded.value.size} elements of {loaded.spec.name!r}, "
+                             f"the part needs {part.elements}")
+        part.value = loaded.value.astype(loaded.spec.dtype, copy=False)
+        for name in part.kernel.slot_names:
+            slot = loaded.slots.get(name)
+            if slot is None:  # an empty part: nothing was stored
+                slot = np.empty(part.elements, dtype=part.compute_dtype)
+                part.kernel.init_slot(name, slot)
+            part.slots[name] = slot.astype(part.compute_dtype, copy=False)
+        part.version = loaded.version
+        part.optimizer_steps = loaded.optimizer_steps
+        part.initialized = loaded.initialized
+        return part
+
     def info(self) -> VariableInfo:
         with self.lock:
             return VariableInfo(self.spec, self.row_start, self.row_end, self.version,
@@ -179,12 +206,18 @@ class VariableStore:
     or mistaken shape cannot take the server down.
     """
 
-    def __init__(self, shard_index: int, num_shards: int, memory_limit: int) -> None:
+    def __init__(self, shard_index: int, num_shards: int, memory_limit: int,
+                 gate: ApplyGate | None = None) -> None:
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index} is outside [0, {num_shards})")
         self.shard_index = shard_index
         self.num_shards = num_shards
         self.memory_limit = memory_limit
+        #: Mutations hold it shared, checkpoint snapshots exclusive.
+        self.gate = gate or ApplyGate()
+        #: Bumped on every mutation; a checkpoint is skipped when it did not move.
+        #: (Unlocked increments may collapse under races, but never to "unchanged".)
+        self.generation = 0
         # Guards _parts and _reserved. Lock order: this lock, then a part's.
         self._lock = threading.Lock()
         self._parts: dict[str, VariablePart] = {}
@@ -201,6 +234,10 @@ class VariableStore:
         Returns (info, created). Blocks while another thread is still filling
         the same variable's initial values.
         """
+        with self.gate.shared():
+            return self._create(spec)
+
+    def _create(self, spec: VariableSpec) -> tuple[VariableInfo, bool]:
         part = spec.placement(self.num_shards).part_on(self.shard_index)
         row_start, row_end = (part.row_start, part.row_end) if part else (0, 0)
         with self._lock:
@@ -236,6 +273,7 @@ class VariableStore:
                                f"out of memory allocating {new.nbytes} bytes for {spec.name!r}") from None
         finally:
             new.lock.release()
+        self.generation += 1
         return new.info(), True
 
     def get(self, name: str) -> VariablePart:
@@ -252,6 +290,22 @@ class VariableStore:
 
     def describe(self) -> list[VariableInfo]:
         return [part.info() for part in self.parts()]
+
+    def snapshot(self) -> list[PartSnapshot]:
+        """Copies of every part; call with the gate held exclusive for a consistent instant."""
+        return [part.snapshot() for part in self.parts()]
+
+    def restore(self, loaded: list[LoadedPart]) -> None:
+        """Replace the store's content with parts read from a checkpoint (before serving)."""
+        parts = {p.spec.name: VariablePart.from_checkpoint(p) for p in loaded}
+        needed = sum(p.nbytes for p in parts.values())
+        if needed > self.memory_limit:
+            raise RequestError(Reason.MEMORY_LIMIT,
+                               f"the checkpoint needs {needed} bytes on shard {self.shard_index}, more than "
+                               f"the {self.memory_limit}-byte limit (--max-memory-bytes)")
+        with self._lock:
+            self._parts = parts
+            self._reserved = needed
 
 
 def check_dtype_allowed(part: VariablePart, wire_dtype: np.dtype, assign: bool) -> None:

@@ -29,4 +29,5 @@ class Reason(str, enum.Enum):
     NOT_INITIALIZED = "NOT_INITIALIZED"  # explicit initial value not uploaded
     PUSH_INCOMPLETE = "PUSH_INCOMPLETE"  # stream ended before all chunks came
     MEMORY_LIMIT = "MEMORY_LIMIT"  # would exceed the server's memory budget
-    SHUTTING_DOWN = "SHUTTING_DOWN"  # server is draining after SIGTERM
+    SHUTTING_DOWN = "SHUTTING_DOWN"  # server is starting up or draining after SIGTERM
+    CHECKPOINTS_DISABLED = "CHECKPOINTS_DISABLED"  # no --checkpoint-dir

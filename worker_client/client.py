@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import os
 import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from worker_client.errors import (
     ShapeMismatchError,
     VariableNotFoundError,
 )
+from worker_client.retry import RetryPolicy, call_with_retry
 from worker_client.step import Step
 from worker_client.transport import ShardChannel
 from wehub_ps.cluster import ClusterConfigError, ps_addresses_from_env, split_host_port, task_from_tf_config
@@ -62,6 +64,8 @@ from wehub_ps.specs import (
 from wehub_ps.v1 import ps_pb2
 
 __all__ = ["PSClient", "Variable", "ShardInfo"]
+
+log = logging.getLogger("worker_client")
 
 _WIRE_DTYPES = (np.dtype("float16"), BFLOAT16)
 _INITIALIZER_TYPES = (Zeros, Constant, Uniform, Normal, GlorotUniform)
@@ -99,6 +103,10 @@ class ShardInfo:
     server_version: str
     variables: dict[str, dict[str, Any]]
     chunk_bytes_limit: int = 0
+    worker_lease_seconds: float = 0.0
+    workers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    last_checkpoint: dict[str, Any] | None = None
+    restored_from: dict[str, Any] | None = None
 
 
 def _check_addresses(addresses: Sequence[str] | str) -> tuple[str, ...]:
@@ -139,8 +147,10 @@ class PSClient:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         wire_dtype: str | np.dtype | None = None,
         connect_timeout: float = 60.0,
-        control_timeout: float = 60.0,
-        data_timeout: float = 600.0,
+        control_timeout: float = 30.0,
+        data_timeout: float = 300.0,
+        retry_timeout: float = 300.0,
+        heartbeat: bool = True,
     ) -> None:
         self.addresses = _check_addresses(addresses)
         if worker_id is None:
@@ -150,8 +160,8 @@ class PSClient:
         if not isinstance(chunk_bytes, int) or not 4096 <= chunk_bytes <= 32 << 20:
             raise ValueError(f"chunk_bytes must be an int in [4096, 32 MiB], got {chunk_bytes!r}")
         for arg, value in (("connect_timeout", connect_timeout), ("control_timeout", control_timeout),
-                           ("data_timeout", data_timeout)):
-            if not value > 0:
+                           ("data_timeout", data_timeout), ("retry_timeout", retry_timeout)):
+            if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{arg} must be positive seconds, got {value!r}")
         self.worker_id = worker_id
         #: New on every construction: tells servers apart retries of this
@@ -161,17 +171,28 @@ class PSClient:
         self.wire_dtype = self._check_wire_dtype(wire_dtype)
         self._control_timeout = control_timeout
         self._data_timeout = data_timeout
+        self._retry = RetryPolicy(timeout=retry_timeout)
         self._shards = [ShardChannel(i, a) for i, a in enumerate(self.addresses)]
         self._executor = futures.ThreadPoolExecutor(
             max_workers=max(2, 2 * len(self._shards)), thread_name_prefix=f"ps-client-{worker_id}")
-        # Guards _variables, _versions and _sequences.
+        # Guards _variables, _versions, _sequences, _stats and _step.
         self._lock = threading.Lock()
         self._variables: dict[str, Variable] = {}
         self._versions: dict[str, dict[int, int]] = {}
         self._sequences = [itertools.count(1) for _ in self._shards]
+        self._stats = {"retries": 0, "duplicate_acks": 0, "rollbacks": 0}
+        self._step = 0
         self._closed = False
+        self._stop_heartbeat = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
         try:
-            self._connect(connect_timeout)
+            lease = self._connect(connect_timeout)
+            if heartbeat:
+                self._heartbeat_all(self._control_timeout)  # register before the first step
+                self._heartbeat_thread = threading.Thread(
+                    target=self._heartbeat_loop, args=(max(0.2, lease / 3),),
+                    name=f"ps-heartbeat-{worker_id}", daemon=True)
+                self._heartbeat_thread.start()
         except BaseException:
             self.close()
             raise
@@ -203,9 +224,11 @@ class PSClient:
             raise ValueError(f"wire_dtype must be None, 'float16' or 'bfloat16', got {wire_dtype!r}")
         return dt
 
-    def _connect(self, timeout: float) -> None:
-        infos = self._on_shards(range(len(self._shards)),
-                                lambda s: self._describe_shard(s, timeout, wait_for_ready=True))
+    def _connect(self, timeout: float) -> float:
+        """Check the cluster's identity; returns the shortest worker lease of the servers."""
+        connect_policy = RetryPolicy(timeout=timeout, warn_after=min(10.0, timeout / 2))
+        infos = self._on_shards(range(len(self._shards)), lambda s: call_with_retry(
+            lambda: self._describe_once(s, self._control_timeout), connect_policy, "connect", s.address))
         wrong = [f"{info.address} says it is shard {info.shard_index} of {info.num_shards}"
                  for i, info in infos.items()
                  if (info.shard_index, info.num_shards) != (i, len(self._shards))]
@@ -217,9 +240,14 @@ class PSClient:
             raise ClusterMismatchError(
                 f"the address list {list(self.addresses)} does not match the cluster: "
                 + "; ".join(wrong) + f" (position in the list = shard index, length = {len(self._shards)})")
+        leases = [info.worker_lease_seconds for info in infos.values() if info.worker_lease_seconds > 0]
+        return min(leases) if leases else 30.0
 
-    def _describe_shard(self, shard: ShardChannel, timeout: float, wait_for_ready: bool = False) -> ShardInfo:
-        raw = shard.describe(ps_pb2.DescribeRequest().SerializeToString(), timeout, wait_for_ready)
+    def _describe_shard(self, shard: ShardChannel) -> ShardInfo:
+        return self._call(shard, "describe", lambda: self._describe_once(shard, self._control_timeout))
+
+    def _describe_once(self, shard: ShardChannel, timeout: float) -> ShardInfo:
+        raw = shard.describe(ps_pb2.DescribeRequest().SerializeToString(), timeout)
         msg = ps_pb2.DescribeResponse.FromString(raw)
         variables = {}
         for info in msg.variables:
@@ -228,8 +256,22 @@ class PSClient:
             variables[spec.name] = {"row_start": info.row_start, "row_end": info.row_end,
                                     "version": info.version, "initialized": info.initialized,
                                     "optimizer_steps": info.optimizer_steps}
+        workers = {w.worker_id: {"incarnation": w.incarnation, "live": w.live, "step": w.step,
+                                 "seconds_since_seen": w.seconds_since_seen, "pushes": w.pushes}
+                   for w in msg.workers}
+        checkpoint = None
+        if msg.HasField("last_checkpoint"):
+            c = msg.last_checkpoint
+            checkpoint = {"checkpoint_id": c.checkpoint_id, "path": c.path, "created_unix": c.created_unix,
+                          "bytes": c.bytes, "write_seconds": c.write_seconds, "pause_seconds": c.pause_seconds}
+        restored = None
+        if msg.HasField("restored_from"):
+            r = msg.restored_from
+            restored = {"checkpoint_id": r.checkpoint_id, "path": r.path, "created_unix": r.created_unix,
+                        "num_shards": r.num_shards}
         return ShardInfo(shard.address, msg.shard_index, msg.num_shards, msg.server_id,
-                         msg.server_version, variables, msg.chunk_bytes_limit)
+                         msg.server_version, variables, msg.chunk_bytes_limit, msg.worker_lease_seconds,
+                         workers, checkpoint, restored)
 
     def _remember(self, spec: VariableSpec, created: bool = False) -> Variable:
         variable = Variable(spec, spec.placement(len(self._shards)), created)
@@ -241,8 +283,7 @@ class PSClient:
 
     def describe(self) -> list[ShardInfo]:
         """Ask every server for its identity and variables (also refreshes the client's cache)."""
-        infos = self._on_shards(range(len(self._shards)),
-                                lambda s: self._describe_shard(s, self._control_timeout))
+        infos = self._on_shards(range(len(self._shards)), self._describe_shard)
         return [infos[i] for i in range(len(self._shards))]
 
     def variables(self, refresh: bool = False) -> dict[str, Variable]:
@@ -303,9 +344,9 @@ class PSClient:
 
     def _create_on(self, shard: ShardChannel, spec: VariableSpec) -> ps_pb2.CreateVariableResponse:
         request = ps_pb2.CreateVariableRequest(spec=spec.to_proto(), shard_index=shard.index,
-                                               num_shards=len(self._shards))
-        return ps_pb2.CreateVariableResponse.FromString(
-            shard.create_variable(request.SerializeToString(), self._control_timeout))
+                                               num_shards=len(self._shards)).SerializeToString()
+        return ps_pb2.CreateVariableResponse.FromString(self._call(
+            shard, "create_variable", lambda: shard.create_variable(request, self._control_timeout)))
 
     def pull(self, names: Iterable[str] | str | None = None, *, device: Any = None) -> dict[str, Any]:
         """Current values, ``{name: array}``; all known variables when ``names`` is None.
@@ -332,13 +373,16 @@ class PSClient:
 
     def _pull_from(self, shard: ShardChannel, items: list[tuple[Variable, int, int]],
                    flat: dict[str, np.ndarray]) -> None:
+        with self._lock:
+            step = self._step
         request = ps_pb2.PullRequest(
             shard_index=shard.index, num_shards=len(self._shards),
             items=[ps_pb2.PullItem(variable=v.name) for v, _, _ in items],
             wire_dtype=to_wire_dtype(self.wire_dtype) if self.wire_dtype is not None else 0,
-            chunk_bytes=self.chunk_bytes, worker_id=self.worker_id)
+            chunk_bytes=self.chunk_bytes, worker_id=self.worker_id, incarnation=self.incarnation,
+            step=step).SerializeToString()
         expected = {v.name: (base, count) for v, base, count in items}
-        received = dict.fromkeys(expected, 0)
+        received: dict[str, int] = {}
         versions: dict[str, int] = {}
 
         def on_message(message: bytes) -> None:
@@ -357,15 +401,19 @@ class PSClient:
                 raise PSInternalError(f"pull from {shard.address}: malformed response: {exc}",
                                       address=shard.address) from exc
 
-        shard.pull(request.SerializeToString(), self._data_timeout, on_message)
+        def attempt() -> None:
+            received.clear()
+            received.update(dict.fromkeys(expected, 0))
+            versions.clear()
+            shard.pull(request, self._data_timeout, on_message)
+
+        self._call(shard, "pull", attempt)
         short = {name: (received[name], expected[name][1]) for name in expected
                  if received[name] != expected[name][1]}
         if short:
             raise PSInternalError(f"pull from {shard.address} ended early: received/expected "
                                   f"elements {short}", address=shard.address)
-        with self._lock:
-            for name, version in versions.items():
-                self._versions.setdefault(name, {})[shard.index] = version
+        self._record_versions(shard, versions)
 
     def push(self, gradients: Mapping[str, Any]) -> None:
         """Send gradients; returns once every shard involved has applied them.
@@ -398,6 +446,32 @@ class PSClient:
         """A training step: pulls at the start; call ``step.push(grads)`` at the end."""
         return Step(self, names, device)
 
+    def checkpoint(self) -> list[dict[str, Any]]:
+        """Make every server write a checkpoint now; returns once all are durable."""
+        request = ps_pb2.CheckpointRequest().SerializeToString()
+
+        def on(shard: ShardChannel) -> dict[str, Any]:
+            raw = self._call(shard, "checkpoint", lambda: shard.checkpoint(request, self._data_timeout))
+            c = ps_pb2.CheckpointResponse.FromString(raw).checkpoint
+            return {"address": shard.address, "checkpoint_id": c.checkpoint_id, "path": c.path,
+                    "bytes": c.bytes, "write_seconds": c.write_seconds, "pause_seconds": c.pause_seconds}
+
+        results = self._on_shards(range(len(self._shards)), on)
+        return [results[i] for i in range(len(self._shards))]
+
+    @property
+    def step_count(self) -> int:
+        """Steps completed through :meth:`step` (reported to the servers)."""
+        with self._lock:
+            return self._step
+
+    def stats(self) -> dict[str, int]:
+        """Counters: ``retries`` (RPC attempts repeated), ``duplicate_acks`` (retried
+        pushes the server had already applied), ``rollbacks`` (versions that went
+        backwards: a server restored an older checkpoint)."""
+        with self._lock:
+            return dict(self._stats)
+
     def versions(self, name: str) -> dict[int, int]:
         """Per shard, the version of ``name`` seen by this client's last pull or push."""
         with self._lock:
@@ -408,6 +482,9 @@ class PSClient:
         if self._closed:
             return
         self._closed = True
+        self._stop_heartbeat.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join()
         for shard in self._shards:
             shard.close()
         self._executor.shutdown(wait=True)
@@ -419,6 +496,49 @@ class PSClient:
         self.close()
 
     # ---- internals ----
+
+    def _call(self, shard: ShardChannel, what: str, call: Callable[[], Any]) -> Any:
+        """``call()`` retried while the server is unavailable (see :mod:`worker_client.retry`)."""
+        def counted() -> None:
+            with self._lock:
+                self._stats["retries"] += 1
+        return call_with_retry(call, self._retry, what, shard.address, on_retry=counted)
+
+    def _record_versions(self, shard: ShardChannel, versions: dict[str, int]) -> None:
+        """Remember versions; a version that went backwards means the server rolled back."""
+        rolled_back = {}
+        with self._lock:
+            for name, version in versions.items():
+                known = self._versions.setdefault(name, {})
+                if version < known.get(shard.index, 0):
+                    rolled_back[name] = (known[shard.index], version)
+                known[shard.index] = version
+            if rolled_back:
+                self._stats["rollbacks"] += 1
+        if rolled_back:
+            log.warning("ps-server rolled back", extra={"fields": {
+                "address": shard.address, "shard": shard.index,
+                "versions": {n: f"{a} -> {b}" for n, (a, b) in rolled_back.items()},
+                "meaning": "it restarted from a checkpoint; updates after that checkpoint are lost"}})
+
+    def _finish_step(self) -> None:
+        with self._lock:
+            self._step += 1
+
+    def _heartbeat_all(self, timeout: float) -> None:
+        with self._lock:
+            step = self._step
+        request = ps_pb2.HeartbeatRequest(worker_id=self.worker_id, incarnation=self.incarnation,
+                                          step=step).SerializeToString()
+        for shard in self._shards:
+            try:
+                shard.heartbeat(request, timeout)
+            except PSError as error:  # the next beat, or a retried RPC, will tell more
+                log.debug("heartbeat failed", extra={"fields": {"address": shard.address, "error": str(error)}})
+
+    def _heartbeat_loop(self, interval: float) -> None:
+        while not self._stop_heartbeat.wait(interval):
+            self._heartbeat_all(min(self._control_timeout, interval))
 
     def _resolve(self, names: Iterable[str] | str | None) -> list[Variable]:
         """Variables by name, asking the servers about names not seen yet."""
@@ -452,20 +572,30 @@ class PSClient:
     def _send_push(self, arrays: dict[str, np.ndarray], shards: Sequence[int], kind: int,
                    specs: dict[str, VariableSpec]) -> None:
         def push_to(shard: ShardChannel) -> None:
+            # The sequence is taken once: every retry resends the same push,
+            # chunked the same way, so the server applies it exactly once.
             with self._lock:
                 sequence = next(self._sequences[shard.index])
                 base_versions = {n: self._versions.get(n, {}).get(shard.index, 0) for n in arrays}
-            messages = self._push_messages(shard.index, arrays, specs, kind, sequence, base_versions)
-            response = ps_pb2.PushResponse.FromString(shard.push(messages, self._data_timeout))
-            with self._lock:
-                for entry in response.versions:
-                    self._versions.setdefault(entry.variable, {})[shard.index] = entry.version
+                step = self._step
+            attempts = []
+
+            def attempt() -> bytes:
+                attempts.append(1)
+                messages = self._push_messages(shard.index, arrays, specs, kind, sequence, base_versions, step)
+                return shard.push(messages, self._data_timeout)
+
+            response = ps_pb2.PushResponse.FromString(self._call(shard, "push", attempt))
+            if response.duplicate and len(attempts) > 1:
+                with self._lock:
+                    self._stats["duplicate_acks"] += 1
+            self._record_versions(shard, {e.variable: e.version for e in response.versions})
 
         self._on_shards(shards, push_to)
 
     def _push_messages(self, shard_index: int, arrays: dict[str, np.ndarray],
                        specs: dict[str, VariableSpec], kind: int, sequence: int,
-                       base_versions: dict[str, int]) -> Iterator[bytes]:
+                       base_versions: dict[str, int], step: int) -> Iterator[bytes]:
         """The messages of one push to one shard: begin first, chunks packed up to chunk_bytes."""
         parts = []
         for name, array in arrays.items():
@@ -478,7 +608,7 @@ class PSClient:
             parts.append((name, array[start:start + count]))
         begin = ps_pb2.PushBegin(
             worker_id=self.worker_id, incarnation=self.incarnation, sequence=sequence,
-            shard_index=shard_index, num_shards=len(self._shards), kind=kind,
+            shard_index=shard_index, num_shards=len(self._shards), kind=kind, step=step,
             items=[ps_pb2.PushItem(variable=name, elements=values.size,
                                    wire_dtype=to_wire_dtype(values.dtype),
                                    base_version=base_versions.get(name, 0))

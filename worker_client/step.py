@@ -36,5 +36,7 @@ class Step:
         self._client.push(gradients)
         self.pushed = True
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type, *exc_info: object) -> None:
+        if exc_type is None and self.pushed:
+            self._client._finish_step()
         return None

@@ -30,8 +30,14 @@ class ShardChannel:
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
-            # Loopback and datacenter links: do not wait to coalesce small writes.
-            ("grpc.http2.lookahead_bytes", 0),
+            # Reconnect quickly after a server restart or a cut connection;
+            # the client's own retry loop spaces the attempts.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+            # Notice a dead peer (a partitioned host) within ~30 s.
+            ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
         ]
         self._closed = False
         self._channel = grpc.insecure_channel(address, options=options)
@@ -39,10 +45,17 @@ class ShardChannel:
         self._create = self._channel.unary_unary(method_path("CreateVariable"))
         self._pull = self._channel.unary_stream(method_path("Pull"))
         self._push = self._channel.stream_unary(method_path("Push"))
+        self._heartbeat = self._channel.unary_unary(method_path("Heartbeat"))
+        self._checkpoint = self._channel.unary_unary(method_path("Checkpoint"))
 
-    def describe(self, request: bytes, timeout: float, wait_for_ready: bool = False) -> bytes:
-        return self._guard("describe", lambda: self._describe(request, timeout=timeout,
-                                                               wait_for_ready=wait_for_ready))
+    def describe(self, request: bytes, timeout: float) -> bytes:
+        return self._guard("describe", lambda: self._describe(request, timeout=timeout))
+
+    def heartbeat(self, request: bytes, timeout: float) -> bytes:
+        return self._guard("heartbeat", lambda: self._heartbeat(request, timeout=timeout))
+
+    def checkpoint(self, request: bytes, timeout: float) -> bytes:
+        return self._guard("checkpoint", lambda: self._checkpoint(request, timeout=timeout))
 
     def create_variable(self, request: bytes, timeout: float) -> bytes:
         return self._guard("create_variable", lambda: self._create(request, timeout=timeout))

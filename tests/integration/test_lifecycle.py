@@ -73,7 +73,7 @@ def test_stop_drains_a_push_in_flight_and_refuses_new_work(in_process_server):
         time.sleep(0.01)
     assert _health(address) == health_pb2.HealthCheckResponse.NOT_SERVING
     with pytest.raises(PSUnavailableError, match="shutting down"):
-        with PSClient([address], connect_timeout=5) as late:
+        with PSClient([address], connect_timeout=5, retry_timeout=0.5) as late:
             late.push({"w": ones})
     release.set()
     response = ps_pb2.PushResponse.FromString(future.result())
@@ -89,7 +89,7 @@ def test_sigterm_during_pushes_finishes_them_and_exits_zero(cluster_factory):
     server = cluster.servers[0]
     applied = []
     failures = []
-    with PSClient(cluster.addresses) as client:
+    with PSClient(cluster.addresses, retry_timeout=2) as client:
         client.create_variable("w", shape=(2000, 1000), initializer="zeros", optimizer=SGD(learning_rate=1.0))
         grad = np.ones((2000, 1000), np.float32)
         stop = threading.Event()

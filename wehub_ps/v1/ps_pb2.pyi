@@ -220,20 +220,92 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "server_id", "server_version", "variables", "chunk_bytes_limit")
+    __slots__ = ("shard_index", "num_shards", "server_id", "server_version", "variables", "chunk_bytes_limit", "workers", "worker_lease_seconds", "last_checkpoint", "restored_from")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     server_id: str
     server_version: str
     variables: _containers.RepeatedCompositeFieldContainer[VariableInfo]
     chunk_bytes_limit: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., server_id: _Optional[str] = ..., server_version: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., chunk_bytes_limit: _Optional[int] = ...) -> None: ...
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    worker_lease_seconds: float
+    last_checkpoint: CheckpointInfo
+    restored_from: CheckpointInfo
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., server_id: _Optional[str] = ..., server_version: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., chunk_bytes_limit: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., worker_lease_seconds: _Optional[float] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., restored_from: _Optional[_Union[CheckpointInfo, _Mapping]] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "incarnation", "live", "seconds_since_seen", "step", "registered_unix", "pushes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_SEEN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    incarnation: str
+    live: bool
+    seconds_since_seen: float
+    step: int
+    registered_unix: float
+    pushes: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., live: _Optional[bool] = ..., seconds_since_seen: _Optional[float] = ..., step: _Optional[int] = ..., registered_unix: _Optional[float] = ..., pushes: _Optional[int] = ...) -> None: ...
+
+class CheckpointInfo(_message.Message):
+    __slots__ = ("checkpoint_id", "path", "created_unix", "write_seconds", "pause_seconds", "bytes", "num_shards")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    WRITE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    path: str
+    created_unix: float
+    write_seconds: float
+    pause_seconds: float
+    bytes: int
+    num_shards: int
+    def __init__(self, checkpoint_id: _Optional[str] = ..., path: _Optional[str] = ..., created_unix: _Optional[float] = ..., write_seconds: _Optional[float] = ..., pause_seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("checkpoint",)
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: CheckpointInfo
+    def __init__(self, checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "incarnation", "step")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    incarnation: str
+    step: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_seconds", "server_id")
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_seconds: float
+    server_id: str
+    def __init__(self, lease_seconds: _Optional[float] = ..., server_id: _Optional[str] = ...) -> None: ...
 
 class CreateVariableRequest(_message.Message):
     __slots__ = ("spec", "shard_index", "num_shards")
@@ -264,20 +336,24 @@ class PullItem(_message.Message):
     def __init__(self, variable: _Optional[str] = ..., offset: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "items", "wire_dtype", "chunk_bytes", "worker_id")
+    __slots__ = ("shard_index", "num_shards", "items", "wire_dtype", "chunk_bytes", "worker_id", "incarnation", "step")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     items: _containers.RepeatedCompositeFieldContainer[PullItem]
     wire_dtype: DataType
     chunk_bytes: int
     worker_id: str
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., items: _Optional[_Iterable[_Union[PullItem, _Mapping]]] = ..., wire_dtype: _Optional[_Union[DataType, str]] = ..., chunk_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    incarnation: str
+    step: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., items: _Optional[_Iterable[_Union[PullItem, _Mapping]]] = ..., wire_dtype: _Optional[_Union[DataType, str]] = ..., chunk_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
     __slots__ = ("variable", "offset", "count", "dtype", "version", "part_elements")
@@ -322,7 +398,7 @@ class PushItem(_message.Message):
     def __init__(self, variable: _Optional[str] = ..., elements: _Optional[int] = ..., wire_dtype: _Optional[_Union[DataType, str]] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class PushBegin(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "sequence", "shard_index", "num_shards", "kind", "items")
+    __slots__ = ("worker_id", "incarnation", "sequence", "shard_index", "num_shards", "kind", "items", "step")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +406,7 @@ class PushBegin(_message.Message):
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     sequence: int
@@ -337,7 +414,8 @@ class PushBegin(_message.Message):
     num_shards: int
     kind: PushKind
     items: _containers.RepeatedCompositeFieldContainer[PushItem]
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., sequence: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., items: _Optional[_Iterable[_Union[PushItem, _Mapping]]] = ...) -> None: ...
+    step: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., sequence: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., items: _Optional[_Iterable[_Union[PushItem, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("begin", "chunks")

@@ -54,6 +54,16 @@ class ParameterServerStub:
                 request_serializer=wehub__ps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
                 response_deserializer=wehub__ps_dot_v1_dot_ps__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/wehub_ps.v1.ParameterServer/Checkpoint',
+                request_serializer=wehub__ps_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=wehub__ps_dot_v1_dot_ps__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/wehub_ps.v1.ParameterServer/Heartbeat',
+                request_serializer=wehub__ps_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=wehub__ps_dot_v1_dot_ps__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -90,6 +100,20 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Writes a checkpoint of this shard and answers once it is durable.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Registers a worker or renews its lease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +136,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=wehub__ps_dot_v1_dot_ps__pb2.PushRequest.FromString,
                     response_serializer=wehub__ps_dot_v1_dot_ps__pb2.PushResponse.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=wehub__ps_dot_v1_dot_ps__pb2.CheckpointRequest.FromString,
+                    response_serializer=wehub__ps_dot_v1_dot_ps__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=wehub__ps_dot_v1_dot_ps__pb2.HeartbeatRequest.FromString,
+                    response_serializer=wehub__ps_dot_v1_dot_ps__pb2.HeartbeatResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +256,60 @@ class ParameterServer:
             '/wehub_ps.v1.ParameterServer/Push',
             wehub__ps_dot_v1_dot_ps__pb2.PushRequest.SerializeToString,
             wehub__ps_dot_v1_dot_ps__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wehub_ps.v1.ParameterServer/Checkpoint',
+            wehub__ps_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
+            wehub__ps_dot_v1_dot_ps__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wehub_ps.v1.ParameterServer/Heartbeat',
+            wehub__ps_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
+            wehub__ps_dot_v1_dot_ps__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,401 @@
+"""The on-disk checkpoint format: writing, verifying, choosing, restoring.
+
+Layout under ``--checkpoint-dir`` (one root shared by every shard of a job)::
+
+    shard-0-of-3/
+        ckpt-0000000007/
+            tensors.safetensors   values and optimizer slots of this shard
+            manifest.json         specs, row ranges, versions, optimizer steps,
+                                  the exactly-once ledger, file checksums
+        ckpt-0000000008/ ...
+
+A checkpoint is written into a temporary directory, every file and the
+directory are fsynced, and only then is it renamed into place; the manifest
+carries the SHA-256 of each file and of itself. A checkpoint that fails any
+check (half written, truncated, bytes flipped) is skipped with a loud log
+line and the previous one is used: nothing unverified is ever loaded.
+
+Each manifest records the global row range each variable part covers, so a
+server started with a different ``--num-shards`` assembles its new parts
+from the newest intact checkpoints of the old shards (rows are read with
+safetensors slices, never whole files).
+
+No gRPC here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from google.protobuf import json_format
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from wehub_ps.logs import event
+from wehub_ps.placement import rows_of
+from wehub_ps.specs import VariableSpec
+from wehub_ps.v1 import ps_pb2
+
+__all__ = [
+    "CheckpointError",
+    "PartSnapshot",
+    "ShardSnapshot",
+    "WrittenCheckpoint",
+    "LoadedPart",
+    "RestorePlan",
+    "write_checkpoint",
+    "find_restore_plan",
+    "load_parts",
+    "shard_dir",
+    "clean_temporaries",
+]
+
+log = logging.getLogger("ps_server.checkpoint")
+
+FORMAT = "wehub-ps-checkpoint"
+FORMAT_VERSION = 1
+TENSORS_FILE = "tensors.safetensors"
+MANIFEST_FILE = "manifest.json"
+_CKPT = re.compile(r"ckpt-(\d{10})")
+_SHARD_DIR = re.compile(r"shard-(\d+)-of-(\d+)")
+_SLOT_SEPARATOR = "@"  # variable names never contain it (see wehub_ps.specs)
+
+
+class CheckpointError(Exception):
+    """A checkpoint is missing, damaged, or cannot be used; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class PartSnapshot:
+    """One variable's part, copied out of the store at the snapshot instant."""
+
+    spec: VariableSpec
+    row_start: int
+    row_end: int
+    holds_part: bool
+    version: int
+    optimizer_steps: int
+    initialized: bool
+    value: np.ndarray
+    slots: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class ShardSnapshot:
+    shard_index: int
+    num_shards: int
+    server_id: str
+    parts: list[PartSnapshot]
+    ledger: dict[str, Any]
+    created_unix: float = field(default_factory=time.time)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.value.nbytes + sum(s.nbytes for s in p.slots.values()) for p in self.parts)
+
+
+@dataclass(frozen=True)
+class WrittenCheckpoint:
+    checkpoint_id: str
+    path: Path
+    created_unix: float
+    bytes: int
+    write_seconds: float
+    num_shards: int
+
+
+@dataclass
+class LoadedPart:
+    """A variable part assembled from checkpoint data, ready for the store."""
+
+    spec: VariableSpec
+    row_start: int
+    row_end: int
+    holds_part: bool
+    version: int
+    optimizer_steps: int
+    initialized: bool
+    value: np.ndarray
+    slots: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """Which checkpoints to load: one per old shard of the chosen layout."""
+
+    num_shards: int  # of the checkpoints (the old layout)
+    checkpoints: dict[int, Path]  # old shard index -> checkpoint directory
+    manifests: dict[int, dict[str, Any]]
+
+
+def shard_dir(root: str | os.PathLike, shard_index: int, num_shards: int) -> Path:
+    return Path(root) / f"shard-{shard_index}-of-{num_shards}"
+
+
+# ---- writing -------------------------------------------------------------------------
+
+
+def _fsync_path(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _checksummed(manifest: dict[str, Any]) -> dict[str, Any]:
+    body = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
+    return {**manifest, "manifest_sha256": hashlib.sha256(body.encode()).hexdigest()}
+
+
+def _spec_to_json(spec: VariableSpec) -> dict[str, Any]:
+    return json_format.MessageToDict(spec.to_proto(), preserving_proto_field_name=True)
+
+
+def _spec_from_json(data: dict[str, Any]) -> VariableSpec:
+    return VariableSpec.from_proto(json_format.ParseDict(data, ps_pb2.VariableSpec()))
+
+
+def _existing_ids(directory: Path) -> list[int]:
+    if not directory.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in directory.iterdir() if (m := _CKPT.fullmatch(p.name)))
+
+
+def clean_temporaries(directory: Path) -> None:
+    """Remove half-written checkpoints left by a crash (call before writing)."""
+    if directory.is_dir():
+        for path in directory.iterdir():
+            if path.name.startswith(".tmp-"):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def write_checkpoint(root: str | os.PathLike, snapshot: ShardSnapshot, keep: int) -> WrittenCheckpoint:
+    """Write ``snapshot`` atomically and keep only the newest ``keep`` checkpoints."""
+    started = time.perf_counter()
+    directory = shard_dir(root, snapshot.shard_index, snapshot.num_shards)
+    directory.mkdir(parents=True, exist_ok=True)
+    ids = _existing_ids(directory)
+    checkpoint_id = f"{(ids[-1] + 1) if ids else 1:010d}"
+    tmp = directory / f".tmp-{checkpoint_id}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    tensors: dict[str, np.ndarray] = {}
+    variables = []
+    for part in snapshot.parts:
+        entry = {"spec": _spec_to_json(part.spec), "row_start": part.row_start, "row_end": part.row_end,
+                 "holds_part": part.holds_part, "version": part.version,
+                 "optimizer_steps": part.optimizer_steps, "initialized": part.initialized,
+                 "slots": sorted(part.slots)}
+        if part.holds_part:
+            tensors[part.spec.name] = part.value
+            for slot, values in part.slots.items():
+                tensors[f"{part.spec.name}{_SLOT_SEPARATOR}{slot}"] = values
+        variables.append(entry)
+    tensors_path = tmp / TENSORS_FILE
+    save_file(tensors, str(tensors_path), metadata={"format": FORMAT, "checkpoint_id": checkpoint_id})
+    _fsync_path(tensors_path)
+    manifest = _checksummed({
+        "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint_id": checkpoint_id,
+        "shard_index": snapshot.shard_index, "num_shards": snapshot.num_shards,
+        "server_id": snapshot.server_id, "created_unix": snapshot.created_unix,
+        "variables": variables, "ledger": snapshot.ledger,
+        "files": {TENSORS_FILE: {"sha256": _sha256_file(tensors_path),
+                                 "bytes": tensors_path.stat().st_size}},
+    })
+    manifest_path = tmp / MANIFEST_FILE
+    manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    _fsync_path(manifest_path)
+    _fsync_path(tmp, directory=True)
+    final = directory / f"ckpt-{checkpoint_id}"
+    os.rename(tmp, final)
+    _fsync_path(directory, directory=True)
+    for old in _existing_ids(directory)[:-keep]:
+        shutil.rmtree(directory / f"ckpt-{old:010d}", ignore_errors=True)
+    return WrittenCheckpoint(checkpoint_id, final, snapshot.created_unix,
+                             manifest["files"][TENSORS_FILE]["bytes"],
+                             time.perf_counter() - started, snapshot.num_shards)
+
+
+# ---- verifying and choosing ------------------------------------------------------------
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint directory, its own checksum verified."""
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: manifest unreadable: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a {FORMAT} manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format version {manifest.get('format_version')} is not supported")
+    claimed = manifest.pop("manifest_sha256", None)
+    if _checksummed(manifest)["manifest_sha256"] != claimed:
+        raise CheckpointError(f"{path}: manifest checksum mismatch (file damaged or edited)")
+    return manifest
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """The manifest, after checking every file's size and SHA-256; CheckpointError if any differs."""
+    manifest = read_manifest(path)
+    for name, expected in manifest["files"].items():
+        file = path / name
+        try:
+            size = file.stat().st_size
+        except OSError:
+            raise CheckpointError(f"{path}: {name} is missing") from None
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{path}: {name} has {size} bytes, the manifest says {expected['bytes']}")
+        if _sha256_file(file) != expected["sha256"]:
+            raise CheckpointError(f"{path}: {name} checksum mismatch (corrupted)")
+    return manifest
+
+
+def _newest_intact(directory: Path) -> tuple[Path, dict[str, Any]] | None:
+    for checkpoint_id in reversed(_existing_ids(directory)):
+        path = directory / f"ckpt-{checkpoint_id:010d}"
+        try:
+            return path, verify(path)
+        except CheckpointError as exc:
+            event(log, logging.ERROR, "CHECKPOINT SKIPPED: damaged, falling back to the previous one",
+                  path=str(path), error=str(exc))
+    return None
+
+
+def _layouts(root: Path) -> dict[int, dict[int, Path]]:
+    layouts: dict[int, dict[int, Path]] = {}
+    if root.is_dir():
+        for path in root.iterdir():
+            m = _SHARD_DIR.fullmatch(path.name)
+            if m and path.is_dir() and _existing_ids(path):
+                layouts.setdefault(int(m.group(2)), {})[int(m.group(1))] = path
+    return layouts
+
+
+def _newest_time(directories: dict[int, Path]) -> float:
+    newest = 0.0
+    for directory in directories.values():
+        for checkpoint_id in reversed(_existing_ids(directory)):
+            try:
+                newest = max(newest, float(read_manifest(directory / f"ckpt-{checkpoint_id:010d}")["created_unix"]))
+                break
+            except (CheckpointError, KeyError, TypeError, ValueError):
+                continue
+    return newest
+
+
+def find_restore_plan(root: str | os.PathLike, shard_index: int, num_shards: int) -> RestorePlan | None:
+    """What to restore on start; None when there is nothing to restore.
+
+    Candidates are the layouts (shard counts) for which every shard has
+    checkpointed, plus the server's own layout when its own shard has; the
+    one with the most recent checkpoint wins. With the server's own shard
+    count, its own newest intact checkpoint is used; with another, the
+    newest intact checkpoint of every old shard. Raises CheckpointError when
+    the chosen checkpoints exist but none is usable: starting empty would
+    silently throw the job's state away.
+    """
+    root = Path(root)
+    layouts = _layouts(root)
+    candidates = {m for m, dirs in layouts.items() if set(dirs) == set(range(m))}
+    if shard_index in layouts.get(num_shards, {}):
+        candidates.add(num_shards)
+    if not candidates:
+        if layouts:
+            event(log, logging.WARNING, "incomplete checkpoints ignored; starting empty", root=str(root),
+                  layouts={m: sorted(d) for m, d in layouts.items()})
+        return None
+    chosen = max(candidates, key=lambda m: (_newest_time(layouts[m]), m == num_shards))
+    directories = layouts[chosen]
+    if chosen == num_shards:
+        own = directories[shard_index]
+        found = _newest_intact(own)
+        if found is None:
+            raise CheckpointError(f"every checkpoint in {own} is damaged; move the directory away to "
+                                  "start from scratch, or restore a backup")
+        return RestorePlan(chosen, {shard_index: found[0]}, {shard_index: found[1]})
+    checkpoints, manifests = {}, {}
+    for old_index, directory in sorted(directories.items()):
+        found = _newest_intact(directory)
+        if found is None:
+            raise CheckpointError(f"every checkpoint of old shard {old_index} in {directory} is damaged")
+        checkpoints[old_index], manifests[old_index] = found
+    return RestorePlan(chosen, checkpoints, manifests)
+
+
+# ---- loading -----------------------------------------------------------------------------
+
+
+def load_parts(plan: RestorePlan, shard_index: int, num_shards: int) -> list[LoadedPart]:
+    """This shard's parts under ``num_shards``, read from the plan's checkpoints."""
+    specs: dict[str, VariableSpec] = {}
+    entries: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for old_index, manifest in plan.manifests.items():
+        for entry in manifest["variables"]:
+            spec = _spec_from_json(entry["spec"])
+            known = specs.setdefault(spec.name, spec)
+            if known != spec:
+                raise CheckpointError(f"old shards disagree about the spec of {spec.name!r}: "
+                                      + "; ".join(known.differences(spec)))
+            entries.setdefault(spec.name, []).append((old_index, entry))
+    handles = {i: safe_open(str(path / TENSORS_FILE), framework="numpy") for i, path in plan.checkpoints.items()}
+    loaded = []
+    for name, spec in specs.items():
+        part = spec.placement(num_shards).part_on(shard_index)
+        row_start, row_end = (part.row_start, part.row_end) if part else (0, 0)
+        row_elements = rows_of(spec.shape)[1]
+        sources = entries[name]
+        slot_names = sorted(sources[0][1]["slots"])
+        value, slots = _assemble(name, spec, row_start, row_end, row_elements, slot_names, sources, handles,
+                                 part is not None)
+        loaded.append(LoadedPart(
+            spec, row_start, row_end, part is not None,
+            version=max(e["version"] for _, e in sources if e["holds_part"]) if part else 0,
+            optimizer_steps=max((e["optimizer_steps"] for _, e in sources if e["holds_part"]), default=0),
+            initialized=all(e["initialized"] for _, e in sources if e["holds_part"]),
+            value=value, slots=slots))
+    return loaded
+
+
+def _assemble(name, spec, row_start, row_end, row_elements, slot_names, sources, handles, holds):
+    """Copy rows [row_start, row_end) of the value and each slot from the old parts."""
+    dtype = spec.dtype
+    count = (row_end - row_start) * row_elements
+    value = np.empty(count, dtype=dtype)
+    slots: dict[str, np.ndarray] = {}
+    covered = 0
+    for old_index, entry in sources:
+        if not holds or not entry["holds_part"]:
+            continue
+        lo, hi = max(row_start, entry["row_start"]), min(row_end, entry["row_end"])
+        if lo >= hi:
+            continue
+        keys = [(None, name)] + [(slot, f"{name}{_SLOT_SEPARATOR}{slot}") for slot in slot_names]
+        for slot, key in keys:
+            flat = handles[old_index].get_slice(key)[(lo - entry["row_start"]) * row_elements:
+                                                      (hi - entry["row_start"]) * row_elements]
+            target = value if slot is None else slots.setdefault(slot, np.empty(count, dtype=flat.dtype))
+            target[(lo - row_start) * row_elements:(hi - row_start) * row_elements] = flat
+        covered += hi - lo
+    if holds and covered != row_end - row_start:
+        raise CheckpointError(f"the checkpoints cover {covered} of rows [{row_start}, {row_end}) of {name!r}")
+    return value, slots

@@ -1,0 +1,34 @@
+"""Everything one shard's RPC methods work with, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ps_server.checkpointer import Checkpointer
+from ps_server.lifecycle import Lifecycle
+from ps_server.membership import Membership
+from ps_server.push_ledger import PushLedger
+from ps_server.store import VariableStore
+
+__all__ = ["ShardContext", "RestoredFrom"]
+
+
+@dataclass(frozen=True)
+class RestoredFrom:
+    checkpoint_ids: dict[int, str]  # old shard index -> checkpoint id
+    path: str
+    created_unix: float
+    num_shards: int
+
+
+@dataclass
+class ShardContext:
+    store: VariableStore
+    ledger: PushLedger
+    lifecycle: Lifecycle
+    membership: Membership
+    server_id: str
+    default_chunk_bytes: int
+    max_chunk_bytes: int
+    checkpointer: Checkpointer | None = None
+    restored_from: RestoredFrom | None = field(default=None)

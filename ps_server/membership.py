@@ -1,0 +1,121 @@
+"""Which workers are live: registration and leases renewed by heartbeat.
+
+A worker registers with its first heartbeat and stays live while it renews
+its lease (every heartbeat, push or pull renews it); a worker not seen for
+``lease_seconds`` drops out of the live set. A worker that restarts comes
+back with a new incarnation and replaces its old record. The consistency
+modes (sync, SSP) block on live workers only, so a dead worker never blocks
+anyone; they subscribe to changes through :meth:`Membership.subscribe`.
+
+No gRPC; thread-safe; the clock is injectable for tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from wehub_ps.logs import event
+
+__all__ = ["Membership", "WorkerRecord"]
+
+log = logging.getLogger("ps_server.membership")
+
+# Bound on remembered workers, live or not: a record is small, but a client
+# bug inventing ids must not grow the table forever.
+MAX_WORKERS = 100_000
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    worker_id: str
+    incarnation: str
+    registered_unix: float
+    last_seen: float  # on the membership's clock
+    step: int
+    pushes: int
+    live: bool
+
+
+class Membership:
+    def __init__(self, lease_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if not lease_seconds > 0:
+            raise ValueError(f"lease_seconds must be positive, got {lease_seconds!r}")
+        self.lease_seconds = lease_seconds
+        self._clock = clock
+        # Guards _workers and _listeners.
+        self._lock = threading.Lock()
+        self._workers: dict[str, WorkerRecord] = {}
+        self._listeners: list[Callable[[], None]] = []
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (without locks held) whenever the live set may have changed."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def seen(self, worker_id: str, incarnation: str, step: int | None = None, pushed: bool = False) -> None:
+        """Register or renew a worker's lease (heartbeat, push or pull)."""
+        now = self._clock()
+        changed = False
+        with self._lock:
+            record = self._workers.get(worker_id)
+            if record is None or record.incarnation != incarnation:
+                if record is not None:
+                    event(log, logging.INFO, "worker restarted", worker_id=worker_id,
+                          old_incarnation=record.incarnation, incarnation=incarnation)
+                else:
+                    event(log, logging.INFO, "worker registered", worker_id=worker_id, incarnation=incarnation)
+                record = WorkerRecord(worker_id, incarnation, time.time(), now, step or 0, 0, True)
+                changed = True
+                if len(self._workers) >= MAX_WORKERS:
+                    oldest = min(self._workers.values(), key=lambda r: r.last_seen)
+                    del self._workers[oldest.worker_id]
+            elif not self._is_live(record, now):
+                event(log, logging.INFO, "worker back", worker_id=worker_id)
+                changed = True
+            record = replace(record, last_seen=now, live=True,
+                             step=max(record.step, step) if step is not None else record.step,
+                             pushes=record.pushes + (1 if pushed else 0))
+            self._workers[worker_id] = record
+        if changed:
+            self._notify()
+
+    def expire(self) -> list[str]:
+        """Mark workers whose lease ran out as not live; returns their ids."""
+        now = self._clock()
+        expired = []
+        with self._lock:
+            for worker_id, record in self._workers.items():
+                if record.live and not self._is_live(record, now):
+                    self._workers[worker_id] = replace(record, live=False)
+                    expired.append(worker_id)
+        for worker_id in expired:
+            event(log, logging.INFO, "worker lease expired", worker_id=worker_id,
+                  lease_seconds=self.lease_seconds)
+        if expired:
+            self._notify()
+        return expired
+
+    def workers(self) -> list[WorkerRecord]:
+        """Every remembered worker, with ``live`` evaluated now."""
+        now = self._clock()
+        with self._lock:
+            return [replace(r, live=self._is_live(r, now)) for r in self._workers.values()]
+
+    def live_ids(self) -> set[str]:
+        return {r.worker_id for r in self.workers() if r.live}
+
+    def seconds_since_seen(self, record: WorkerRecord) -> float:
+        return max(0.0, self._clock() - record.last_seen)
+
+    def _is_live(self, record: WorkerRecord, now: float) -> bool:
+        return now - record.last_seen <= self.lease_seconds
+
+    def _notify(self) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()

@@ -1,0 +1,74 @@
+"""Retrying calls that may safely be repeated, and saying why we wait.
+
+Every RPC of the client is safe to repeat: describe and pull read,
+create is idempotent, and a push carries (worker, incarnation, sequence) so
+the server applies it once however often it arrives. So on UNAVAILABLE or
+DEADLINE_EXCEEDED (a server restarting, a connection cut) the client backs
+off exponentially with full jitter and tries again, up to ``timeout``
+seconds in total: a restarting ps-server makes workers wait, not crash.
+Waiting is never silent: past ``warn_after`` seconds each retry logs which
+server it waits for and why, at most every ``warn_every`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from worker_client.errors import PSUnavailableError
+
+__all__ = ["RetryPolicy", "call_with_retry"]
+
+log = logging.getLogger("worker_client")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    timeout: float = 300.0
+    initial_backoff: float = 0.05
+    max_backoff: float = 3.0
+    warn_after: float = 10.0
+    warn_every: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("timeout", "initial_backoff", "max_backoff", "warn_after", "warn_every"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"retry {name} must be a number >= 0, got {value!r}")
+
+
+def call_with_retry(call: Callable[[], T], policy: RetryPolicy, what: str, address: str,
+                    on_retry: Callable[[], None] | None = None,
+                    sleep: Callable[[float], None] = time.sleep) -> T:
+    """``call()``, retried on PSUnavailableError until ``policy.timeout`` has passed."""
+    started = time.monotonic()
+    backoff = policy.initial_backoff
+    attempts = 0
+    last_warning = -float("inf")
+    while True:
+        attempts += 1
+        try:
+            return call()
+        except PSUnavailableError as error:
+            waited = time.monotonic() - started
+            if waited >= policy.timeout:
+                raise PSUnavailableError(
+                    f"{error} — gave up after {attempts} attempts over {waited:.1f}s "
+                    f"(retry_timeout {policy.timeout:.0f}s)", address=error.address, reason=error.reason,
+                    code=error.code) from error
+            if waited >= policy.warn_after and waited - last_warning >= policy.warn_every:
+                last_warning = waited
+                log.warning("waiting for ps-server", extra={"fields": {
+                    "address": address, "call": what, "waited_seconds": round(waited, 1),
+                    "attempts": attempts, "error": str(error), "gives_up_after": policy.timeout}})
+            if on_retry is not None:
+                on_retry()
+            delay = min(random.uniform(0, backoff), policy.timeout - waited)
+            sleep(max(0.0, delay))
+            backoff = min(policy.max_backoff, backoff * 2)
