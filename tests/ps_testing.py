@@ -146,6 +146,13 @@ class ClusterFactory:
             server.wait_ready()
         return cluster
 
+    def process(self, *argv: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start ``python argv...`` with the repo importable; stopped at teardown."""
+        popen = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, cwd=str(ROOT), env=child_env(env))
+        self.others.append(popen)
+        return popen
+
     def python(self, code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start ``python -c code args...`` with the repo importable; stopped at teardown."""
         popen = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
