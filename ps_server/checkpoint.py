@@ -25,6 +25,7 @@ No gRPC here.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -43,8 +44,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from wehub_ps.logs import event
-from wehub_ps.placement import rows_of
-from wehub_ps.specs import VariableSpec
+from wehub_ps.placement import hash_shards, rows_of
+from wehub_ps.specs import Explicit, VariableSpec
 from wehub_ps.v1 import ps_pb2
 
 __all__ = [
@@ -89,6 +90,11 @@ class PartSnapshot:
     initialized: bool
     value: np.ndarray
     slots: dict[str, np.ndarray]
+    #: Dense variables: per-row step counts of sparse Adam updates, if any.
+    row_steps: np.ndarray | None = None
+    #: Hash tables: ids, value, slot:<name>, row_steps, last_access of the live rows.
+    rows: dict[str, np.ndarray] | None = None
+    evicted_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,8 @@ class ShardSnapshot:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.value.nbytes + sum(s.nbytes for s in p.slots.values()) for p in self.parts)
+        return sum(p.value.nbytes + sum(s.nbytes for s in p.slots.values())
+                   + sum(r.nbytes for r in (p.rows or {}).values()) for p in self.parts)
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,9 @@ class LoadedPart:
     initialized: bool
     value: np.ndarray
     slots: dict[str, np.ndarray]
+    row_steps: np.ndarray | None = None
+    rows: dict[str, np.ndarray] | None = None
+    evicted_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -204,11 +214,18 @@ def write_checkpoint(root: str | os.PathLike, snapshot: ShardSnapshot, keep: int
         entry = {"spec": _spec_to_json(part.spec), "row_start": part.row_start, "row_end": part.row_end,
                  "holds_part": part.holds_part, "version": part.version,
                  "optimizer_steps": part.optimizer_steps, "initialized": part.initialized,
-                 "slots": sorted(part.slots)}
-        if part.holds_part:
+                 "slots": sorted(part.slots), "row_steps": part.row_steps is not None,
+                 "rows": sorted(part.rows) if part.rows is not None else None,
+                 "evicted_rows": part.evicted_rows}
+        if part.rows is not None:
+            for key, values in part.rows.items():
+                tensors[f"{part.spec.name}{_SLOT_SEPARATOR}rows:{key}"] = values
+        elif part.holds_part:
             tensors[part.spec.name] = part.value
             for slot, values in part.slots.items():
                 tensors[f"{part.spec.name}{_SLOT_SEPARATOR}{slot}"] = values
+            if part.row_steps is not None:
+                tensors[f"{part.spec.name}{_SLOT_SEPARATOR}row_steps"] = part.row_steps
         variables.append(entry)
     tensors_path = tmp / TENSORS_FILE
     save_file(tensors, str(tensors_path), metadata={"format": FORMAT, "checkpoint_id": checkpoint_id})
@@ -291,24 +308,25 @@ def _layouts(root: Path) -> dict[int, dict[int, Path]]:
     return layouts
 
 
-def _newest_time(directories: dict[int, Path]) -> float:
-    newest = 0.0
-    for directory in directories.values():
-        for checkpoint_id in reversed(_existing_ids(directory)):
-            try:
-                newest = max(newest, float(read_manifest(directory / f"ckpt-{checkpoint_id:010d}")["created_unix"]))
-                break
-            except (CheckpointError, KeyError, TypeError, ValueError):
-                continue
-    return newest
+def _newest_time(directory: Path) -> float:
+    """When the newest checkpoint with a valid manifest in ``directory`` was taken (0 if none)."""
+    for checkpoint_id in reversed(_existing_ids(directory)):
+        try:
+            return float(read_manifest(directory / f"ckpt-{checkpoint_id:010d}")["created_unix"])
+        except (CheckpointError, KeyError, TypeError, ValueError):
+            continue
+    return 0.0
 
 
 def find_restore_plan(root: str | os.PathLike, shard_index: int, num_shards: int) -> RestorePlan | None:
     """What to restore on start; None when there is nothing to restore.
 
     Candidates are the layouts (shard counts) for which every shard has
-    checkpointed, plus the server's own layout when its own shard has; the
-    one with the most recent checkpoint wins. With the server's own shard
+    checkpointed, plus the server's own layout when its own shard has. The
+    own layout is as recent as this shard's own newest checkpoint (that is
+    what it would load); another layout is as recent as the oldest of its
+    shards' newest checkpoints (it needs all of them). The most recent wins,
+    so a stale checkpoint of an earlier run never beats a newer job. With the server's own shard
     count, its own newest intact checkpoint is used; with another, the
     newest intact checkpoint of every old shard. Raises CheckpointError when
     the chosen checkpoints exist but none is usable: starting empty would
@@ -324,7 +342,12 @@ def find_restore_plan(root: str | os.PathLike, shard_index: int, num_shards: int
             event(log, logging.WARNING, "incomplete checkpoints ignored; starting empty", root=str(root),
                   layouts={m: sorted(d) for m, d in layouts.items()})
         return None
-    chosen = max(candidates, key=lambda m: (_newest_time(layouts[m]), m == num_shards))
+    def recency(m: int) -> float:
+        if m == num_shards:
+            return _newest_time(layouts[m][shard_index])
+        return min(_newest_time(d) for d in layouts[m].values())
+
+    chosen = max(candidates, key=lambda m: (recency(m), m == num_shards))
     directories = layouts[chosen]
     if chosen == num_shards:
         own = directories[shard_index]
@@ -348,7 +371,7 @@ def find_restore_plan(root: str | os.PathLike, shard_index: int, num_shards: int
 def load_parts(plan: RestorePlan, shard_index: int, num_shards: int) -> list[LoadedPart]:
     """This shard's parts under ``num_shards``, read from the plan's checkpoints."""
     specs: dict[str, VariableSpec] = {}
-    entries: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    entries: dict[str, list[tuple[int, dict[str, Any]]]] = {}  # name -> (old shard, manifest entry)
     for old_index, manifest in plan.manifests.items():
         for entry in manifest["variables"]:
             spec = _spec_from_json(entry["spec"])
@@ -357,23 +380,60 @@ def load_parts(plan: RestorePlan, shard_index: int, num_shards: int) -> list[Loa
                 raise CheckpointError(f"old shards disagree about the spec of {spec.name!r}: "
                                       + "; ".join(known.differences(spec)))
             entries.setdefault(spec.name, []).append((old_index, entry))
-    handles = {i: safe_open(str(path / TENSORS_FILE), framework="numpy") for i, path in plan.checkpoints.items()}
-    loaded = []
-    for name, spec in specs.items():
-        part = spec.placement(num_shards).part_on(shard_index)
-        row_start, row_end = (part.row_start, part.row_end) if part else (0, 0)
-        row_elements = rows_of(spec.shape)[1]
-        sources = entries[name]
-        slot_names = sorted(sources[0][1]["slots"])
-        value, slots = _assemble(name, spec, row_start, row_end, row_elements, slot_names, sources, handles,
-                                 part is not None)
-        loaded.append(LoadedPart(
-            spec, row_start, row_end, part is not None,
-            version=max(e["version"] for _, e in sources if e["holds_part"]) if part else 0,
-            optimizer_steps=max((e["optimizer_steps"] for _, e in sources if e["holds_part"]), default=0),
-            initialized=all(e["initialized"] for _, e in sources if e["holds_part"]),
-            value=value, slots=slots))
-    return loaded
+    with contextlib.ExitStack() as stack:
+        handles = {i: stack.enter_context(safe_open(str(path / TENSORS_FILE), framework="numpy"))
+                   for i, path in plan.checkpoints.items()}
+        return [_load_variable(spec, entries[spec.name], handles, shard_index, num_shards)
+                for spec in specs.values()]
+
+
+def _load_variable(spec: VariableSpec, sources, handles, shard_index: int, num_shards: int) -> LoadedPart:
+    """One variable's part under ``num_shards``, from the old parts in ``sources``."""
+    name = spec.name
+    if spec.hash_table:
+        return _load_table(spec, sources, handles, shard_index, num_shards)
+    part = spec.placement(num_shards).part_on(shard_index)
+    row_start, row_end = (part.row_start, part.row_end) if part else (0, 0)
+    row_elements = rows_of(spec.shape)[1]
+    slot_names = sorted(sources[0][1]["slots"])
+    with_steps = any(e.get("row_steps") for _, e in sources if e["holds_part"])
+    value, slots = _assemble(name, spec, row_start, row_end, row_elements,
+                             slot_names + (["row_steps"] if with_steps else []), sources, handles,
+                             part is not None)
+    row_steps = slots.pop("row_steps", None)
+    if with_steps and row_steps is None:
+        row_steps = np.zeros(row_end - row_start, np.int64)
+    holders = [e for _, e in sources if e["holds_part"]] if part else []
+    return LoadedPart(
+        spec, row_start, row_end, part is not None,
+        version=max((e["version"] for e in holders), default=0),
+        optimizer_steps=max((e["optimizer_steps"] for e in holders), default=0),
+        # A shard without rows never receives the explicit value itself.
+        initialized=(all(e["initialized"] for e in holders) if holders
+                     else not isinstance(spec.initializer, Explicit)),
+        value=value, slots=slots, row_steps=row_steps)
+
+
+def _load_table(spec: VariableSpec, sources, handles, shard_index: int, num_shards: int) -> LoadedPart:
+    """This shard's rows of a hash table: the old shards' rows whose id now maps here."""
+    gathered: dict[str, list[np.ndarray]] = {}
+    for old_index, entry in sources:
+        keys = entry["rows"] or []
+        arrays = {key: handles[old_index].get_tensor(f"{spec.name}{_SLOT_SEPARATOR}rows:{key}") for key in keys}
+        if not arrays:
+            continue
+        mine = hash_shards(arrays["ids"], num_shards) == shard_index
+        for key, values in arrays.items():
+            gathered.setdefault(key, []).append(values[mine])
+    rows = {key: np.concatenate(parts) for key, parts in gathered.items()}
+    if "ids" in rows and len(np.unique(rows["ids"])) != len(rows["ids"]):
+        raise CheckpointError(f"old shards hold the same row id of {spec.name!r} twice")
+    holders = [e for _, e in sources]
+    return LoadedPart(spec, 0, 0, True,
+                      version=max(e["version"] for e in holders),
+                      optimizer_steps=max(e["optimizer_steps"] for e in holders),
+                      initialized=True, value=np.empty(0, spec.dtype), slots={}, rows=rows,
+                      evicted_rows=sum(e.get("evicted_rows", 0) for e in holders))
 
 
 def _assemble(name, spec, row_start, row_end, row_elements, slot_names, sources, handles, holds):
@@ -391,10 +451,15 @@ def _assemble(name, spec, row_start, row_end, row_elements, slot_names, sources,
             continue
         keys = [(None, name)] + [(slot, f"{name}{_SLOT_SEPARATOR}{slot}") for slot in slot_names]
         for slot, key in keys:
-            flat = handles[old_index].get_slice(key)[(lo - entry["row_start"]) * row_elements:
-                                                      (hi - entry["row_start"]) * row_elements]
-            target = value if slot is None else slots.setdefault(slot, np.empty(count, dtype=flat.dtype))
-            target[(lo - row_start) * row_elements:(hi - row_start) * row_elements] = flat
+            width = 1 if slot == "row_steps" else row_elements  # per-row arrays have one entry per row
+            if slot == "row_steps" and not entry.get("row_steps"):
+                slots.setdefault(slot, np.zeros(row_end - row_start, np.int64))
+                continue
+            flat = handles[old_index].get_slice(key)[(lo - entry["row_start"]) * width:
+                                                      (hi - entry["row_start"]) * width]
+            size = (row_end - row_start) * width
+            target = value if slot is None else slots.setdefault(slot, np.empty(size, dtype=flat.dtype))
+            target[(lo - row_start) * width:(hi - row_start) * width] = flat
         covered += hi - lo
     if holds and covered != row_end - row_start:
         raise CheckpointError(f"the checkpoints cover {covered} of rows [{row_start}, {row_end}) of {name!r}")

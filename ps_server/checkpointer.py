@@ -40,8 +40,10 @@ class Checkpointer:
         self._server_id = server_id
         self._keep = keep
         self._interval = interval
-        # Serialises checkpoints and guards _last and _last_generation.
+        # Serialises checkpoints (held during the write) and guards _last_generation.
         self._lock = threading.Lock()
+        # Guards _last only, so Describe never waits for a write in progress.
+        self._last_lock = threading.Lock()
         self._last: CheckpointRecord | None = None
         self._last_generation: int | None = None
         self._stop = threading.Event()
@@ -50,7 +52,7 @@ class Checkpointer:
 
     @property
     def last(self) -> CheckpointRecord | None:
-        with self._lock:
+        with self._last_lock:
             return self._last
 
     def mark_restored(self) -> None:
@@ -70,12 +72,14 @@ class Checkpointer:
                                          self._store.snapshot(), {"entries": self._ledger.snapshot()})
             pause = time.perf_counter() - paused
             written = write_checkpoint(self._directory, snapshot, self._keep)
-            self._last = CheckpointRecord(written, pause)
+            record = CheckpointRecord(written, pause)
+            with self._last_lock:
+                self._last = record
             self._last_generation = generation
         event(log, logging.INFO, "checkpoint written", reason=reason, checkpoint_id=written.checkpoint_id,
               path=str(written.path), bytes=written.bytes, write_seconds=round(written.write_seconds, 3),
               pause_seconds=round(pause, 3))
-        return self._last
+        return record
 
     def start_periodic(self) -> None:
         if self._interval <= 0 or self._thread is not None:

@@ -50,6 +50,10 @@ class ServerConfig:
     checkpoint_interval: float = 300.0
     keep_checkpoints: int = 3
     worker_lease: float = 30.0
+    max_rows: int = 0
+    consistency: str = "async"
+    staleness: int = 0
+    backup_workers: int = 0
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -78,6 +82,13 @@ class ServerConfig:
             raise ConfigError(f"--keep-checkpoints must be at least 1, got {self.keep_checkpoints}")
         if not math.isfinite(self.worker_lease) or self.worker_lease <= 0:
             raise ConfigError(f"--worker-lease must be positive seconds, got {self.worker_lease}")
+        if self.max_rows < 0:
+            raise ConfigError(f"--max-rows must be >= 0, got {self.max_rows}")
+        if self.consistency not in ("async", "ssp", "sync"):
+            raise ConfigError(f"--consistency must be async, ssp or sync, got {self.consistency!r}")
+        if self.staleness < 0 or self.backup_workers < 0:
+            raise ConfigError(f"--staleness and --backup-workers must be >= 0, got "
+                              f"{self.staleness} and {self.backup_workers}")
 
     @property
     def memory_limit(self) -> int:
@@ -100,6 +111,10 @@ _HELP = {
     "checkpoint_interval": "seconds between periodic checkpoints (with --checkpoint-dir); 0 = only on request and SIGTERM",
     "keep_checkpoints": "checkpoints of this shard to keep",
     "worker_lease": "seconds a worker stays live without a heartbeat",
+    "max_rows": "rows per hash table on this shard at most; 0 = bounded by memory only",
+    "consistency": "async (apply every push at once), ssp (bounded staleness) or sync (aggregate each step)",
+    "staleness": "ssp: a worker at step c waits until every live worker has pushed step c - staleness",
+    "backup_workers": "sync: apply a step once all live workers but this many have pushed it",
 }
 
 

@@ -43,9 +43,12 @@ class ApplyGate:
     def exclusive(self) -> Iterator[None]:
         with self._cond:
             self._waiting += 1
-            while self._exclusive or self._shared:
-                self._cond.wait()
-            self._waiting -= 1
+            try:
+                while self._exclusive or self._shared:
+                    self._cond.wait()
+            finally:  # also when interrupted: never leave shared entrants blocked
+                self._waiting -= 1
+                self._cond.notify_all()
             self._exclusive = True
         try:
             yield

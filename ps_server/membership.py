@@ -68,9 +68,10 @@ class Membership:
                           old_incarnation=record.incarnation, incarnation=incarnation)
                 else:
                     event(log, logging.INFO, "worker registered", worker_id=worker_id, incarnation=incarnation)
+                new_worker = record is None
                 record = WorkerRecord(worker_id, incarnation, time.time(), now, step or 0, 0, True)
                 changed = True
-                if len(self._workers) >= MAX_WORKERS:
+                if new_worker and len(self._workers) >= MAX_WORKERS:
                     oldest = min(self._workers.values(), key=lambda r: r.last_seen)
                     del self._workers[oldest.worker_id]
             elif not self._is_live(record, now):

@@ -26,6 +26,9 @@ __all__ = ["OptimizerKernel", "make_kernel"]
 class OptimizerKernel(Protocol):
     #: Names of the per-element state arrays this optimizer keeps.
     slot_names: tuple[str, ...]
+    #: True when the update depends on a step count (Adam's bias correction):
+    #: sparse updates then keep one count per row.
+    needs_row_steps: bool
 
     def init_slot(self, name: str, out: np.ndarray) -> None:
         """Fill a freshly allocated slot with its initial value."""
@@ -34,8 +37,26 @@ class OptimizerKernel(Protocol):
               step: int, scratch: np.ndarray) -> None:
         """Update ``w`` (and ``slots``) in place; ``step`` counts from 1."""
 
+    def apply_rows(self, w: np.ndarray, g: np.ndarray, slots: dict[str, np.ndarray],
+                   steps: np.ndarray) -> None:
+        """Sparse update of gathered rows, (k, row_elements) each, in place.
 
-class _SGDKernel:
+        ``steps`` holds each row's own step count (from 1), so rows touched
+        rarely get the bias correction of their own history (lazy Adam).
+        """
+
+
+class _FlatRows:
+    """apply_rows for optimizers whose update ignores the step count."""
+
+    needs_row_steps = False
+
+    def apply_rows(self, w, g, slots, steps):
+        flat_slots = {name: slot.reshape(-1) for name, slot in slots.items()}
+        self.apply(w.reshape(-1), g.reshape(-1), flat_slots, 0, np.empty(w.size, dtype=w.dtype))
+
+
+class _SGDKernel(_FlatRows):
     slot_names: tuple[str, ...] = ()
 
     def __init__(self, config: SGD) -> None:
@@ -50,7 +71,7 @@ class _SGDKernel:
         np.subtract(w, s, out=w)
 
 
-class _MomentumKernel:
+class _MomentumKernel(_FlatRows):
     slot_names = ("momentum",)
 
     def __init__(self, config: Momentum) -> None:
@@ -75,7 +96,7 @@ class _MomentumKernel:
         np.subtract(w, s, out=w)
 
 
-class _AdagradKernel:
+class _AdagradKernel(_FlatRows):
     slot_names = ("accumulator",)
 
     def __init__(self, config: Adagrad) -> None:
@@ -100,6 +121,7 @@ class _AdagradKernel:
 
 class _AdamKernel:
     slot_names = ("m", "v")
+    needs_row_steps = True
 
     def __init__(self, config: Adam) -> None:
         self.lr = config.learning_rate
@@ -130,6 +152,17 @@ class _AdamKernel:
         np.divide(m, s, out=s)
         np.multiply(s, lr_t, out=s, casting="unsafe")
         np.subtract(w, s, out=w)
+
+    def apply_rows(self, w, g, slots, steps):
+        m, v = slots["m"], slots["v"]
+        b1, b2 = self.beta_1, self.beta_2
+        t = steps.astype(np.float64)[:, None]
+        lr_t = (self.lr * np.sqrt(1.0 - b2**t) / (1.0 - b1**t)).astype(w.dtype)
+        m *= b1
+        m += (1.0 - b1) * g
+        v *= b2
+        v += (1.0 - b2) * (g * g)
+        w -= lr_t * m / (np.sqrt(v) + self.epsilon)
 
 
 _KERNELS = {SGD: _SGDKernel, Momentum: _MomentumKernel, Adagrad: _AdagradKernel, Adam: _AdamKernel}

@@ -20,7 +20,9 @@ import numpy as np
 
 from ps_server.errors import RequestError
 from ps_server.push_ledger import ClaimResult, PushLedger, PushSession
+from ps_server.rows import parse_row_ids
 from ps_server.store import VariablePart, VariableStore, check_dtype_allowed
+from ps_server.tables import HashTablePart
 from wehub_ps.codec import CodecError, DecodedChunk
 from wehub_ps.dtypes import dtype_name, to_numpy_dtype
 from wehub_ps.errors import Reason
@@ -40,8 +42,11 @@ class PushResult:
 
 @dataclass(frozen=True)
 class _Item:
-    part: VariablePart
+    part: VariablePart | HashTablePart
     wire_dtype: np.dtype
+    #: Row pushes: the rows updated, in the order of the pushed block.
+    row_ids: np.ndarray | None = None
+    elements: int = 0
 
 
 def check_cluster(store: VariableStore, shard_index: int, num_shards: int) -> None:
@@ -88,12 +93,17 @@ class ActivePush:
             )
         part = item.part
         offset, count = header.offset, header.count
-        if offset + count > part.elements:
+        if offset + count > item.elements:
             raise RequestError(
                 Reason.INVALID_CHUNK,
-                f"chunk [{offset}, {offset + count}) of {header.variable!r} is outside this "
-                f"shard's part of {part.elements} elements",
+                f"chunk [{offset}, {offset + count}) of {header.variable!r} is outside the "
+                f"{item.elements} elements this push declared",
             )
+        width = part.spec.row_elements
+        if item.row_ids is not None and (offset % width or count % width):
+            raise RequestError(Reason.INVALID_CHUNK,
+                               f"chunk [{offset}, {offset + count}) of {header.variable!r} does not hold "
+                               f"whole rows of {width} elements")
         try:
             values = chunk.array()
         except CodecError as exc:
@@ -106,7 +116,10 @@ class ActivePush:
             if self._session.claim(header.variable, offset, count) == ClaimResult.ALREADY_APPLIED:
                 return
             try:
-                if self._assign:
+                if item.row_ids is not None:
+                    rows = item.row_ids[offset // width:(offset + count) // width]
+                    part.apply_rows(rows, values.reshape(len(rows), width))
+                elif self._assign:
                     part.assign(offset, values)
                 else:
                     step = self._session.step_for(header.variable, part.reserve_step)
@@ -163,12 +176,28 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
         if declared.variable in items:
             raise RequestError(Reason.INVALID_REQUEST, f"variable {declared.variable!r} is declared twice")
         part = store.get(declared.variable)
-        if not part.holds_part:
+        row_ids = None
+        if declared.row_ids or part.spec.hash_table:
+            if assign:
+                raise RequestError(Reason.INVALID_REQUEST, "an ASSIGN push cannot address rows")
+            if not declared.row_ids and declared.elements:
+                raise RequestError(Reason.INVALID_REQUEST,
+                                   f"{declared.variable!r} is a hash table: push it by rows (push_rows)")
+            row_ids = parse_row_ids(part, declared.row_ids, store.shard_index, store.num_shards, unique=True)
+            expected = len(row_ids) * part.spec.row_elements
+        elif not part.holds_part:
             raise RequestError(
                 Reason.INVALID_REQUEST,
                 f"variable {declared.variable!r} has no part on shard {store.shard_index}",
             )
-        if declared.elements != part.elements:
+        else:
+            expected = part.elements
+        if declared.elements != expected:
+            if row_ids is not None:
+                raise RequestError(
+                    Reason.SHAPE_MISMATCH,
+                    f"push covers {declared.elements} elements of {declared.variable!r}, but "
+                    f"{len(row_ids)} rows of {part.spec.row_elements} elements are {expected}")
             raise RequestError(
                 Reason.SHAPE_MISMATCH,
                 f"push covers {declared.elements} elements of {declared.variable!r}, but this "
@@ -190,12 +219,13 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
                 Reason.NOT_INITIALIZED,
                 f"variable {declared.variable!r} is waiting for its explicit initial value",
             )
-        items[declared.variable] = _Item(part, wire)
-    total = sum(item.part.elements for item in items.values())
+        items[declared.variable] = _Item(part, wire, row_ids, expected)
+    total = sum(item.elements for item in items.values())
     session = ledger.begin(begin.worker_id, begin.incarnation, begin.sequence, total)
     push = ActivePush(store, ledger, begin, items, session)
     if session is not None and total == 0 and not session.finalized:
         session.finalized = True
         with store.gate.shared():
             push._finalize()
+            store.generation += 1
     return push

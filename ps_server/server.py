@@ -48,7 +48,8 @@ class PSServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.server_id = uuid.uuid4().hex
-        self.store = VariableStore(config.shard_index, config.num_shards, config.memory_limit, ApplyGate())
+        self.store = VariableStore(config.shard_index, config.num_shards, config.memory_limit, ApplyGate(),
+                                   max_rows=config.max_rows)
         self.ledger = PushLedger()
         self.membership = Membership(config.worker_lease)
         self.lifecycle = Lifecycle()

@@ -21,6 +21,7 @@ from ps_server.checkpointer import CheckpointRecord
 from ps_server.context import ShardContext
 from ps_server.errors import RequestError
 from ps_server.pushes import MAX_WORKER_ID_LENGTH, begin_push, check_cluster
+from ps_server.rows import parse_row_ids
 from ps_server.store import VariableInfo
 from wehub_ps import __version__
 from wehub_ps.codec import (
@@ -93,7 +94,8 @@ def _unary(method: Callable) -> Callable:
 def _info_proto(info: VariableInfo) -> ps_pb2.VariableInfo:
     return ps_pb2.VariableInfo(spec=info.spec.to_proto(), row_start=info.row_start,
                                row_end=info.row_end, version=info.version,
-                               initialized=info.initialized, optimizer_steps=info.optimizer_steps)
+                               initialized=info.initialized, optimizer_steps=info.optimizer_steps,
+                               num_rows=info.num_rows, evicted_rows=info.evicted_rows)
 
 
 def _checkpoint_proto(record: CheckpointRecord) -> ps_pb2.CheckpointInfo:
@@ -221,6 +223,14 @@ class ParameterServerService:
         plan = []
         for item in msg.items:
             part = self._store.get(item.variable)
+            if item.row_ids or part.spec.hash_table:
+                if not item.row_ids:
+                    raise RequestError(Reason.INVALID_REQUEST,
+                                       f"{item.variable!r} is a hash table: pull it by rows (pull_rows)")
+                ids = parse_row_ids(part, item.row_ids, self._store.shard_index, self._store.num_shards,
+                                    unique=False)
+                plan.append((part, ids, None, requested or part.spec.dtype))
+                continue
             if not part.holds_part:
                 raise RequestError(Reason.INVALID_REQUEST,
                                    f"variable {item.variable!r} has no part on shard {self._store.shard_index}")
@@ -240,6 +250,14 @@ class ParameterServerService:
         pending: list[OutgoingChunk] = []
         pending_bytes = 0
         for part, start, count, wire in plan:
+            if count is None:  # rows: start holds the ids
+                for chunk in self._row_chunks(part, start, wire, chunk_bytes):
+                    if pending and pending_bytes + chunk.data.nbytes > chunk_bytes:
+                        yield encode_pull_response(pending)
+                        pending, pending_bytes = [], 0
+                    pending.append(chunk)
+                    pending_bytes += chunk.data.nbytes
+                continue
             wire_enum = to_wire_dtype(wire)
             per_chunk = max(1, chunk_bytes // wire.itemsize)
             for offset, n in chunk_ranges(count, per_chunk):
@@ -260,6 +278,22 @@ class ParameterServerService:
                     pending, pending_bytes = [], 0
         if pending:
             yield encode_pull_response(pending)
+
+    def _row_chunks(self, part, ids: np.ndarray, wire: np.dtype, chunk_bytes: int) -> Iterator[OutgoingChunk]:
+        """Rows ``ids`` in whole-row chunks; a hash table creates rows on first touch."""
+        width = part.spec.row_elements
+        per_chunk = max(1, chunk_bytes // max(1, width * wire.itemsize))
+        total = len(ids) * width
+        wire_enum = to_wire_dtype(wire)
+        for first in range(0, max(len(ids), 1), per_chunk):
+            block = ids[first:first + per_chunk]
+            with self._store.gate.shared():  # creating rows is a mutation
+                values = part.read_rows(block)
+                version = part.info().version
+            values = np.ascontiguousarray(values, dtype=wire)
+            header = ps_pb2.ChunkHeader(variable=part.spec.name, offset=first * width, count=values.size,
+                                        dtype=wire_enum, part_elements=total, version=version)
+            yield OutgoingChunk(header, byte_view(values))
 
     def push(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> bytes:
         try:

@@ -23,8 +23,10 @@ import numpy as np
 from ps_server.checkpoint import LoadedPart, PartSnapshot
 from ps_server.errors import RequestError
 from ps_server.gate import ApplyGate
+from ps_server.info import VariableInfo
 from ps_server.initializers import fill_initial_values
 from ps_server.optimizers import make_kernel
+from ps_server.tables import HashTablePart
 from wehub_ps.dtypes import WIRE_FLOAT_DTYPES, dtype_name
 from wehub_ps.errors import Reason
 from wehub_ps.placement import rows_of
@@ -33,22 +35,6 @@ from wehub_ps.specs import Explicit, VariableSpec
 __all__ = ["VariableInfo", "VariablePart", "VariableStore", "check_dtype_allowed"]
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class VariableInfo:
-    """A consistent snapshot of one variable's metadata on this shard."""
-
-    spec: VariableSpec
-    row_start: int
-    row_end: int
-    version: int
-    initialized: bool
-    optimizer_steps: int
-
-    @property
-    def elements(self) -> int:
-        return (self.row_end - self.row_start) * rows_of(self.spec.shape)[1]
 
 
 class _Scratch(threading.local):
@@ -91,6 +77,8 @@ class VariablePart:
         self.version = 0
         self.optimizer_steps = 0
         self.initialized = False
+        #: Per-row step counts of sparse Adam updates (None until the first).
+        self.row_steps: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
@@ -115,7 +103,8 @@ class VariablePart:
         with self.lock:
             return PartSnapshot(self.spec, self.row_start, self.row_end, self.holds_part, self.version,
                                 self.optimizer_steps, self.initialized, self.value.copy(),
-                                {name: slot.copy() for name, slot in self.slots.items()})
+                                {name: slot.copy() for name, slot in self.slots.items()},
+                                row_steps=None if self.row_steps is None else self.row_steps.copy())
 
     @classmethod
     def from_checkpoint(cls, loaded: "LoadedPart") -> "VariablePart":
@@ -133,6 +122,7 @@ class VariablePart:
         part.version = loaded.version
         part.optimizer_steps = loaded.optimizer_steps
         part.initialized = loaded.initialized
+        part.row_steps = loaded.row_steps
         return part
 
     def info(self) -> VariableInfo:
@@ -155,6 +145,46 @@ class VariablePart:
                 np.copyto(converted, view, casting="unsafe")
                 view = converted
             return sink(view, self.version)
+
+    def local_rows(self, ids: np.ndarray) -> np.ndarray:
+        """Global row indices -> indices into this part; RequestError when outside it."""
+        if ids.size and (ids.min() < self.row_start or ids.max() >= self.row_end):
+            bad = ids[(ids < self.row_start) | (ids >= self.row_end)][0]
+            raise RequestError(Reason.INVALID_CHUNK,
+                               f"row {bad} of {self.spec.name!r} is not on this shard (it holds rows "
+                               f"[{self.row_start}, {self.row_end}))")
+        return ids - self.row_start
+
+    def read_rows(self, ids: np.ndarray) -> np.ndarray:
+        """Copies of global rows ``ids``: shape (len(ids), row elements)."""
+        local = self.local_rows(ids)
+        with self.lock:
+            return self.value.reshape(-1, self.spec.row_elements)[local]
+
+    def apply_rows(self, ids: np.ndarray, grads: np.ndarray) -> None:
+        """Sparse update of global rows ``ids`` (unique): only these rows and their state change.
+
+        Adam keeps a step count per row for sparse updates (created on the
+        first one), so a row's bias correction follows its own history.
+        """
+        local = self.local_rows(ids)
+        width = self.spec.row_elements
+        compute = self.compute_dtype
+        with self.lock:
+            values = self.value.reshape(-1, width)
+            w = values[local].astype(compute, copy=False)
+            state = {name: slot.reshape(-1, width)[local] for name, slot in self.slots.items()}
+            if self.kernel.needs_row_steps:
+                if self.row_steps is None:
+                    self.row_steps = np.zeros(self.row_end - self.row_start, np.int64)
+                self.row_steps[local] += 1
+                steps = self.row_steps[local]
+            else:
+                steps = np.zeros(0, np.int64)
+            self.kernel.apply_rows(w, grads.astype(compute, copy=False), state, steps)
+            values[local] = w
+            for name, rows in state.items():
+                self.slots[name].reshape(-1, width)[local] = rows
 
     def reserve_step(self) -> int:
         """Take the next optimizer step number for a push that starts now."""
@@ -207,12 +237,14 @@ class VariableStore:
     """
 
     def __init__(self, shard_index: int, num_shards: int, memory_limit: int,
-                 gate: ApplyGate | None = None) -> None:
+                 gate: ApplyGate | None = None, max_rows: int = 0) -> None:
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index} is outside [0, {num_shards})")
         self.shard_index = shard_index
         self.num_shards = num_shards
         self.memory_limit = memory_limit
+        #: Server-wide cap on rows per hash table and shard (0: none).
+        self.max_rows = max_rows
         #: Mutations hold it shared, checkpoint snapshots exclusive.
         self.gate = gate or ApplyGate()
         #: Bumped on every mutation; a checkpoint is skipped when it did not move.
@@ -237,7 +269,32 @@ class VariableStore:
         with self.gate.shared():
             return self._create(spec)
 
+    def _table_limit(self, spec: VariableSpec) -> int:
+        limits = [n for n in (spec.max_rows, self.max_rows) if n]
+        return min(limits) if limits else 0
+
+    def _reserve_bytes(self, delta: int) -> None:
+        """Book memory for a growing hash table (called with the table's lock held)."""
+        with self._lock:
+            if self._reserved + delta > self.memory_limit:
+                raise RequestError(
+                    Reason.MEMORY_LIMIT,
+                    f"growing a hash table by {delta} bytes would pass shard {self.shard_index}'s "
+                    f"{self.memory_limit}-byte limit ({self._reserved} in use; --max-memory-bytes); "
+                    "set max_rows with eviction='lru', or add shards")
+            self._reserved += delta
+
     def _create(self, spec: VariableSpec) -> tuple[VariableInfo, bool]:
+        if spec.hash_table:
+            with self._lock:
+                existing = self._parts.get(spec.name)
+                if existing is None:
+                    self._parts[spec.name] = HashTablePart(spec, self._table_limit(spec), self._reserve_bytes)
+            if existing is not None:
+                self._check_same(existing, spec)
+                return existing.info(), False
+            self.generation += 1
+            return self._parts[spec.name].info(), True
         part = spec.placement(self.num_shards).part_on(self.shard_index)
         row_start, row_end = (part.row_start, part.row_end) if part else (0, 0)
         with self._lock:
@@ -255,13 +312,7 @@ class VariableStore:
                 new.lock.acquire()  # readers wait until the initial values are in
                 self._parts[spec.name] = new
         if existing is not None:
-            differences = existing.spec.differences(spec)
-            if differences:
-                raise RequestError(
-                    Reason.SPEC_CONFLICT,
-                    f"variable {spec.name!r} already exists with a different spec: "
-                    + "; ".join(differences),
-                )
+            self._check_same(existing, spec)
             return existing.info(), False
         try:
             new.allocate_and_fill()
@@ -275,6 +326,15 @@ class VariableStore:
             new.lock.release()
         self.generation += 1
         return new.info(), True
+
+    @staticmethod
+    def _check_same(existing, spec: VariableSpec) -> None:
+        differences = existing.spec.differences(spec)
+        if differences:
+            raise RequestError(
+                Reason.SPEC_CONFLICT,
+                f"variable {spec.name!r} already exists with a different spec: " + "; ".join(differences),
+            )
 
     def get(self, name: str) -> VariablePart:
         with self._lock:
@@ -296,17 +356,37 @@ class VariableStore:
         return [part.snapshot() for part in self.parts()]
 
     def restore(self, loaded: list[LoadedPart]) -> None:
-        """Replace the store's content with parts read from a checkpoint (before serving)."""
-        parts = {p.spec.name: VariablePart.from_checkpoint(p) for p in loaded}
-        needed = sum(p.nbytes for p in parts.values())
-        if needed > self.memory_limit:
-            raise RequestError(Reason.MEMORY_LIMIT,
-                               f"the checkpoint needs {needed} bytes on shard {self.shard_index}, more than "
-                               f"the {self.memory_limit}-byte limit (--max-memory-bytes)")
+        """Replace the store's content with parts read from a checkpoint (before serving).
+
+        All or nothing: when the parts would not fit the memory limit, the
+        store is left as it was.
+        """
+        reserved = 0
+
+        def reserve(delta: int) -> None:
+            nonlocal reserved
+            if reserved + delta > self.memory_limit:
+                raise RequestError(Reason.MEMORY_LIMIT,
+                                   f"the checkpoint needs more than shard {self.shard_index}'s "
+                                   f"{self.memory_limit}-byte limit (--max-memory-bytes)")
+            reserved += delta
+
+        parts: dict[str, VariablePart | HashTablePart] = {}
+        for item in loaded:
+            if item.rows is not None:
+                table = HashTablePart(item.spec, self._table_limit(item.spec), reserve)
+                table.load_rows(item.rows, item.version, item.optimizer_steps, item.evicted_rows)
+                parts[item.spec.name] = table
+            else:
+                part = VariablePart.from_checkpoint(item)
+                reserve(part.nbytes)
+                parts[item.spec.name] = part
+        for part in parts.values():
+            if isinstance(part, HashTablePart):
+                part.reserve = self._reserve_bytes
         with self._lock:
             self._parts = parts
-            self._reserved = needed
-
+            self._reserved = reserved
 
 def check_dtype_allowed(part: VariablePart, wire_dtype: np.dtype, assign: bool) -> None:
     """A push may send the variable's own dtype, or float16/bfloat16 gradients."""

@@ -27,7 +27,10 @@ import hashlib
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 __all__ = [
+    "hash_shards",
     "DEFAULT_MIN_SHARD_BYTES",
     "Partitioner",
     "MinSizePartitioner",
@@ -179,3 +182,21 @@ def place(
         parts.append(Part((start_shard + i) % num_shards, row, row + size))
         row += size
     return Placement(tuple(parts))
+
+
+def hash_shards(ids: np.ndarray, num_shards: int) -> np.ndarray:
+    """The shard of each hash-table row id: SplitMix64(id) mod num_shards.
+
+    A pure function of the id and the shard count (invariant: identical in
+    every process); the mixing spreads consecutive ids evenly.
+    """
+    _check_positive("num_shards", num_shards)
+    z = np.asarray(ids, dtype=np.int64).view(np.uint64).copy()
+    with np.errstate(over="ignore"):
+        z += np.uint64(0x9E3779B97F4A7C15)
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return (z % np.uint64(num_shards)).astype(np.int64)

@@ -23,6 +23,7 @@ from wehub_ps.placement import (
     Partitioner,
     Placement,
     place,
+    rows_of,
     stable_hash64,
 )
 from wehub_ps.v1 import ps_pb2
@@ -278,6 +279,17 @@ def _oneof_from_proto(message, table: dict[type, tuple[str, type]], what: str, *
     raise SpecError(f"{what} is missing or of an unknown kind")
 
 
+_EVICTIONS = {"none": ps_pb2.EVICTION_NONE, "lru": ps_pb2.EVICTION_LRU}
+_AGGREGATIONS = {"mean": ps_pb2.AGGREGATION_MEAN, "sum": ps_pb2.AGGREGATION_SUM}
+
+
+def _by_value(table: dict[str, int], value: int, what: str) -> str:
+    for name, number in table.items():
+        if number == value:
+            return name
+    raise SpecError(f"unknown {what} {value}")
+
+
 # ---- the variable spec ----------------------------------------------------------
 
 
@@ -296,6 +308,14 @@ class VariableSpec:
     initializer: Initializer = field(default_factory=Zeros)
     optimizer: Optimizer = field(default_factory=SGD)
     partitioner: Partitioner = field(default_factory=MinSizePartitioner)
+    #: A hash table of rows keyed by 64-bit ids; ``shape`` is then one row's shape.
+    hash_table: bool = False
+    #: Hash tables: rows per shard at most (0: bounded by the server's memory limit only).
+    max_rows: int = 0
+    #: Hash tables: "none" (refuse rows beyond max_rows) or "lru" (evict the least recently used).
+    eviction: str = "none"
+    #: Synchronous mode: apply the "mean" or the "sum" of the workers' gradients.
+    aggregation: str = "mean"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -329,6 +349,30 @@ class VariableSpec:
             if type(getattr(self, attr)) not in table:
                 raise SpecError(f"{attr} of {self.name!r} has unsupported type {type(getattr(self, attr)).__name__}")
         object.__setattr__(self, "initializer", with_seed(self.initializer, self.name))
+        if self.eviction not in _EVICTIONS:
+            raise SpecError(f"eviction of {self.name!r} must be 'none' or 'lru', got {self.eviction!r}")
+        if self.aggregation not in _AGGREGATIONS:
+            raise SpecError(f"aggregation of {self.name!r} must be 'mean' or 'sum', got {self.aggregation!r}")
+        if isinstance(self.max_rows, bool) or not isinstance(self.max_rows, int) or self.max_rows < 0:
+            raise SpecError(f"max_rows of {self.name!r} must be an integer >= 0, got {self.max_rows!r}")
+        if self.hash_table:
+            if not self.shape or math.prod(self.shape) == 0:
+                raise SpecError(f"a hash table's shape is one row's shape, e.g. (dim,); "
+                                f"{self.name!r} has {self.shape}")
+            if isinstance(self.initializer, Explicit):
+                raise SpecError(f"hash table {self.name!r} creates rows on first touch; it cannot "
+                                "take an explicit initial value")
+            if self.partitioner != MinSizePartitioner():
+                raise SpecError(f"hash table {self.name!r} is placed by id; it takes no partitioner")
+        elif self.max_rows or self.eviction != "none":
+            raise SpecError(f"max_rows and eviction apply to hash tables only ({self.name!r} is dense)")
+        if self.eviction == "lru" and not self.max_rows:
+            raise SpecError(f"eviction 'lru' of {self.name!r} needs max_rows > 0")
+
+    @property
+    def row_elements(self) -> int:
+        """Elements of one row (axis 0 of a dense variable; one entry of a hash table)."""
+        return math.prod(self.shape) if self.hash_table else rows_of(self.shape)[1]
 
     @property
     def num_elements(self) -> int:
@@ -339,6 +383,9 @@ class VariableSpec:
         return self.num_elements * self.dtype.itemsize
 
     def placement(self, num_shards: int) -> Placement:
+        """Row ranges per shard of a dense variable; hash tables are placed by id instead."""
+        if self.hash_table:
+            raise SpecError(f"{self.name!r} is a hash table: its rows are placed by id (hash_shards)")
         return place(self.name, self.shape, self.dtype.itemsize, self.partitioner, num_shards)
 
     def differences(self, other: "VariableSpec") -> list[str]:
@@ -352,7 +399,9 @@ class VariableSpec:
         return out
 
     def to_proto(self) -> ps_pb2.VariableSpec:
-        msg = ps_pb2.VariableSpec(name=self.name, shape=self.shape, dtype=to_wire_dtype(self.dtype))
+        msg = ps_pb2.VariableSpec(name=self.name, shape=self.shape, dtype=to_wire_dtype(self.dtype),
+                                  hash_table=self.hash_table, max_rows=self.max_rows,
+                                  eviction=_EVICTIONS[self.eviction], aggregation=_AGGREGATIONS[self.aggregation])
         _oneof_to_proto(self.initializer, _INITIALIZER_FIELDS, msg.initializer)
         seed = getattr(self.initializer, "seed", None)
         if seed is not None:
@@ -377,7 +426,10 @@ class VariableSpec:
             else:
                 partitioner = MinSizePartitioner()
             return cls(name=msg.name, shape=tuple(msg.shape), dtype=dtype,
-                       initializer=initializer, optimizer=optimizer, partitioner=partitioner)
+                       initializer=initializer, optimizer=optimizer, partitioner=partitioner,
+                       hash_table=msg.hash_table, max_rows=msg.max_rows,
+                       eviction=_by_value(_EVICTIONS, msg.eviction, "eviction"),
+                       aggregation=_by_value(_AGGREGATIONS, msg.aggregation, "aggregation"))
         except SpecError:
             raise
         except (TypeError, ValueError) as exc:

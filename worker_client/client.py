@@ -46,7 +46,7 @@ from wehub_ps.codec import (
     encode_push_request,
 )
 from wehub_ps.dtypes import BFLOAT16, dtype_name, parse_dtype, to_numpy_dtype, to_wire_dtype
-from wehub_ps.placement import MinSizePartitioner, Partitioner, Placement, rows_of
+from wehub_ps.placement import MinSizePartitioner, Partitioner, Placement, hash_shards
 from wehub_ps.rpc import DEFAULT_CHUNK_BYTES
 from wehub_ps.specs import (
     SGD,
@@ -76,7 +76,8 @@ class Variable:
     """A variable as the cluster holds it."""
 
     spec: VariableSpec
-    placement: Placement
+    #: Row ranges per shard; None for hash tables (placed by id).
+    placement: Placement | None
     created: bool = False
 
     @property
@@ -107,6 +108,44 @@ class ShardInfo:
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)
     last_checkpoint: dict[str, Any] | None = None
     restored_from: dict[str, Any] | None = None
+
+
+@dataclass
+class _PullItem:
+    """One variable (or a block of its rows) pulled from one shard into ``dest`` (flat)."""
+
+    name: str
+    dest: np.ndarray
+    row_ids: np.ndarray | None = None
+    positions: np.ndarray | None = None  # rows: where the block goes among the unique ids
+
+
+@dataclass
+class _PushItem:
+    """One variable's part (or rows) pushed to one shard: flat values in the wire dtype."""
+
+    name: str
+    values: np.ndarray
+    row_ids: bytes = b""
+    row_elements: int = 1
+
+
+def _check_ids(ids: Any, argument: str) -> np.ndarray:
+    array = to_host(ids, argument)
+    if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
+        raise InvalidArgumentError(f"{argument} must be a 1-D array of integer ids, got dtype "
+                                   f"{array.dtype} and shape {array.shape}")
+    if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
+        array = array.view(np.int64)  # ids are 64-bit patterns; keep them bit-exact
+    return array.astype(np.int64, copy=False)
+
+
+def _check_array(array: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, what: str) -> None:
+    if array.shape != tuple(shape):
+        raise ShapeMismatchError(f"{what} has shape {array.shape}, expected {tuple(shape)}")
+    if parse_dtype(array.dtype) != dtype:
+        raise DTypeMismatchError(f"{what} has dtype {dtype_name(array.dtype)}, expected {dtype_name(dtype)}; "
+                                 f"cast it with .astype({dtype_name(dtype)!r})")
 
 
 def _check_addresses(addresses: Sequence[str] | str) -> tuple[str, ...]:
@@ -274,7 +313,8 @@ class PSClient:
                          workers, checkpoint, restored)
 
     def _remember(self, spec: VariableSpec, created: bool = False) -> Variable:
-        variable = Variable(spec, spec.placement(len(self._shards)), created)
+        placement = None if spec.hash_table else spec.placement(len(self._shards))
+        variable = Variable(spec, placement, created)
         with self._lock:
             self._variables.setdefault(spec.name, variable)
             return self._variables[spec.name]
@@ -335,9 +375,11 @@ class PSClient:
         results = self._on_shards(range(len(self._shards)), lambda s: self._create_on(s, spec))
         created = any(r.created for r in results.values())
         if initial is not None:
-            pending = [p.shard for p in placement.parts if not results[p.shard].variable.initialized]
+            width = spec.row_elements
+            pending = {p.shard: [_PushItem(name, initial[p.row_start * width:p.row_end * width])]
+                       for p in placement.parts if not results[p.shard].variable.initialized}
             if pending:
-                self._send_push({name: initial}, pending, ps_pb2.ASSIGN, {name: spec})
+                self._send_push(pending, ps_pb2.ASSIGN)
         with self._lock:
             self._variables[name] = Variable(spec, placement, created)
             return self._variables[name]
@@ -349,7 +391,7 @@ class PSClient:
             shard, "create_variable", lambda: shard.create_variable(request, self._control_timeout)))
 
     def pull(self, names: Iterable[str] | str | None = None, *, device: Any = None) -> dict[str, Any]:
-        """Current values, ``{name: array}``; all known variables when ``names`` is None.
+        """Current values, ``{name: array}``; all known dense variables when ``names`` is None.
 
         Blocks until every shard has answered. Arrays are numpy, or CuPy on
         ``device`` ('cuda', 'cuda:1', 1). Each chunk is read atomically on its
@@ -357,44 +399,86 @@ class PSClient:
         being applied during the pull (as in any asynchronous parameter server).
         """
         gpu = parse_device(device)
-        variables = self._resolve(names)
-        out = {v.name: np.empty(v.shape, dtype=v.dtype) for v in variables}
-        flat = {name: arr.reshape(-1) for name, arr in out.items()}
-        by_shard: dict[int, list[tuple[Variable, int, int]]] = {}
+        variables = [v for v in self._resolve(names) if names is not None or not v.spec.hash_table]
         for v in variables:
-            row_elements = rows_of(v.shape)[1]
+            if v.spec.hash_table:
+                raise InvalidArgumentError(f"{v.name!r} is a hash table: read it with pull_rows(name, ids)")
+        out = {v.name: np.empty(v.shape, dtype=v.dtype) for v in variables}
+        by_shard: dict[int, list[_PullItem]] = {}
+        for v in variables:
+            flat = out[v.name].reshape(-1)
+            width = v.spec.row_elements
             for part in v.placement.parts:
                 by_shard.setdefault(part.shard, []).append(
-                    (v, part.row_start * row_elements, part.rows * row_elements))
-        self._on_shards(by_shard, lambda s: self._pull_from(s, by_shard[s.index], flat))
+                    _PullItem(v.name, flat[part.row_start * width:part.row_end * width]))
+        self._on_shards(by_shard, lambda s: self._pull_from(s, by_shard[s.index]))
         if gpu is None:
             return out
         return {name: to_device(arr, gpu) for name, arr in out.items()}
 
-    def _pull_from(self, shard: ShardChannel, items: list[tuple[Variable, int, int]],
-                   flat: dict[str, np.ndarray]) -> None:
+    def pull_rows(self, name: str, ids: Any, *, device: Any = None) -> Any:
+        """Rows ``ids`` of an embedding table, shape ``(len(ids), *row_shape)``, in the order given.
+
+        ``name`` is a hash table (:meth:`create_embedding`; missing rows are
+        created from the initializer) or a dense variable (rows along axis 0).
+        Repeated ids are fetched once.
+        """
+        gpu = parse_device(device)
+        variable = self._resolve([name])[0]
+        ids = _check_ids(ids, "ids")
+        unique, inverse = np.unique(ids, return_inverse=True)
+        width = variable.spec.row_elements
+        fetched = np.empty((len(unique), width), dtype=variable.dtype)
+        by_shard: dict[int, list[_PullItem]] = {}
+        for shard, positions in self._rows_by_shard(variable, unique).items():
+            block = np.empty((len(positions), width), dtype=variable.dtype)
+            by_shard[shard] = [_PullItem(name, block.reshape(-1), unique[positions], positions)]
+        self._on_shards(by_shard, lambda s: self._pull_from(s, by_shard[s.index]))
+        for items in by_shard.values():
+            fetched[items[0].positions] = items[0].dest.reshape(-1, width)
+        row_shape = variable.shape if variable.spec.hash_table else variable.shape[1:]
+        result = fetched[inverse.reshape(-1)].reshape((len(ids), *row_shape))
+        return result if gpu is None else to_device(result, gpu)
+
+    def _rows_by_shard(self, variable: Variable, unique_ids: np.ndarray) -> dict[int, np.ndarray]:
+        """Positions in ``unique_ids`` grouped by the shard that holds each row."""
+        if variable.spec.hash_table:
+            shards = hash_shards(unique_ids, len(self._shards))
+        else:
+            rows = variable.shape[0] if variable.shape else 1
+            if unique_ids.size and (unique_ids[0] < 0 or unique_ids[-1] >= rows):
+                bad = unique_ids[(unique_ids < 0) | (unique_ids >= rows)][0]
+                raise InvalidArgumentError(f"row {bad} is outside {variable.name!r}, which has {rows} rows")
+            parts = variable.placement.parts
+            starts = np.array([p.row_start for p in parts])
+            owner = np.searchsorted(starts, unique_ids, side="right") - 1
+            shards = np.array([p.shard for p in parts])[owner] if len(unique_ids) else owner
+        return {int(s): np.flatnonzero(shards == s) for s in np.unique(shards)}
+
+    def _pull_from(self, shard: ShardChannel, items: list[_PullItem]) -> None:
+        """One Pull RPC to one shard; every chunk is copied straight into its item's ``dest``."""
         with self._lock:
             step = self._step
         request = ps_pb2.PullRequest(
             shard_index=shard.index, num_shards=len(self._shards),
-            items=[ps_pb2.PullItem(variable=v.name) for v, _, _ in items],
+            items=[ps_pb2.PullItem(variable=item.name,
+                                   row_ids=b"" if item.row_ids is None else item.row_ids.astype("<i8").tobytes())
+                   for item in items],
             wire_dtype=to_wire_dtype(self.wire_dtype) if self.wire_dtype is not None else 0,
             chunk_bytes=self.chunk_bytes, worker_id=self.worker_id, incarnation=self.incarnation,
             step=step).SerializeToString()
-        expected = {v.name: (base, count) for v, base, count in items}
+        expected = {item.name: item.dest for item in items}
         received: dict[str, int] = {}
         versions: dict[str, int] = {}
 
         def on_message(message: bytes) -> None:
             try:
-                chunks = decode_pull_response(message)
-                for chunk in chunks:
+                for chunk in decode_pull_response(message):
                     h = chunk.header
-                    base, count = expected[h.variable]
-                    if h.offset + h.count > count:
-                        raise CodecError(f"chunk [{h.offset}, {h.offset + h.count}) is outside {count} elements")
-                    dest = flat[h.variable][base + h.offset: base + h.offset + h.count]
-                    np.copyto(dest, chunk.array(), casting="unsafe")
+                    dest = expected[h.variable]
+                    if h.offset + h.count > dest.size:
+                        raise CodecError(f"chunk [{h.offset}, {h.offset + h.count}) is outside {dest.size} elements")
+                    np.copyto(dest[h.offset:h.offset + h.count], chunk.array(), casting="unsafe")
                     received[h.variable] += h.count
                     versions[h.variable] = h.version
             except (CodecError, KeyError) as exc:
@@ -408,8 +492,8 @@ class PSClient:
             shard.pull(request, self._data_timeout, on_message)
 
         self._call(shard, "pull", attempt)
-        short = {name: (received[name], expected[name][1]) for name in expected
-                 if received[name] != expected[name][1]}
+        short = {name: (received[name], dest.size) for name, dest in expected.items()
+                 if received[name] != dest.size}
         if short:
             raise PSInternalError(f"pull from {shard.address} ended early: received/expected "
                                   f"elements {short}", address=shard.address)
@@ -427,20 +511,70 @@ class PSClient:
         if not gradients:
             return
         variables = {v.name: v for v in self._resolve(list(gradients))}
-        arrays = {}
+        by_shard: dict[int, list[_PushItem]] = {}
         for name, grad in gradients.items():
             spec = variables[name].spec
+            if spec.hash_table:
+                raise InvalidArgumentError(f"{name!r} is a hash table: update it with push_rows(name, ids, grads)")
             host = to_host(grad, f"gradients[{name!r}]")
-            if host.shape != spec.shape:
-                raise ShapeMismatchError(
-                    f"gradient for {name!r} has shape {host.shape}, the variable has shape {spec.shape}")
-            if parse_dtype(host.dtype) != spec.dtype:
-                raise DTypeMismatchError(
-                    f"gradient for {name!r} has dtype {dtype_name(host.dtype)}, the variable is "
-                    f"{dtype_name(spec.dtype)}; cast it with .astype({dtype_name(spec.dtype)!r})")
-            arrays[name] = as_wire_array(host, self.wire_dtype)
-        shards = sorted({p.shard for name in arrays for p in variables[name].placement.parts})
-        self._send_push(arrays, shards, ps_pb2.GRADIENT, {n: variables[n].spec for n in arrays})
+            _check_array(host, spec.shape, spec.dtype, f"gradient for {name!r}")
+            flat = as_wire_array(host, self.wire_dtype)
+            width = spec.row_elements
+            for part in variables[name].placement.parts:
+                by_shard.setdefault(part.shard, []).append(
+                    _PushItem(name, flat[part.row_start * width:part.row_end * width]))
+        self._send_push(by_shard, ps_pb2.GRADIENT)
+
+    def push_rows(self, name: str, ids: Any, gradients: Any) -> None:
+        """Sparse update: gradients for rows ``ids`` only; repeated ids are summed first.
+
+        ``gradients`` has shape ``(len(ids), *row_shape)`` and the table's
+        dtype. Only the touched rows and their optimizer state change (lazy
+        Adam keeps a step count per row). Returns once every shard applied it.
+        """
+        variable = self._resolve([name])[0]
+        ids = _check_ids(ids, "ids")
+        spec = variable.spec
+        row_shape = spec.shape if spec.hash_table else spec.shape[1:]
+        host = to_host(gradients, "gradients")
+        _check_array(host, (len(ids), *row_shape), spec.dtype, f"gradients for {name!r}")
+        unique, inverse = np.unique(ids, return_inverse=True)
+        width = spec.row_elements
+        summed = np.zeros((len(unique), width), dtype=spec.dtype)
+        np.add.at(summed, inverse.reshape(-1), host.reshape(len(ids), width))
+        by_shard = {}
+        for shard, positions in self._rows_by_shard(variable, unique).items():
+            values = as_wire_array(summed[positions], self.wire_dtype)
+            by_shard[shard] = [_PushItem(name, values, unique[positions].astype("<i8").tobytes(), width)]
+        self._send_push(by_shard, ps_pb2.GRADIENT)
+
+    def create_embedding(
+        self,
+        name: str,
+        dim: int | Sequence[int],
+        dtype: str | np.dtype = "float32",
+        initializer: str | Initializer = "uniform",
+        optimizer: Optimizer | None = None,
+        max_rows: int = 0,
+        eviction: str = "none",
+    ) -> Variable:
+        """Create (or return) a hash table of rows keyed by unbounded 64-bit ids.
+
+        Rows are created on first touch from the seeded initializer and live on
+        shard ``splitmix64(id) % num_shards``. ``max_rows`` bounds the rows per
+        shard: beyond it, eviction 'none' refuses new rows (ResourceExhaustedError)
+        and 'lru' evicts the least recently used ones.
+        """
+        row_shape = (dim,) if isinstance(dim, (int, np.integer)) else tuple(dim)
+        if isinstance(initializer, str):
+            initializer = initializer_from_name(initializer)
+        spec = VariableSpec(name=name, shape=row_shape, dtype=dtype, initializer=initializer,
+                            optimizer=optimizer if optimizer is not None else SGD(), hash_table=True,
+                            max_rows=max_rows, eviction=eviction)
+        results = self._on_shards(range(len(self._shards)), lambda s: self._create_on(s, spec))
+        with self._lock:
+            self._variables[name] = Variable(spec, None, any(r.created for r in results.values()))
+            return self._variables[name]
 
     def step(self, names: Iterable[str] | None = None, *, device: Any = None) -> Step:
         """A training step: pulls at the start; call ``step.push(grads)`` at the end."""
@@ -525,6 +659,13 @@ class PSClient:
         with self._lock:
             self._step += 1
 
+    def _note_cluster_step(self, cluster_step: int, dropped: bool) -> None:
+        """sync: a push that came after its step was applied was dropped; the
+        worker then continues at the cluster's step (its step ends next)."""
+        if dropped and cluster_step:
+            with self._lock:
+                self._step = max(self._step, cluster_step - 1)
+
     def _heartbeat_all(self, timeout: float) -> None:
         with self._lock:
             step = self._step
@@ -569,20 +710,20 @@ class PSClient:
                 "create it with create_variable first")
         return [known[name] for name in dict.fromkeys(names)]
 
-    def _send_push(self, arrays: dict[str, np.ndarray], shards: Sequence[int], kind: int,
-                   specs: dict[str, VariableSpec]) -> None:
+    def _send_push(self, by_shard: dict[int, list[_PushItem]], kind: int) -> None:
         def push_to(shard: ShardChannel) -> None:
+            items = by_shard[shard.index]
             # The sequence is taken once: every retry resends the same push,
             # chunked the same way, so the server applies it exactly once.
             with self._lock:
                 sequence = next(self._sequences[shard.index])
-                base_versions = {n: self._versions.get(n, {}).get(shard.index, 0) for n in arrays}
+                base_versions = {i.name: self._versions.get(i.name, {}).get(shard.index, 0) for i in items}
                 step = self._step
             attempts = []
 
             def attempt() -> bytes:
                 attempts.append(1)
-                messages = self._push_messages(shard.index, arrays, specs, kind, sequence, base_versions, step)
+                messages = self._push_messages(shard.index, items, kind, sequence, base_versions, step)
                 return shard.push(messages, self._data_timeout)
 
             response = ps_pb2.PushResponse.FromString(self._call(shard, "push", attempt))
@@ -590,41 +731,34 @@ class PSClient:
                 with self._lock:
                     self._stats["duplicate_acks"] += 1
             self._record_versions(shard, {e.variable: e.version for e in response.versions})
+            self._note_cluster_step(response.cluster_step, response.dropped)
 
-        self._on_shards(shards, push_to)
+        self._on_shards(sorted(by_shard), push_to)
 
-    def _push_messages(self, shard_index: int, arrays: dict[str, np.ndarray],
-                       specs: dict[str, VariableSpec], kind: int, sequence: int,
+    def _push_messages(self, shard_index: int, items: list[_PushItem], kind: int, sequence: int,
                        base_versions: dict[str, int], step: int) -> Iterator[bytes]:
         """The messages of one push to one shard: begin first, chunks packed up to chunk_bytes."""
-        parts = []
-        for name, array in arrays.items():
-            part = specs[name].placement(len(self._shards)).part_on(shard_index)
-            if part is None:
-                continue
-            row_elements = rows_of(specs[name].shape)[1]
-            start = part.row_start * row_elements
-            count = part.rows * row_elements
-            parts.append((name, array[start:start + count]))
         begin = ps_pb2.PushBegin(
             worker_id=self.worker_id, incarnation=self.incarnation, sequence=sequence,
             shard_index=shard_index, num_shards=len(self._shards), kind=kind, step=step,
-            items=[ps_pb2.PushItem(variable=name, elements=values.size,
-                                   wire_dtype=to_wire_dtype(values.dtype),
-                                   base_version=base_versions.get(name, 0))
-                   for name, values in parts])
+            items=[ps_pb2.PushItem(variable=item.name, elements=item.values.size,
+                                   wire_dtype=to_wire_dtype(item.values.dtype),
+                                   base_version=base_versions.get(item.name, 0), row_ids=item.row_ids)
+                   for item in items])
         pending: list[OutgoingChunk] = []
         pending_bytes = 0
-        for name, values in parts:
+        for item in items:
+            values = item.values
             wire = to_wire_dtype(values.dtype)
-            per_chunk = max(1, self.chunk_bytes // values.dtype.itemsize)
+            # Whole rows per chunk for row pushes (the server applies rows).
+            per_chunk = max(1, self.chunk_bytes // (values.dtype.itemsize * item.row_elements)) * item.row_elements
             for offset, count in chunk_ranges(values.size, per_chunk):
                 piece = values[offset:offset + count]
                 nbytes = piece.nbytes
                 if pending and pending_bytes + nbytes > self.chunk_bytes:
                     yield encode_push_request(begin, pending)
                     begin, pending, pending_bytes = None, [], 0
-                header = ps_pb2.ChunkHeader(variable=name, offset=offset, count=count, dtype=wire,
+                header = ps_pb2.ChunkHeader(variable=item.name, offset=offset, count=count, dtype=wire,
                                             part_elements=values.size)
                 pending.append(OutgoingChunk(header, byte_view(piece)))
                 pending_bytes += nbytes

@@ -60,7 +60,7 @@ def call_with_retry(call: Callable[[], T], policy: RetryPolicy, what: str, addre
             if waited >= policy.timeout:
                 raise PSUnavailableError(
                     f"{error} — gave up after {attempts} attempts over {waited:.1f}s "
-                    f"(retry_timeout {policy.timeout:.0f}s)", address=error.address, reason=error.reason,
+                    f"(retry_timeout {policy.timeout:g}s)", address=error.address, reason=error.reason,
                     code=error.code) from error
             if waited >= policy.warn_after and waited - last_warning >= policy.warn_every:
                 last_warning = waited

@@ -146,7 +146,7 @@ def test_invalid_spec(channel, unchanged):
 
 def test_chunk_offset_out_of_range(channel, unchanged):
     _expect(lambda: _push(channel, _begin(sequence=2), [_chunk("w", 179_999, np.ones(2, np.float32))]),
-            StatusCode.INVALID_ARGUMENT, "INVALID_CHUNK", "outside this shard's part")
+            StatusCode.INVALID_ARGUMENT, "INVALID_CHUNK", "outside the 180000 elements")
 
 
 def test_chunk_length_does_not_match_its_bytes(channel, unchanged):

@@ -24,6 +24,16 @@ class DataType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UINT64: _ClassVar[DataType]
     BOOL: _ClassVar[DataType]
 
+class Eviction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVICTION_NONE: _ClassVar[Eviction]
+    EVICTION_LRU: _ClassVar[Eviction]
+
+class Aggregation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AGGREGATION_MEAN: _ClassVar[Aggregation]
+    AGGREGATION_SUM: _ClassVar[Aggregation]
+
 class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PUSH_KIND_UNSPECIFIED: _ClassVar[PushKind]
@@ -43,6 +53,10 @@ UINT16: DataType
 UINT32: DataType
 UINT64: DataType
 BOOL: DataType
+EVICTION_NONE: Eviction
+EVICTION_LRU: Eviction
+AGGREGATION_MEAN: Aggregation
+AGGREGATION_SUM: Aggregation
 PUSH_KIND_UNSPECIFIED: PushKind
 GRADIENT: PushKind
 ASSIGN: PushKind
@@ -184,43 +198,55 @@ class PartitionerSpec(_message.Message):
     def __init__(self, min_size: _Optional[_Union[MinSizePartitionerSpec, _Mapping]] = ..., fixed_shards: _Optional[_Union[FixedShardsPartitionerSpec, _Mapping]] = ..., max_size: _Optional[_Union[MaxSizePartitionerSpec, _Mapping]] = ...) -> None: ...
 
 class VariableSpec(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "initializer", "optimizer", "partitioner")
+    __slots__ = ("name", "shape", "dtype", "initializer", "optimizer", "partitioner", "hash_table", "max_rows", "eviction", "aggregation")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     INITIALIZER_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     PARTITIONER_FIELD_NUMBER: _ClassVar[int]
+    HASH_TABLE_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DataType
     initializer: InitializerSpec
     optimizer: OptimizerSpec
     partitioner: PartitionerSpec
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DataType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., partitioner: _Optional[_Union[PartitionerSpec, _Mapping]] = ...) -> None: ...
+    hash_table: bool
+    max_rows: int
+    eviction: Eviction
+    aggregation: Aggregation
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DataType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., partitioner: _Optional[_Union[PartitionerSpec, _Mapping]] = ..., hash_table: _Optional[bool] = ..., max_rows: _Optional[int] = ..., eviction: _Optional[_Union[Eviction, str]] = ..., aggregation: _Optional[_Union[Aggregation, str]] = ...) -> None: ...
 
 class VariableInfo(_message.Message):
-    __slots__ = ("spec", "row_start", "row_end", "version", "initialized", "optimizer_steps")
+    __slots__ = ("spec", "row_start", "row_end", "version", "initialized", "optimizer_steps", "num_rows", "evicted_rows")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     ROW_START_FIELD_NUMBER: _ClassVar[int]
     ROW_END_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_ROWS_FIELD_NUMBER: _ClassVar[int]
     spec: VariableSpec
     row_start: int
     row_end: int
     version: int
     initialized: bool
     optimizer_steps: int
-    def __init__(self, spec: _Optional[_Union[VariableSpec, _Mapping]] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., optimizer_steps: _Optional[int] = ...) -> None: ...
+    num_rows: int
+    evicted_rows: int
+    def __init__(self, spec: _Optional[_Union[VariableSpec, _Mapping]] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., optimizer_steps: _Optional[int] = ..., num_rows: _Optional[int] = ..., evicted_rows: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "server_id", "server_version", "variables", "chunk_bytes_limit", "workers", "worker_lease_seconds", "last_checkpoint", "restored_from")
+    __slots__ = ("shard_index", "num_shards", "server_id", "server_version", "variables", "chunk_bytes_limit", "workers", "worker_lease_seconds", "last_checkpoint", "restored_from", "consistency")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +257,7 @@ class DescribeResponse(_message.Message):
     WORKER_LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
+    CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     server_id: str
@@ -241,7 +268,8 @@ class DescribeResponse(_message.Message):
     worker_lease_seconds: float
     last_checkpoint: CheckpointInfo
     restored_from: CheckpointInfo
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., server_id: _Optional[str] = ..., server_version: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., chunk_bytes_limit: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., worker_lease_seconds: _Optional[float] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., restored_from: _Optional[_Union[CheckpointInfo, _Mapping]] = ...) -> None: ...
+    consistency: ConsistencyInfo
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., server_id: _Optional[str] = ..., server_version: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., chunk_bytes_limit: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., worker_lease_seconds: _Optional[float] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., restored_from: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., consistency: _Optional[_Union[ConsistencyInfo, _Mapping]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "incarnation", "live", "seconds_since_seen", "step", "registered_unix", "pushes")
@@ -300,12 +328,40 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("lease_seconds", "server_id")
+    __slots__ = ("lease_seconds", "server_id", "cluster_step", "consistency")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
     lease_seconds: float
     server_id: str
-    def __init__(self, lease_seconds: _Optional[float] = ..., server_id: _Optional[str] = ...) -> None: ...
+    cluster_step: int
+    consistency: str
+    def __init__(self, lease_seconds: _Optional[float] = ..., server_id: _Optional[str] = ..., cluster_step: _Optional[int] = ..., consistency: _Optional[str] = ...) -> None: ...
+
+class ConsistencyInfo(_message.Message):
+    __slots__ = ("mode", "staleness", "backup_workers", "step", "pulls", "pulls_blocked", "blocked_seconds", "max_staleness_admitted", "dropped_gradients", "steps_applied")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    PULLS_BLOCKED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_GRADIENTS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    staleness: int
+    backup_workers: int
+    step: int
+    pulls: int
+    pulls_blocked: int
+    blocked_seconds: float
+    max_staleness_admitted: int
+    dropped_gradients: int
+    steps_applied: int
+    def __init__(self, mode: _Optional[str] = ..., staleness: _Optional[int] = ..., backup_workers: _Optional[int] = ..., step: _Optional[int] = ..., pulls: _Optional[int] = ..., pulls_blocked: _Optional[int] = ..., blocked_seconds: _Optional[float] = ..., max_staleness_admitted: _Optional[int] = ..., dropped_gradients: _Optional[int] = ..., steps_applied: _Optional[int] = ...) -> None: ...
 
 class CreateVariableRequest(_message.Message):
     __slots__ = ("spec", "shard_index", "num_shards")
@@ -326,14 +382,16 @@ class CreateVariableResponse(_message.Message):
     def __init__(self, variable: _Optional[_Union[VariableInfo, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class PullItem(_message.Message):
-    __slots__ = ("variable", "offset", "count")
+    __slots__ = ("variable", "offset", "count", "row_ids")
     VARIABLE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    ROW_IDS_FIELD_NUMBER: _ClassVar[int]
     variable: str
     offset: int
     count: int
-    def __init__(self, variable: _Optional[str] = ..., offset: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+    row_ids: bytes
+    def __init__(self, variable: _Optional[str] = ..., offset: _Optional[int] = ..., count: _Optional[int] = ..., row_ids: _Optional[bytes] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("shard_index", "num_shards", "items", "wire_dtype", "chunk_bytes", "worker_id", "incarnation", "step")
@@ -386,16 +444,18 @@ class PullResponse(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
 
 class PushItem(_message.Message):
-    __slots__ = ("variable", "elements", "wire_dtype", "base_version")
+    __slots__ = ("variable", "elements", "wire_dtype", "base_version", "row_ids")
     VARIABLE_FIELD_NUMBER: _ClassVar[int]
     ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROW_IDS_FIELD_NUMBER: _ClassVar[int]
     variable: str
     elements: int
     wire_dtype: DataType
     base_version: int
-    def __init__(self, variable: _Optional[str] = ..., elements: _Optional[int] = ..., wire_dtype: _Optional[_Union[DataType, str]] = ..., base_version: _Optional[int] = ...) -> None: ...
+    row_ids: bytes
+    def __init__(self, variable: _Optional[str] = ..., elements: _Optional[int] = ..., wire_dtype: _Optional[_Union[DataType, str]] = ..., base_version: _Optional[int] = ..., row_ids: _Optional[bytes] = ...) -> None: ...
 
 class PushBegin(_message.Message):
     __slots__ = ("worker_id", "incarnation", "sequence", "shard_index", "num_shards", "kind", "items", "step")
@@ -434,11 +494,15 @@ class VariableVersion(_message.Message):
     def __init__(self, variable: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("versions", "duplicate", "elements_applied")
+    __slots__ = ("versions", "duplicate", "elements_applied", "dropped", "cluster_step")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     ELEMENTS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_STEP_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[VariableVersion]
     duplicate: bool
     elements_applied: int
-    def __init__(self, versions: _Optional[_Iterable[_Union[VariableVersion, _Mapping]]] = ..., duplicate: _Optional[bool] = ..., elements_applied: _Optional[int] = ...) -> None: ...
+    dropped: bool
+    cluster_step: int
+    def __init__(self, versions: _Optional[_Iterable[_Union[VariableVersion, _Mapping]]] = ..., duplicate: _Optional[bool] = ..., elements_applied: _Optional[int] = ..., dropped: _Optional[bool] = ..., cluster_step: _Optional[int] = ...) -> None: ...

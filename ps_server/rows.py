@@ -1,0 +1,45 @@
+"""Row ids in requests: parsing and checking that they belong to this shard."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ps_server.errors import RequestError
+from wehub_ps.errors import Reason
+from wehub_ps.placement import hash_shards
+
+__all__ = ["parse_row_ids", "MAX_ROWS_PER_REQUEST"]
+
+# One request names at most this many rows: 8 MiB of ids, and a bound on the
+# gathered block a single pull or push can make the server build.
+MAX_ROWS_PER_REQUEST = 1 << 20
+
+
+def parse_row_ids(part, raw: bytes, shard_index: int, num_shards: int, *, unique: bool) -> np.ndarray:
+    """The int64 ids of a request, checked against this shard; nothing is changed on error.
+
+    Dense variables take global row indices inside this shard's rows; hash
+    tables take any 64-bit id whose hash places it on this shard. Pushes
+    require unique ids (the client sums repeated ones before sending).
+    """
+    name = part.spec.name
+    if len(raw) % 8:
+        raise RequestError(Reason.INVALID_CHUNK, f"row_ids of {name!r} must be little-endian int64 "
+                                                 f"(a multiple of 8 bytes), got {len(raw)} bytes")
+    ids = np.frombuffer(raw, dtype="<i8")
+    if len(ids) > MAX_ROWS_PER_REQUEST:
+        raise RequestError(Reason.MEMORY_LIMIT, f"{len(ids)} rows of {name!r} in one request; at most "
+                                                f"{MAX_ROWS_PER_REQUEST} (split the request)")
+    if unique and len(np.unique(ids)) != len(ids):
+        raise RequestError(Reason.INVALID_CHUNK, f"row_ids of {name!r} repeat an id; sum their gradients first")
+    if part.spec.hash_table:
+        wrong = hash_shards(ids, num_shards) != shard_index
+        if wrong.any():
+            raise RequestError(Reason.CLUSTER_MISMATCH,
+                               f"row id {int(ids[wrong][0])} of {name!r} belongs to shard "
+                               f"{int(hash_shards(ids[wrong][:1], num_shards)[0])}, not {shard_index}")
+    else:
+        if not part.holds_part:
+            raise RequestError(Reason.INVALID_REQUEST, f"variable {name!r} has no rows on shard {shard_index}")
+        part.local_rows(ids)  # raises when a row is outside this shard's range
+    return ids

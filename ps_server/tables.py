@@ -1,0 +1,228 @@
+"""Hash tables: embedding rows keyed by unbounded 64-bit ids.
+
+A row exists once it is first touched (pulled or pushed) and starts from
+the seeded initializer (a pure function of seed and id, so the same id gets
+the same first value on any shard). Rows live in growable arrays indexed
+through a dict id -> slot; optimizer state is per row, including a step
+count per row for Adam's bias correction (lazy Adam).
+
+Memory is bounded: the effective row limit is the table's ``max_rows`` and
+the server's ``--max-rows`` (the smaller one that is set), and the server's
+memory limit in any case. At the limit a table either refuses new rows
+(eviction "none": RESOURCE_EXHAUSTED, nothing changed) or evicts its least
+recently used rows (eviction "lru"; an access is a pull or a push of the
+row). No gRPC here; all methods are thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from ps_server.checkpoint import PartSnapshot
+from ps_server.errors import RequestError
+from ps_server.info import VariableInfo
+from ps_server.initializers import fill_rows
+from ps_server.optimizers import make_kernel
+from wehub_ps.errors import Reason
+from wehub_ps.specs import VariableSpec
+
+__all__ = ["HashTablePart"]
+
+_MIN_CAPACITY = 1024
+
+
+class HashTablePart:
+    """This shard's rows of one hash table."""
+
+    holds_part = True
+    row_start = row_end = 0
+
+    def __init__(self, spec: VariableSpec, max_rows: int, reserve: Callable[[int], None]) -> None:
+        """``reserve(delta_bytes)`` books memory with the store (raises MEMORY_LIMIT)."""
+        self.spec = spec
+        self.row_elements = spec.row_elements
+        self.kernel = make_kernel(spec.optimizer)
+        self.compute_dtype = np.dtype(np.float32) if spec.dtype == np.float16 else spec.dtype
+        self.max_rows = max_rows  # 0: unbounded (memory limit only)
+        self.reserve = reserve
+        # Guards every field below, and the arrays' contents.
+        self.lock = threading.Lock()
+        self._index: dict[int, int] = {}
+        self._free: list[int] = []
+        self.capacity = 0
+        self.ids = np.empty(0, np.int64)
+        self.value = np.empty((0, self.row_elements), spec.dtype)
+        self.slots: dict[str, np.ndarray] = {n: np.empty((0, self.row_elements), self.compute_dtype)
+                                             for n in self.kernel.slot_names}
+        self.row_steps = np.empty(0, np.int64)
+        self.last_access = np.empty(0, np.int64)
+        self._clock = 0
+        self.version = 0
+        self.optimizer_steps = 0
+        self.initialized = True
+        self.evicted_rows = 0
+
+    # ---- sizes ----
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._index)
+
+    @property
+    def elements(self) -> int:
+        return self.num_rows * self.row_elements
+
+    @property
+    def row_bytes(self) -> int:
+        return (self.row_elements * (self.spec.dtype.itemsize + self.compute_dtype.itemsize * len(self.slots))
+                + 16)  # + row step and last access
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.row_bytes
+
+    # ---- row access ----
+
+    def read_rows(self, ids: np.ndarray) -> np.ndarray:
+        """Values of unique ``ids`` (creating missing rows), shape (len(ids), row elements)."""
+        with self.lock:
+            slots = self._slots_for(ids)
+            return self.value[slots]
+
+    def apply_rows(self, ids: np.ndarray, grads: np.ndarray) -> None:
+        """Run the optimizer on rows ``ids`` (unique) with ``grads`` (len(ids), row elements)."""
+        compute = self.compute_dtype
+        grads = grads.astype(compute, copy=False)
+        with self.lock:
+            slots = self._slots_for(ids)
+            w = self.value[slots].astype(compute, copy=False)
+            state = {name: arr[slots] for name, arr in self.slots.items()}
+            self.row_steps[slots] += 1
+            self.kernel.apply_rows(w, grads, state, self.row_steps[slots])
+            self.value[slots] = w
+            for name, rows in state.items():
+                self.slots[name][slots] = rows
+
+    def finish_push(self, assigned: bool) -> int:
+        with self.lock:
+            self.version += 1
+            self.optimizer_steps += 1
+            return self.version
+
+    def info(self) -> VariableInfo:
+        with self.lock:
+            return VariableInfo(self.spec, 0, 0, self.version, True, self.optimizer_steps,
+                                self.num_rows, self.evicted_rows)
+
+    def snapshot(self):
+        return PartSnapshot(self.spec, 0, 0, True, self.version, self.optimizer_steps, True,
+                            np.empty(0, self.spec.dtype), {}, rows=self.rows_snapshot(),
+                            evicted_rows=self.evicted_rows)
+
+    # ---- internals (lock held) ----
+
+    def _slots_for(self, ids: np.ndarray) -> np.ndarray:
+        """Slot index of each id, creating rows for new ids (all or nothing)."""
+        self._clock += 1
+        index = self._index
+        slots = np.fromiter((index.get(i, -1) for i in ids.tolist()), np.int64, len(ids))
+        missing = np.flatnonzero(slots < 0)
+        if missing.size:
+            slots[missing] = self._create(ids[missing], protect=slots[slots >= 0])
+        self.last_access[slots] = self._clock
+        return slots
+
+    def _create(self, new_ids: np.ndarray, protect: np.ndarray) -> np.ndarray:
+        needed = len(new_ids)
+        if self.max_rows and self.num_rows + needed > self.max_rows:
+            if self.spec.eviction != "lru" or needed > self.max_rows:
+                raise RequestError(
+                    Reason.MEMORY_LIMIT,
+                    f"hash table {self.spec.name!r} holds {self.num_rows} rows on this shard; "
+                    f"{needed} new ones would pass its limit of {self.max_rows} (max_rows / --max-rows); "
+                    "raise the limit, add shards, or create it with eviction='lru'")
+            self._evict(self.num_rows + needed - self.max_rows, protect)
+        while len(self._free) < needed:
+            self._grow(needed - len(self._free))
+        slots = np.array([self._free.pop() for _ in range(needed)], np.int64)
+        self.ids[slots] = new_ids
+        for i, slot in zip(new_ids.tolist(), slots.tolist()):
+            self._index[i] = slot
+        rows = np.empty((needed, self.row_elements), np.float64)
+        fill_rows(self.spec.initializer, self.spec.shape, new_ids, rows)
+        self.value[slots] = rows
+        for name, arr in self.slots.items():
+            fresh = np.empty((needed, self.row_elements), arr.dtype)
+            self.kernel.init_slot(name, fresh)
+            arr[slots] = fresh
+        self.row_steps[slots] = 0
+        return slots
+
+    def _evict(self, count: int, protect: np.ndarray) -> None:
+        """Drop the ``count`` least recently used rows, never those in ``protect``."""
+        live = np.fromiter(self._index.values(), np.int64, len(self._index))
+        candidates = np.setdiff1d(live, protect, assume_unique=False)
+        if len(candidates) < count:
+            raise RequestError(Reason.MEMORY_LIMIT,
+                               f"hash table {self.spec.name!r}: a single request touches more rows than "
+                               f"max_rows ({self.max_rows}) allows")
+        order = np.argpartition(self.last_access[candidates], count - 1)[:count] if count else []
+        victims = candidates[order]
+        for slot in victims.tolist():
+            del self._index[int(self.ids[slot])]
+            self._free.append(slot)
+        self.evicted_rows += len(victims)
+
+    def _grow(self, at_least: int) -> None:
+        new_capacity = max(_MIN_CAPACITY, 2 * self.capacity, self.capacity + at_least)
+        if self.max_rows:
+            new_capacity = max(min(new_capacity, self.max_rows), self.capacity + at_least)
+        self.reserve((new_capacity - self.capacity) * self.row_bytes)
+        old = self.capacity
+
+        def grown(arr: np.ndarray) -> np.ndarray:
+            out = np.empty((new_capacity, *arr.shape[1:]), arr.dtype)
+            out[:old] = arr[:old]
+            return out
+
+        self.ids = grown(self.ids)
+        self.value = grown(self.value)
+        self.slots = {name: grown(arr) for name, arr in self.slots.items()}
+        self.row_steps = grown(self.row_steps)
+        self.last_access = grown(self.last_access)
+        self._free.extend(range(new_capacity - 1, old - 1, -1))
+        self.capacity = new_capacity
+
+    # ---- checkpoints ----
+
+    def rows_snapshot(self) -> dict[str, np.ndarray]:
+        """Compact copies of the live rows: ids, values, slots, row steps, last access."""
+        with self.lock:
+            slots = np.fromiter(self._index.values(), np.int64, len(self._index))
+            order = np.argsort(self.ids[slots], kind="stable")
+            slots = slots[order]
+            out = {"ids": self.ids[slots].copy(), "value": self.value[slots].copy(),
+                   "row_steps": self.row_steps[slots].copy(), "last_access": self.last_access[slots].copy()}
+            for name, arr in self.slots.items():
+                out[f"slot:{name}"] = arr[slots].copy()
+            return out
+
+    def load_rows(self, rows: dict[str, np.ndarray], version: int, optimizer_steps: int, evicted: int) -> None:
+        """Install rows from a checkpoint (before serving)."""
+        with self.lock:
+            count = len(rows["ids"])
+            self._grow(max(count, 1))
+            slots = np.arange(count, dtype=np.int64)
+            self._free = [s for s in self._free if s >= count]
+            self.ids[slots] = rows["ids"]
+            self.value[slots] = rows["value"].reshape(count, self.row_elements)
+            for name, arr in self.slots.items():
+                arr[slots] = rows[f"slot:{name}"].reshape(count, self.row_elements)
+            self.row_steps[slots] = rows["row_steps"]
+            self.last_access[slots] = rows["last_access"]
+            self._clock = int(rows["last_access"].max()) if count else 0
+            self._index = {int(i): s for i, s in zip(rows["ids"].tolist(), range(count))}
+            self.version, self.optimizer_steps, self.evicted_rows = version, optimizer_steps, evicted
