@@ -217,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _run_workers(group, args, addresses, config, out)
         from worker_client import PSClient
 
-        with PSClient(addresses, worker_id="ps-local-evaluator") as client:
+        with PSClient(addresses, worker_id="ps-local-evaluator", register=False) as client:
             metric = example.evaluate(client, config)
         elapsed = time.perf_counter() - started
         reached = metric >= example.TARGET if example.HIGHER_IS_BETTER else metric <= example.TARGET

@@ -33,13 +33,14 @@ class CheckpointRecord:
 
 class Checkpointer:
     def __init__(self, store: VariableStore, ledger: PushLedger, directory: str, server_id: str,
-                 keep: int, interval: float) -> None:
+                 keep: int, interval: float, persist_open_pushes: bool = True) -> None:
         self._store = store
         self._ledger = ledger
         self._directory = directory
         self._server_id = server_id
         self._keep = keep
         self._interval = interval
+        self._persist_open_pushes = persist_open_pushes
         # Serialises checkpoints (held during the write) and guards _last_generation.
         self._lock = threading.Lock()
         # Guards _last only, so Describe never waits for a write in progress.
@@ -69,7 +70,7 @@ class Checkpointer:
                 if only_if_changed and generation == self._last_generation:
                     return None
                 snapshot = ShardSnapshot(self._store.shard_index, self._store.num_shards, self._server_id,
-                                         self._store.snapshot(), {"entries": self._ledger.snapshot()})
+                                         self._store.snapshot(), {"entries": self._ledger.snapshot(self._persist_open_pushes)})
             pause = time.perf_counter() - paused
             written = write_checkpoint(self._directory, snapshot, self._keep)
             record = CheckpointRecord(written, pause)

@@ -54,6 +54,7 @@ class ServerConfig:
     consistency: str = "async"
     staleness: int = 0
     backup_workers: int = 0
+    expected_workers: int = 0
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -86,9 +87,9 @@ class ServerConfig:
             raise ConfigError(f"--max-rows must be >= 0, got {self.max_rows}")
         if self.consistency not in ("async", "ssp", "sync"):
             raise ConfigError(f"--consistency must be async, ssp or sync, got {self.consistency!r}")
-        if self.staleness < 0 or self.backup_workers < 0:
-            raise ConfigError(f"--staleness and --backup-workers must be >= 0, got "
-                              f"{self.staleness} and {self.backup_workers}")
+        if self.staleness < 0 or self.backup_workers < 0 or self.expected_workers < 0:
+            raise ConfigError(f"--staleness, --backup-workers and --expected-workers must be >= 0, got "
+                              f"{self.staleness}, {self.backup_workers} and {self.expected_workers}")
 
     @property
     def memory_limit(self) -> int:
@@ -115,6 +116,7 @@ _HELP = {
     "consistency": "async (apply every push at once), ssp (bounded staleness) or sync (aggregate each step)",
     "staleness": "ssp: a worker at step c waits until every live worker has pushed step c - staleness",
     "backup_workers": "sync: apply a step once all live workers but this many have pushed it",
+    "expected_workers": "ssp/sync: hold the first steps until this many workers have registered",
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ps_server.checkpointer import Checkpointer
+from ps_server.consistency import ConsistencyController
 from ps_server.lifecycle import Lifecycle
 from ps_server.membership import Membership
 from ps_server.push_ledger import PushLedger
@@ -27,6 +28,7 @@ class ShardContext:
     ledger: PushLedger
     lifecycle: Lifecycle
     membership: Membership
+    consistency: ConsistencyController
     server_id: str
     default_chunk_bytes: int
     max_chunk_bytes: int

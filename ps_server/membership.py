@@ -56,10 +56,10 @@ class Membership:
         with self._lock:
             self._listeners.append(listener)
 
-    def seen(self, worker_id: str, incarnation: str, step: int | None = None, pushed: bool = False) -> None:
-        """Register or renew a worker's lease (heartbeat, push or pull)."""
+    def seen(self, worker_id: str, incarnation: str, step: int | None = None, pushed: bool = False) -> bool:
+        """Register or renew a worker's lease (heartbeat, push or pull); True when it (re)joined."""
         now = self._clock()
-        changed = False
+        changed = joined = False
         with self._lock:
             record = self._workers.get(worker_id)
             if record is None or record.incarnation != incarnation:
@@ -70,7 +70,7 @@ class Membership:
                     event(log, logging.INFO, "worker registered", worker_id=worker_id, incarnation=incarnation)
                 new_worker = record is None
                 record = WorkerRecord(worker_id, incarnation, time.time(), now, step or 0, 0, True)
-                changed = True
+                changed = joined = True
                 if new_worker and len(self._workers) >= MAX_WORKERS:
                     oldest = min(self._workers.values(), key=lambda r: r.last_seen)
                     del self._workers[oldest.worker_id]
@@ -83,6 +83,17 @@ class Membership:
             self._workers[worker_id] = record
         if changed:
             self._notify()
+        return joined
+
+    def leave(self, worker_id: str, incarnation: str) -> None:
+        """The worker said goodbye: it is not live any more (a later heartbeat brings it back)."""
+        with self._lock:
+            record = self._workers.get(worker_id)
+            if record is None or record.incarnation != incarnation or not record.live:
+                return
+            self._workers[worker_id] = replace(record, live=False, last_seen=self._clock() - self.lease_seconds - 1)
+        event(log, logging.INFO, "worker left", worker_id=worker_id)
+        self._notify()
 
     def expire(self) -> list[str]:
         """Mark workers whose lease ran out as not live; returns their ids."""

@@ -59,6 +59,9 @@ class PushSession:
     steps: dict[str, int] = field(default_factory=dict)
     applied_elements: int = 0
     finalized: bool = False
+    #: Synchronous mode: this push's gradients per variable until the push is whole
+    #: (never checkpointed; see PushLedger.snapshot).
+    staging: dict = field(default_factory=dict)
     # Guards every field below and above; waits for chunks applied by
     # another stream of the same push.
     cond: threading.Condition = field(default_factory=threading.Condition)
@@ -221,12 +224,18 @@ class PushLedger:
                 # A gap this old belongs to a push that was abandoned.
                 state.write_off_below(min(state.done_above))
 
-    def snapshot(self) -> list[dict]:
-        """A JSON-able copy of the whole ledger, least recently used first."""
+    def snapshot(self, include_open: bool = True) -> list[dict]:
+        """A JSON-able copy of the whole ledger, least recently used first.
+
+        ``include_open=False`` leaves out unfinished pushes: in synchronous
+        mode their effect lives in memory only (staged, not applied), so after
+        a restart they must be sent again in full.
+        """
         with self._lock:
             return [{"worker_id": w, "incarnation": i, "done_below": st.done_below,
                      "done_above": sorted(st.done_above),
-                     "open": {str(seq): session.to_json() for seq, session in st.open.items()}}
+                     "open": {str(seq): session.to_json() for seq, session in st.open.items()}
+                     if include_open else {}}
                     for (w, i), st in self._states.items()]
 
     def restore(self, entries: list[dict]) -> None:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ps_server.accumulator import PushStaging
+from ps_server.consistency import ConsistencyController, PushDecision
 from ps_server.errors import RequestError
 from ps_server.push_ledger import ClaimResult, PushLedger, PushSession
 from ps_server.rows import parse_row_ids
@@ -38,6 +40,8 @@ class PushResult:
     versions: dict[str, int]
     duplicate: bool
     elements_applied: int
+    dropped: bool = False
+    cluster_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,14 +68,20 @@ class ActivePush:
     """One push stream in progress on this shard."""
 
     def __init__(self, store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin,
-                 items: dict[str, _Item], session: PushSession | None) -> None:
+                 items: dict[str, _Item], session: PushSession | None,
+                 consistency: ConsistencyController | None, decision: str) -> None:
         self._store = store
         self._ledger = ledger
         self._assign = begin.kind == ps_pb2.ASSIGN
         self._items = items
         self._session = session
+        self._consistency = consistency
+        self._decision = decision
+        self._worker_id = begin.worker_id
+        self._step = begin.step
         self._applied_here = 0
         self._versions: dict[str, int] = {}
+        self._dropped = decision == PushDecision.DROP
 
     def apply(self, chunk: DecodedChunk) -> None:
         """Check one chunk and apply it unless this push applied it before."""
@@ -116,7 +126,11 @@ class ActivePush:
             if self._session.claim(header.variable, offset, count) == ClaimResult.ALREADY_APPLIED:
                 return
             try:
-                if item.row_ids is not None:
+                if self._decision == PushDecision.DROP:
+                    pass  # recorded (so a retry is recognised), never applied
+                elif self._decision == PushDecision.ACCUMULATE:
+                    self._stage(item, offset, values)
+                elif item.row_ids is not None:
                     rows = item.row_ids[offset // width:(offset + count) // width]
                     part.apply_rows(rows, values.reshape(len(rows), width))
                 elif self._assign:
@@ -129,8 +143,28 @@ class ActivePush:
                 raise
             self._applied_here += count
             self._store.generation += 1
-            if self._session.done(header.variable, offset):
+            completed = self._session.done(header.variable, offset)
+            if completed:
                 self._finalize()
+        if completed:
+            self._after_complete()
+
+    def _stage(self, item: _Item, offset: int, values: np.ndarray) -> None:
+        """Synchronous mode: keep the chunk in the push's own staging until the push is whole."""
+        staging = self._session.staging.setdefault(item.part.spec.name, PushStaging())
+        dtype = item.part.compute_dtype
+        if item.row_ids is not None:
+            width = item.part.spec.row_elements
+            rows = item.row_ids[offset // width:(offset + values.size) // width]
+            staging.add_rows(rows, values.reshape(len(rows), width), dtype)
+        else:
+            staging.add_dense(item.elements, dtype, offset, values)
+
+    def _after_complete(self) -> None:
+        """Outside the apply gate: tell the consistency controller (it may apply a sync step)."""
+        if self._consistency is not None and not self._assign:
+            self._consistency.on_push_complete(
+                self._worker_id, self._step, PushDecision.DROP if self._dropped else self._decision)
 
     def finish(self) -> PushResult:
         """The stream ended: the push must be complete by now."""
@@ -145,15 +179,24 @@ class ActivePush:
             name: item.part.info().version for name, item in self._items.items()
         }
         duplicate = session is None or (self._applied_here == 0 and session.total_elements > 0)
-        return PushResult(versions, duplicate, self._applied_here)
+        cluster_step = self._consistency.cluster_step() if self._consistency is not None else 0
+        return PushResult(versions, duplicate, self._applied_here, self._dropped, cluster_step)
 
     def _finalize(self) -> None:
-        for name, item in self._items.items():
-            self._versions[name] = item.part.finish_push(self._assign)
+        if self._decision == PushDecision.ACCUMULATE:
+            for name, item in self._items.items():
+                staging = self._session.staging.pop(name, PushStaging())
+                if not item.part.merge_staged(self._step, staging):
+                    self._dropped = True  # the step was applied while this push streamed
+                self._versions[name] = item.part.info().version
+        elif self._decision == PushDecision.APPLY:
+            for name, item in self._items.items():
+                self._versions[name] = item.part.finish_push(self._assign)
         self._ledger.finish(self._session)
 
 
-def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin) -> ActivePush:
+def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin,
+               consistency: ConsistencyController | None = None) -> ActivePush:
     """Validate a PushBegin and open (or rejoin) its session; changes nothing on error."""
     check_cluster(store, begin.shard_index, begin.num_shards)
     if not begin.worker_id or len(begin.worker_id) > MAX_WORKER_ID_LENGTH:
@@ -221,11 +264,15 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
             )
         items[declared.variable] = _Item(part, wire, row_ids, expected)
     total = sum(item.elements for item in items.values())
+    decision = PushDecision.APPLY
+    if consistency is not None and not assign and not already_done:
+        decision = consistency.push_decision(begin.step)
     session = ledger.begin(begin.worker_id, begin.incarnation, begin.sequence, total)
-    push = ActivePush(store, ledger, begin, items, session)
+    push = ActivePush(store, ledger, begin, items, session, consistency, decision)
     if session is not None and total == 0 and not session.finalized:
         session.finalized = True
         with store.gate.shared():
             push._finalize()
             store.generation += 1
+        push._after_complete()
     return push

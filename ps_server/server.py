@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from ps_server.checkpoint import find_restore_plan, load_parts
 from ps_server.checkpointer import Checkpointer
 from ps_server.config import ServerConfig
+from ps_server.consistency import ConsistencyController
 from ps_server.context import RestoredFrom, ShardContext
 from ps_server.gate import ApplyGate
 from ps_server.lifecycle import Lifecycle
@@ -52,13 +53,16 @@ class PSServer:
                                    max_rows=config.max_rows)
         self.ledger = PushLedger()
         self.membership = Membership(config.worker_lease)
+        self.consistency = ConsistencyController(config.consistency, config.staleness, config.backup_workers,
+                                                 self.membership, self.store, config.expected_workers)
         self.lifecycle = Lifecycle()
         checkpointer = None
         if config.checkpoint_dir:
             checkpointer = Checkpointer(self.store, self.ledger, config.checkpoint_dir, self.server_id,
-                                        keep=config.keep_checkpoints, interval=config.checkpoint_interval)
+                                        keep=config.keep_checkpoints, interval=config.checkpoint_interval,
+                                        persist_open_pushes=config.consistency != "sync")
         self.context = ShardContext(
-            self.store, self.ledger, self.lifecycle, self.membership, self.server_id,
+            self.store, self.ledger, self.lifecycle, self.membership, self.consistency, self.server_id,
             default_chunk_bytes=config.chunk_bytes, max_chunk_bytes=config.max_message_bytes // 2,
             checkpointer=checkpointer)
         self.health = health.HealthServicer(experimental_non_blocking=True)
@@ -150,7 +154,7 @@ class PSServer:
             _write_atomically(self.config.port_file, f"{self.port}\n")
         event(log, logging.INFO, "serving", host=self.config.host, port=self.port,
               shard_index=self.config.shard_index, num_shards=self.config.num_shards,
-              server_id=self.server_id)
+              consistency=self.config.consistency, server_id=self.server_id)
 
     def _reap_leases(self) -> None:
         interval = max(0.05, self.membership.lease_seconds / 4)
@@ -164,6 +168,7 @@ class PSServer:
         """
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         event(log, logging.INFO, "draining", pushes_in_flight=self.lifecycle.in_flight)
+        self.consistency.close()  # pulls waiting for a step give up
         drained = self.lifecycle.drain(self.config.drain_timeout)
         if not drained:
             event(log, logging.WARNING, "drain timed out", pushes_in_flight=self.lifecycle.in_flight,

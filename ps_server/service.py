@@ -57,6 +57,7 @@ STATUS_BY_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.MEMORY_LIMIT: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
     Reason.CHECKPOINTS_DISABLED: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.STEP_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 # Chunks smaller than this are copied out under their lock and packed
@@ -114,6 +115,7 @@ class ParameterServerService:
         self._ledger = context.ledger
         self._lifecycle = context.lifecycle
         self._membership = context.membership
+        self._consistency = context.consistency
         self._server_id = context.server_id
         self._default_chunk_bytes = context.default_chunk_bytes
         self._max_chunk_bytes = context.max_chunk_bytes
@@ -145,6 +147,12 @@ class ParameterServerService:
                                        seconds_since_seen=membership.seconds_since_seen(r), step=r.step,
                                        registered_unix=r.registered_unix, pushes=r.pushes)
                      for r in membership.workers()])
+        c = self._consistency.stats()
+        response.consistency.CopyFrom(ps_pb2.ConsistencyInfo(
+            mode=c.mode, staleness=c.staleness, backup_workers=c.backup_workers, step=c.step, pulls=c.pulls,
+            pulls_blocked=c.pulls_blocked, blocked_seconds=c.blocked_seconds,
+            max_staleness_admitted=c.max_staleness_admitted, dropped_gradients=c.dropped_gradients,
+            steps_applied=c.steps_applied))
         checkpointer = self._context.checkpointer
         if checkpointer is not None and checkpointer.last is not None:
             response.last_checkpoint.CopyFrom(_checkpoint_proto(checkpointer.last))
@@ -170,9 +178,19 @@ class ParameterServerService:
     def heartbeat(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         msg = _parse(ps_pb2.HeartbeatRequest, request)
         _check_worker(msg.worker_id, msg.incarnation)
-        self._membership.seen(msg.worker_id, msg.incarnation, msg.step)
-        return ps_pb2.HeartbeatResponse(lease_seconds=self._membership.lease_seconds,
-                                        server_id=self._server_id).SerializeToString()
+        if msg.leaving:
+            self._membership.leave(msg.worker_id, msg.incarnation)
+            return ps_pb2.HeartbeatResponse(lease_seconds=self._membership.lease_seconds,
+                                            server_id=self._server_id).SerializeToString()
+        self._seen(msg.worker_id, msg.incarnation, msg.step)
+        cluster_step = self._consistency.on_heartbeat(msg.worker_id, msg.step)
+        return ps_pb2.HeartbeatResponse(lease_seconds=self._membership.lease_seconds, server_id=self._server_id,
+                                        cluster_step=cluster_step,
+                                        consistency=self._consistency.mode).SerializeToString()
+
+    def _seen(self, worker_id: str, incarnation: str, step: int, pushed: bool = False) -> None:
+        if self._membership.seen(worker_id, incarnation, step, pushed):
+            self._consistency.forget(worker_id)  # a restarted worker rejoins at the cluster's step
 
     @_unary
     def create_variable(self, request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -193,7 +211,10 @@ class ParameterServerService:
 
     def pull(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         try:
-            plan = self._plan_pull(_parse(ps_pb2.PullRequest, request))
+            msg = _parse(ps_pb2.PullRequest, request)
+            plan = self._plan_pull(msg)
+            # ssp / sync: wait (at most the call's deadline) until this step may read.
+            self._consistency.before_pull(msg.worker_id, msg.step, context.time_remaining())
         except RequestError as error:
             _abort(context, error)
             return
@@ -205,7 +226,7 @@ class ParameterServerService:
         check_cluster(self._store, msg.shard_index, msg.num_shards)
         if msg.worker_id and msg.incarnation:
             _check_worker(msg.worker_id, msg.incarnation)
-            self._membership.seen(msg.worker_id, msg.incarnation, msg.step)
+            self._seen(msg.worker_id, msg.incarnation, msg.step)
         if not msg.items:
             raise RequestError(Reason.INVALID_REQUEST, "a pull must name at least one variable")
         chunk_bytes = msg.chunk_bytes or self._default_chunk_bytes
@@ -309,8 +330,8 @@ class ParameterServerService:
                         if active is not None:
                             raise RequestError(Reason.INVALID_REQUEST,
                                                "PushBegin may only appear in the first message")
-                        active = begin_push(self._store, self._ledger, begin)
-                        self._membership.seen(begin.worker_id, begin.incarnation, begin.step, pushed=True)
+                        self._seen(begin.worker_id, begin.incarnation, begin.step, pushed=True)
+                        active = begin_push(self._store, self._ledger, begin, self._consistency)
                     elif active is None:
                         raise RequestError(Reason.INVALID_REQUEST,
                                            "the first message of a push must carry PushBegin")
@@ -324,7 +345,8 @@ class ParameterServerService:
             return b""
         response = ps_pb2.PushResponse(
             versions=[ps_pb2.VariableVersion(variable=k, version=v) for k, v in result.versions.items()],
-            duplicate=result.duplicate, elements_applied=result.elements_applied)
+            duplicate=result.duplicate, elements_applied=result.elements_applied, dropped=result.dropped,
+            cluster_step=result.cluster_step)
         return response.SerializeToString()
 
 

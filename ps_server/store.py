@@ -20,6 +20,7 @@ from typing import Callable, TypeVar
 
 import numpy as np
 
+from ps_server.accumulator import PushStaging, StepAccumulator
 from ps_server.checkpoint import LoadedPart, PartSnapshot
 from ps_server.errors import RequestError
 from ps_server.gate import ApplyGate
@@ -52,6 +53,8 @@ class _Scratch(threading.local):
 
 
 _scratch = _Scratch()
+# Elements per pass when applying a whole part at once: temporaries stay small.
+_APPLY_BLOCK = 1 << 18
 
 
 class VariablePart:
@@ -79,6 +82,8 @@ class VariablePart:
         self.initialized = False
         #: Per-row step counts of sparse Adam updates (None until the first).
         self.row_steps: np.ndarray | None = None
+        #: Synchronous mode: the current step's sum (None until the first push).
+        self.accumulator: StepAccumulator | None = None
 
     @property
     def nbytes(self) -> int:
@@ -168,23 +173,72 @@ class VariablePart:
         first one), so a row's bias correction follows its own history.
         """
         local = self.local_rows(ids)
+        with self.lock:
+            self._apply_local_rows(local, grads)
+
+    def _apply_local_rows(self, local: np.ndarray, grads: np.ndarray) -> None:
         width = self.spec.row_elements
         compute = self.compute_dtype
+        values = self.value.reshape(-1, width)
+        w = values[local].astype(compute, copy=False)
+        state = {name: slot.reshape(-1, width)[local] for name, slot in self.slots.items()}
+        if self.kernel.needs_row_steps:
+            if self.row_steps is None:
+                self.row_steps = np.zeros(self.row_end - self.row_start, np.int64)
+            self.row_steps[local] += 1
+            steps = self.row_steps[local]
+        else:
+            steps = np.zeros(0, np.int64)
+        self.kernel.apply_rows(w, grads.astype(compute, copy=False), state, steps)
+        values[local] = w
+        for name, rows in state.items():
+            self.slots[name].reshape(-1, width)[local] = rows
+
+    # ---- synchronous mode ----
+
+    def merge_staged(self, step: int, staging: PushStaging) -> bool:
+        """Add one complete push of ``step`` to the step's sum; False if the step is over."""
         with self.lock:
-            values = self.value.reshape(-1, width)
-            w = values[local].astype(compute, copy=False)
-            state = {name: slot.reshape(-1, width)[local] for name, slot in self.slots.items()}
-            if self.kernel.needs_row_steps:
-                if self.row_steps is None:
-                    self.row_steps = np.zeros(self.row_end - self.row_start, np.int64)
-                self.row_steps[local] += 1
-                steps = self.row_steps[local]
-            else:
-                steps = np.zeros(0, np.int64)
-            self.kernel.apply_rows(w, grads.astype(compute, copy=False), state, steps)
-            values[local] = w
-            for name, rows in state.items():
-                self.slots[name].reshape(-1, width)[local] = rows
+            return self._accumulator().merge(step, staging)
+
+    def start_step(self, step: int) -> None:
+        with self.lock:
+            acc = self._accumulator()
+            if acc.step != step:
+                acc.take(mean=False)  # a step that never completed (restart, jump): discard
+                acc.step = step
+
+    def apply_accumulated(self, step: int) -> bool:
+        """Apply step ``step``'s aggregated gradient once; True if there was one."""
+        with self.lock:
+            acc = self._accumulator()
+            if acc.step != step:
+                return False
+            dense, ids, grads = acc.take(mean=self.spec.aggregation == "mean")
+            acc.step = step + 1
+            if dense is not None:
+                self.optimizer_steps += 1
+                compute = self.compute_dtype
+                for offset in range(0, self.elements, _APPLY_BLOCK):
+                    end = min(self.elements, offset + _APPLY_BLOCK)
+                    stored = self.value[offset:end]
+                    weights = stored if stored.dtype == compute else stored.astype(compute)
+                    self.kernel.apply(weights, dense[offset:end],
+                                      {n: s[offset:end] for n, s in self.slots.items()},
+                                      self.optimizer_steps, _scratch.get("kernel", compute, end - offset))
+                    if weights is not stored:
+                        np.copyto(stored, weights, casting="unsafe")
+            if ids is not None:
+                self._apply_local_rows(self.local_rows(ids), grads)
+            if dense is None and ids is None:
+                return False
+            self.version += 1
+            return True
+
+    def _accumulator(self) -> StepAccumulator:
+        if self.accumulator is None:
+            self.accumulator = StepAccumulator()
+        return self.accumulator
 
     def reserve_step(self) -> int:
         """Take the next optimizer step number for a push that starts now."""
@@ -350,6 +404,21 @@ class VariableStore:
 
     def describe(self) -> list[VariableInfo]:
         return [part.info() for part in self.parts()]
+
+    def apply_accumulated(self, step: int) -> list[str]:
+        """Synchronous mode: apply step ``step`` on every part; returns the variables updated."""
+        applied = []
+        with self.gate.shared():
+            for part in self.parts():
+                if part.apply_accumulated(step):
+                    applied.append(part.spec.name)
+            self.generation += 1
+        return applied
+
+    def start_step(self, step: int) -> None:
+        """Synchronous mode: every part accumulates ``step`` from now on."""
+        for part in self.parts():
+            part.start_step(step)
 
     def snapshot(self) -> list[PartSnapshot]:
         """Copies of every part; call with the gate held exclusive for a consistent instant."""

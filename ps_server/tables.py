@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ps_server.accumulator import PushStaging, StepAccumulator
 from ps_server.checkpoint import PartSnapshot
 from ps_server.errors import RequestError
 from ps_server.info import VariableInfo
@@ -64,6 +65,8 @@ class HashTablePart:
         self.optimizer_steps = 0
         self.initialized = True
         self.evicted_rows = 0
+        #: Synchronous mode: the current step's sum of row gradients.
+        self.accumulator = StepAccumulator()
 
     # ---- sizes ----
 
@@ -94,17 +97,45 @@ class HashTablePart:
 
     def apply_rows(self, ids: np.ndarray, grads: np.ndarray) -> None:
         """Run the optimizer on rows ``ids`` (unique) with ``grads`` (len(ids), row elements)."""
+        with self.lock:
+            self._apply_rows_locked(ids, grads)
+
+    def _apply_rows_locked(self, ids: np.ndarray, grads: np.ndarray) -> None:
         compute = self.compute_dtype
         grads = grads.astype(compute, copy=False)
+        slots = self._slots_for(ids)
+        w = self.value[slots].astype(compute, copy=False)
+        state = {name: arr[slots] for name, arr in self.slots.items()}
+        self.row_steps[slots] += 1
+        self.kernel.apply_rows(w, grads, state, self.row_steps[slots])
+        self.value[slots] = w
+        for name, rows in state.items():
+            self.slots[name][slots] = rows
+
+    # ---- synchronous mode ----
+
+    def merge_staged(self, step: int, staging: PushStaging) -> bool:
         with self.lock:
-            slots = self._slots_for(ids)
-            w = self.value[slots].astype(compute, copy=False)
-            state = {name: arr[slots] for name, arr in self.slots.items()}
-            self.row_steps[slots] += 1
-            self.kernel.apply_rows(w, grads, state, self.row_steps[slots])
-            self.value[slots] = w
-            for name, rows in state.items():
-                self.slots[name][slots] = rows
+            return self.accumulator.merge(step, staging)
+
+    def start_step(self, step: int) -> None:
+        with self.lock:
+            if self.accumulator.step != step:
+                self.accumulator.take(mean=False)
+                self.accumulator.step = step
+
+    def apply_accumulated(self, step: int) -> bool:
+        with self.lock:
+            if self.accumulator.step != step:
+                return False
+            _, ids, grads = self.accumulator.take(mean=self.spec.aggregation == "mean")
+            self.accumulator.step = step + 1
+            if ids is None:
+                return False
+            self._apply_rows_locked(ids, grads)
+            self.version += 1
+            self.optimizer_steps += 1
+            return True
 
     def finish_push(self, assigned: bool) -> int:
         with self.lock:

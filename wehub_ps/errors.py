@@ -31,3 +31,4 @@ class Reason(str, enum.Enum):
     MEMORY_LIMIT = "MEMORY_LIMIT"  # would exceed the server's memory budget
     SHUTTING_DOWN = "SHUTTING_DOWN"  # server is starting up or draining after SIGTERM
     CHECKPOINTS_DISABLED = "CHECKPOINTS_DISABLED"  # no --checkpoint-dir
+    STEP_TIMEOUT = "STEP_TIMEOUT"  # ssp/sync: a pull waited its whole deadline for other workers

@@ -108,6 +108,7 @@ class ShardInfo:
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)
     last_checkpoint: dict[str, Any] | None = None
     restored_from: dict[str, Any] | None = None
+    consistency: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -189,7 +190,8 @@ class PSClient:
         control_timeout: float = 30.0,
         data_timeout: float = 300.0,
         retry_timeout: float = 300.0,
-        heartbeat: bool = True,
+        register: bool = True,
+        heartbeat: bool | None = None,
     ) -> None:
         self.addresses = _check_addresses(addresses)
         if worker_id is None:
@@ -203,6 +205,9 @@ class PSClient:
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{arg} must be positive seconds, got {value!r}")
         self.worker_id = worker_id
+        #: A registered client is a worker: it holds a lease and counts in the
+        #: ssp/sync modes. Unregistered ones (evaluators, admin tools) only observe.
+        self.register = register if heartbeat is None else bool(heartbeat)
         #: New on every construction: tells servers apart retries of this
         #: process from pushes of an earlier run with the same worker_id.
         self.incarnation = uuid.uuid4().hex
@@ -219,14 +224,16 @@ class PSClient:
         self._variables: dict[str, Variable] = {}
         self._versions: dict[str, dict[int, int]] = {}
         self._sequences = [itertools.count(1) for _ in self._shards]
-        self._stats = {"retries": 0, "duplicate_acks": 0, "rollbacks": 0}
+        self._stats = {"retries": 0, "duplicate_acks": 0, "rollbacks": 0, "dropped_pushes": 0}
         self._step = 0
+        #: The servers' --consistency: "async", "ssp" or "sync" (read on connect).
+        self.consistency = "async"
         self._closed = False
         self._stop_heartbeat = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         try:
             lease = self._connect(connect_timeout)
-            if heartbeat:
+            if self.register:
                 self._heartbeat_all(self._control_timeout)  # register before the first step
                 self._heartbeat_thread = threading.Thread(
                     target=self._heartbeat_loop, args=(max(0.2, lease / 3),),
@@ -279,6 +286,11 @@ class PSClient:
             raise ClusterMismatchError(
                 f"the address list {list(self.addresses)} does not match the cluster: "
                 + "; ".join(wrong) + f" (position in the list = shard index, length = {len(self._shards)})")
+        modes = {info.consistency.get("mode", "async") for info in infos.values()}
+        if len(modes) > 1:
+            raise ClusterMismatchError(f"the servers run different consistency modes {sorted(modes)}; "
+                                       "start every ps-server with the same --consistency")
+        self.consistency = modes.pop()
         leases = [info.worker_lease_seconds for info in infos.values() if info.worker_lease_seconds > 0]
         return min(leases) if leases else 30.0
 
@@ -294,7 +306,8 @@ class PSClient:
             self._remember(spec)
             variables[spec.name] = {"row_start": info.row_start, "row_end": info.row_end,
                                     "version": info.version, "initialized": info.initialized,
-                                    "optimizer_steps": info.optimizer_steps}
+                                    "optimizer_steps": info.optimizer_steps, "num_rows": info.num_rows,
+                                    "evicted_rows": info.evicted_rows}
         workers = {w.worker_id: {"incarnation": w.incarnation, "live": w.live, "step": w.step,
                                  "seconds_since_seen": w.seconds_since_seen, "pushes": w.pushes}
                    for w in msg.workers}
@@ -308,9 +321,14 @@ class PSClient:
             r = msg.restored_from
             restored = {"checkpoint_id": r.checkpoint_id, "path": r.path, "created_unix": r.created_unix,
                         "num_shards": r.num_shards}
+        c = msg.consistency
+        consistency = {"mode": c.mode or "async", "staleness": c.staleness, "backup_workers": c.backup_workers,
+                       "step": c.step, "pulls": c.pulls, "pulls_blocked": c.pulls_blocked,
+                       "blocked_seconds": c.blocked_seconds, "max_staleness_admitted": c.max_staleness_admitted,
+                       "dropped_gradients": c.dropped_gradients, "steps_applied": c.steps_applied}
         return ShardInfo(shard.address, msg.shard_index, msg.num_shards, msg.server_id,
                          msg.server_version, variables, msg.chunk_bytes_limit, msg.worker_lease_seconds,
-                         workers, checkpoint, restored)
+                         workers, checkpoint, restored, consistency)
 
     def _remember(self, spec: VariableSpec, created: bool = False) -> Variable:
         placement = None if spec.hash_table else spec.placement(len(self._shards))
@@ -465,8 +483,8 @@ class PSClient:
                                    row_ids=b"" if item.row_ids is None else item.row_ids.astype("<i8").tobytes())
                    for item in items],
             wire_dtype=to_wire_dtype(self.wire_dtype) if self.wire_dtype is not None else 0,
-            chunk_bytes=self.chunk_bytes, worker_id=self.worker_id, incarnation=self.incarnation,
-            step=step).SerializeToString()
+            chunk_bytes=self.chunk_bytes, worker_id=self.worker_id,
+            incarnation=self.incarnation if self.register else "", step=step).SerializeToString()
         expected = {item.name: item.dest for item in items}
         received: dict[str, int] = {}
         versions: dict[str, int] = {}
@@ -499,23 +517,28 @@ class PSClient:
                                   f"elements {short}", address=shard.address)
         self._record_versions(shard, versions)
 
-    def push(self, gradients: Mapping[str, Any]) -> None:
+    def push(self, gradients: Mapping[str, Any],
+             rows: Mapping[str, tuple[Any, Any]] | None = None) -> set[int]:
         """Send gradients; returns once every shard involved has applied them.
 
         ``gradients`` maps variable names to arrays of exactly the variable's
-        shape and dtype (numpy, CuPy or DLPack). Each server runs the
-        variable's optimizer on its part as the chunks arrive.
+        shape and dtype (numpy, CuPy or DLPack). ``rows`` maps embedding
+        tables to ``(ids, row_gradients)`` (see :meth:`push_rows`); everything
+        goes to each shard as one push, which synchronous mode requires of a
+        step. Each server runs the optimizers as the chunks arrive. Returns
+        the shards pushed to.
         """
         if not isinstance(gradients, Mapping):
             raise TypeError(f"gradients must be a mapping name -> array, got {type(gradients).__name__}")
-        if not gradients:
-            return
-        variables = {v.name: v for v in self._resolve(list(gradients))}
+        rows = dict(rows or {})
+        if not gradients and not rows:
+            return set()
+        variables = {v.name: v for v in self._resolve([*gradients, *rows])}
         by_shard: dict[int, list[_PushItem]] = {}
         for name, grad in gradients.items():
             spec = variables[name].spec
             if spec.hash_table:
-                raise InvalidArgumentError(f"{name!r} is a hash table: update it with push_rows(name, ids, grads)")
+                raise InvalidArgumentError(f"{name!r} is a hash table: send its rows with rows={{name: (ids, grads)}}")
             host = to_host(grad, f"gradients[{name!r}]")
             _check_array(host, spec.shape, spec.dtype, f"gradient for {name!r}")
             flat = as_wire_array(host, self.wire_dtype)
@@ -523,30 +546,36 @@ class PSClient:
             for part in variables[name].placement.parts:
                 by_shard.setdefault(part.shard, []).append(
                     _PushItem(name, flat[part.row_start * width:part.row_end * width]))
-        self._send_push(by_shard, ps_pb2.GRADIENT)
+        for name, pair in rows.items():
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise TypeError(f"rows[{name!r}] must be a tuple (ids, gradients), got {type(pair).__name__}")
+            for shard, item in self._row_items(variables[name], *pair).items():
+                by_shard.setdefault(shard, []).append(item)
+        return self._send_push(by_shard, ps_pb2.GRADIENT)
 
-    def push_rows(self, name: str, ids: Any, gradients: Any) -> None:
+    def push_rows(self, name: str, ids: Any, gradients: Any) -> set[int]:
         """Sparse update: gradients for rows ``ids`` only; repeated ids are summed first.
 
         ``gradients`` has shape ``(len(ids), *row_shape)`` and the table's
         dtype. Only the touched rows and their optimizer state change (lazy
         Adam keeps a step count per row). Returns once every shard applied it.
         """
-        variable = self._resolve([name])[0]
-        ids = _check_ids(ids, "ids")
+        return self.push({}, rows={name: (ids, gradients)})
+
+    def _row_items(self, variable: Variable, ids: Any, gradients: Any) -> dict[int, _PushItem]:
+        """Per shard, the summed gradients of the unique rows it holds."""
         spec = variable.spec
+        ids = _check_ids(ids, "ids")
         row_shape = spec.shape if spec.hash_table else spec.shape[1:]
         host = to_host(gradients, "gradients")
-        _check_array(host, (len(ids), *row_shape), spec.dtype, f"gradients for {name!r}")
+        _check_array(host, (len(ids), *row_shape), spec.dtype, f"gradients for {spec.name!r}")
         unique, inverse = np.unique(ids, return_inverse=True)
         width = spec.row_elements
         summed = np.zeros((len(unique), width), dtype=spec.dtype)
         np.add.at(summed, inverse.reshape(-1), host.reshape(len(ids), width))
-        by_shard = {}
-        for shard, positions in self._rows_by_shard(variable, unique).items():
-            values = as_wire_array(summed[positions], self.wire_dtype)
-            by_shard[shard] = [_PushItem(name, values, unique[positions].astype("<i8").tobytes(), width)]
-        self._send_push(by_shard, ps_pb2.GRADIENT)
+        return {shard: _PushItem(spec.name, as_wire_array(summed[positions], self.wire_dtype),
+                                 unique[positions].astype("<i8").tobytes(), width)
+                for shard, positions in self._rows_by_shard(variable, unique).items()}
 
     def create_embedding(
         self,
@@ -619,6 +648,7 @@ class PSClient:
         self._stop_heartbeat.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join()
+            self._say_goodbye()
         for shard in self._shards:
             shard.close()
         self._executor.shutdown(wait=True)
@@ -655,9 +685,15 @@ class PSClient:
                 "versions": {n: f"{a} -> {b}" for n, (a, b) in rolled_back.items()},
                 "meaning": "it restarted from a checkpoint; updates after that checkpoint are lost"}})
 
-    def _finish_step(self) -> None:
+    def _finish_step(self, pushed_shards: set[int]) -> None:
+        """A step ended. In ssp/sync mode, shards this step did not push to learn the
+        new clock right away (they may be holding other workers' pulls for it)."""
         with self._lock:
             self._step += 1
+        if self.consistency != "async":
+            others = [i for i in range(len(self._shards)) if i not in pushed_shards]
+            if others:
+                self._heartbeat_all(self._control_timeout, others)
 
     def _note_cluster_step(self, cluster_step: int, dropped: bool) -> None:
         """sync: a push that came after its step was applied was dropped; the
@@ -665,17 +701,37 @@ class PSClient:
         if dropped and cluster_step:
             with self._lock:
                 self._step = max(self._step, cluster_step - 1)
+                self._stats["dropped_pushes"] += 1
 
-    def _heartbeat_all(self, timeout: float) -> None:
+    def _heartbeat_all(self, timeout: float, shards: Iterable[int] | None = None) -> None:
+        """Renew the lease (and report the step) on every shard, in parallel; errors are logged."""
         with self._lock:
             step = self._step
         request = ps_pb2.HeartbeatRequest(worker_id=self.worker_id, incarnation=self.incarnation,
                                           step=step).SerializeToString()
-        for shard in self._shards:
+
+        def beat(shard: ShardChannel) -> int:
             try:
-                shard.heartbeat(request, timeout)
+                return ps_pb2.HeartbeatResponse.FromString(shard.heartbeat(request, timeout)).cluster_step
             except PSError as error:  # the next beat, or a retried RPC, will tell more
                 log.debug("heartbeat failed", extra={"fields": {"address": shard.address, "error": str(error)}})
+                return 0
+
+        steps = self._on_shards(range(len(self._shards)) if shards is None else shards, beat)
+        cluster_step = max(steps.values(), default=0)
+        if cluster_step:  # ssp/sync: a (re)joining or lagging worker continues at the cluster's step
+            with self._lock:
+                self._step = max(self._step, cluster_step)
+
+    def _say_goodbye(self) -> None:
+        """Leave the live set now, so synchronous steps stop waiting for this worker."""
+        request = ps_pb2.HeartbeatRequest(worker_id=self.worker_id, incarnation=self.incarnation,
+                                          leaving=True).SerializeToString()
+        for shard in self._shards:
+            try:
+                shard.heartbeat(request, min(2.0, self._control_timeout))
+            except PSError:
+                pass  # the lease expires on its own
 
     def _heartbeat_loop(self, interval: float) -> None:
         while not self._stop_heartbeat.wait(interval):
@@ -710,7 +766,8 @@ class PSClient:
                 "create it with create_variable first")
         return [known[name] for name in dict.fromkeys(names)]
 
-    def _send_push(self, by_shard: dict[int, list[_PushItem]], kind: int) -> None:
+    def _send_push(self, by_shard: dict[int, list[_PushItem]], kind: int) -> set[int]:
+        """Push to every shard in ``by_shard`` at once; returns the shards pushed to."""
         def push_to(shard: ShardChannel) -> None:
             items = by_shard[shard.index]
             # The sequence is taken once: every retry resends the same push,
@@ -734,6 +791,7 @@ class PSClient:
             self._note_cluster_step(response.cluster_step, response.dropped)
 
         self._on_shards(sorted(by_shard), push_to)
+        return set(by_shard)
 
     def _push_messages(self, shard_index: int, items: list[_PushItem], kind: int, sequence: int,
                        base_versions: dict[str, int], step: int) -> Iterator[bytes]:

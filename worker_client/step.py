@@ -24,19 +24,20 @@ class Step:
         self._device = device
         self.params: dict[str, Any] = {}
         self.pushed = False
+        self._pushed_shards: set[int] = set()
 
     def __enter__(self) -> "Step":
         self.params = self._client.pull(self._names, device=self._device)
         return self
 
-    def push(self, gradients: Mapping[str, Any]) -> None:
-        """Push this step's gradients; at most once per step."""
+    def push(self, gradients: Mapping[str, Any], rows: Mapping[str, tuple[Any, Any]] | None = None) -> None:
+        """Push this step's gradients, dense and sparse (``rows={table: (ids, grads)}``), once."""
         if self.pushed:
             raise RuntimeError("this step already pushed its gradients; start a new step")
-        self._client.push(gradients)
+        self._pushed_shards = self._client.push(gradients, rows)
         self.pushed = True
 
     def __exit__(self, exc_type, *exc_info: object) -> None:
         if exc_type is None and self.pushed:
-            self._client._finish_step()
+            self._client._finish_step(self._pushed_shards)
         return None

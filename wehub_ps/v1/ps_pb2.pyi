@@ -318,14 +318,16 @@ class CheckpointResponse(_message.Message):
     def __init__(self, checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "step")
+    __slots__ = ("worker_id", "incarnation", "step", "leaving")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     step: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., step: _Optional[int] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_seconds", "server_id", "cluster_step", "consistency")
