@@ -42,6 +42,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="override an example setting, e.g. --set learning_rate=0.05")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where workers compute: cuda needs CuPy and a GPU (default auto)")
+    parser.add_argument("--consistency", choices=("async", "ssp", "sync"), default="async",
+                        help="the servers' consistency mode (default async)")
+    parser.add_argument("--staleness", type=int, default=2, help="ssp: bound on staleness in steps (default 2)")
+    parser.add_argument("--backup-workers", type=int, default=0,
+                        help="sync: apply a step without waiting for this many slowest workers (default 0)")
     parser.add_argument("--timeout", type=float, default=900.0,
                         help="seconds before the run is abandoned (default 900)")
     parser.add_argument("--log-level", default="warning", help="log level of ps-local and the servers")
@@ -82,14 +87,18 @@ def _example_config(example, args: argparse.Namespace):
     return example.Config(**overrides)
 
 
-def _start_servers(group: ProcessGroup, num_ps: int, log_level: str) -> list[str]:
+def _start_servers(group: ProcessGroup, args: argparse.Namespace) -> list[str]:
     servers = []
+    num_ps = args.num_ps
     for i in range(num_ps):
         port_file = os.path.join(group.workdir, f"ps-{i}.port")
         proc = group.start(f"ps-{i}", [
             sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0",
             "--port-file", port_file, "--shard-index", str(i), "--num-shards", str(num_ps),
-            "--log-level", log_level])
+            "--log-level", args.log_level, "--consistency", args.consistency,
+            "--staleness", str(args.staleness), "--backup-workers", str(args.backup_workers),
+            # The first steps wait until every worker has joined.
+            "--expected-workers", str(args.num_workers)])
         servers.append((proc, port_file))
     addresses = []
     deadline = time.monotonic() + _SERVER_START_TIMEOUT
@@ -116,6 +125,7 @@ class _Progress:
         self.tty = stream.isatty()
         self.started = time.perf_counter()
         self._last_print = 0.0
+        self._last_line = ""
 
     def update(self, message: dict[str, Any]) -> None:
         if message.get("type") == "progress":
@@ -141,9 +151,11 @@ class _Progress:
             self.stream.write("\r" + self.line().ljust(100) + ("\n" if final else ""))
             self.stream.flush()
         elif final or now - self._last_print >= 2.0:
-            self.stream.write(self.line() + "\n")
-            self.stream.flush()
-            self._last_print = now
+            line = self.line()
+            if line.split("]", 1)[-1] != self._last_line.split("]", 1)[-1]:  # same progress: say it once
+                self.stream.write(line + "\n")
+                self.stream.flush()
+            self._last_print, self._last_line = now, line
 
 
 def _read_lines(proc: ManagedProcess, sink: "queue.Queue[dict[str, Any]]") -> None:
@@ -209,9 +221,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = _example_config(example, args)
         out.write(f"ps-local: example {example.NAME!r} ({example.DESCRIPTION}); "
-                  f"{args.num_ps} ps-servers, {args.num_workers} workers, device {getattr(config, 'device', 'cpu')}\n")
+                  f"{args.num_ps} ps-servers, {args.num_workers} workers, {args.consistency} mode, "
+                  f"device {getattr(config, 'device', 'cpu')}\n")
         started = time.perf_counter()
-        addresses = _start_servers(group, args.num_ps, args.log_level)
+        addresses = _start_servers(group, args)
         out.write(f"ps-local: ps-servers at {', '.join(addresses)}\n")
         out.flush()
         _run_workers(group, args, addresses, config, out)
@@ -219,6 +232,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         with PSClient(addresses, worker_id="ps-local-evaluator", register=False) as client:
             metric = example.evaluate(client, config)
+            if args.consistency != "async":
+                stats = [info.consistency for info in client.describe()]
+                blocked = sum(c["blocked_seconds"] for c in stats)
+                pulls = sum(c["pulls"] for c in stats)
+                out.write(f"ps-local: {args.consistency}: {sum(c['pulls_blocked'] for c in stats)} of {pulls} "
+                          f"pulls waited, {1000 * blocked / max(1, pulls):.2f} ms per pull on average; "
+                          f"{sum(c['dropped_gradients'] for c in stats)} late gradients dropped\n")
+        if hasattr(example, "oracle_auc"):
+            out.write(f"ps-local: best achievable {example.METRIC} on this data: {example.oracle_auc(config):.4f}\n")
         elapsed = time.perf_counter() - started
         reached = metric >= example.TARGET if example.HIGHER_IS_BETTER else metric <= example.TARGET
         out.write(f"ps-local: {example.METRIC} {metric:.4f} (target {example.TARGET}) "

@@ -163,6 +163,8 @@ class ConsistencyController:
         with self._cond:
             if decision == PushDecision.DROP:
                 self._dropped += 1
+                event(log, logging.DEBUG, "late gradient dropped", worker_id=worker_id, step=step,
+                      current_step=self._step)
             self._advance_clock(worker_id, step + 1)
 
     def close(self) -> None:
@@ -207,9 +209,10 @@ class ConsistencyController:
     def _maybe_apply(self) -> None:
         if not self._started():
             return
-        live = self._membership.live_ids()
-        needed = max(1, len(live) - self.backup_workers)
-        if len(self._finished) >= needed:
+        # All live workers but K have finished (a worker that finished and then
+        # left counts for its gradient, never for someone else's).
+        waiting_for = self._membership.live_ids() - self._finished
+        if self._finished and len(waiting_for) <= self.backup_workers:
             applied = self._store.apply_accumulated(self._step)
             event(log, logging.DEBUG, "sync step applied", step=self._step, workers=len(self._finished),
                   variables=applied)

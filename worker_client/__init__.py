@@ -22,6 +22,7 @@ from worker_client.errors import (
     VariableConflictError,
     VariableNotFoundError,
 )
+from worker_client.replicas import ReplicaGroup, ReplicaStep
 from worker_client.step import Step
 from wehub_ps.placement import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
 from wehub_ps.specs import (
@@ -38,7 +39,7 @@ from wehub_ps.specs import (
 )
 
 __all__ = [
-    "PSClient", "Variable", "ShardInfo", "Step",
+    "PSClient", "Variable", "ShardInfo", "Step", "ReplicaGroup", "ReplicaStep",
     "SGD", "Momentum", "Adagrad", "Adam",
     "Zeros", "Constant", "Uniform", "Normal", "GlorotUniform",
     "MinSizePartitioner", "FixedShardsPartitioner", "MaxSizePartitioner",

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["to_host", "to_device", "parse_device"]
+__all__ = ["to_host", "to_device", "parse_device", "is_gpu_array"]
 
 _DLPACK_CPU = 1
 _DLPACK_CUDA = 2
@@ -31,6 +31,15 @@ def _cupy():
 
 def _is_cupy(x: Any) -> bool:
     return type(x).__module__.split(".", 1)[0] == "cupy"
+
+
+def is_gpu_array(x: Any) -> bool:
+    """A CuPy array, or a DLPack array that lives on a CUDA device."""
+    if _is_cupy(x):
+        return True
+    if hasattr(x, "__dlpack_device__") and not isinstance(x, np.ndarray):
+        return x.__dlpack_device__()[0] == _DLPACK_CUDA
+    return False
 
 
 def to_host(x: Any, argument: str) -> np.ndarray:

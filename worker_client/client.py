@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from worker_client.arrays import parse_device, to_device, to_host
+from worker_client.arrays import is_gpu_array, parse_device, to_device, to_host
+from worker_client.gpu import GpuTransfers
 from worker_client.errors import (
     ClusterMismatchError,
     DTypeMismatchError,
@@ -229,12 +230,14 @@ class PSClient:
         #: The servers' --consistency: "async", "ssp" or "sync" (read on connect).
         self.consistency = "async"
         self._closed = False
+        self._gpu: GpuTransfers | None = None  # created on first use of a GPU
         self._stop_heartbeat = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         try:
             lease = self._connect(connect_timeout)
             if self.register:
-                self._heartbeat_all(self._control_timeout)  # register before the first step
+                # Register before the first step; a (re)joining worker continues at the cluster's step.
+                self._heartbeat_all(self._control_timeout, adopt_step=True)
                 self._heartbeat_thread = threading.Thread(
                     target=self._heartbeat_loop, args=(max(0.2, lease / 3),),
                     name=f"ps-heartbeat-{worker_id}", daemon=True)
@@ -359,6 +362,7 @@ class PSClient:
         initializer: str | Initializer | Any = "zeros",
         optimizer: Optimizer | None = None,
         partitioner: Partitioner | None = None,
+        aggregation: str = "mean",
     ) -> Variable:
         """Create a variable on the cluster, or return the existing one.
 
@@ -367,6 +371,8 @@ class PSClient:
         :class:`VariableConflictError` naming the difference. ``initializer``
         is a name ('zeros', 'constant', 'uniform', 'normal', 'glorot_uniform'),
         an initializer object, or an array with the initial value.
+        ``aggregation`` ('mean' or 'sum') is how synchronous mode combines the
+        workers' gradients of a step.
         """
         shape_t = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
         initial: np.ndarray | None = None
@@ -386,7 +392,8 @@ class PSClient:
             init = Explicit(hashlib.sha256(byte_view(initial)).digest())
         spec = VariableSpec(name=name, shape=shape_t, dtype=dtype, initializer=init,
                             optimizer=optimizer if optimizer is not None else SGD(),
-                            partitioner=partitioner if partitioner is not None else MinSizePartitioner())
+                            partitioner=partitioner if partitioner is not None else MinSizePartitioner(),
+                            aggregation=aggregation)
         placement = spec.placement(len(self._shards))
         # Every shard records the spec (so conflicts are caught everywhere);
         # only the shards in the placement allocate rows.
@@ -421,7 +428,11 @@ class PSClient:
         for v in variables:
             if v.spec.hash_table:
                 raise InvalidArgumentError(f"{v.name!r} is a hash table: read it with pull_rows(name, ids)")
-        out = {v.name: np.empty(v.shape, dtype=v.dtype) for v in variables}
+        transfers = self._gpu_transfers() if gpu is not None else None
+        # For a GPU, chunks land straight in pinned buffers and go up on the device's stream.
+        out = {v.name: (np.empty(v.shape, dtype=v.dtype) if transfers is None
+                        else transfers.pinned(f"pull:{threading.get_ident()}:{v.name}", v.shape, v.dtype))
+               for v in variables}
         by_shard: dict[int, list[_PullItem]] = {}
         for v in variables:
             flat = out[v.name].reshape(-1)
@@ -430,9 +441,11 @@ class PSClient:
                 by_shard.setdefault(part.shard, []).append(
                     _PullItem(v.name, flat[part.row_start * width:part.row_end * width]))
         self._on_shards(by_shard, lambda s: self._pull_from(s, by_shard[s.index]))
-        if gpu is None:
+        if transfers is None:
             return out
-        return {name: to_device(arr, gpu) for name, arr in out.items()}
+        on_device = {name: transfers.upload(arr, gpu) for name, arr in out.items()}
+        transfers.synchronize({gpu})
+        return on_device
 
     def pull_rows(self, name: str, ids: Any, *, device: Any = None) -> Any:
         """Rows ``ids`` of an embedding table, shape ``(len(ids), *row_shape)``, in the order given.
@@ -539,7 +552,7 @@ class PSClient:
             spec = variables[name].spec
             if spec.hash_table:
                 raise InvalidArgumentError(f"{name!r} is a hash table: send its rows with rows={{name: (ids, grads)}}")
-            host = to_host(grad, f"gradients[{name!r}]")
+            host = self._host(grad, f"gradients[{name!r}]", name)
             _check_array(host, spec.shape, spec.dtype, f"gradient for {name!r}")
             flat = as_wire_array(host, self.wire_dtype)
             width = spec.row_elements
@@ -567,7 +580,7 @@ class PSClient:
         spec = variable.spec
         ids = _check_ids(ids, "ids")
         row_shape = spec.shape if spec.hash_table else spec.shape[1:]
-        host = to_host(gradients, "gradients")
+        host = self._host(gradients, "gradients", spec.name)
         _check_array(host, (len(ids), *row_shape), spec.dtype, f"gradients for {spec.name!r}")
         unique, inverse = np.unique(ids, return_inverse=True)
         width = spec.row_elements
@@ -586,6 +599,7 @@ class PSClient:
         optimizer: Optimizer | None = None,
         max_rows: int = 0,
         eviction: str = "none",
+        aggregation: str = "mean",
     ) -> Variable:
         """Create (or return) a hash table of rows keyed by unbounded 64-bit ids.
 
@@ -599,7 +613,7 @@ class PSClient:
             initializer = initializer_from_name(initializer)
         spec = VariableSpec(name=name, shape=row_shape, dtype=dtype, initializer=initializer,
                             optimizer=optimizer if optimizer is not None else SGD(), hash_table=True,
-                            max_rows=max_rows, eviction=eviction)
+                            max_rows=max_rows, eviction=eviction, aggregation=aggregation)
         results = self._on_shards(range(len(self._shards)), lambda s: self._create_on(s, spec))
         with self._lock:
             self._variables[name] = Variable(spec, None, any(r.created for r in results.values()))
@@ -661,6 +675,18 @@ class PSClient:
 
     # ---- internals ----
 
+    def _gpu_transfers(self) -> GpuTransfers:
+        with self._lock:
+            if self._gpu is None:
+                self._gpu = GpuTransfers()
+            return self._gpu
+
+    def _host(self, array: Any, argument: str, name: str) -> np.ndarray:
+        """Host memory for a gradient: GPU arrays go through this thread's pinned buffer for ``name``."""
+        if is_gpu_array(array):
+            return self._gpu_transfers().download(f"push:{threading.get_ident()}:{name}", array)
+        return to_host(array, argument)
+
     def _call(self, shard: ShardChannel, what: str, call: Callable[[], Any]) -> Any:
         """``call()`` retried while the server is unavailable (see :mod:`worker_client.retry`)."""
         def counted() -> None:
@@ -703,8 +729,14 @@ class PSClient:
                 self._step = max(self._step, cluster_step - 1)
                 self._stats["dropped_pushes"] += 1
 
-    def _heartbeat_all(self, timeout: float, shards: Iterable[int] | None = None) -> None:
-        """Renew the lease (and report the step) on every shard, in parallel; errors are logged."""
+    def _heartbeat_all(self, timeout: float, shards: Iterable[int] | None = None,
+                       adopt_step: bool = False) -> None:
+        """Renew the lease (and report the step) on every shard, in parallel; errors are logged.
+
+        ``adopt_step`` (registration only): continue at the cluster's step. Never
+        later: a shard that finished a step before another must not make this
+        worker skip the step it is still pushing elsewhere.
+        """
         with self._lock:
             step = self._step
         request = ps_pb2.HeartbeatRequest(worker_id=self.worker_id, incarnation=self.incarnation,
@@ -719,7 +751,7 @@ class PSClient:
 
         steps = self._on_shards(range(len(self._shards)) if shards is None else shards, beat)
         cluster_step = max(steps.values(), default=0)
-        if cluster_step:  # ssp/sync: a (re)joining or lagging worker continues at the cluster's step
+        if adopt_step and cluster_step:
             with self._lock:
                 self._step = max(self._step, cluster_step)
 
