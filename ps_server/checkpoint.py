@@ -429,11 +429,13 @@ def _load_table(spec: VariableSpec, sources, handles, shard_index: int, num_shar
     if "ids" in rows and len(np.unique(rows["ids"])) != len(rows["ids"]):
         raise CheckpointError(f"old shards hold the same row id of {spec.name!r} twice")
     holders = [e for _, e in sources]
+    # Each old shard's eviction count goes to exactly one new shard, so the total is kept.
+    evicted = sum(e.get("evicted_rows", 0) for old, e in sources if old % num_shards == shard_index)
     return LoadedPart(spec, 0, 0, True,
                       version=max(e["version"] for e in holders),
                       optimizer_steps=max(e["optimizer_steps"] for e in holders),
                       initialized=True, value=np.empty(0, spec.dtype), slots={}, rows=rows,
-                      evicted_rows=sum(e.get("evicted_rows", 0) for e in holders))
+                      evicted_rows=evicted)
 
 
 def _assemble(name, spec, row_start, row_end, row_elements, slot_names, sources, handles, holds):

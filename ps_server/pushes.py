@@ -227,6 +227,10 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
                 raise RequestError(Reason.INVALID_REQUEST,
                                    f"{declared.variable!r} is a hash table: push it by rows (push_rows)")
             row_ids = parse_row_ids(part, declared.row_ids, store.shard_index, store.num_shards, unique=True)
+            if part.spec.hash_table and part.max_rows and len(row_ids) > part.max_rows:
+                raise RequestError(Reason.MEMORY_LIMIT,
+                                   f"push of {len(row_ids)} rows of {declared.variable!r} on one shard; the "
+                                   f"table keeps at most {part.max_rows} there (max_rows / --max-rows)")
             expected = len(row_ids) * part.spec.row_elements
         elif not part.holds_part:
             raise RequestError(

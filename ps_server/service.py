@@ -218,7 +218,10 @@ class ParameterServerService:
         except RequestError as error:
             _abort(context, error)
             return
-        yield from self._stream_pull(*plan)
+        try:
+            yield from self._stream_pull(*plan)
+        except RequestError as error:
+            _abort(context, error)
 
     def _plan_pull(self, msg: ps_pb2.PullRequest):
         """Validate everything before the first byte is sent."""
@@ -250,7 +253,12 @@ class ParameterServerService:
                                        f"{item.variable!r} is a hash table: pull it by rows (pull_rows)")
                 ids = parse_row_ids(part, item.row_ids, self._store.shard_index, self._store.num_shards,
                                     unique=False)
-                plan.append((part, ids, None, requested or part.spec.dtype))
+                # Read (and, in a hash table, create) every row before the first byte is
+                # sent, so a refusal leaves nothing behind and the rows are one instant.
+                with self._store.gate.shared():
+                    values = part.read_rows(ids)
+                    version = part.info().version
+                plan.append((part, (values, version), None, requested or part.spec.dtype))
                 continue
             if not part.holds_part:
                 raise RequestError(Reason.INVALID_REQUEST,
@@ -271,8 +279,8 @@ class ParameterServerService:
         pending: list[OutgoingChunk] = []
         pending_bytes = 0
         for part, start, count, wire in plan:
-            if count is None:  # rows: start holds the ids
-                for chunk in self._row_chunks(part, start, wire, chunk_bytes):
+            if count is None:  # rows: start holds (values, version), read when planned
+                for chunk in _row_chunks(part, *start, wire, chunk_bytes):
                     if pending and pending_bytes + chunk.data.nbytes > chunk_bytes:
                         yield encode_pull_response(pending)
                         pending, pending_bytes = [], 0
@@ -299,22 +307,6 @@ class ParameterServerService:
                     pending, pending_bytes = [], 0
         if pending:
             yield encode_pull_response(pending)
-
-    def _row_chunks(self, part, ids: np.ndarray, wire: np.dtype, chunk_bytes: int) -> Iterator[OutgoingChunk]:
-        """Rows ``ids`` in whole-row chunks; a hash table creates rows on first touch."""
-        width = part.spec.row_elements
-        per_chunk = max(1, chunk_bytes // max(1, width * wire.itemsize))
-        total = len(ids) * width
-        wire_enum = to_wire_dtype(wire)
-        for first in range(0, max(len(ids), 1), per_chunk):
-            block = ids[first:first + per_chunk]
-            with self._store.gate.shared():  # creating rows is a mutation
-                values = part.read_rows(block)
-                version = part.info().version
-            values = np.ascontiguousarray(values, dtype=wire)
-            header = ps_pb2.ChunkHeader(variable=part.spec.name, offset=first * width, count=values.size,
-                                        dtype=wire_enum, part_elements=total, version=version)
-            yield OutgoingChunk(header, byte_view(values))
 
     def push(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> bytes:
         try:
@@ -348,6 +340,20 @@ class ParameterServerService:
             duplicate=result.duplicate, elements_applied=result.elements_applied, dropped=result.dropped,
             cluster_step=result.cluster_step)
         return response.SerializeToString()
+
+
+def _row_chunks(part, values: np.ndarray, version: int, wire: np.dtype,
+                chunk_bytes: int) -> Iterator[OutgoingChunk]:
+    """Rows already read, in whole-row chunks of the wire dtype."""
+    width = part.spec.row_elements
+    rows = len(values)
+    per_chunk = max(1, chunk_bytes // max(1, width * wire.itemsize))
+    wire_enum = to_wire_dtype(wire)
+    for first in range(0, max(rows, 1), per_chunk):
+        block = np.ascontiguousarray(values[first:first + per_chunk], dtype=wire)
+        header = ps_pb2.ChunkHeader(variable=part.spec.name, offset=first * width, count=block.size,
+                                    dtype=wire_enum, part_elements=rows * width, version=version)
+        yield OutgoingChunk(header, byte_view(block))
 
 
 def _check_worker(worker_id: str, incarnation: str) -> None:

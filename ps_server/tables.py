@@ -11,7 +11,10 @@ the server's ``--max-rows`` (the smaller one that is set), and the server's
 memory limit in any case. At the limit a table either refuses new rows
 (eviction "none": RESOURCE_EXHAUSTED, nothing changed) or evicts its least
 recently used rows (eviction "lru"; an access is a pull or a push of the
-row). No gRPC here; all methods are thread-safe.
+row; rows of the request itself are never evicted). A refusal happens
+before anything of that request changes (a push that spans several chunks
+keeps its earlier chunks, as every push does; see docs/failure-semantics.md).
+No gRPC here; all methods are thread-safe.
 """
 
 from __future__ import annotations
@@ -162,12 +165,15 @@ class HashTablePart:
         slots = np.fromiter((index.get(i, -1) for i in ids.tolist()), np.int64, len(ids))
         missing = np.flatnonzero(slots < 0)
         if missing.size:
-            slots[missing] = self._create(ids[missing], protect=slots[slots >= 0])
+            new_ids, inverse = np.unique(ids[missing], return_inverse=True)  # a repeated new id: one row
+            slots[missing] = self._create(new_ids, protect=slots[slots >= 0])[inverse.reshape(-1)]
         self.last_access[slots] = self._clock
         return slots
 
     def _create(self, new_ids: np.ndarray, protect: np.ndarray) -> np.ndarray:
+        """Rows for unique new ids; every check and allocation happens before any eviction."""
         needed = len(new_ids)
+        evict = 0
         if self.max_rows and self.num_rows + needed > self.max_rows:
             if self.spec.eviction != "lru" or needed > self.max_rows:
                 raise RequestError(
@@ -175,9 +181,15 @@ class HashTablePart:
                     f"hash table {self.spec.name!r} holds {self.num_rows} rows on this shard; "
                     f"{needed} new ones would pass its limit of {self.max_rows} (max_rows / --max-rows); "
                     "raise the limit, add shards, or create it with eviction='lru'")
-            self._evict(self.num_rows + needed - self.max_rows, protect)
-        while len(self._free) < needed:
-            self._grow(needed - len(self._free))
+            evict = self.num_rows + needed - self.max_rows
+            if self.num_rows - len(np.unique(protect)) < evict:
+                raise RequestError(Reason.MEMORY_LIMIT,
+                                   f"hash table {self.spec.name!r}: a single request touches more rows than "
+                                   f"max_rows ({self.max_rows}) allows")
+        while len(self._free) + evict < needed:
+            self._grow(needed - evict - len(self._free))  # may refuse (memory limit): nothing evicted yet
+        if evict:
+            self._evict(evict, protect)
         slots = np.array([self._free.pop() for _ in range(needed)], np.int64)
         self.ids[slots] = new_ids
         for i, slot in zip(new_ids.tolist(), slots.tolist()):
@@ -196,10 +208,6 @@ class HashTablePart:
         """Drop the ``count`` least recently used rows, never those in ``protect``."""
         live = np.fromiter(self._index.values(), np.int64, len(self._index))
         candidates = np.setdiff1d(live, protect, assume_unique=False)
-        if len(candidates) < count:
-            raise RequestError(Reason.MEMORY_LIMIT,
-                               f"hash table {self.spec.name!r}: a single request touches more rows than "
-                               f"max_rows ({self.max_rows}) allows")
         order = np.argpartition(self.last_access[candidates], count - 1)[:count] if count else []
         victims = candidates[order]
         for slot in victims.tolist():

@@ -89,6 +89,12 @@ def _assert_exhausted(error: PSError) -> None:
     assert error.reason == "MEMORY_LIMIT"
 
 
+def _counters(client: PSClient) -> list[dict]:
+    """Per shard: {variable: (num_rows, evicted_rows, version)}."""
+    return [{name: (v["num_rows"], v["evicted_rows"], v["version"]) for name, v in shard.variables.items()}
+            for shard in client.describe()]
+
+
 def _ids_on(shard: int, num_shards: int, count: int, start: int = 0) -> np.ndarray:
     candidates = np.arange(start, start + 50 * count + 100, dtype=np.int64)
     mine = candidates[hash_shards(candidates, num_shards) == shard]
@@ -118,7 +124,8 @@ def test_pull_rows_order_repeats_and_the_whole_int64_range(one, three):
             for i, row_id in enumerate(EDGE_IDS):
                 assert client.pull_rows("range", [row_id])[0].tobytes() == rows[i].tobytes()
             # ids are 64-bit patterns: uint64 2**64-1 is id -1.
-            assert client.pull_rows("range", np.array([2**64 - 1], np.uint64))[0].tobytes() == rows[1].tobytes()
+            as_uint = client.pull_rows("range", np.array([2**64 - 1], np.uint64))
+            assert as_uint[0].tobytes() == rows[1].tobytes()
             assert client.pull_rows("range", np.array([], np.int64)).shape == (0, 8)
             unique = np.unique(EDGE_IDS)
             assert len({r.tobytes() for r in rows}) == len(unique)
@@ -161,7 +168,8 @@ def test_push_rows_sums_repeated_ids_and_touches_nothing_else(three):
         expected[ids == 9] -= np.float32(1)
         assert after.tobytes() == expected.tobytes()
         # push(gradients, rows=...) sends dense gradients and rows together.
-        client.create_variable("summed_bias", shape=(3,), initializer="zeros", optimizer=SGD(learning_rate=1.0))
+        client.create_variable("summed_bias", shape=(3,), initializer="zeros",
+                               optimizer=SGD(learning_rate=1.0))
         client.push({"summed_bias": np.ones(3, np.float32)},
                     rows={"summed": (np.array([9, -5, 9]), np.full((3, 4), 0.5, np.float32))})
         again = client.pull_rows("summed", ids)
@@ -263,7 +271,8 @@ def test_lazy_adam_rows_match_a_reference(three, kind):
         # count were untouched by all the steps before.
         g = rng.standard_normal(dim)
         client.push_rows(name, keys[[fresh]], g[None, :])
-        first = initial[fresh] - lr * math.sqrt(1 - b2) / (1 - b1) * ((1 - b1) * g) / (np.sqrt((1 - b2) * g * g) + eps)
+        step_size = lr * math.sqrt(1 - b2) / (1 - b1)
+        first = initial[fresh] - step_size * ((1 - b1) * g) / (np.sqrt((1 - b2) * g * g) + eps)
         np.testing.assert_allclose(pull()[fresh], first, rtol=1e-12)
 
 
@@ -359,7 +368,8 @@ def test_lru_keeps_recent_rows_and_evicts_the_rest(one):
 def test_lru_bounds_rows_per_shard_under_many_ids(three):
     limit = 5
     with PSClient(three.addresses) as client:
-        client.create_embedding("lru_many", 2, max_rows=limit, eviction="lru", optimizer=SGD(learning_rate=1.0))
+        client.create_embedding("lru_many", 2, max_rows=limit, eviction="lru",
+                                optimizer=SGD(learning_rate=1.0))
         ids = np.random.default_rng(2).permutation(np.arange(10_000, 10_150))
         for batch in np.split(ids, 50):  # 3 ids a request: never more than the limit on one shard
             client.push_rows("lru_many", batch, np.ones((3, 2), np.float32))
@@ -449,8 +459,7 @@ def test_tables_survive_sigkill_and_restart(cluster_factory, one, tmp_path):
         assert emb.tobytes() == ref.pull_rows(ref_name, pool).tobytes()  # 2 shards = 1 shard
         lru_live = client.pull_rows("lru", lru_ids[-4:])  # the last batch: live on every shard
         dense = client.pull(["dense"])["dense"]
-        infos = [{name: (v["num_rows"], v["evicted_rows"], v["version"]) for name, v in shard.variables.items()}
-                 for shard in client.describe()]
+        infos = _counters(client)
         assert sum(i["lru"][1] for i in infos) > 0  # something was evicted
         client.checkpoint()
     for server in cluster.servers:
@@ -458,8 +467,7 @@ def test_tables_survive_sigkill_and_restart(cluster_factory, one, tmp_path):
     with PSClient(cluster.addresses) as client, PSClient(one.addresses) as ref:
         shards = client.describe()
         assert all(shard.restored_from is not None for shard in shards)
-        assert [{name: (v["num_rows"], v["evicted_rows"], v["version"]) for name, v in shard.variables.items()}
-                for shard in shards] == infos
+        assert _counters(client) == infos
         # The LRU order came back: the rows used last survive the next eviction (at most
         # 6 new rows per shard of 10 evict the older ones).
         client.pull_rows("lru", np.arange(900, 906))
@@ -531,11 +539,13 @@ def _raw_push(address: str, shard: int, num_shards: int, variable: str, row_ids:
         num_shards=num_shards, kind=kind,
         items=[ps_pb2.PushItem(variable=variable, elements=values.size if elements is None else elements,
                                wire_dtype=ps_pb2.FLOAT32, row_ids=row_ids)])
-    chunks = [OutgoingChunk(ps_pb2.ChunkHeader(variable=variable, offset=offset, count=count, dtype=ps_pb2.FLOAT32),
+    chunks = [OutgoingChunk(ps_pb2.ChunkHeader(variable=variable, offset=offset, count=count,
+                                               dtype=ps_pb2.FLOAT32),
                             byte_view(values[offset:offset + count]))
               for offset, count in (pieces or [(0, values.size)])]
     with grpc.insecure_channel(address) as channel:
-        raw = channel.stream_unary(method_path("Push"))(iter([encode_push_request(begin, chunks)]), timeout=10)
+        push = channel.stream_unary(method_path("Push"))
+        raw = push(iter([encode_push_request(begin, chunks)]), timeout=10)
     return ps_pb2.PushResponse.FromString(raw)
 
 
@@ -562,7 +572,8 @@ def test_bad_row_input_is_refused_precisely_and_changes_nothing(three):
         def state():
             shards = client.describe()
             return ([s.variables[n] for s in shards for n in ("bad_rows", "bad_dense")],
-                    client.pull_rows("bad_rows", mine).tobytes(), client.pull(["bad_dense"])["bad_dense"].tobytes())
+                    client.pull_rows("bad_rows", mine).tobytes(),
+                    client.pull(["bad_dense"])["bad_dense"].tobytes())
 
         before = state()
         ids = lambda *values: np.array(values, "<i8").tobytes()  # noqa: E731
@@ -578,7 +589,7 @@ def test_bad_row_input_is_refused_precisely_and_changes_nothing(three):
              StatusCode.INVALID_ARGUMENT, "INVALID_CHUNK", "repeat an id"),
             # an id that hashes to another shard
             (lambda: _raw_push(address, 0, 3, "bad_rows", ids(mine[0], other[0]), two_rows),
-             StatusCode.FAILED_PRECONDITION, "CLUSTER_MISMATCH", f"belongs to shard 1"),
+             StatusCode.FAILED_PRECONDITION, "CLUSTER_MISMATCH", "belongs to shard 1"),
             (lambda: _raw_pull(address, 0, 3, "bad_rows", ids(other[0], mine[0])),
              StatusCode.FAILED_PRECONDITION, "CLUSTER_MISMATCH", f"row id {other[0]}"),
             # chunks that cut rows

@@ -158,7 +158,8 @@ def test_lazy_adam_keeps_a_step_count_per_row():
     for _ in range(3):
         table.apply_rows(_ids(1), g)  # row 1: three steps
     table.apply_rows(_ids(2), g)  # row 2: its first step, after row 1's third
-    first = w0[1] - lr * math.sqrt(1 - b2) / (1 - b1) * ((1 - b1) * g[0]) / (np.sqrt((1 - b2) * g[0] ** 2) + eps)
+    step_size = lr * math.sqrt(1 - b2) / (1 - b1)
+    first = w0[1] - step_size * ((1 - b1) * g[0]) / (np.sqrt((1 - b2) * g[0] ** 2) + eps)
     np.testing.assert_allclose(table.read_rows(_ids(2))[0], first, rtol=1e-14)
     m = np.zeros(4)
     v = np.zeros(4)
