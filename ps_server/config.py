@@ -114,7 +114,7 @@ _HELP = {
     "worker_lease": "seconds a worker stays live without a heartbeat",
     "max_rows": "rows per hash table on this shard at most; 0 = bounded by memory only",
     "consistency": "async (apply every push at once), ssp (bounded staleness) or sync (aggregate each step)",
-    "staleness": "ssp: a worker at step c waits until every live worker has pushed step c - staleness",
+    "staleness": "ssp: a worker at step c waits until every live worker has completed c - staleness steps",
     "backup_workers": "sync: apply a step once all live workers but this many have pushed it",
     "expected_workers": "ssp/sync: hold the first steps until this many workers have registered",
 }

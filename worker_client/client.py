@@ -645,7 +645,8 @@ class PSClient:
     def stats(self) -> dict[str, int]:
         """Counters: ``retries`` (RPC attempts repeated), ``duplicate_acks`` (retried
         pushes the server had already applied), ``rollbacks`` (versions that went
-        backwards: a server restored an older checkpoint)."""
+        backwards: a server restored an older checkpoint), ``dropped_pushes``
+        (sync mode: per shard, pushes that arrived after their step was applied)."""
         with self._lock:
             return dict(self._stats)
 

@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-import pytest
 
 from worker_client import SGD, Constant, PSClient
 
@@ -41,7 +40,8 @@ def mean_of(workers: list[int], step: int) -> dict[str, np.ndarray]:
     return {n: sum(g[n].astype(np.float64) for g in grads) / len(grads) for n in NAMES}
 
 
-def sgd_trajectory(initial: dict[str, np.ndarray], updates: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+def sgd_trajectory(initial: dict[str, np.ndarray],
+                   updates: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
     """states[t] = the values after the first t updates (exact, in float64, then float32)."""
     state = {n: initial[n].astype(np.float64) for n in NAMES}
     states = [{n: v.astype(np.float32) for n, v in state.items()}]
@@ -122,8 +122,9 @@ class Progress:
 
     def wait(self, workers: list[int], steps: int, timeout: float = WAIT) -> None:
         with self._cond:
-            assert self._cond.wait_for(lambda: all(self._done.get(w, 0) >= steps for w in workers), timeout), \
-                f"workers {workers} did not reach {steps} steps"
+            reached = self._cond.wait_for(
+                lambda: all(self._done.get(w, 0) >= steps for w in workers), timeout)
+            assert reached, f"workers {workers} did not reach {steps} steps"
 
 
 # ---- sync ------------------------------------------------------------------------------------------
@@ -213,10 +214,6 @@ def test_sync_last_step_waits_for_a_live_worker_after_others_left(cluster_factor
 
 
 def test_sync_sum_aggregation(cluster_factory):
-    import inspect
-
-    if "aggregation" not in inspect.signature(PSClient.create_variable).parameters:
-        pytest.skip("PSClient.create_variable does not expose aggregation= (VariableSpec has it)")
     cluster = cluster_factory(2, "--consistency", "sync", "--expected-workers", "2")
     with observer(cluster) as chief:
         chief.create_variable("s", shape=SMALL, initializer="zeros", optimizer=SGD(learning_rate=LR),
@@ -380,7 +377,8 @@ time.sleep(600)
 
 def test_sync_killed_worker_blocks_the_others_no_longer_than_its_lease(cluster_factory):
     steps, lease = 8, 1.0
-    cluster = cluster_factory(2, "--consistency", "sync", "--expected-workers", "3", "--worker-lease", str(lease))
+    cluster = cluster_factory(2, "--consistency", "sync", "--expected-workers", "3",
+                              "--worker-lease", str(lease))
     with observer(cluster) as chief:
         create_variables(chief)
     victim = cluster_factory.python(KILLED_WORKER, ",".join(cluster.addresses))
@@ -421,7 +419,8 @@ def test_sync_killed_worker_blocks_the_others_no_longer_than_its_lease(cluster_f
 
 def test_ssp_bounds_staleness_on_the_server_and_as_the_workers_see_it(cluster_factory):
     steps, staleness, workers = 15, 2, [0, 1, 2]
-    cluster = cluster_factory(2, "--consistency", "ssp", "--staleness", str(staleness), "--expected-workers", "3")
+    cluster = cluster_factory(2, "--consistency", "ssp", "--staleness", str(staleness),
+                              "--expected-workers", "3")
     with observer(cluster) as chief:
         create_variables(chief)
     lock = threading.Lock()
