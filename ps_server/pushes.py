@@ -257,11 +257,11 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
             raise RequestError(Reason.DTYPE_MISMATCH,
                                f"unknown wire dtype {declared.wire_dtype} for {declared.variable!r}") from None
         check_dtype_allowed(part, wire, assign)
-        info = part.info()
-        if assign and info.initialized and not already_done:
+        initialized = part.initialized  # a bool read: no lock needed
+        if assign and initialized and not already_done:
             raise RequestError(Reason.INVALID_REQUEST,
                                f"variable {declared.variable!r} already has its initial value")
-        if not assign and not info.initialized:
+        if not assign and not initialized:
             raise RequestError(
                 Reason.NOT_INITIALIZED,
                 f"variable {declared.variable!r} is waiting for its explicit initial value",

@@ -25,7 +25,12 @@ from ps_server.rows import parse_row_ids
 from ps_server.store import VariableInfo
 from wehub_ps import __version__
 from wehub_ps.codec import (
+    EXCHANGE_ERROR,
+    EXCHANGE_PULL,
+    EXCHANGE_PUSH,
     CodecError,
+    decode_envelope,
+    encode_envelope,
     OutgoingChunk,
     byte_view,
     chunk_ranges,
@@ -129,6 +134,7 @@ class ParameterServerService:
             "Push": grpc.stream_unary_rpc_method_handler(self.push),
             "Checkpoint": grpc.unary_unary_rpc_method_handler(self.checkpoint),
             "Heartbeat": grpc.unary_unary_rpc_method_handler(self.heartbeat),
+            "Exchange": grpc.stream_stream_rpc_method_handler(self.exchange),
         })
 
     # ---- control ----
@@ -263,7 +269,7 @@ class ParameterServerService:
             if not part.holds_part:
                 raise RequestError(Reason.INVALID_REQUEST,
                                    f"variable {item.variable!r} has no part on shard {self._store.shard_index}")
-            if not part.info().initialized:
+            if not part.initialized:  # a bool read: no lock needed
                 raise RequestError(Reason.NOT_INITIALIZED,
                                    f"variable {item.variable!r} is waiting for its explicit initial value")
             end = part.elements if item.count == 0 else item.offset + item.count
@@ -310,36 +316,70 @@ class ParameterServerService:
 
     def push(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> bytes:
         try:
-            with self._lifecycle.push_in_flight():
-                active = None
-                for raw in request_iterator:
-                    try:
-                        begin, chunks = decode_push_request(raw)
-                    except CodecError as exc:
-                        raise RequestError(Reason.MALFORMED_MESSAGE,
-                                           f"request is not a valid wehub_ps.v1.PushRequest: {exc}") from None
-                    if begin is not None:
-                        if active is not None:
-                            raise RequestError(Reason.INVALID_REQUEST,
-                                               "PushBegin may only appear in the first message")
-                        self._seen(begin.worker_id, begin.incarnation, begin.step, pushed=True)
-                        active = begin_push(self._store, self._ledger, begin, self._consistency)
-                    elif active is None:
-                        raise RequestError(Reason.INVALID_REQUEST,
-                                           "the first message of a push must carry PushBegin")
-                    for chunk in chunks:
-                        active.apply(chunk)
-                if active is None:
-                    raise RequestError(Reason.INVALID_REQUEST, "empty push stream")
-                result = active.finish()
+            return self._run_push(request_iterator)
         except RequestError as error:
             _abort(context, error)
             return b""
+
+    def _run_push(self, messages: Iterable[bytes | memoryview]) -> bytes:
+        """Apply one push from its messages; the serialised PushResponse."""
+        with self._lifecycle.push_in_flight():
+            active = None
+            for raw in messages:
+                try:
+                    begin, chunks = decode_push_request(raw)
+                except CodecError as exc:
+                    raise RequestError(Reason.MALFORMED_MESSAGE,
+                                       f"request is not a valid wehub_ps.v1.PushRequest: {exc}") from None
+                if begin is not None:
+                    if active is not None:
+                        raise RequestError(Reason.INVALID_REQUEST,
+                                           "PushBegin may only appear in the first message")
+                    self._seen(begin.worker_id, begin.incarnation, begin.step, pushed=True)
+                    active = begin_push(self._store, self._ledger, begin, self._consistency)
+                elif active is None:
+                    raise RequestError(Reason.INVALID_REQUEST,
+                                       "the first message of a push must carry PushBegin")
+                for chunk in chunks:
+                    active.apply(chunk)
+            if active is None:
+                raise RequestError(Reason.INVALID_REQUEST, "empty push stream")
+            result = active.finish()
         response = ps_pb2.PushResponse(
             versions=[ps_pb2.VariableVersion(variable=k, version=v) for k, v in result.versions.items()],
             duplicate=result.duplicate, elements_applied=result.elements_applied, dropped=result.dropped,
             cluster_step=result.cluster_step)
         return response.SerializeToString()
+
+    def exchange(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Small pulls and pushes over one long-lived stream, answered in order.
+
+        A failed request answers an ExchangeError (the status code and reason
+        the unary call would have had) and the stream carries on.
+        """
+        for raw in request_iterator:
+            request_id = 0
+            try:
+                try:
+                    request_id, field, payload = decode_envelope(raw)
+                except CodecError as exc:
+                    raise RequestError(Reason.MALFORMED_MESSAGE,
+                                       f"request is not a valid wehub_ps.v1.ExchangeRequest: {exc}") from None
+                if field == EXCHANGE_PULL:
+                    msg = _parse(ps_pb2.PullRequest, payload)
+                    plan = self._plan_pull(msg)
+                    self._consistency.before_pull(msg.worker_id, msg.step, context.time_remaining())
+                    # Concatenated PullResponses are one PullResponse (repeated field).
+                    reply = encode_envelope(request_id, EXCHANGE_PULL, list(self._stream_pull(*plan)))
+                elif field == EXCHANGE_PUSH:
+                    reply = encode_envelope(request_id, EXCHANGE_PUSH, self._run_push([payload]))
+                else:
+                    raise RequestError(Reason.INVALID_REQUEST, "an ExchangeRequest carries a pull or a push")
+            except RequestError as error:
+                status = STATUS_BY_REASON[error.reason]
+                reply = encode_envelope(request_id, EXCHANGE_ERROR, ps_pb2.ExchangeError(
+                    code=status.value[0], reason=error.reason.value, message=error.message).SerializeToString())
+            yield reply
 
 
 def _row_chunks(part, values: np.ndarray, version: int, wire: np.dtype,

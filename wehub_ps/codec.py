@@ -37,6 +37,8 @@ __all__ = [
     "chunk_view",
     "chunk_ranges",
     "byte_view",
+    "encode_envelope",
+    "decode_envelope",
     "wire_dtype_of",
 ]
 
@@ -77,7 +79,12 @@ class DecodedChunk:
         return chunk_view(self.data, self.header.dtype, self.header.count)
 
 
+_SMALL_VARINTS = [bytes([i]) for i in range(128)]
+
+
 def _varint(value: int) -> bytes:
+    if value < 128:
+        return _SMALL_VARINTS[value]
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -227,6 +234,37 @@ def decode_push_request(
         elif field == _PUSH_REQUEST_CHUNKS:
             chunks.append(_decode_chunk(buf, start, stop))
     return begin, chunks
+
+
+# ExchangeRequest / ExchangeResponse: id = 1, then one of the payload fields.
+EXCHANGE_PULL = 2
+EXCHANGE_PUSH = 3
+EXCHANGE_ERROR = 4
+
+
+def encode_envelope(request_id: int, field: int, payload: bytes | memoryview | list) -> bytes:
+    """An ExchangeRequest/ExchangeResponse around an already serialised payload.
+
+    ``payload`` may be a list of serialised pieces (concatenated messages of
+    the payload type): they are joined once, with the envelope.
+    """
+    pieces = payload if isinstance(payload, list) else [payload]
+    size = sum(len(p) if isinstance(p, bytes) else memoryview(p).nbytes for p in pieces)
+    return b"".join([_tag(1, _WIRE_VARINT), _varint(request_id), _tag(field, _WIRE_LEN), _varint(size), *pieces])
+
+
+def decode_envelope(message: bytes) -> tuple[int, int, memoryview]:
+    """(id, payload field, payload view) of an ExchangeRequest/ExchangeResponse."""
+    buf = memoryview(message)
+    request_id, field, payload = 0, 0, buf[0:0]
+    for number, wire_type, start, stop in _iter_fields(buf, 0, len(buf)):
+        if number == 1 and wire_type == _WIRE_VARINT:
+            request_id, _ = _read_varint(buf, start, stop)
+        elif number in (EXCHANGE_PULL, EXCHANGE_PUSH, EXCHANGE_ERROR) and wire_type == _WIRE_LEN:
+            field, payload = number, buf[start:stop]
+    if not field:
+        raise CodecError("exchange message carries no payload")
+    return request_id, field, payload
 
 
 def as_wire_array(array: np.ndarray, wire_dtype: np.dtype | None = None) -> np.ndarray:

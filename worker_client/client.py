@@ -38,6 +38,8 @@ from worker_client.step import Step
 from worker_client.transport import ShardChannel
 from wehub_ps.cluster import ClusterConfigError, ps_addresses_from_env, split_host_port, task_from_tf_config
 from wehub_ps.codec import (
+    EXCHANGE_PULL,
+    EXCHANGE_PUSH,
     CodecError,
     OutgoingChunk,
     as_wire_array,
@@ -193,6 +195,7 @@ class PSClient:
         retry_timeout: float = 300.0,
         register: bool = True,
         heartbeat: bool | None = None,
+        exchange_lane: bool = True,
     ) -> None:
         self.addresses = _check_addresses(addresses)
         if worker_id is None:
@@ -213,6 +216,8 @@ class PSClient:
         #: process from pushes of an earlier run with the same worker_id.
         self.incarnation = uuid.uuid4().hex
         self.chunk_bytes = chunk_bytes
+        #: Small pulls and pushes go over a long-lived stream per shard (worker_client.lane).
+        self._use_lane = exchange_lane
         self.wire_dtype = self._check_wire_dtype(wire_dtype)
         self._control_timeout = control_timeout
         self._data_timeout = data_timeout
@@ -516,11 +521,19 @@ class PSClient:
                 raise PSInternalError(f"pull from {shard.address}: malformed response: {exc}",
                                       address=shard.address) from exc
 
+        wire_size = self.wire_dtype.itemsize if self.wire_dtype is not None else None
+        small = self._use_lane and sum(
+            d.size * (wire_size or d.dtype.itemsize) for d in expected.values()) <= self.chunk_bytes
+
         def attempt() -> None:
             received.clear()
             received.update(dict.fromkeys(expected, 0))
             versions.clear()
-            shard.pull(request, self._data_timeout, on_message)
+            answer = shard.exchange(EXCHANGE_PULL, request, "pull") if small else None
+            if answer is not None:
+                on_message(answer)
+            else:
+                shard.pull(request, self._data_timeout, on_message)
 
         self._call(shard, "pull", attempt)
         short = {name: (received[name], dest.size) for name, dest in expected.items()
@@ -811,10 +824,18 @@ class PSClient:
                 step = self._step
             attempts = []
 
+            small = self._use_lane and sum(i.values.nbytes for i in items) <= self.chunk_bytes // 2
+
             def attempt() -> bytes:
                 attempts.append(1)
                 messages = self._push_messages(shard.index, items, kind, sequence, base_versions, step)
-                return shard.push(messages, self._data_timeout)
+                if small:
+                    messages = list(messages)
+                    if len(messages) == 1:
+                        answer = shard.exchange(EXCHANGE_PUSH, messages[0], "push")
+                        if answer is not None:
+                            return bytes(answer)
+                return shard.push(iter(messages), self._data_timeout)
 
             response = ps_pb2.PushResponse.FromString(self._call(shard, "push", attempt))
             if response.duplicate and len(attempts) > 1:

@@ -26,6 +26,7 @@ __all__ = [
     "PSUnavailableError",
     "PSInternalError",
     "translate_rpc_error",
+    "error_for",
 ]
 
 
@@ -128,7 +129,11 @@ def translate_rpc_error(error: grpc.RpcError, address: str, what: str) -> PSErro
         details = error.details() or ""
     except Exception:
         code, details = grpc.StatusCode.UNKNOWN, str(error)
-    reason = _reason_of(error)
+    return error_for(code, _reason_of(error), details, address, what)
+
+
+def error_for(code: grpc.StatusCode, reason: str | None, details: str, address: str, what: str) -> PSError:
+    """The typed exception for a status code and the server's reason (the one table)."""
     cls = _BY_REASON.get(reason or "") or _BY_CODE.get(code, PSInternalError)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         message = f"{what}: ps-server {address} is unavailable ({code.name}: {details})"

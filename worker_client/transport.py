@@ -14,6 +14,7 @@ from typing import TypeVar
 import grpc
 
 from worker_client.errors import PSError, translate_rpc_error
+from worker_client.lane import ExchangeLane
 from wehub_ps.rpc import MAX_MESSAGE_BYTES, method_path
 
 __all__ = ["ShardChannel"]
@@ -47,6 +48,8 @@ class ShardChannel:
         self._push = self._channel.stream_unary(method_path("Push"))
         self._heartbeat = self._channel.unary_unary(method_path("Heartbeat"))
         self._checkpoint = self._channel.unary_unary(method_path("Checkpoint"))
+        #: The long-lived stream for small requests (see worker_client.lane).
+        self.lane = ExchangeLane(self._channel.stream_stream(method_path("Exchange")), address)
 
     def describe(self, request: bytes, timeout: float) -> bytes:
         return self._guard("describe", lambda: self._describe(request, timeout=timeout))
@@ -70,8 +73,22 @@ class ShardChannel:
     def push(self, messages: Iterator[bytes], timeout: float) -> bytes:
         return self._guard("push", lambda: self._push(messages, timeout=timeout))
 
+    def exchange(self, field: int, payload: bytes, what: str) -> memoryview | None:
+        """One small request over the lane; None when the lane is busy (use the ordinary call)."""
+        if self._closed:
+            raise PSError(f"{what}: the client was closed", address=self.address)
+        if not self.lane.try_acquire():
+            return None
+        try:
+            return self.lane.request(field, payload, what)[1]
+        finally:
+            self.lane.release()
+
     def close(self) -> None:
         self._closed = True
+        if self.lane.try_acquire():
+            self.lane.close()
+            self.lane.release()
         self._channel.close()
 
     def _guard(self, what: str, call: Callable[[], T]) -> T:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
-from wehub_ps.codec import OutgoingChunk, byte_view, encode_push_request
+from wehub_ps.codec import OutgoingChunk, byte_view, decode_pull_response, encode_push_request
 from wehub_ps.errors import REASON_METADATA_KEY
 from wehub_ps.rpc import method_path
 from wehub_ps.specs import SGD, VariableSpec
@@ -189,3 +189,21 @@ def test_a_valid_push_after_all_that_still_applies(server):
         before = client.pull(["w"])["w"]
         client.push({"w": np.ones((600, 300), np.float32)})
         np.testing.assert_array_equal(client.pull(["w"])["w"], before - 1)
+
+
+def test_the_exchange_stream_answers_bad_requests_and_carries_on(channel, unchanged):
+    from wehub_ps.codec import EXCHANGE_ERROR, EXCHANGE_PULL, decode_envelope, encode_envelope
+
+    pull = ps_pb2.PullRequest(shard_index=0, num_shards=1, items=[ps_pb2.PullItem(variable="b")])
+    unknown = ps_pb2.PullRequest(shard_index=0, num_shards=1, items=[ps_pb2.PullItem(variable="nope")])
+    requests = [GARBAGE, encode_envelope(2, EXCHANGE_PULL, unknown.SerializeToString()),
+                encode_envelope(3, EXCHANGE_PULL, pull.SerializeToString())]
+    answers = list(channel.stream_stream(method_path("Exchange"))(iter(requests), timeout=10))
+    assert len(answers) == 3
+    errors = [ps_pb2.ExchangeError.FromString(decode_envelope(a)[2]) for a in answers[:2]]
+    assert [decode_envelope(a)[1] for a in answers[:2]] == [EXCHANGE_ERROR, EXCHANGE_ERROR]
+    assert (errors[0].code, errors[0].reason) == (StatusCode.INVALID_ARGUMENT.value[0], "MALFORMED_MESSAGE")
+    assert (errors[1].code, errors[1].reason) == (StatusCode.NOT_FOUND.value[0], "UNKNOWN_VARIABLE")
+    request_id, field, payload = decode_envelope(answers[2])
+    assert (request_id, field) == (3, EXCHANGE_PULL)
+    assert decode_pull_response(payload)[0].header.count == 7

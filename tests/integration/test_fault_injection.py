@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 from fault_proxy import FaultProxy
 from worker_client import SGD, FixedShardsPartitioner, PSClient
@@ -31,7 +32,11 @@ def gradients(worker: int, step: int) -> dict[str, np.ndarray]:
             "small": rng.integers(-3, 4, size=SMALL).astype(np.float32)}
 
 
-def test_random_connection_cuts_lose_nothing_and_duplicate_nothing(cluster_factory):
+@pytest.mark.parametrize("chunk_bytes,pushes", [
+    (8192, PUSHES),  # 40 KB per shard in 8 KB chunks: streamed Push calls, cut mid-push
+    (1 << 20, PUSHES // 2),  # one message per shard: the long-lived Exchange stream
+])
+def test_random_connection_cuts_lose_nothing_and_duplicate_nothing(cluster_factory, chunk_bytes, pushes):
     cluster = cluster_factory(2)
     proxies = [FaultProxy(server.port, seed=100 + i, mean_bytes_up=250_000, mean_bytes_down=3_000,
                           cut_at_start=0.05) for i, server in enumerate(cluster.servers)]
@@ -46,9 +51,9 @@ def test_random_connection_cuts_lose_nothing_and_duplicate_nothing(cluster_facto
 
         def worker(index: int) -> None:
             try:
-                with PSClient([p.address for p in proxies], worker_id=f"worker-{index}", chunk_bytes=8192,
+                with PSClient([p.address for p in proxies], worker_id=f"worker-{index}", chunk_bytes=chunk_bytes,
                               retry_timeout=120, heartbeat=False) as client:
-                    for step in range(PUSHES):
+                    for step in range(pushes):
                         client.push(gradients(index, step))
                     stats.append(client.stats())
             except BaseException as exc:  # noqa: BLE001 - reported below
@@ -66,7 +71,7 @@ def test_random_connection_cuts_lose_nothing_and_duplicate_nothing(cluster_facto
             final = direct.pull()
         expected = {name: value.astype(np.float64) for name, value in initial.items()}
         for w in range(WORKERS):
-            for step in range(PUSHES):
+            for step in range(pushes):
                 for name, grad in gradients(w, step).items():
                     expected[name] -= grad
         for name in expected:
@@ -77,7 +82,7 @@ def test_random_connection_cuts_lose_nothing_and_duplicate_nothing(cluster_facto
                   for key in ("connections", "cut_at_start", "cut_client_to_server", "cut_server_to_client")}
         duplicates = sum(s["duplicate_acks"] for s in stats)
         retries = sum(s["retries"] for s in stats)
-        print(f"\npushes {WORKERS * PUSHES}, retries {retries}, duplicate acks {duplicates}, proxy {totals}")
+        print(f"\npushes {WORKERS * pushes}, retries {retries}, duplicate acks {duplicates}, proxy {totals}")
         # The faults really happened, in every phase.
         assert totals["cut_at_start"] > 0
         assert totals["cut_client_to_server"] > 0

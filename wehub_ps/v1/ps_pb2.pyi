@@ -508,3 +508,35 @@ class PushResponse(_message.Message):
     dropped: bool
     cluster_step: int
     def __init__(self, versions: _Optional[_Iterable[_Union[VariableVersion, _Mapping]]] = ..., duplicate: _Optional[bool] = ..., elements_applied: _Optional[int] = ..., dropped: _Optional[bool] = ..., cluster_step: _Optional[int] = ...) -> None: ...
+
+class ExchangeRequest(_message.Message):
+    __slots__ = ("id", "pull", "push")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    pull: PullRequest
+    push: PushRequest
+    def __init__(self, id: _Optional[int] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push: _Optional[_Union[PushRequest, _Mapping]] = ...) -> None: ...
+
+class ExchangeError(_message.Message):
+    __slots__ = ("code", "reason", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    reason: str
+    message: str
+    def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ExchangeResponse(_message.Message):
+    __slots__ = ("id", "pull", "push", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    pull: PullResponse
+    push: PushResponse
+    error: ExchangeError
+    def __init__(self, id: _Optional[int] = ..., pull: _Optional[_Union[PullResponse, _Mapping]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ..., error: _Optional[_Union[ExchangeError, _Mapping]] = ...) -> None: ...

@@ -64,6 +64,11 @@ class ParameterServerStub:
                 request_serializer=wehub__ps_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=wehub__ps_dot_v1_dot_ps__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Exchange = channel.stream_stream(
+                '/wehub_ps.v1.ParameterServer/Exchange',
+                request_serializer=wehub__ps_dot_v1_dot_ps__pb2.ExchangeRequest.SerializeToString,
+                response_deserializer=wehub__ps_dot_v1_dot_ps__pb2.ExchangeResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -114,6 +119,15 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Exchange(self, request_iterator, context):
+        """A long-lived stream for small pulls and pushes, one at a time: a request
+        costs one message each way instead of a new call (a bidirectional-stream
+        round trip instead of call setup). Large transfers use Pull and Push.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +160,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=wehub__ps_dot_v1_dot_ps__pb2.HeartbeatRequest.FromString,
                     response_serializer=wehub__ps_dot_v1_dot_ps__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Exchange': grpc.stream_stream_rpc_method_handler(
+                    servicer.Exchange,
+                    request_deserializer=wehub__ps_dot_v1_dot_ps__pb2.ExchangeRequest.FromString,
+                    response_serializer=wehub__ps_dot_v1_dot_ps__pb2.ExchangeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +329,33 @@ class ParameterServer:
             '/wehub_ps.v1.ParameterServer/Heartbeat',
             wehub__ps_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
             wehub__ps_dot_v1_dot_ps__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exchange(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/wehub_ps.v1.ParameterServer/Exchange',
+            wehub__ps_dot_v1_dot_ps__pb2.ExchangeRequest.SerializeToString,
+            wehub__ps_dot_v1_dot_ps__pb2.ExchangeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,98 @@
+"""A long-lived Exchange stream per shard, for small pulls and pushes.
+
+Setting up a gRPC call from Python costs about as much as three round trips
+on a bidirectional stream that is already open (measured: unary-stream
+1.1 ms, stream-unary 1.5 ms, a bidi round trip 0.4 ms). Steps of small
+models are made of such calls, so each shard keeps one stream open and
+sends a small request as one message, waiting for its one answer. One
+request at a time per lane: a caller that finds the lane busy uses the
+ordinary calls instead, so nothing ever queues behind a slow request.
+
+Errors: a failed request comes back as an ExchangeError and is raised as
+the same typed exception the ordinary call would raise; a broken stream is
+raised as a gRPC error (translated) and reopened by the next request.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import grpc
+
+from worker_client.errors import error_for, translate_rpc_error
+from wehub_ps.codec import EXCHANGE_ERROR, decode_envelope, encode_envelope
+from wehub_ps.v1 import ps_pb2
+
+__all__ = ["ExchangeLane"]
+
+_CLOSE = object()
+# A stream is replaced after this long, so no call deadline ever runs out mid-request.
+_LIFETIME_SECONDS = 600.0
+
+
+class ExchangeLane:
+    def __init__(self, open_stream, address: str) -> None:
+        self._open_stream = open_stream
+        self._address = address
+        # Held by the one request using the lane; guards every field below.
+        self._busy = threading.Lock()
+        self._requests: queue.SimpleQueue | None = None
+        self._responses: Any = None
+        self._opened_at = 0.0
+        self._next_id = 1
+
+    def try_acquire(self) -> bool:
+        return self._busy.acquire(blocking=False)
+
+    def release(self) -> None:
+        self._busy.release()
+
+    def request(self, field: int, payload: bytes, what: str) -> tuple[int, memoryview]:
+        """Send one request and wait for its answer (the caller holds the lane)."""
+        if self._responses is None or time.monotonic() - self._opened_at > _LIFETIME_SECONDS * 0.9:
+            self._reopen()
+        request_id = self._next_id
+        self._next_id += 1
+        self._requests.put(encode_envelope(request_id, field, payload))
+        try:
+            message = next(self._responses)
+        except grpc.RpcError as error:
+            self.close()
+            raise translate_rpc_error(error, self._address, what) from error
+        except StopIteration:
+            self.close()
+            raise error_for(grpc.StatusCode.UNAVAILABLE, None, "the exchange stream ended", self._address,
+                            what) from None
+        answer_id, answer_field, answer = decode_envelope(message)
+        if answer_id != request_id:
+            self.close()
+            raise error_for(grpc.StatusCode.INTERNAL, None, f"answer {answer_id} to request {request_id}",
+                            self._address, what)
+        if answer_field == EXCHANGE_ERROR:
+            err = ps_pb2.ExchangeError.FromString(answer)
+            raise error_for(_status(err.code), err.reason or None, err.message, self._address, what)
+        return answer_field, answer
+
+    def close(self) -> None:
+        if self._requests is not None:
+            self._requests.put(_CLOSE)
+        if self._responses is not None:
+            self._responses.cancel()
+        self._requests = self._responses = None
+
+    def _reopen(self) -> None:
+        self.close()
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests = requests
+        self._responses = self._open_stream(iter(requests.get, _CLOSE), timeout=_LIFETIME_SECONDS)
+        self._opened_at = time.monotonic()
+
+
+def _status(code: int) -> grpc.StatusCode:
+    for status in grpc.StatusCode:
+        if status.value[0] == code:
+            return status
+    return grpc.StatusCode.UNKNOWN
