@@ -47,6 +47,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--staleness", type=int, default=2, help="ssp: bound on staleness in steps (default 2)")
     parser.add_argument("--backup-workers", type=int, default=0,
                         help="sync: apply a step without waiting for this many slowest workers (default 0)")
+    parser.add_argument("--wire-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="dtype of tensors on the wire; servers keep float32 (default float32)")
     parser.add_argument("--timeout", type=float, default=900.0,
                         help="seconds before the run is abandoned (default 900)")
     parser.add_argument("--log-level", default="warning", help="log level of ps-local and the servers")

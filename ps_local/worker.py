@@ -25,10 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-index", type=int, required=True)
     parser.add_argument("--num-workers", type=int, required=True)
     parser.add_argument("--config", default="{}", help="JSON object of example Config overrides")
+    parser.add_argument("--wire-dtype", default="float32", help="float32, or bfloat16/float16 on the wire")
     args = parser.parse_args(argv)
     example = load_example(args.example)
     config = example.Config(**json.loads(args.config))
-    with PSClient(args.addresses.split(","), worker_id=f"worker-{args.worker_index}") as client:
+    wire = None if args.wire_dtype == "float32" else args.wire_dtype
+    with PSClient(args.addresses.split(","), worker_id=f"worker-{args.worker_index}", wire_dtype=wire) as client:
         example.setup(client, config)
         _emit("started", args.worker_index, {})
         example.train(client, args.worker_index, args.num_workers, config,

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from wehub_ps.segments import sum_by_id
+
 __all__ = ["StepAccumulator", "PushStaging"]
 
 
@@ -70,11 +72,7 @@ class StepAccumulator:
             self.dense.fill(0)
         ids = grads = None
         if self.row_count:
-            all_ids = np.concatenate(self.row_ids)
-            all_grads = np.concatenate(self.row_grads)
-            ids, inverse = np.unique(all_ids, return_inverse=True)
-            grads = np.zeros((len(ids), all_grads.shape[1]), dtype=all_grads.dtype)
-            np.add.at(grads, inverse.reshape(-1), all_grads)
+            ids, grads = sum_by_id(np.concatenate(self.row_ids), np.concatenate(self.row_grads))
             if mean:
                 grads /= self.row_count
         self.dense_count = self.row_count = 0

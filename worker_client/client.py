@@ -49,6 +49,7 @@ from wehub_ps.codec import (
     encode_push_request,
 )
 from wehub_ps.dtypes import BFLOAT16, dtype_name, parse_dtype, to_numpy_dtype, to_wire_dtype
+from wehub_ps.segments import sum_by_id
 from wehub_ps.placement import MinSizePartitioner, Partitioner, Placement, hash_shards
 from wehub_ps.rpc import DEFAULT_CHUNK_BYTES
 from wehub_ps.specs import (
@@ -132,6 +133,18 @@ class _PushItem:
     values: np.ndarray
     row_ids: bytes = b""
     row_elements: int = 1
+
+
+_conversion = threading.local()
+
+
+def _conversion_buffer(dtype: np.dtype, size: int) -> np.ndarray:
+    """This thread's reusable buffer for converting chunks to a narrower wire dtype."""
+    buffers = _conversion.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(dtype)
+    if buffer is None or buffer.size < size:
+        buffer = buffers[dtype] = np.empty(size, dtype=dtype)
+    return buffer
 
 
 def _check_ids(ids: Any, argument: str) -> np.ndarray:
@@ -420,24 +433,39 @@ class PSClient:
         return ps_pb2.CreateVariableResponse.FromString(self._call(
             shard, "create_variable", lambda: shard.create_variable(request, self._control_timeout)))
 
-    def pull(self, names: Iterable[str] | str | None = None, *, device: Any = None) -> dict[str, Any]:
+    def pull(self, names: Iterable[str] | str | None = None, *, device: Any = None,
+             out: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
         """Current values, ``{name: array}``; all known dense variables when ``names`` is None.
 
         Blocks until every shard has answered. Arrays are numpy, or CuPy on
-        ``device`` ('cuda', 'cuda:1', 1). Each chunk is read atomically on its
+        ``device`` ('cuda', 'cuda:1', 1). ``out`` gives preallocated,
+        C-contiguous arrays to receive into (no allocation per pull: a training
+        loop's memory stays flat). Each chunk is read atomically on its
         server; a variable larger than one chunk may mix updates that were
         being applied during the pull (as in any asynchronous parameter server).
         """
         gpu = parse_device(device)
+        if out is not None and gpu is not None:
+            raise ValueError("pull: out= receives on the host; it cannot be combined with device=")
         variables = [v for v in self._resolve(names) if names is not None or not v.spec.hash_table]
         for v in variables:
             if v.spec.hash_table:
                 raise InvalidArgumentError(f"{v.name!r} is a hash table: read it with pull_rows(name, ids)")
         transfers = self._gpu_transfers() if gpu is not None else None
         # For a GPU, chunks land straight in pinned buffers and go up on the device's stream.
-        out = {v.name: (np.empty(v.shape, dtype=v.dtype) if transfers is None
-                        else transfers.pinned(f"pull:{threading.get_ident()}:{v.name}", v.shape, v.dtype))
-               for v in variables}
+        given = dict(out or {})
+        for name, array in given.items():
+            if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
+                raise TypeError(f"out[{name!r}] must be a C-contiguous numpy array")
+        out = {}
+        for v in variables:
+            if v.name in given:
+                _check_array(given[v.name], v.shape, v.dtype, f"out[{v.name!r}]")
+                out[v.name] = given[v.name]
+            elif transfers is None:
+                out[v.name] = np.empty(v.shape, dtype=v.dtype)
+            else:
+                out[v.name] = transfers.pinned(f"pull:{threading.get_ident()}:{v.name}", v.shape, v.dtype)
         by_shard: dict[int, list[_PullItem]] = {}
         for v in variables:
             flat = out[v.name].reshape(-1)
@@ -567,7 +595,7 @@ class PSClient:
                 raise InvalidArgumentError(f"{name!r} is a hash table: send its rows with rows={{name: (ids, grads)}}")
             host = self._host(grad, f"gradients[{name!r}]", name)
             _check_array(host, spec.shape, spec.dtype, f"gradient for {name!r}")
-            flat = as_wire_array(host, self.wire_dtype)
+            flat = as_wire_array(host)  # a narrower wire dtype is applied chunk by chunk when sending
             width = spec.row_elements
             for part in variables[name].placement.parts:
                 by_shard.setdefault(part.shard, []).append(
@@ -595,11 +623,9 @@ class PSClient:
         row_shape = spec.shape if spec.hash_table else spec.shape[1:]
         host = self._host(gradients, "gradients", spec.name)
         _check_array(host, (len(ids), *row_shape), spec.dtype, f"gradients for {spec.name!r}")
-        unique, inverse = np.unique(ids, return_inverse=True)
         width = spec.row_elements
-        summed = np.zeros((len(unique), width), dtype=spec.dtype)
-        np.add.at(summed, inverse.reshape(-1), host.reshape(len(ids), width))
-        return {shard: _PushItem(spec.name, as_wire_array(summed[positions], self.wire_dtype),
+        unique, summed = sum_by_id(ids, host.reshape(len(ids), width))
+        return {shard: _PushItem(spec.name, summed[positions].reshape(-1),
                                  unique[positions].astype("<i8").tobytes(), width)
                 for shard, positions in self._rows_by_shard(variable, unique).items()}
 
@@ -850,22 +876,30 @@ class PSClient:
     def _push_messages(self, shard_index: int, items: list[_PushItem], kind: int, sequence: int,
                        base_versions: dict[str, int], step: int) -> Iterator[bytes]:
         """The messages of one push to one shard: begin first, chunks packed up to chunk_bytes."""
+        convert = self.wire_dtype is not None and kind == ps_pb2.GRADIENT
         begin = ps_pb2.PushBegin(
             worker_id=self.worker_id, incarnation=self.incarnation, sequence=sequence,
             shard_index=shard_index, num_shards=len(self._shards), kind=kind, step=step,
             items=[ps_pb2.PushItem(variable=item.name, elements=item.values.size,
-                                   wire_dtype=to_wire_dtype(item.values.dtype),
+                                   wire_dtype=to_wire_dtype(self.wire_dtype if convert else item.values.dtype),
                                    base_version=base_versions.get(item.name, 0), row_ids=item.row_ids)
                    for item in items])
         pending: list[OutgoingChunk] = []
         pending_bytes = 0
         for item in items:
             values = item.values
-            wire = to_wire_dtype(values.dtype)
+            wire_dtype = self.wire_dtype if convert and values.dtype != self.wire_dtype else values.dtype
+            wire = to_wire_dtype(wire_dtype)
             # Whole rows per chunk for row pushes (the server applies rows).
-            per_chunk = max(1, self.chunk_bytes // (values.dtype.itemsize * item.row_elements)) * item.row_elements
+            per_chunk = max(1, self.chunk_bytes // (wire_dtype.itemsize * item.row_elements)) * item.row_elements
             for offset, count in chunk_ranges(values.size, per_chunk):
                 piece = values[offset:offset + count]
+                if wire_dtype != values.dtype:
+                    # Converted into one reused buffer (the encoder copies it into the message):
+                    # no model-sized temporary, and the conversion overlaps the sending.
+                    buffer = _conversion_buffer(wire_dtype, per_chunk)[:count]
+                    np.copyto(buffer, piece, casting="unsafe")
+                    piece = buffer
                 nbytes = piece.nbytes
                 if pending and pending_bytes + nbytes > self.chunk_bytes:
                     yield encode_push_request(begin, pending)

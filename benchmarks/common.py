@@ -1,0 +1,266 @@
+"""Shared pieces of the benchmarks: baselines, server processes, timing.
+
+Baselines are measured in the same run as the figures they judge:
+
+* raw TCP: one connection on 127.0.0.1 between two processes; a child
+  ``sendall``s a memoryview of a numpy array, this process ``recv_into``s a
+  preallocated buffer — the most one stream can move here with one copy per
+  side;
+* memcpy: ``np.copyto`` between two warm arrays of the same size;
+* gRPC round trip: 8 bytes there and back on an open bidirectional stream.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+SERVER_START_TIMEOUT_S = 60.0
+SERVER_STOP_TIMEOUT_S = 15.0
+
+
+def best(seconds: Sequence[float]) -> float:
+    return min(seconds)
+
+
+def median(seconds: Sequence[float]) -> float:
+    return statistics.median(seconds)
+
+
+def time_calls(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Wall seconds of each of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def child_env() -> dict[str, str]:
+    """The environment for child processes: the repo importable, no stray PS_* settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PS_") and k != "TF_CONFIG"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM by PID (a server drains and exits), SIGKILL if it does not in time."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(SERVER_STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# ---- baselines ----
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    got, total = 0, len(view)
+    while got < total:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError(f"TCP sender closed after {got} of {total} bytes")
+        got += n
+
+
+_TCP_SENDER = """
+import socket, sys, numpy as np
+host, port, nbytes, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+payload = np.ones(nbytes, dtype=np.uint8)
+with socket.create_connection((host, port)) as sock:
+    for _ in range(rounds):
+        if sock.recv(1) != b"g":
+            raise SystemExit("receiver went away")
+        sock.sendall(memoryview(payload))
+"""
+
+
+def tcp_seconds(nbytes: int, repeats: int) -> list[float]:
+    """Seconds per transfer of ``nbytes`` from a child process into this one (after one warm-up)."""
+    buffer = np.zeros(nbytes, dtype=np.uint8)
+    view = memoryview(buffer)
+    rounds = repeats + 1
+    seconds = []
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        sender = subprocess.Popen([sys.executable, "-c", _TCP_SENDER, "127.0.0.1", str(port), str(nbytes),
+                                   str(rounds)], env=child_env())
+        try:
+            listener.settimeout(SERVER_START_TIMEOUT_S)
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(None)
+                for i in range(rounds):
+                    start = time.perf_counter()
+                    conn.sendall(b"g")
+                    _recv_exactly(conn, view)
+                    if i:
+                        seconds.append(time.perf_counter() - start)
+        finally:
+            stop_process(sender)
+    return seconds
+
+
+def memcpy_seconds(nbytes: int, repeats: int) -> list[float]:
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    return time_calls(lambda: np.copyto(dst, src), repeats)
+
+
+def grpc_round_trips(count: int) -> list[float]:
+    """Seconds of ``count`` 8-byte round trips on an open bidi stream (another process echoes)."""
+    import queue
+
+    import grpc
+
+    code = """
+import sys, grpc
+from concurrent import futures
+def echo(it, ctx):
+    for m in it:
+        yield m
+h = grpc.method_handlers_generic_handler("bench.Echo", {"Echo": grpc.stream_stream_rpc_method_handler(echo)})
+s = grpc.server(futures.ThreadPoolExecutor(4)); s.add_generic_rpc_handlers((h,))
+port = s.add_insecure_port("127.0.0.1:0"); s.start(); print(port, flush=True); sys.stdin.read()
+"""
+    server = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=child_env())
+    try:
+        port = int(server.stdout.readline())
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            responses = channel.stream_stream("/bench.Echo/Echo")(iter(requests.get, None))
+            seconds = []
+            for i in range(count + 100):
+                start = time.perf_counter()
+                requests.put(b"12345678")
+                next(responses)
+                if i >= 100:
+                    seconds.append(time.perf_counter() - start)
+            requests.put(None)
+            responses.cancel()
+        return seconds
+    finally:
+        server.stdin.close()
+        stop_process(server)
+
+
+# ---- ps-server processes ----
+
+
+def _wait_for_port(proc: subprocess.Popen, port_file: Path, log_file: Path) -> int:
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if port_file.exists() and port_file.read_text().strip():
+            return int(port_file.read_text())
+        if proc.poll() is not None:
+            raise RuntimeError(f"ps-server exited with status {proc.returncode}:\n{log_file.read_text()}")
+        time.sleep(0.05)
+    raise RuntimeError(f"ps-server gave no port within {SERVER_START_TIMEOUT_S}s:\n{log_file.read_text()}")
+
+
+@contextmanager
+def ps_cluster(num_servers: int, *flags: str) -> Iterator[tuple[list[str], list[subprocess.Popen]]]:
+    """Start ``num_servers`` ps-servers; yield (addresses in shard order, processes); always stop them."""
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory(prefix="bench-ps-") as tmp:
+        try:
+            addresses = []
+            for i in range(num_servers):
+                port_file, log_file = Path(tmp, f"port-{i}"), Path(tmp, f"server-{i}.log")
+                with open(log_file, "wb") as log:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0",
+                         "--port-file", str(port_file), "--shard-index", str(i),
+                         "--num-shards", str(num_servers), "--log-level", "warning", *flags],
+                        cwd=REPO_ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT))
+            for i, proc in enumerate(procs):
+                addresses.append(f"127.0.0.1:{_wait_for_port(proc, Path(tmp, f'port-{i}'), Path(tmp, f'server-{i}.log'))}")
+            yield addresses, procs
+        finally:
+            for proc in procs:
+                stop_process(proc)
+
+
+def _status_field(pid: int | str, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process now, from /proc (Linux)."""
+    return _status_field(pid, "VmRSS")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size since its exec (VmHWM)."""
+    return _status_field("self", "VmHWM")
+
+
+_GRPC_STREAM_SERVER = """
+import sys, grpc
+from concurrent import futures
+N, CHUNK = int(sys.argv[1]), 1 << 20
+data = bytes(N)
+def pull(request, context):
+    view = memoryview(data)
+    for i in range(0, N, CHUNK):
+        yield bytes(view[i:i + CHUNK])
+def push(requests, context):
+    for _ in requests:
+        pass
+    return b"ok"
+h = grpc.method_handlers_generic_handler("bench.Raw", {
+    "Pull": grpc.unary_stream_rpc_method_handler(pull), "Push": grpc.stream_unary_rpc_method_handler(push)})
+options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+s = grpc.server(futures.ThreadPoolExecutor(4), options=options); s.add_generic_rpc_handlers((h,))
+print(s.add_insecure_port("127.0.0.1:0"), flush=True); s.start(); sys.stdin.read()
+"""
+
+
+def grpc_stream_seconds(nbytes: int, repeats: int) -> tuple[list[float], list[float]]:
+    """gRPC Python's own ceiling: (pull, push) seconds of ``nbytes`` as a stream of 1 MiB raw-bytes messages."""
+    import grpc
+
+    server = subprocess.Popen([sys.executable, "-c", _GRPC_STREAM_SERVER, str(nbytes)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=child_env())
+    try:
+        port = int(server.stdout.readline())
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        source = np.zeros(nbytes, np.uint8)
+        view = memoryview(source)
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+            pull = channel.unary_stream("/bench.Raw/Pull")
+            push = channel.stream_unary("/bench.Raw/Push")
+            pulls = time_calls(lambda: [len(m) for m in pull(b"")], repeats)
+            pushes = time_calls(lambda: push(bytes(view[i:i + (1 << 20)]) for i in range(0, nbytes, 1 << 20)),
+                                repeats)
+        return pulls, pushes
+    finally:
+        server.stdin.close()
+        stop_process(server)

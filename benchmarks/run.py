@@ -1,0 +1,448 @@
+"""Every performance target of wehub-ps, each as a ratio to a baseline of the same run.
+
+Run from the repository root (about 3-4 minutes on 2 cores)::
+
+    python benchmarks/run.py [--json results.json] [--plot docs/throughput.png] [--only dense,step]
+
+Sections (``--only`` takes their names):
+
+dense     100 MB model (4 x 6400x1024 float32): pull and push with 1 worker and
+          1 or 2 servers, and 2 worker processes at once on 2 servers;
+          baseline raw TCP between two processes
+bf16      the same model with bfloat16 on the wire: float32 parameters moved per second
+apply     server-side optimizer apply of 100 MB (SGD, Adam) against numpy memcpy
+step      pull + push of a 100K-parameter model in 20 variables over 2 servers,
+          p50 and p99, against the bare gRPC bidi round trip
+memory    server RSS during 4 concurrent 100 MB pushes; a client's peak RSS
+sparse    pull_rows / push_rows of 4,096 ids x 64 dims from a 10M-row table on
+          2 servers: rows/s and bytes/s against raw TCP
+modes     3 workers on 2 servers in ssp (staleness 2) and sync: time pulls waited per step
+
+Each figure is printed with its baseline, the ratio and the target; the exit
+status does not depend on targets (the machines are shared and noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    best,
+    child_env,
+    grpc_round_trips,
+    grpc_stream_seconds,
+    median,
+    memcpy_seconds,
+    peak_rss_bytes,
+    ps_cluster,
+    rss_bytes,
+    stop_process,
+    tcp_seconds,
+    time_calls,
+)
+
+ROWS, COLUMNS, NUM_VARIABLES = 6400, 1024, 4
+MODEL_BYTES = ROWS * COLUMNS * 4 * NUM_VARIABLES
+NAMES = [f"dense_{i}" for i in range(NUM_VARIABLES)]
+
+
+@dataclass
+class Row:
+    section: str
+    figure: str
+    value: float
+    unit: str
+    baseline: float
+    baseline_name: str
+    ratio: float
+    target: str
+    passed: bool | None
+
+
+def _row(section, figure, value, unit, baseline, baseline_name, target_ratio=None, higher=True,
+         target_text=None) -> Row:
+    ratio = value / baseline if baseline else float("nan")
+    passed = None
+    if target_ratio is not None:
+        passed = ratio >= target_ratio if higher else ratio <= target_ratio
+    text = target_text or (f"{'>=' if higher else '<='} {target_ratio}x" if target_ratio is not None else "")
+    return Row(section, figure, value, unit, baseline, baseline_name, ratio, text, passed)
+
+
+# ---- model helpers (also run in worker processes) ----
+
+
+def create_model(client, lr: float = 1e-9) -> None:
+    from worker_client import SGD
+
+    for name in NAMES:
+        client.create_variable(name, (ROWS, COLUMNS), initializer="zeros", optimizer=SGD(learning_rate=lr))
+
+
+def zero_grads() -> dict[str, np.ndarray]:
+    return {name: np.zeros((ROWS, COLUMNS), np.float32) for name in NAMES}
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    """A benchmark worker process: waits for 'go' on stdin, runs its job, prints JSON."""
+    from worker_client import PSClient
+
+    with PSClient(args.addresses.split(","), worker_id=f"bench-{args.worker}") as client:
+        client.variables(refresh=True)
+        grads = zero_grads()
+        if args.worker_job == "dense":
+            client.pull(NAMES)
+            client.push(grads)
+            print("ready", flush=True)
+            sys.stdin.readline()
+            pulls = time_calls(lambda: client.pull(NAMES), args.repeats, warmup=0)
+            pushes = time_calls(lambda: client.push(grads), args.repeats, warmup=0)
+            print(json.dumps({"pull": pulls, "push": pushes}), flush=True)
+        elif args.worker_job == "push":
+            print("ready", flush=True)
+            sys.stdin.readline()
+            for _ in range(args.repeats):
+                client.push(grads)
+            print(json.dumps({}), flush=True)
+        elif args.worker_job in ("client-memory", "client-memory-out"):
+            # A training loop: gradients live across steps; pulls either allocate
+            # each time or receive into the same arrays (pull(out=...)).
+            for array in grads.values():
+                array.fill(0)
+            out = {name: np.empty((ROWS, COLUMNS), np.float32) for name in NAMES}
+            for _ in range(args.repeats):
+                if args.worker_job == "client-memory-out":
+                    client.pull(NAMES, out=out)
+                else:
+                    client.pull(NAMES)
+                client.push(grads)
+            # VmHWM, not ru_maxrss: on Linux ru_maxrss survives exec, so a child
+            # spawned by a big parent would report the parent's peak.
+            print(json.dumps({"peak": peak_rss_bytes()}), flush=True)
+    return 0
+
+
+def _spawn_workers(addresses: list[str], job: str, count: int, repeats: int) -> list[subprocess.Popen]:
+    workers = [subprocess.Popen([sys.executable, __file__, "--worker", str(i), "--worker-job", job,
+                                 "--addresses", ",".join(addresses), "--repeats", str(repeats)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env())
+               for i in range(count)]
+    for w in workers:
+        if w.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"benchmark worker did not start: {w.stderr}")
+    return workers
+
+
+def _go(workers: list[subprocess.Popen], timeout: float = 600) -> list[dict]:
+    for w in workers:
+        w.stdin.write("go\n")
+        w.stdin.flush()
+    results = [json.loads(w.stdout.readline()) for w in workers]
+    for w in workers:
+        w.stdin.close()
+        w.wait(timeout)
+    return results
+
+
+# ---- sections ----
+
+
+def section_dense(repeats: int, tcp: float, results: dict) -> list[Row]:
+    from worker_client import PSClient
+
+    rows = []
+    raw_pull, raw_push = grpc_stream_seconds(MODEL_BYTES, repeats)
+    results["grpc_ceiling"] = {"pull": MODEL_BYTES / best(raw_pull) / 1e9, "push": MODEL_BYTES / best(raw_push) / 1e9}
+    rows.append(_row("dense", "gRPC Python ceiling: raw 1 MiB stream, pull", results["grpc_ceiling"]["pull"], "GB/s",
+                     tcp, "raw TCP", target_text="reference"))
+    rows.append(_row("dense", "gRPC Python ceiling: raw 1 MiB stream, push", results["grpc_ceiling"]["push"], "GB/s",
+                     tcp, "raw TCP", target_text="reference"))
+    for servers in (1, 2):
+        with ps_cluster(servers) as (addresses, _), PSClient(addresses, worker_id="bench") as client:
+            create_model(client)
+            grads = zero_grads()
+            pull = best(time_calls(lambda: client.pull(NAMES), repeats))
+            push = best(time_calls(lambda: client.push(grads), repeats))
+            results[f"dense_{servers}s_1w"] = {"pull": MODEL_BYTES / pull / 1e9, "push": MODEL_BYTES / push / 1e9}
+            rows.append(_row("dense", f"pull, 1 worker, {servers} server(s)", MODEL_BYTES / pull / 1e9, "GB/s",
+                             tcp, "raw TCP", 0.45))
+            rows.append(_row("dense", f"push, 1 worker, {servers} server(s)", MODEL_BYTES / push / 1e9, "GB/s",
+                             tcp, "raw TCP", 0.40))
+            if servers == 2:
+                workers = _spawn_workers(addresses, "dense", 2, repeats)
+                started = time.perf_counter()
+                out = _go(workers)
+                # Both workers pull, then push, at the same time: bytes of both over the slower one.
+                pull2 = 2 * MODEL_BYTES / max(sum(r["pull"]) for r in out) * repeats / 1e9
+                push2 = 2 * MODEL_BYTES / max(sum(r["push"]) for r in out) * repeats / 1e9
+                results["dense_2s_2w"] = {"pull": pull2, "push": push2, "wall": time.perf_counter() - started}
+                rows.append(_row("dense", "pull, 2 workers together, 2 servers", pull2, "GB/s", tcp, "raw TCP", 0.6))
+                rows.append(_row("dense", "push, 2 workers together, 2 servers", push2, "GB/s", tcp, "raw TCP", 0.6))
+    return rows
+
+
+def section_bf16(repeats: int, tcp: float, results: dict) -> list[Row]:
+    from worker_client import PSClient
+
+    with ps_cluster(1) as (addresses, _), PSClient(addresses, worker_id="bench", wire_dtype="bfloat16") as client:
+        create_model(client)
+        grads = zero_grads()
+        pull = best(time_calls(lambda: client.pull(NAMES), repeats))
+        push = best(time_calls(lambda: client.push(grads), repeats))
+    results["bf16"] = {"pull": MODEL_BYTES / pull / 1e9, "push": MODEL_BYTES / push / 1e9}
+    return [_row("bf16", "pull, bfloat16 wire (float32 params/s)", MODEL_BYTES / pull / 1e9, "GB/s", tcp,
+                 "raw TCP", 0.7),
+            _row("bf16", "push, bfloat16 wire (float32 params/s)", MODEL_BYTES / push / 1e9, "GB/s", tcp,
+                 "raw TCP", 0.7)]
+
+
+def section_apply(repeats: int, memcpy: float, results: dict) -> list[Row]:
+    from ps_server.store import VariablePart
+    from wehub_ps.specs import SGD, Adam, VariableSpec
+
+    elements = 25_000_000  # 100 MB of float32
+    chunk = np.full(1 << 18, 1e-3, np.float32)  # the gradient of one 1 MiB chunk, as pushes deliver it
+    rows = []
+    for optimizer, target in ((SGD(learning_rate=0.1), 0.5), (Adam(), 0.2)):
+        part = VariablePart(VariableSpec("x", (elements,), "float32", optimizer=optimizer), 0, elements, True)
+        part.allocate_and_fill()
+        for slot in part.slots.values():
+            slot.fill(1)  # fault the pages in, as a trained server has them
+
+        def apply_all() -> None:
+            for offset in range(0, elements, chunk.size):
+                part.apply_gradient(offset, chunk[:min(chunk.size, elements - offset)], 1)
+
+        seconds = best(time_calls(apply_all, repeats))
+        name = type(optimizer).__name__
+        results[f"apply_{name}"] = elements * 4 / seconds / 1e9
+        rows.append(_row("apply", f"{name} apply of 100 MB float32", elements * 4 / seconds / 1e9, "GB/s",
+                         memcpy, "numpy memcpy", target))
+    return rows
+
+
+def section_step(rtt_p50: float, results: dict) -> list[Row]:
+    from worker_client import SGD, PSClient
+
+    names = [f"v{i}" for i in range(20)]
+    with ps_cluster(2) as (addresses, _), PSClient(addresses, worker_id="bench") as client:
+        for name in names:
+            client.create_variable(name, (5000,), optimizer=SGD(learning_rate=1e-9))
+        grads = {name: np.zeros(5000, np.float32) for name in names}
+
+        def step() -> None:
+            with client.step(names) as s:
+                s.push(grads)
+
+        seconds = time_calls(step, 1000, warmup=100)
+    p50, p99 = float(np.percentile(seconds, 50)), float(np.percentile(seconds, 99))
+    results["step"] = {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3, "rtt_p50_ms": rtt_p50 * 1e3}
+    return [_row("step", "step p50 (100K params, 20 vars, 2 servers)", p50 * 1e3, "ms", rtt_p50 * 1e3,
+                 "gRPC bidi round trip p50", 10, higher=False),
+            _row("step", "step p99", p99 * 1e3, "ms", rtt_p50 * 1e3, "gRPC bidi round trip p50", 25,
+                 higher=False)]
+
+
+def section_memory(results: dict) -> list[Row]:
+    from worker_client import PSClient
+
+    with ps_cluster(1) as (addresses, procs), PSClient(addresses, worker_id="bench") as client:
+        create_model(client)
+        server = procs[0].pid
+        workers = _spawn_workers(addresses, "push", 4, 3)
+        peak = rss_bytes(server)
+        done = threading.Event()
+
+        def sample() -> None:
+            nonlocal peak
+            while not done.is_set():
+                peak = max(peak, rss_bytes(server))
+                time.sleep(0.005)
+
+        sampler = threading.Thread(target=sample, name="rss-sampler")
+        sampler.start()
+        _go(workers)
+        done.set()
+        sampler.join()
+    budget = 1.25 * MODEL_BYTES + 150e6  # SGD: no optimizer slots
+    client_budget = 2 * MODEL_BYTES + 150e6
+    rows = [_row("memory", "server RSS, 4 concurrent 100 MB pushes", peak / 1e6, "MB", budget / 1e6,
+                 "1.25 x (vars+slots) + 150 MB", 1.0, higher=False)]
+    results["memory"] = {"server_peak_rss": peak, "server_budget": budget, "client_budget": client_budget}
+    for job, label in (("client-memory-out", "client peak RSS, pull(out=) + push"),
+                       ("client-memory", "client peak RSS, allocating pull + push")):
+        with ps_cluster(1) as (addresses, _), PSClient(addresses, worker_id="bench") as client:
+            create_model(client)
+            proc = subprocess.run([sys.executable, __file__, "--worker", "0", "--worker-job", job,
+                                   "--addresses", ",".join(addresses), "--repeats", "3"],
+                                  capture_output=True, text=True, env=child_env(), timeout=600)
+        client_peak = json.loads(proc.stdout.strip().splitlines()[-1])["peak"]
+        results["memory"][job] = client_peak
+        rows.append(_row("memory", label, client_peak / 1e6, "MB", client_budget / 1e6, "2 x model + 150 MB",
+                         1.0, higher=False))
+    return rows
+
+
+def section_sparse(repeats: int, tcp: float, results: dict) -> list[Row]:
+    from worker_client import SGD, PSClient
+
+    rows_total, dim, batch = 10_000_000, 64, 4096
+    rng = np.random.default_rng(0)
+    with ps_cluster(2) as (addresses, _), PSClient(addresses, worker_id="bench") as client:
+        client.create_variable("table", (rows_total, dim), initializer="zeros", optimizer=SGD(learning_rate=1e-9))
+        batches = [rng.choice(rows_total, batch, replace=False) for _ in range(repeats + 1)]
+        grads = np.zeros((batch, dim), np.float32)
+        it = iter(batches)
+        pull = best(time_calls(lambda: client.pull_rows("table", next(it)), repeats))
+        it = iter(batches)
+        push = best(time_calls(lambda: client.push_rows("table", next(it), grads), repeats))
+    nbytes = batch * dim * 4
+    results["sparse"] = {"pull_rows_per_s": batch / pull, "push_rows_per_s": batch / push,
+                         "pull_gbps": nbytes / pull / 1e9, "push_gbps": nbytes / push / 1e9}
+    return [_row("sparse", f"pull_rows 4096x64 ({batch / pull:,.0f} rows/s)", nbytes / pull / 1e9, "GB/s", tcp,
+                 "raw TCP", 0.25),
+            _row("sparse", f"push_rows 4096x64 ({batch / push:,.0f} rows/s)", nbytes / push / 1e9, "GB/s", tcp,
+                 "raw TCP", 0.25)]
+
+
+def section_modes(results: dict) -> list[Row]:
+    """3 worker threads on 2 servers, random compute time per step; pulls' waiting time per step."""
+    from worker_client import SGD, PSClient
+
+    rows = []
+    for mode, flags in (("ssp", ("--consistency", "ssp", "--staleness", "2")), ("sync", ("--consistency", "sync"))):
+        with ps_cluster(2, *flags, "--expected-workers", "3") as (addresses, _):
+            with PSClient(addresses, worker_id="setup", register=False) as setup:
+                for i in range(4):
+                    setup.create_variable(f"m{i}", (20_000,), optimizer=SGD(learning_rate=1e-3))
+
+            steps = 40
+
+            def worker(index: int) -> None:
+                rng = np.random.default_rng(index)
+                with PSClient(addresses, worker_id=f"w{index}") as client:
+                    for _ in range(steps):
+                        with client.step([f"m{i}" for i in range(4)]) as s:
+                            time.sleep(rng.uniform(0, 0.004) + (0.002 if index == 2 else 0))  # "compute"
+                            s.push({f"m{i}": np.zeros(20_000, np.float32) for i in range(4)})
+
+            threads = [threading.Thread(target=worker, args=(i,), name=f"mode-worker-{i}") for i in range(3)]
+            started = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - started
+            with PSClient(addresses, worker_id="observer", register=False) as observer:
+                stats = [info.consistency for info in observer.describe()]
+        blocked = sum(c["blocked_seconds"] for c in stats) / len(stats)  # per shard, averaged
+        per_step = blocked / (3 * steps)
+        results[f"modes_{mode}"] = {"blocked_seconds_per_worker_step": per_step, "wall": wall,
+                                    "pulls_blocked": [c["pulls_blocked"] for c in stats],
+                                    "max_staleness_admitted": [c["max_staleness_admitted"] for c in stats]}
+        rows.append(_row("modes", f"{mode}: time a pull waited per worker step", per_step * 1e3, "ms",
+                         wall / steps * 1e3, "wall time per step", None, target_text="report"))
+    return rows
+
+
+def print_table(rows: list[Row]) -> None:
+    header = f"{'section':<7} {'figure':<46} {'value':>10} {'unit':<5} {'baseline':>10} {'ratio':>7} {'target':>9}  result"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        verdict = "" if r.passed is None else ("PASS" if r.passed else "FAIL")
+        print(f"{r.section:<7} {r.figure:<46} {r.value:>10.3f} {r.unit:<5} {r.baseline:>10.3f} {r.ratio:>7.2f} "
+              f"{r.target:>9}  {verdict}   ({r.baseline_name})")
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, pulls, pushes = [], [], []
+    for key, label in (("dense_1s_1w", "1 worker\n1 server"), ("dense_2s_1w", "1 worker\n2 servers"),
+                       ("dense_2s_2w", "2 workers\n2 servers"), ("bf16", "1 worker, 1 server\nbfloat16 wire")):
+        if key in results:
+            labels.append(label)
+            pulls.append(results[key]["pull"])
+            pushes.append(results[key]["push"])
+    x = np.arange(len(labels))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(x - 0.2, pulls, 0.4, label="pull")
+    ax.bar(x + 0.2, pushes, 0.4, label="push")
+    ax.axhline(results["tcp_gbps"], color="k", linestyle="--", label="raw TCP (one stream)")
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("GB/s of float32 parameters")
+    ax.set_title("wehub-ps throughput, 100 MB model, 2-core machine")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+SECTIONS = ("dense", "bf16", "apply", "step", "memory", "sparse", "modes")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
+    parser.add_argument("--json", help="write every figure here")
+    parser.add_argument("--plot", help="write a PNG of throughput against workers and servers here")
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-job", help=argparse.SUPPRESS)
+    parser.add_argument("--addresses", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        return worker_main(args)
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = set(only) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    results: dict = {}
+    tcp = MODEL_BYTES / best(tcp_seconds(MODEL_BYTES, args.repeats)) / 1e9
+    memcpy = MODEL_BYTES / best(memcpy_seconds(MODEL_BYTES, args.repeats)) / 1e9
+    rtt = median(grpc_round_trips(2000))
+    results.update(tcp_gbps=tcp, memcpy_gbps=memcpy, grpc_rtt_p50_ms=rtt * 1e3)
+    print(f"baselines: raw TCP {tcp:.3f} GB/s, memcpy {memcpy:.3f} GB/s, gRPC bidi round trip p50 {rtt * 1e3:.3f} ms",
+          flush=True)
+    rows: list[Row] = []
+    for section in only:
+        started = time.perf_counter()
+        if section == "dense":
+            rows += section_dense(args.repeats, tcp, results)
+        elif section == "bf16":
+            rows += section_bf16(args.repeats, tcp, results)
+        elif section == "apply":
+            rows += section_apply(args.repeats, memcpy, results)
+        elif section == "step":
+            rows += section_step(rtt, results)
+        elif section == "memory":
+            rows += section_memory(results)
+        elif section == "sparse":
+            rows += section_sparse(args.repeats, tcp, results)
+        elif section == "modes":
+            rows += section_modes(results)
+        print(f"  {section} measured in {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results, "rows": [asdict(r) for r in rows]}, indent=1))
+    if args.plot and "dense" in only:
+        plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""sum_by_id: the same sums, bit for bit, as np.add.at on a dense array."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wehub_ps.segments import sum_by_id
+
+
+@given(st.lists(st.integers(-5, 5), max_size=60), st.integers(1, 4), st.sampled_from(["float32", "float64"]),
+       st.integers(0, 2**32 - 1))
+@settings(max_examples=200, deadline=None)
+def test_sums_equal_add_at_in_order_of_occurrence(ids, width, dtype, seed):
+    ids = np.array(ids, dtype=np.int64)
+    values = np.random.default_rng(seed).standard_normal((len(ids), width)).astype(dtype)
+    unique, sums = sum_by_id(ids, values)
+    assert np.array_equal(unique, np.unique(ids))
+    dense = np.zeros((11, width), dtype)
+    np.add.at(dense, ids + 5, values)
+    assert sums.dtype == values.dtype
+    assert sums.tobytes() == dense[unique + 5].tobytes()
+
+
+def test_no_repeats_is_a_reordering_only():
+    ids = np.array([9, -3, 4])
+    values = np.arange(6.0).reshape(3, 2)
+    unique, sums = sum_by_id(ids, values)
+    assert unique.tolist() == [-3, 4, 9]
+    assert sums.tolist() == [[2.0, 3.0], [4.0, 5.0], [0.0, 1.0]]
