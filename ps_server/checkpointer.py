@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ps_server.checkpoint import ShardSnapshot, WrittenCheckpoint, clean_temporaries, shard_dir, write_checkpoint
@@ -33,7 +34,8 @@ class CheckpointRecord:
 
 class Checkpointer:
     def __init__(self, store: VariableStore, ledger: PushLedger, directory: str, server_id: str,
-                 keep: int, interval: float, persist_open_pushes: bool = True) -> None:
+                 keep: int, interval: float, persist_open_pushes: bool = True,
+                 on_written: Callable[[float], None] | None = None) -> None:
         self._store = store
         self._ledger = ledger
         self._directory = directory
@@ -41,6 +43,7 @@ class Checkpointer:
         self._keep = keep
         self._interval = interval
         self._persist_open_pushes = persist_open_pushes
+        self._on_written = on_written
         # Serialises checkpoints (held during the write) and guards _last_generation.
         self._lock = threading.Lock()
         # Guards _last only, so Describe never waits for a write in progress.
@@ -77,6 +80,8 @@ class Checkpointer:
             with self._last_lock:
                 self._last = record
             self._last_generation = generation
+        if self._on_written is not None:
+            self._on_written(written.write_seconds)
         event(log, logging.INFO, "checkpoint written", reason=reason, checkpoint_id=written.checkpoint_id,
               path=str(written.path), bytes=written.bytes, write_seconds=round(written.write_seconds, 3),
               pause_seconds=round(pause, 3))

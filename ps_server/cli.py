@@ -42,8 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         event(log, logging.ERROR, "cannot restore", error=str(exc))
         server.grpc_server.stop(0)
         return 1
-    while not stop.wait(1.0):
-        pass
+    while not stop.wait(0.2):
+        if server.finish_requested.is_set():
+            event(log, logging.INFO, "finishing: the job is done")
+            break
     server.stop()
     return 0
 

@@ -55,6 +55,14 @@ class ServerConfig:
     staleness: int = 0
     backup_workers: int = 0
     expected_workers: int = 0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    auth_token_file: str | None = None
+    health_port: int = 0
+    metrics_port: int = 0
+    max_variables: int = 100_000
+    allow_finish: bool = False
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -87,6 +95,19 @@ class ServerConfig:
             raise ConfigError(f"--max-rows must be >= 0, got {self.max_rows}")
         if self.consistency not in ("async", "ssp", "sync"):
             raise ConfigError(f"--consistency must be async, ssp or sync, got {self.consistency!r}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+        for flag, value in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key),
+                            ("--tls-client-ca", self.tls_client_ca), ("--auth-token-file", self.auth_token_file)):
+            if value and not os.path.isfile(value):
+                raise ConfigError(f"{flag} {value!r} is not a readable file")
+        for flag, value in (("--health-port", self.health_port), ("--metrics-port", self.metrics_port)):
+            if not 0 <= value < 65536:
+                raise ConfigError(f"{flag} must be in [0, 65535] (0 = off), got {value}")
+        if self.max_variables < 1:
+            raise ConfigError(f"--max-variables must be at least 1, got {self.max_variables}")
         if self.staleness < 0 or self.backup_workers < 0 or self.expected_workers < 0:
             raise ConfigError(f"--staleness, --backup-workers and --expected-workers must be >= 0, got "
                               f"{self.staleness}, {self.backup_workers} and {self.expected_workers}")
@@ -117,6 +138,14 @@ _HELP = {
     "staleness": "ssp: a worker at step c waits until every live worker has completed c - staleness steps",
     "backup_workers": "sync: apply a step once all live workers but this many have pushed it",
     "expected_workers": "ssp/sync: hold the first steps until this many workers have registered",
+    "tls_cert": "PEM certificate chain: serve gRPC (and metrics) over TLS",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_client_ca": "PEM CA bundle: require client certificates signed by it (mutual TLS)",
+    "auth_token_file": "file holding the bearer token every RPC but health must present (re-read on change)",
+    "health_port": "also serve the gRPC health service alone, plaintext, on this port (for kubelet probes); 0 = off",
+    "metrics_port": "serve Prometheus metrics on this port; 0 = off",
+    "max_variables": "variables this shard holds at most; more is RESOURCE_EXHAUSTED",
+    "allow_finish": "let a client's finish() make this server write its final checkpoint and exit 0 (jobs)",
 }
 
 
@@ -134,9 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for f in fields(ServerConfig):
         flag = "--" + f.name.replace("_", "-")
+        help_text = f"{_HELP[f.name]} (env {_env_name(f.name)}; default {f.default})"
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, dest=f.name, action="store_const", const=True, default=None, help=help_text)
+            continue
         kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
-        parser.add_argument(flag, dest=f.name, type=kind, default=None,
-                            help=f"{_HELP[f.name]} (env {_env_name(f.name)}; default {f.default})")
+        parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text)
     return parser
 
 
@@ -165,6 +197,16 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
         if raw is None:
             continue
         kind = type(f.default) if f.default is not None else str
+        if kind is bool:
+            if isinstance(raw, bool):
+                values[f.name] = raw
+            elif str(raw).strip().lower() in ("1", "true", "yes", "on"):
+                values[f.name] = True
+            elif str(raw).strip().lower() in ("0", "false", "no", "off", ""):
+                values[f.name] = False
+            else:
+                raise ConfigError(f"{source} must be true or false, got {raw!r}")
+            continue
         try:
             values[f.name] = kind(raw) if kind is not str else str(raw)
         except (TypeError, ValueError):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from ps_server.checkpointer import Checkpointer
 from ps_server.consistency import ConsistencyController
 from ps_server.lifecycle import Lifecycle
 from ps_server.membership import Membership
+from ps_server.metrics import Metrics
 from ps_server.push_ledger import PushLedger
 from ps_server.store import VariableStore
 
@@ -34,3 +36,6 @@ class ShardContext:
     max_chunk_bytes: int
     checkpointer: Checkpointer | None = None
     restored_from: RestoredFrom | None = field(default=None)
+    metrics: Metrics | None = None
+    finish_requested: threading.Event | None = None
+    allow_finish: bool = False

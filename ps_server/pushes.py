@@ -14,6 +14,7 @@ No gRPC here: the service layer feeds decoded messages in.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,7 @@ import numpy as np
 from ps_server.accumulator import PushStaging
 from ps_server.consistency import ConsistencyController, PushDecision
 from ps_server.errors import RequestError
+from ps_server.metrics import Metrics
 from ps_server.push_ledger import ClaimResult, PushLedger, PushSession
 from ps_server.rows import parse_row_ids
 from ps_server.store import VariablePart, VariableStore, check_dtype_allowed
@@ -69,7 +71,8 @@ class ActivePush:
 
     def __init__(self, store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin,
                  items: dict[str, _Item], session: PushSession | None,
-                 consistency: ConsistencyController | None, decision: str) -> None:
+                 consistency: ConsistencyController | None, decision: str,
+                 metrics: Metrics | None = None) -> None:
         self._store = store
         self._ledger = ledger
         self._assign = begin.kind == ps_pb2.ASSIGN
@@ -82,6 +85,7 @@ class ActivePush:
         self._applied_here = 0
         self._versions: dict[str, int] = {}
         self._dropped = decision == PushDecision.DROP
+        self._metrics = metrics
 
     def apply(self, chunk: DecodedChunk) -> None:
         """Check one chunk and apply it unless this push applied it before."""
@@ -122,6 +126,7 @@ class ActivePush:
             return  # nothing to apply, or the whole push is a duplicate
         # Claim, apply and record under the shared gate, so that a checkpoint
         # sees each chunk either applied and recorded, or neither.
+        started = time.perf_counter()
         with self._store.gate.shared():
             if self._session.claim(header.variable, offset, count) == ClaimResult.ALREADY_APPLIED:
                 return
@@ -146,6 +151,8 @@ class ActivePush:
             completed = self._session.done(header.variable, offset)
             if completed:
                 self._finalize()
+        if self._metrics is not None:
+            self._metrics.apply_seconds.observe(time.perf_counter() - started)
         if completed:
             self._after_complete()
 
@@ -196,7 +203,7 @@ class ActivePush:
 
 
 def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin,
-               consistency: ConsistencyController | None = None) -> ActivePush:
+               consistency: ConsistencyController | None = None, metrics: Metrics | None = None) -> ActivePush:
     """Validate a PushBegin and open (or rejoin) its session; changes nothing on error."""
     check_cluster(store, begin.shard_index, begin.num_shards)
     if not begin.worker_id or len(begin.worker_id) > MAX_WORKER_ID_LENGTH:
@@ -267,12 +274,14 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
                 f"variable {declared.variable!r} is waiting for its explicit initial value",
             )
         items[declared.variable] = _Item(part, wire, row_ids, expected)
+        if metrics is not None and declared.base_version and not assign:
+            metrics.staleness.observe(max(0, part.version - declared.base_version))
     total = sum(item.elements for item in items.values())
     decision = PushDecision.APPLY
     if consistency is not None and not assign and not already_done:
         decision = consistency.push_decision(begin.step)
     session = ledger.begin(begin.worker_id, begin.incarnation, begin.sequence, total)
-    push = ActivePush(store, ledger, begin, items, session, consistency, decision)
+    push = ActivePush(store, ledger, begin, items, session, consistency, decision, metrics)
     if session is not None and total == 0 and not session.finalized:
         session.finalized = True
         with store.gate.shared():

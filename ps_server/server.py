@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ps_server.auth import AuthInterceptor, TokenFile
 from ps_server.checkpoint import find_restore_plan, load_parts
 from ps_server.checkpointer import Checkpointer
 from ps_server.config import ServerConfig
@@ -32,6 +33,7 @@ from ps_server.context import RestoredFrom, ShardContext
 from ps_server.gate import ApplyGate
 from ps_server.lifecycle import Lifecycle
 from ps_server.membership import Membership
+from ps_server.metrics import Metrics
 from ps_server.push_ledger import PushLedger
 from ps_server.service import ParameterServerService
 from ps_server.store import VariableStore
@@ -50,21 +52,27 @@ class PSServer:
         self.config = config
         self.server_id = uuid.uuid4().hex
         self.store = VariableStore(config.shard_index, config.num_shards, config.memory_limit, ApplyGate(),
-                                   max_rows=config.max_rows)
+                                   max_rows=config.max_rows, max_variables=config.max_variables)
         self.ledger = PushLedger()
         self.membership = Membership(config.worker_lease)
         self.consistency = ConsistencyController(config.consistency, config.staleness, config.backup_workers,
                                                  self.membership, self.store, config.expected_workers)
         self.lifecycle = Lifecycle()
+        self.metrics = Metrics()
         checkpointer = None
         if config.checkpoint_dir:
             checkpointer = Checkpointer(self.store, self.ledger, config.checkpoint_dir, self.server_id,
                                         keep=config.keep_checkpoints, interval=config.checkpoint_interval,
-                                        persist_open_pushes=config.consistency != "sync")
+                                        persist_open_pushes=config.consistency != "sync",
+                                        on_written=self.metrics.checkpoint_written)
         self.context = ShardContext(
             self.store, self.ledger, self.lifecycle, self.membership, self.consistency, self.server_id,
             default_chunk_bytes=config.chunk_bytes, max_chunk_bytes=config.max_message_bytes // 2,
-            checkpointer=checkpointer)
+            checkpointer=checkpointer, allow_finish=config.allow_finish)
+        self.context.metrics = self.metrics
+        #: Set by a client's finish() (with --allow-finish): the daemon then shuts down.
+        self.finish_requested = threading.Event()
+        self.context.finish_requested = self.finish_requested
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.service = ParameterServerService(self.context)
@@ -83,15 +91,26 @@ class PSServer:
         # waiting for the network, and the RPC bound makes the pool the cap.
         self._executor = futures.ThreadPoolExecutor(
             max_workers=config.max_concurrent_rpcs, thread_name_prefix=f"ps{config.shard_index}-rpc")
-        self.grpc_server = grpc.server(self._executor, options=options,
+        interceptors = []
+        if config.auth_token_file:
+            interceptors.append(AuthInterceptor(TokenFile(config.auth_token_file)))
+        self.grpc_server = grpc.server(self._executor, options=options, interceptors=interceptors,
                                        maximum_concurrent_rpcs=config.max_concurrent_rpcs)
         self.grpc_server.add_generic_rpc_handlers((self.service.generic_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server)
-        self.port = self.grpc_server.add_insecure_port(f"{config.host}:{config.port}")
-        if self.port == 0:
-            raise OSError(f"could not bind {config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        self.port = _bind(self.grpc_server, address, server_credentials(config))
+        # kubelet's native gRPC probes cannot speak TLS: health alone, plaintext, on its own port.
+        self.health_server = None
+        self.health_port = 0
+        if config.health_port:
+            self.health_server = grpc.server(futures.ThreadPoolExecutor(2, thread_name_prefix="ps-health"),
+                                             options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = _bind(self.health_server, f"{config.host}:{config.health_port}", None)
+        self.metrics_port = 0
         self._stop_reaper = threading.Event()
         self._reaper: threading.Thread | None = None
 
@@ -112,6 +131,11 @@ class PSServer:
     def start_transport(self) -> None:
         """Accept connections; health answers NOT_SERVING and work is refused until ready."""
         self.grpc_server.start()
+        if self.health_server is not None:
+            self.health_server.start()
+        if self.config.metrics_port:
+            self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.host,
+                                                   self.config.tls_cert, self.config.tls_key)
 
     def restore(self) -> None:
         """Load the newest intact checkpoint, if any (CheckpointError if unusable)."""
@@ -124,6 +148,8 @@ class PSServer:
             event(log, logging.INFO, "no checkpoint to restore", checkpoint_dir=config.checkpoint_dir)
             return
         self.store.restore(load_parts(plan, config.shard_index, config.num_shards))
+        for part in self.store.parts():
+            self.metrics.restored_version.labels(part.spec.name).set(part.version)
         resharded = plan.num_shards != config.num_shards
         if not resharded:
             self.ledger.restore(next(iter(plan.manifests.values()))["ledger"]["entries"])
@@ -152,7 +178,9 @@ class PSServer:
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if self.config.port_file:
             _write_atomically(self.config.port_file, f"{self.port}\n")
-        event(log, logging.INFO, "serving", host=self.config.host, port=self.port,
+        event(log, logging.INFO, "serving", host=self.config.host, port=self.port, health_port=self.health_port,
+              metrics_port=self.metrics_port, tls=bool(self.config.tls_cert),
+              mutual_tls=bool(self.config.tls_client_ca), auth=bool(self.config.auth_token_file),
               shard_index=self.config.shard_index, num_shards=self.config.num_shards,
               consistency=self.config.consistency, server_id=self.server_id)
 
@@ -160,6 +188,7 @@ class PSServer:
         interval = max(0.05, self.membership.lease_seconds / 4)
         while not self._stop_reaper.wait(interval):
             self.membership.expire()
+            self.metrics.live_workers.set(len(self.membership.live_ids()))
 
     def stop(self, grace: float = 5.0) -> bool:
         """Health NOT_SERVING, refuse new work, finish pushes in flight, final checkpoint, stop.
@@ -181,12 +210,36 @@ class PSServer:
             except Exception:
                 log.exception("final checkpoint failed")
         self.grpc_server.stop(grace).wait()
+        if self.health_server is not None:
+            self.health_server.stop(0)
         self._executor.shutdown(wait=False)
         event(log, logging.INFO, "stopped", drained=drained)
         return drained
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         return self.grpc_server.wait_for_termination(timeout)
+
+
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS (and, with a client CA, mutual TLS) credentials from the configured PEM files."""
+    if not config.tls_cert:
+        return None
+    with open(config.tls_key, "rb") as key, open(config.tls_cert, "rb") as cert:
+        pair = (key.read(), cert.read())
+    client_ca = None
+    if config.tls_client_ca:
+        with open(config.tls_client_ca, "rb") as f:
+            client_ca = f.read()
+    return grpc.ssl_server_credentials([pair], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
+
+
+def _bind(server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    port = (server.add_secure_port(address, credentials) if credentials is not None
+            else server.add_insecure_port(address))
+    if port == 0:
+        raise OSError(f"could not bind {address}")
+    return port
 
 
 def create_server(config: ServerConfig) -> PSServer:

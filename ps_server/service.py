@@ -20,6 +20,7 @@ import numpy as np
 from ps_server.checkpointer import CheckpointRecord
 from ps_server.context import ShardContext
 from ps_server.errors import RequestError
+from ps_server.metrics import Metrics
 from ps_server.pushes import MAX_WORKER_ID_LENGTH, begin_push, check_cluster
 from ps_server.rows import parse_row_ids
 from ps_server.store import VariableInfo
@@ -63,6 +64,7 @@ STATUS_BY_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
     Reason.CHECKPOINTS_DISABLED: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.STEP_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Reason.FINISH_NOT_ALLOWED: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 # Chunks smaller than this are copied out under their lock and packed
@@ -121,6 +123,7 @@ class ParameterServerService:
         self._lifecycle = context.lifecycle
         self._membership = context.membership
         self._consistency = context.consistency
+        self._metrics = context.metrics if context.metrics is not None else Metrics()
         self._server_id = context.server_id
         self._default_chunk_bytes = context.default_chunk_bytes
         self._max_chunk_bytes = context.max_chunk_bytes
@@ -135,6 +138,7 @@ class ParameterServerService:
             "Checkpoint": grpc.unary_unary_rpc_method_handler(self.checkpoint),
             "Heartbeat": grpc.unary_unary_rpc_method_handler(self.heartbeat),
             "Exchange": grpc.stream_stream_rpc_method_handler(self.exchange),
+            "Finish": grpc.unary_unary_rpc_method_handler(self.finish),
         })
 
     # ---- control ----
@@ -148,6 +152,7 @@ class ParameterServerService:
             server_id=self._server_id, server_version=__version__,
             variables=[_info_proto(info) for info in self._store.describe()],
             chunk_bytes_limit=self._max_chunk_bytes,
+            stored_bytes=self._store.reserved_bytes, memory_limit_bytes=self._store.memory_limit,
             worker_lease_seconds=membership.lease_seconds,
             workers=[ps_pb2.WorkerInfo(worker_id=r.worker_id, incarnation=r.incarnation, live=r.live,
                                        seconds_since_seen=membership.seconds_since_seen(r), step=r.step,
@@ -179,6 +184,17 @@ class ParameterServerService:
         record = checkpointer.checkpoint("request")
         assert record is not None
         return ps_pb2.CheckpointResponse(checkpoint=_checkpoint_proto(record)).SerializeToString()
+
+    @_unary
+    def finish(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        msg = _parse(ps_pb2.FinishRequest, request)
+        if not self._context.allow_finish or self._context.finish_requested is None:
+            raise RequestError(Reason.FINISH_NOT_ALLOWED,
+                               "this ps-server is a long-lived service; start it with --allow-finish "
+                               "for run-to-completion jobs")
+        log.info("finish requested", extra={"fields": {"worker_id": msg.worker_id}})
+        self._context.finish_requested.set()
+        return ps_pb2.FinishResponse().SerializeToString()
 
     @_unary
     def heartbeat(self, request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -216,18 +232,25 @@ class ParameterServerService:
     # ---- data path ----
 
     def pull(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        names: list[str] = []
         try:
             msg = _parse(ps_pb2.PullRequest, request)
+            names = [item.variable for item in msg.items]
             plan = self._plan_pull(msg)
             # ssp / sync: wait (at most the call's deadline) until this step may read.
             self._consistency.before_pull(msg.worker_id, msg.step, context.time_remaining())
+            for message in self._stream_pull(*plan):
+                self._metrics.bytes_sent.inc(len(message))
+                yield message
         except RequestError as error:
+            self._count_pulls(names, error.reason.value)
             _abort(context, error)
             return
-        try:
-            yield from self._stream_pull(*plan)
-        except RequestError as error:
-            _abort(context, error)
+        self._count_pulls(names, "ok")
+
+    def _count_pulls(self, names: list[str], outcome: str) -> None:
+        for name in names or ["-"]:
+            self._metrics.pulls.labels(name, outcome).inc()
 
     def _plan_pull(self, msg: ps_pb2.PullRequest):
         """Validate everything before the first byte is sent."""
@@ -322,10 +345,26 @@ class ParameterServerService:
             return b""
 
     def _run_push(self, messages: Iterable[bytes | memoryview]) -> bytes:
-        """Apply one push from its messages; the serialised PushResponse."""
+        """Apply one push from its messages; the serialised PushResponse (metrics counted here)."""
+        names: list[str] = []
+        try:
+            response, received = self._apply_push(messages, names)
+        except RequestError as error:
+            for name in names or ["-"]:
+                self._metrics.pushes.labels(name, error.reason.value).inc()
+            raise
+        outcome = "dropped" if response.dropped else "duplicate" if response.duplicate else "ok"
+        for name in names:
+            self._metrics.pushes.labels(name, outcome).inc()
+        self._metrics.bytes_received.inc(received)
+        return response.SerializeToString()
+
+    def _apply_push(self, messages: Iterable[bytes | memoryview], names: list[str]):
+        received = 0
         with self._lifecycle.push_in_flight():
             active = None
             for raw in messages:
+                received += len(raw) if isinstance(raw, bytes) else raw.nbytes
                 try:
                     begin, chunks = decode_push_request(raw)
                 except CodecError as exc:
@@ -336,7 +375,8 @@ class ParameterServerService:
                         raise RequestError(Reason.INVALID_REQUEST,
                                            "PushBegin may only appear in the first message")
                     self._seen(begin.worker_id, begin.incarnation, begin.step, pushed=True)
-                    active = begin_push(self._store, self._ledger, begin, self._consistency)
+                    names.extend(item.variable for item in begin.items)
+                    active = begin_push(self._store, self._ledger, begin, self._consistency, self._metrics)
                 elif active is None:
                     raise RequestError(Reason.INVALID_REQUEST,
                                        "the first message of a push must carry PushBegin")
@@ -349,7 +389,7 @@ class ParameterServerService:
             versions=[ps_pb2.VariableVersion(variable=k, version=v) for k, v in result.versions.items()],
             duplicate=result.duplicate, elements_applied=result.elements_applied, dropped=result.dropped,
             cluster_step=result.cluster_step)
-        return response.SerializeToString()
+        return response, received
 
     def exchange(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         """Small pulls and pushes over one long-lived stream, answered in order.
@@ -367,10 +407,17 @@ class ParameterServerService:
                                        f"request is not a valid wehub_ps.v1.ExchangeRequest: {exc}") from None
                 if field == EXCHANGE_PULL:
                     msg = _parse(ps_pb2.PullRequest, payload)
-                    plan = self._plan_pull(msg)
-                    self._consistency.before_pull(msg.worker_id, msg.step, context.time_remaining())
-                    # Concatenated PullResponses are one PullResponse (repeated field).
-                    reply = encode_envelope(request_id, EXCHANGE_PULL, list(self._stream_pull(*plan)))
+                    names = [item.variable for item in msg.items]
+                    try:
+                        plan = self._plan_pull(msg)
+                        self._consistency.before_pull(msg.worker_id, msg.step, context.time_remaining())
+                        # Concatenated PullResponses are one PullResponse (repeated field).
+                        reply = encode_envelope(request_id, EXCHANGE_PULL, list(self._stream_pull(*plan)))
+                    except RequestError as error:
+                        self._count_pulls(names, error.reason.value)
+                        raise
+                    self._count_pulls(names, "ok")
+                    self._metrics.bytes_sent.inc(len(reply))
                 elif field == EXCHANGE_PUSH:
                     reply = encode_envelope(request_id, EXCHANGE_PUSH, self._run_push([payload]))
                 else:

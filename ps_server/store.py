@@ -291,7 +291,7 @@ class VariableStore:
     """
 
     def __init__(self, shard_index: int, num_shards: int, memory_limit: int,
-                 gate: ApplyGate | None = None, max_rows: int = 0) -> None:
+                 gate: ApplyGate | None = None, max_rows: int = 0, max_variables: int = 100_000) -> None:
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index} is outside [0, {num_shards})")
         self.shard_index = shard_index
@@ -299,6 +299,8 @@ class VariableStore:
         self.memory_limit = memory_limit
         #: Server-wide cap on rows per hash table and shard (0: none).
         self.max_rows = max_rows
+        #: Variables this shard holds at most: bounds memory for metadata and metric labels.
+        self.max_variables = max_variables
         #: Mutations hold it shared, checkpoint snapshots exclusive.
         self.gate = gate or ApplyGate()
         #: Bumped on every mutation; a checkpoint is skipped when it did not move.
@@ -338,11 +340,19 @@ class VariableStore:
                     "set max_rows with eviction='lru', or add shards")
             self._reserved += delta
 
+    def _check_count(self) -> None:
+        """Called with _lock held, before adding a variable."""
+        if len(self._parts) >= self.max_variables:
+            raise RequestError(Reason.MEMORY_LIMIT,
+                               f"shard {self.shard_index} already holds {len(self._parts)} variables, its "
+                               f"limit (--max-variables); merge small variables or raise the limit")
+
     def _create(self, spec: VariableSpec) -> tuple[VariableInfo, bool]:
         if spec.hash_table:
             with self._lock:
                 existing = self._parts.get(spec.name)
                 if existing is None:
+                    self._check_count()
                     self._parts[spec.name] = HashTablePart(spec, self._table_limit(spec), self._reserve_bytes)
             if existing is not None:
                 self._check_same(existing, spec)
@@ -354,6 +364,7 @@ class VariableStore:
         with self._lock:
             existing = self._parts.get(spec.name)
             if existing is None:
+                self._check_count()
                 new = VariablePart(spec, row_start, row_end, part is not None)
                 if self._reserved + new.nbytes > self.memory_limit:
                     raise RequestError(

@@ -32,3 +32,5 @@ class Reason(str, enum.Enum):
     SHUTTING_DOWN = "SHUTTING_DOWN"  # server is starting up or draining after SIGTERM
     CHECKPOINTS_DISABLED = "CHECKPOINTS_DISABLED"  # no --checkpoint-dir
     STEP_TIMEOUT = "STEP_TIMEOUT"  # ssp/sync: a pull waited its whole deadline for other workers
+    FINISH_NOT_ALLOWED = "FINISH_NOT_ALLOWED"  # finish() on a server without --allow-finish
+    UNAUTHENTICATED = "UNAUTHENTICATED"  # no or a wrong bearer token (set by the auth interceptor)

@@ -9,6 +9,7 @@
 
 from worker_client.client import PSClient, ShardInfo, Variable
 from worker_client.errors import (
+    AuthenticationError,
     ClusterMismatchError,
     DTypeMismatchError,
     FailedPreconditionError,
@@ -46,5 +47,5 @@ __all__ = [
     "PSError", "InvalidArgumentError", "ShapeMismatchError", "DTypeMismatchError",
     "VariableNotFoundError", "VariableConflictError", "FailedPreconditionError",
     "ClusterMismatchError", "NotInitializedError", "ResourceExhaustedError",
-    "PSUnavailableError", "PSInternalError", "SpecError",
+    "PSUnavailableError", "PSInternalError", "SpecError", "AuthenticationError",
 ]

@@ -14,12 +14,14 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import numpy as np
 
 from worker_client.arrays import is_gpu_array, parse_device, to_device, to_host
@@ -30,6 +32,7 @@ from worker_client.errors import (
     InvalidArgumentError,
     PSError,
     PSInternalError,
+    PSUnavailableError,
     ShapeMismatchError,
     VariableNotFoundError,
 )
@@ -113,6 +116,8 @@ class ShardInfo:
     last_checkpoint: dict[str, Any] | None = None
     restored_from: dict[str, Any] | None = None
     consistency: dict[str, Any] = field(default_factory=dict)
+    stored_bytes: int = 0
+    memory_limit_bytes: int = 0
 
 
 @dataclass
@@ -165,6 +170,40 @@ def _check_array(array: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, wha
                                  f"cast it with .astype({dtype_name(dtype)!r})")
 
 
+def _pem(value: str | bytes | None, argument: str) -> bytes | None:
+    """PEM bytes from bytes or a file path."""
+    if value is None or isinstance(value, bytes):
+        return value
+    try:
+        with open(value, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"{argument}: cannot read {value!r}: {exc}") from None
+
+
+def _channel_credentials(ca, cert, key) -> grpc.ChannelCredentials | None:
+    if ca is None and cert is None and key is None:
+        return None
+    if (cert is None) != (key is None):
+        raise ValueError("tls_cert and tls_key go together (a client certificate for mutual TLS)")
+    return grpc.ssl_channel_credentials(root_certificates=_pem(ca, "tls_ca"), private_key=_pem(key, "tls_key"),
+                                        certificate_chain=_pem(cert, "tls_cert"))
+
+
+def _read_token(token: str | None, path: str | None) -> str | None:
+    if token is not None and path is not None:
+        raise ValueError("give auth_token or auth_token_file, not both")
+    if path is not None:
+        try:
+            with open(path) as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"auth_token_file: cannot read {path!r}: {exc}") from None
+        if not token:
+            raise ValueError(f"auth_token_file {path!r} is empty")
+    return token
+
+
 def _check_addresses(addresses: Sequence[str] | str) -> tuple[str, ...]:
     if isinstance(addresses, str):
         addresses = [a.strip() for a in addresses.split(",") if a.strip()]
@@ -209,6 +248,12 @@ class PSClient:
         register: bool = True,
         heartbeat: bool | None = None,
         exchange_lane: bool = True,
+        tls_ca: str | bytes | None = None,
+        tls_cert: str | bytes | None = None,
+        tls_key: str | bytes | None = None,
+        server_name: str | None = None,
+        auth_token: str | None = None,
+        auth_token_file: str | None = None,
     ) -> None:
         self.addresses = _check_addresses(addresses)
         if worker_id is None:
@@ -235,7 +280,10 @@ class PSClient:
         self._control_timeout = control_timeout
         self._data_timeout = data_timeout
         self._retry = RetryPolicy(timeout=retry_timeout)
-        self._shards = [ShardChannel(i, a) for i, a in enumerate(self.addresses)]
+        credentials = _channel_credentials(tls_ca, tls_cert, tls_key)
+        token = _read_token(auth_token, auth_token_file)
+        self._shards = [ShardChannel(i, a, credentials=credentials, server_name=server_name, token=token)
+                        for i, a in enumerate(self.addresses)]
         self._executor = futures.ThreadPoolExecutor(
             max_workers=max(2, 2 * len(self._shards)), thread_name_prefix=f"ps-client-{worker_id}")
         # Guards _variables, _versions, _sequences, _stats and _step.
@@ -275,6 +323,11 @@ class PSClient:
             task = task_from_tf_config(environ)
         except ClusterConfigError as exc:
             raise ValueError(str(exc)) from None
+        for key, variable in (("tls_ca", "PS_TLS_CA"), ("tls_cert", "PS_TLS_CERT"), ("tls_key", "PS_TLS_KEY"),
+                              ("server_name", "PS_SERVER_NAME"), ("auth_token_file", "PS_AUTH_TOKEN_FILE"),
+                              ("auth_token", "PS_AUTH_TOKEN")):
+            if key not in kwargs and environ.get(variable):
+                kwargs[key] = environ[variable]
         if "worker_id" not in kwargs:
             if environ.get("PS_WORKER_ID"):
                 kwargs["worker_id"] = environ["PS_WORKER_ID"]
@@ -349,7 +402,7 @@ class PSClient:
                        "dropped_gradients": c.dropped_gradients, "steps_applied": c.steps_applied}
         return ShardInfo(shard.address, msg.shard_index, msg.num_shards, msg.server_id,
                          msg.server_version, variables, msg.chunk_bytes_limit, msg.worker_lease_seconds,
-                         workers, checkpoint, restored, consistency)
+                         workers, checkpoint, restored, consistency, msg.stored_bytes, msg.memory_limit_bytes)
 
     def _remember(self, spec: VariableSpec, created: bool = False) -> Variable:
         placement = None if spec.hash_table else spec.placement(len(self._shards))
@@ -674,6 +727,26 @@ class PSClient:
 
         results = self._on_shards(range(len(self._shards)), on)
         return [results[i] for i in range(len(self._shards))]
+
+    def finish(self, wait_for_workers: bool = True, timeout: float = 3600.0) -> None:
+        """End a run-to-completion job: every server writes its final checkpoint and exits 0.
+
+        With ``wait_for_workers`` (the chief's case) it first waits until no
+        other worker holds a lease, so nobody is cut off mid-training. The
+        servers must run with ``--allow-finish``; a long-lived service refuses.
+        """
+        deadline = time.monotonic() + timeout
+        while wait_for_workers:
+            others = {w for info in self.describe() for w, record in info.workers.items()
+                      if record["live"] and w != self.worker_id}
+            if not others:
+                break
+            if time.monotonic() > deadline:
+                raise PSUnavailableError(f"finish: workers {sorted(others)} are still live after {timeout:.0f}s")
+            time.sleep(0.5)
+        request = ps_pb2.FinishRequest(worker_id=self.worker_id).SerializeToString()
+        self._on_shards(range(len(self._shards)),
+                        lambda s: self._call(s, "finish", lambda: s.finish(request, self._control_timeout)))
 
     @property
     def step_count(self) -> int:

@@ -24,6 +24,7 @@ __all__ = [
     "NotInitializedError",
     "ResourceExhaustedError",
     "PSUnavailableError",
+    "AuthenticationError",
     "PSInternalError",
     "translate_rpc_error",
     "error_for",
@@ -85,6 +86,10 @@ class PSUnavailableError(PSError):
     """A ps-server could not be reached in time, or is shutting down."""
 
 
+class AuthenticationError(PSError):
+    """The server wants a bearer token, or a different one (UNAUTHENTICATED)."""
+
+
 class PSInternalError(PSError):
     """A server bug or an unexpected status; the message has the details."""
 
@@ -108,6 +113,8 @@ _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
     grpc.StatusCode.UNAVAILABLE: PSUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: PSUnavailableError,
     grpc.StatusCode.CANCELLED: PSUnavailableError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
 }
 
 

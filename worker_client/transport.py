@@ -15,7 +15,7 @@ import grpc
 
 from worker_client.errors import PSError, translate_rpc_error
 from worker_client.lane import ExchangeLane
-from wehub_ps.rpc import MAX_MESSAGE_BYTES, method_path
+from wehub_ps.rpc import MAX_MESSAGE_BYTES, SERVICE_NAME, method_path
 
 __all__ = ["ShardChannel"]
 
@@ -25,9 +25,13 @@ T = TypeVar("T")
 class ShardChannel:
     """The connection to the ps-server of one shard."""
 
-    def __init__(self, index: int, address: str, *, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+    def __init__(self, index: int, address: str, *, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None,
+                 token: str | None = None) -> None:
         self.index = index
         self.address = address
+        # Every call carries the bearer token (when there is one) as metadata.
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -41,7 +45,12 @@ class ShardChannel:
             ("grpc.keepalive_timeout_ms", 10_000),
         ]
         self._closed = False
-        self._channel = grpc.insecure_channel(address, options=options)
+        if credentials is not None:
+            if server_name:  # the name the certificate was issued for, when the address differs
+                options.append(("grpc.ssl_target_name_override", server_name))
+            self._channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
         self._describe = self._channel.unary_unary(method_path("Describe"))
         self._create = self._channel.unary_unary(method_path("CreateVariable"))
         self._pull = self._channel.unary_stream(method_path("Pull"))
@@ -49,29 +58,48 @@ class ShardChannel:
         self._heartbeat = self._channel.unary_unary(method_path("Heartbeat"))
         self._checkpoint = self._channel.unary_unary(method_path("Checkpoint"))
         #: The long-lived stream for small requests (see worker_client.lane).
-        self.lane = ExchangeLane(self._channel.stream_stream(method_path("Exchange")), address)
+        self._finish = self._channel.unary_unary(method_path("Finish"))
+        exchange = self._channel.stream_stream(method_path("Exchange"))
+        self.lane = ExchangeLane(lambda requests, timeout: exchange(requests, timeout=timeout,
+                                                                    metadata=self._metadata), address)
 
     def describe(self, request: bytes, timeout: float) -> bytes:
-        return self._guard("describe", lambda: self._describe(request, timeout=timeout))
+        return self._guard("describe", lambda: self._describe(request, timeout=timeout, metadata=self._metadata))
 
     def heartbeat(self, request: bytes, timeout: float) -> bytes:
-        return self._guard("heartbeat", lambda: self._heartbeat(request, timeout=timeout))
+        return self._guard("heartbeat", lambda: self._heartbeat(request, timeout=timeout, metadata=self._metadata))
 
     def checkpoint(self, request: bytes, timeout: float) -> bytes:
-        return self._guard("checkpoint", lambda: self._checkpoint(request, timeout=timeout))
+        return self._guard("checkpoint", lambda: self._checkpoint(request, timeout=timeout,
+                                                                   metadata=self._metadata))
+
+    def health(self, timeout: float) -> str:
+        """The gRPC health status of the ParameterServer service ('SERVING', ...), or 'UNREACHABLE'."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            answer = health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
+        except grpc.RpcError:
+            return "UNREACHABLE"
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+
+    def finish(self, request: bytes, timeout: float) -> bytes:
+        return self._guard("finish", lambda: self._finish(request, timeout=timeout, metadata=self._metadata))
 
     def create_variable(self, request: bytes, timeout: float) -> bytes:
-        return self._guard("create_variable", lambda: self._create(request, timeout=timeout))
+        return self._guard("create_variable", lambda: self._create(request, timeout=timeout,
+                                                                   metadata=self._metadata))
 
     def pull(self, request: bytes, timeout: float, on_message: Callable[[bytes], None]) -> None:
         """Stream a pull, handing each response message to ``on_message``."""
         def run() -> None:
-            for message in self._pull(request, timeout=timeout):
+            for message in self._pull(request, timeout=timeout, metadata=self._metadata):
                 on_message(message)
         self._guard("pull", run)
 
     def push(self, messages: Iterator[bytes], timeout: float) -> bytes:
-        return self._guard("push", lambda: self._push(messages, timeout=timeout))
+        return self._guard("push", lambda: self._push(messages, timeout=timeout, metadata=self._metadata))
 
     def exchange(self, field: int, payload: bytes, what: str) -> memoryview | None:
         """One small request over the lane; None when the lane is busy (use the ordinary call)."""

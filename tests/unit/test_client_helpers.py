@@ -9,6 +9,7 @@ import pytest
 from wehub_ps.errors import REASON_METADATA_KEY, Reason
 from worker_client.arrays import parse_device, to_device, to_host
 from worker_client.errors import (
+    AuthenticationError,
     ClusterMismatchError,
     DTypeMismatchError,
     FailedPreconditionError,
@@ -76,7 +77,8 @@ def test_reason_picks_the_class(reason, cls):
     (grpc.StatusCode.CANCELLED, PSUnavailableError),
     (grpc.StatusCode.INTERNAL, PSInternalError),
     (grpc.StatusCode.UNKNOWN, PSInternalError),
-    (grpc.StatusCode.PERMISSION_DENIED, PSInternalError),
+    (grpc.StatusCode.PERMISSION_DENIED, AuthenticationError),
+    (grpc.StatusCode.UNAUTHENTICATED, AuthenticationError),
 ])
 def test_code_picks_the_class_without_a_known_reason(code, cls):
     for reason in (None, Reason.MEMORY_LIMIT.value, "SOMETHING_NEW"):

@@ -246,7 +246,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "server_id", "server_version", "variables", "chunk_bytes_limit", "workers", "worker_lease_seconds", "last_checkpoint", "restored_from", "consistency")
+    __slots__ = ("shard_index", "num_shards", "server_id", "server_version", "variables", "chunk_bytes_limit", "workers", "worker_lease_seconds", "last_checkpoint", "restored_from", "consistency", "stored_bytes", "memory_limit_bytes")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +258,8 @@ class DescribeResponse(_message.Message):
     LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
     CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     server_id: str
@@ -269,7 +271,19 @@ class DescribeResponse(_message.Message):
     last_checkpoint: CheckpointInfo
     restored_from: CheckpointInfo
     consistency: ConsistencyInfo
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., server_id: _Optional[str] = ..., server_version: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., chunk_bytes_limit: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., worker_lease_seconds: _Optional[float] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., restored_from: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., consistency: _Optional[_Union[ConsistencyInfo, _Mapping]] = ...) -> None: ...
+    stored_bytes: int
+    memory_limit_bytes: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., server_id: _Optional[str] = ..., server_version: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., chunk_bytes_limit: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., worker_lease_seconds: _Optional[float] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., restored_from: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., consistency: _Optional[_Union[ConsistencyInfo, _Mapping]] = ..., stored_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ...) -> None: ...
+
+class FinishRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class FinishResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "incarnation", "live", "seconds_since_seen", "step", "registered_unix", "pushes")

@@ -69,6 +69,11 @@ class ParameterServerStub:
                 request_serializer=wehub__ps_dot_v1_dot_ps__pb2.ExchangeRequest.SerializeToString,
                 response_deserializer=wehub__ps_dot_v1_dot_ps__pb2.ExchangeResponse.FromString,
                 _registered_method=True)
+        self.Finish = channel.unary_unary(
+                '/wehub_ps.v1.ParameterServer/Finish',
+                request_serializer=wehub__ps_dot_v1_dot_ps__pb2.FinishRequest.SerializeToString,
+                response_deserializer=wehub__ps_dot_v1_dot_ps__pb2.FinishResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -128,6 +133,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Finish(self, request, context):
+        """Run-to-completion jobs: write the final checkpoint and exit 0. Refused
+        (FAILED_PRECONDITION) unless the server was started with --allow-finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -165,6 +178,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Exchange,
                     request_deserializer=wehub__ps_dot_v1_dot_ps__pb2.ExchangeRequest.FromString,
                     response_serializer=wehub__ps_dot_v1_dot_ps__pb2.ExchangeResponse.SerializeToString,
+            ),
+            'Finish': grpc.unary_unary_rpc_method_handler(
+                    servicer.Finish,
+                    request_deserializer=wehub__ps_dot_v1_dot_ps__pb2.FinishRequest.FromString,
+                    response_serializer=wehub__ps_dot_v1_dot_ps__pb2.FinishResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -356,6 +374,33 @@ class ParameterServer:
             '/wehub_ps.v1.ParameterServer/Exchange',
             wehub__ps_dot_v1_dot_ps__pb2.ExchangeRequest.SerializeToString,
             wehub__ps_dot_v1_dot_ps__pb2.ExchangeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Finish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wehub_ps.v1.ParameterServer/Finish',
+            wehub__ps_dot_v1_dot_ps__pb2.FinishRequest.SerializeToString,
+            wehub__ps_dot_v1_dot_ps__pb2.FinishResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,53 @@
+"""Prometheus metrics of one shard, served on their own port.
+
+A registry of our own (not the process-global default), so tests can run
+several servers in one process. Label cardinality is bounded: variables by
+--max-variables, outcomes by the fixed set of error reasons.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+__all__ = ["Metrics"]
+
+_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_VERSIONS = (0, 1, 2, 3, 5, 10, 20, 50, 100, 1000)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.pushes = Counter("wehub_ps_pushes", "Pushes per variable and outcome (ok, duplicate, "
+                              "dropped, or the error reason)", ["variable", "outcome"], registry=r)
+        self.pulls = Counter("wehub_ps_pulls", "Pulls per variable and outcome", ["variable", "outcome"],
+                             registry=r)
+        self.bytes_received = Counter("wehub_ps_bytes_received", "Tensor bytes received (pushes)", registry=r)
+        self.bytes_sent = Counter("wehub_ps_bytes_sent", "Tensor bytes sent (pulls)", registry=r)
+        self.apply_seconds = Histogram("wehub_ps_apply_seconds", "Time to apply one pushed chunk",
+                                       buckets=_SECONDS, registry=r)
+        self.staleness = Histogram("wehub_ps_push_staleness", "Server version minus the version a pushed "
+                                   "gradient was computed from", buckets=_VERSIONS, registry=r)
+        self.live_workers = Gauge("wehub_ps_live_workers", "Workers holding a lease", registry=r)
+        self.checkpoint_seconds = Histogram("wehub_ps_checkpoint_seconds", "Checkpoint write time",
+                                            buckets=_SECONDS, registry=r)
+        self._last_checkpoint = time.time()
+        self._has_checkpoint = False
+        self.checkpoint_age = Gauge("wehub_ps_checkpoint_age_seconds", "Seconds since the last checkpoint "
+                                    "(since start when none was written)", registry=r)
+        self.checkpoint_age.set_function(lambda: time.time() - self._last_checkpoint)
+        self.restored_version = Gauge("wehub_ps_restored_version", "Version of each variable restored from "
+                                      "the checkpoint at start", ["variable"], registry=r)
+
+    def checkpoint_written(self, seconds: float) -> None:
+        self.checkpoint_seconds.observe(seconds)
+        self._last_checkpoint = time.time()
+
+    def serve(self, port: int, host: str, certfile: str | None, keyfile: str | None) -> int:
+        """Serve /metrics (over TLS when a certificate is given); returns the bound port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry, certfile=certfile,
+                                      keyfile=keyfile)
+        return server.server_port

@@ -1,0 +1,143 @@
+"""Metrics, the plaintext health port, server reflection, ps-admin, and finish()."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from ps_server import ServerConfig, create_server
+from ps_testing import ROOT, child_env
+from worker_client import SGD, FailedPreconditionError, PSClient
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(tmp_path):
+    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=_free_port(), health_port=_free_port(),
+                          checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=0)
+    srv = create_server(config)
+    srv.start()
+    yield srv
+    srv.stop(grace=1)
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
+def _value(text: str, sample: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{sample} not in the metrics:\n{text}")
+
+
+def test_metrics_count_what_happened(server):
+    address = f"127.0.0.1:{server.port}"
+    with PSClient([address], worker_id="m") as client:
+        client.create_variable("w", shape=(300, 300), optimizer=SGD(learning_rate=0.1))
+        for _ in range(3):
+            client.pull(["w"])
+            client.push({"w": np.ones((300, 300), np.float32)})
+        with pytest.raises(Exception):
+            client.push({"w": np.ones((300, 301), np.float32)})  # refused by the client: not counted
+        client.checkpoint()
+        server.metrics.live_workers.set(len(server.membership.live_ids()))
+        text = _scrape(server.metrics_port)
+    assert _value(text, 'wehub_ps_pushes_total{outcome="ok",variable="w"}') == 3
+    assert _value(text, 'wehub_ps_pulls_total{outcome="ok",variable="w"}') == 3
+    assert _value(text, "wehub_ps_bytes_received_total") >= 3 * 300 * 300 * 4
+    assert _value(text, "wehub_ps_bytes_sent_total") >= 3 * 300 * 300 * 4
+    assert _value(text, "wehub_ps_apply_seconds_count") >= 3
+    assert _value(text, "wehub_ps_push_staleness_count") >= 2
+    assert _value(text, "wehub_ps_checkpoint_seconds_count") == 1
+    assert _value(text, "wehub_ps_live_workers") == 1
+    assert _value(text, "wehub_ps_checkpoint_age_seconds") < 60
+
+
+def test_errors_are_counted_by_reason(server):
+    address = f"127.0.0.1:{server.port}"
+    with grpc.insecure_channel(address) as channel:
+        request = ps_pull_request("nope")
+        with pytest.raises(grpc.RpcError):
+            list(channel.unary_stream("/wehub_ps.v1.ParameterServer/Pull")(request, timeout=5))
+    text = _scrape(server.metrics_port)
+    assert _value(text, 'wehub_ps_pulls_total{outcome="UNKNOWN_VARIABLE",variable="nope"}') == 1
+
+
+def ps_pull_request(name: str) -> bytes:
+    from wehub_ps.v1 import ps_pb2
+
+    return ps_pb2.PullRequest(shard_index=0, num_shards=1, items=[ps_pb2.PullItem(variable=name)]).SerializeToString()
+
+
+def test_health_port_and_reflection(server):
+    with grpc.insecure_channel(f"127.0.0.1:{server.health_port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        assert stub.Check(health_pb2.HealthCheckRequest(service="wehub_ps.v1.ParameterServer"),
+                          timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as info:  # the health port serves health only
+            channel.unary_unary("/wehub_ps.v1.ParameterServer/Describe")(b"", timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                            timeout=5)
+        services = {s.name for answer in answers for s in answer.list_services_response.service}
+    assert "wehub_ps.v1.ParameterServer" in services and "grpc.health.v1.Health" in services
+
+
+def test_ps_admin_shows_the_cluster_and_triggers_checkpoints(cluster_factory, tmp_path):
+    cluster = cluster_factory(2, "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-interval", "0")
+    with PSClient(cluster.addresses, worker_id="trainer") as client:
+        client.create_variable("w", shape=(1000, 300), optimizer=SGD(learning_rate=0.1))
+        client.push({"w": np.ones((1000, 300), np.float32)})
+
+        def admin(*args: str) -> str:
+            result = subprocess.run([sys.executable, "-m", "worker_client.admin", *args, "--addresses",
+                                     ",".join(cluster.addresses)], capture_output=True, text=True,
+                                    cwd=str(ROOT), env=child_env(), timeout=60)
+            assert result.returncode == 0, result.stderr
+            return result.stdout
+
+        assert "checkpoint 0000000001" in admin("checkpoint")
+        status = admin("status")
+    lines = status.splitlines()
+    assert lines[0].split()[:3] == ["shard", "address", "health"]
+    for i, address in enumerate(cluster.addresses):
+        row = next(line for line in lines if line.startswith(f"{i}/2 "))
+        assert address in row and "SERVING" in row and "0000000001" in row and "1..1" in row
+    assert any(line.startswith("trainer") and " yes " in line for line in lines)
+
+
+def test_finish_ends_a_job_and_is_refused_by_a_service(cluster_factory, tmp_path):
+    service = cluster_factory(1)
+    with PSClient(service.addresses, worker_id="chief") as client:
+        with pytest.raises(FailedPreconditionError, match="--allow-finish"):
+            client.finish(wait_for_workers=False)
+    assert service.servers[0].popen.poll() is None
+    job = cluster_factory(2, "--allow-finish", "--checkpoint-dir", str(tmp_path / "job"),
+                          "--checkpoint-interval", "0")
+    with PSClient(job.addresses, worker_id="worker-1") as other, \
+            PSClient(job.addresses, worker_id="worker-0") as chief:
+        chief.create_variable("w", shape=(10,), optimizer=SGD(learning_rate=1.0))
+        other.push({"w": np.ones(10, np.float32)})
+        other.close()  # the other worker is done: it leaves the live set at once
+        chief.finish()
+    for server in job.servers:
+        assert server.wait(60) == 0
+        assert '"reason": "shutdown"' in server.log_text()

@@ -1,0 +1,108 @@
+"""``ps-admin``: the whole cluster as a readable table, and operator actions.
+
+    ps-admin status                 # each shard: health, variables, bytes, versions, workers, checkpoint
+    ps-admin checkpoint             # every shard writes a checkpoint now
+    ps-admin finish                 # run-to-completion jobs: servers checkpoint and exit 0
+
+Addresses, TLS and token come from flags or from the same environment as the
+workers (PS_ADDRESSES or TF_CONFIG, PS_TLS_CA, PS_TLS_CERT, PS_TLS_KEY,
+PS_SERVER_NAME, PS_AUTH_TOKEN_FILE). ps-admin connects as an observer: it
+never counts as a worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from worker_client.client import PSClient, ShardInfo
+from worker_client.errors import PSError
+
+__all__ = ["main", "status_table"]
+
+
+def _age(created_unix: float) -> str:
+    seconds = max(0.0, time.time() - created_unix)
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.1f}h ago"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def status_table(infos: Sequence[ShardInfo], health: Sequence[str]) -> str:
+    """Shards, then workers, as aligned text tables."""
+    shards = [["shard", "address", "health", "variables", "stored MB", "limit MB", "versions", "live workers",
+               "last checkpoint", "restored from"]]
+    workers: dict[str, dict] = {}
+    for info, state in zip(infos, health):
+        versions = [v["version"] for v in info.variables.values() if v["row_end"] or v["num_rows"]]
+        checkpoint = info.last_checkpoint
+        restored = info.restored_from
+        shards.append([
+            f"{info.shard_index}/{info.num_shards}", info.address, state, str(len(info.variables)),
+            f"{info.stored_bytes / 1e6:.1f}", f"{info.memory_limit_bytes / 1e6:.0f}",
+            f"{min(versions)}..{max(versions)}" if versions else "-",
+            str(sum(1 for w in info.workers.values() if w["live"])),
+            f"{checkpoint['checkpoint_id']} ({_age(checkpoint['created_unix'])})" if checkpoint else "none",
+            f"{restored['checkpoint_id']} of {restored['num_shards']} shards" if restored else "-",
+        ])
+        for worker_id, record in info.workers.items():
+            seen = workers.setdefault(worker_id, dict(record))
+            seen["live"] = seen["live"] or record["live"]
+            seen["step"] = max(seen["step"], record["step"])
+            seen["seconds_since_seen"] = min(seen["seconds_since_seen"], record["seconds_since_seen"])
+    text = _table(shards)
+    if workers:
+        rows = [["worker", "live", "step", "pushes (shard 0)", "last seen"]]
+        for worker_id, record in sorted(workers.items()):
+            rows.append([worker_id, "yes" if record["live"] else "no", str(record["step"]),
+                         str(infos[0].workers.get(worker_id, {}).get("pushes", 0)),
+                         f"{record['seconds_since_seen']:.1f}s ago"])
+        text += "\n\n" + _table(rows)
+    mode = infos[0].consistency.get("mode", "async") if infos else "async"
+    return text + f"\n\nconsistency: {mode}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ps-admin", description="Inspect and operate a wehub-ps cluster.")
+    parser.add_argument("command", choices=("status", "checkpoint", "finish"))
+    parser.add_argument("--addresses", help="comma-separated host:port of the ps-servers (else PS_ADDRESSES)")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the servers")
+    args = parser.parse_args(argv)
+    environ = dict(os.environ)
+    if args.addresses:
+        environ["PS_ADDRESSES"] = args.addresses
+    try:
+        with PSClient.from_env(environ, worker_id="ps-admin", register=False, connect_timeout=args.timeout,
+                               retry_timeout=args.timeout) as client:
+            if args.command == "status":
+                infos = client.describe()
+                health = [shard.health(args.timeout) for shard in client._shards]
+                print(status_table(infos, health))
+            elif args.command == "checkpoint":
+                for result in client.checkpoint():
+                    print(f"{result['address']}: checkpoint {result['checkpoint_id']} at {result['path']}, "
+                          f"{result['bytes'] / 1e6:.1f} MB in {result['write_seconds']:.2f}s "
+                          f"(pushes paused {result['pause_seconds'] * 1000:.0f} ms)")
+            else:
+                client.finish(wait_for_workers=False)
+                print("every server is writing its final checkpoint and exiting")
+    except (PSError, ValueError) as exc:
+        print(f"ps-admin: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
