@@ -47,7 +47,6 @@ from common import (  # noqa: E402
     peak_rss_bytes,
     ps_cluster,
     rss_bytes,
-    stop_process,
     tcp_seconds,
     time_calls,
 )

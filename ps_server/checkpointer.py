@@ -14,7 +14,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ps_server.checkpoint import ShardSnapshot, WrittenCheckpoint, clean_temporaries, shard_dir, write_checkpoint
+from ps_server.checkpoint import (
+    ShardSnapshot,
+    WrittenCheckpoint,
+    clean_temporaries,
+    shard_dir,
+    write_checkpoint,
+)
 from ps_server.push_ledger import PushLedger
 from ps_server.store import VariableStore
 from wehub_ps.logs import event

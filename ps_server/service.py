@@ -30,12 +30,12 @@ from wehub_ps.codec import (
     EXCHANGE_PULL,
     EXCHANGE_PUSH,
     CodecError,
-    decode_envelope,
-    encode_envelope,
     OutgoingChunk,
     byte_view,
     chunk_ranges,
+    decode_envelope,
     decode_push_request,
+    encode_envelope,
     encode_pull_response,
 )
 from wehub_ps.dtypes import BFLOAT16, VARIABLE_DTYPES, dtype_name, to_numpy_dtype, to_wire_dtype

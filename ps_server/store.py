@@ -15,7 +15,6 @@ to one variable serialise per chunk, so none is ever lost.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import numpy as np

@@ -7,6 +7,19 @@
             step.push({"w": compute_gradient(step.params["w"])})
 """
 
+from wehub_ps.placement import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
+from wehub_ps.specs import (
+    SGD,
+    Adagrad,
+    Adam,
+    Constant,
+    GlorotUniform,
+    Momentum,
+    Normal,
+    SpecError,
+    Uniform,
+    Zeros,
+)
 from worker_client.client import PSClient, ShardInfo, Variable
 from worker_client.errors import (
     AuthenticationError,
@@ -25,19 +38,6 @@ from worker_client.errors import (
 )
 from worker_client.replicas import ReplicaGroup, ReplicaStep
 from worker_client.step import Step
-from wehub_ps.placement import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
-from wehub_ps.specs import (
-    SGD,
-    Adagrad,
-    Adam,
-    Constant,
-    GlorotUniform,
-    Momentum,
-    Normal,
-    SpecError,
-    Uniform,
-    Zeros,
-)
 
 __all__ = [
     "PSClient", "Variable", "ShardInfo", "Step", "ReplicaGroup", "ReplicaStep",

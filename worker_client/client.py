@@ -24,21 +24,6 @@ from typing import Any
 import grpc
 import numpy as np
 
-from worker_client.arrays import is_gpu_array, parse_device, to_device, to_host
-from worker_client.gpu import GpuTransfers
-from worker_client.errors import (
-    ClusterMismatchError,
-    DTypeMismatchError,
-    InvalidArgumentError,
-    PSError,
-    PSInternalError,
-    PSUnavailableError,
-    ShapeMismatchError,
-    VariableNotFoundError,
-)
-from worker_client.retry import RetryPolicy, call_with_retry
-from worker_client.step import Step
-from worker_client.transport import ShardChannel
 from wehub_ps.cluster import ClusterConfigError, ps_addresses_from_env, split_host_port, task_from_tf_config
 from wehub_ps.codec import (
     EXCHANGE_PULL,
@@ -51,24 +36,39 @@ from wehub_ps.codec import (
     decode_pull_response,
     encode_push_request,
 )
-from wehub_ps.dtypes import BFLOAT16, dtype_name, parse_dtype, to_numpy_dtype, to_wire_dtype
-from wehub_ps.segments import sum_by_id
+from wehub_ps.dtypes import BFLOAT16, dtype_name, parse_dtype, to_wire_dtype
 from wehub_ps.placement import MinSizePartitioner, Partitioner, Placement, hash_shards
 from wehub_ps.rpc import DEFAULT_CHUNK_BYTES
+from wehub_ps.segments import sum_by_id
 from wehub_ps.specs import (
     SGD,
     Constant,
     Explicit,
     GlorotUniform,
-    Normal,
-    Uniform,
-    Zeros,
     Initializer,
+    Normal,
     Optimizer,
+    Uniform,
     VariableSpec,
+    Zeros,
     initializer_from_name,
 )
 from wehub_ps.v1 import ps_pb2
+from worker_client.arrays import is_gpu_array, parse_device, to_device, to_host
+from worker_client.errors import (
+    ClusterMismatchError,
+    DTypeMismatchError,
+    InvalidArgumentError,
+    PSError,
+    PSInternalError,
+    PSUnavailableError,
+    ShapeMismatchError,
+    VariableNotFoundError,
+)
+from worker_client.gpu import GpuTransfers
+from worker_client.retry import RetryPolicy, call_with_retry
+from worker_client.step import Step
+from worker_client.transport import ShardChannel
 
 __all__ = ["PSClient", "Variable", "ShardInfo"]
 

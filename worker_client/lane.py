@@ -22,9 +22,9 @@ from typing import Any
 
 import grpc
 
-from worker_client.errors import error_for, translate_rpc_error
 from wehub_ps.codec import EXCHANGE_ERROR, decode_envelope, encode_envelope
 from wehub_ps.v1 import ps_pb2
+from worker_client.errors import error_for, translate_rpc_error
 
 __all__ = ["ExchangeLane"]
 

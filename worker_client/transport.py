@@ -13,9 +13,9 @@ from typing import TypeVar
 
 import grpc
 
+from wehub_ps.rpc import MAX_MESSAGE_BYTES, SERVICE_NAME, method_path
 from worker_client.errors import PSError, translate_rpc_error
 from worker_client.lane import ExchangeLane
-from wehub_ps.rpc import MAX_MESSAGE_BYTES, SERVICE_NAME, method_path
 
 __all__ = ["ShardChannel"]
 

@@ -16,8 +16,8 @@ import threading
 
 import numpy as np
 import pytest
-
 from fault_proxy import FaultProxy
+
 from worker_client import SGD, FixedShardsPartitioner, PSClient
 
 WORKERS = 4

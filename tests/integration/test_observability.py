@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from ps_testing import ROOT, child_env
 
 from ps_server import ServerConfig, create_server
-from ps_testing import ROOT, child_env
 from worker_client import SGD, FailedPreconditionError, PSClient
 
 

@@ -9,8 +9,8 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from tls_material import make_tls_material
+
 from wehub_ps.codec import OutgoingChunk, byte_view, encode_push_request
 from wehub_ps.errors import REASON_METADATA_KEY
 from wehub_ps.rpc import method_path

@@ -101,7 +101,6 @@ def test_number_of_parts_follows_the_partitioner(name, shape, itemsize, partitio
     if rows == 0:
         assert len(placement.parts) == 1
         return
-    nbytes = rows * row_elements * itemsize
     if isinstance(partitioner, FixedShardsPartitioner):
         wanted = partitioner.num_shards
     elif isinstance(partitioner, MinSizePartitioner):
