@@ -21,7 +21,6 @@ from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import numpy as np
 
 from wehub_ps.cluster import ClusterConfigError, ps_addresses_from_env, split_host_port, task_from_tf_config
@@ -55,6 +54,7 @@ from wehub_ps.specs import (
 )
 from wehub_ps.v1 import ps_pb2
 from worker_client.arrays import is_gpu_array, parse_device, to_device, to_host
+from worker_client.credentials import channel_credentials, read_token
 from worker_client.errors import (
     ClusterMismatchError,
     DTypeMismatchError,
@@ -170,40 +170,6 @@ def _check_array(array: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, wha
                                  f"cast it with .astype({dtype_name(dtype)!r})")
 
 
-def _pem(value: str | bytes | None, argument: str) -> bytes | None:
-    """PEM bytes from bytes or a file path."""
-    if value is None or isinstance(value, bytes):
-        return value
-    try:
-        with open(value, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise ValueError(f"{argument}: cannot read {value!r}: {exc}") from None
-
-
-def _channel_credentials(ca, cert, key) -> grpc.ChannelCredentials | None:
-    if ca is None and cert is None and key is None:
-        return None
-    if (cert is None) != (key is None):
-        raise ValueError("tls_cert and tls_key go together (a client certificate for mutual TLS)")
-    return grpc.ssl_channel_credentials(root_certificates=_pem(ca, "tls_ca"), private_key=_pem(key, "tls_key"),
-                                        certificate_chain=_pem(cert, "tls_cert"))
-
-
-def _read_token(token: str | None, path: str | None) -> str | None:
-    if token is not None and path is not None:
-        raise ValueError("give auth_token or auth_token_file, not both")
-    if path is not None:
-        try:
-            with open(path) as f:
-                token = f.read().strip()
-        except OSError as exc:
-            raise ValueError(f"auth_token_file: cannot read {path!r}: {exc}") from None
-        if not token:
-            raise ValueError(f"auth_token_file {path!r} is empty")
-    return token
-
-
 def _check_addresses(addresses: Sequence[str] | str) -> tuple[str, ...]:
     if isinstance(addresses, str):
         addresses = [a.strip() for a in addresses.split(",") if a.strip()]
@@ -280,8 +246,8 @@ class PSClient:
         self._control_timeout = control_timeout
         self._data_timeout = data_timeout
         self._retry = RetryPolicy(timeout=retry_timeout)
-        credentials = _channel_credentials(tls_ca, tls_cert, tls_key)
-        token = _read_token(auth_token, auth_token_file)
+        credentials = channel_credentials(tls_ca, tls_cert, tls_key)
+        token = read_token(auth_token, auth_token_file)
         self._shards = [ShardChannel(i, a, credentials=credentials, server_name=server_name, token=token)
                         for i, a in enumerate(self.addresses)]
         self._executor = futures.ThreadPoolExecutor(
