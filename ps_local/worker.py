@@ -10,6 +10,7 @@ ps-local, a Kubernetes indexed Job, a JobSet or a Kubeflow TFJob:
 * number of workers: ``--num-workers``, ``PS_NUM_WORKERS``, else TF_CONFIG;
 * TLS and token: ``PS_TLS_CA``, ``PS_TLS_CERT``, ``PS_TLS_KEY``,
   ``PS_SERVER_NAME``, ``PS_AUTH_TOKEN_FILE`` (see ``PSClient.from_env``);
+* ``PS_LOG_LEVEL`` (default warning): JSON log lines on stderr;
 * ``--finish-cluster`` / ``PS_FINISH_CLUSTER=1``: when training is done, worker 0
   waits for the others to leave and then makes every server write its final
   checkpoint and exit 0 (run-to-completion jobs).
@@ -28,6 +29,7 @@ from collections.abc import Mapping
 
 from ps_local.examples import EXAMPLES, load_example
 from wehub_ps.cluster import ClusterConfigError, ps_addresses_from_env, task_from_tf_config
+from wehub_ps.logs import configure
 from worker_client import PSClient
 
 
@@ -64,6 +66,8 @@ def _resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[list
 
 def main(argv: list[str] | None = None) -> int:
     environ = os.environ
+    # JSON log lines on stderr: a worker that waits for a server says which and why.
+    configure(environ.get("PS_LOG_LEVEL", "warning"))
     parser = argparse.ArgumentParser(prog="ps-worker", description="Train a built-in example as one worker.")
     parser.add_argument("--example", default=environ.get("PS_EXAMPLE", "digits"), choices=sorted(EXAMPLES))
     parser.add_argument("--addresses", default=None, help="comma-separated host:port of the ps-servers")

@@ -23,6 +23,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ps-server: {exc}", file=sys.stderr)
         return 2
     configure(config.log_level)
+    if config.unknown_environment:
+        event(log, logging.WARNING, "unknown PS_ environment variables ignored (misspelled settings?)",
+              variables=list(config.unknown_environment))
     try:
         server = create_server(config)
     except (OSError, RuntimeError) as exc:

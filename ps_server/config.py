@@ -63,6 +63,8 @@ class ServerConfig:
     metrics_port: int = 0
     max_variables: int = 100_000
     allow_finish: bool = False
+    #: PS_* variables that no setting reads (a misspelling?); logged at start.
+    unknown_environment: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -155,13 +157,15 @@ def _env_name(field_name: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="ps-server",
+        prog="ps-server", allow_abbrev=False,
         description="wehub-ps parameter server: holds one shard of the variables and applies pushes.",
         epilog="Every flag can also be set as an environment variable: PS_ plus the flag name "
                "in upper case with underscores (PS_SHARD_INDEX=1). TF_CONFIG with task.type 'ps' "
                "sets the shard index, shard count and port.",
     )
     for f in fields(ServerConfig):
+        if f.name not in _HELP:
+            continue
         flag = "--" + f.name.replace("_", "-")
         help_text = f"{_HELP[f.name]} (env {_env_name(f.name)}; default {f.default})"
         if isinstance(f.default, bool):
@@ -190,6 +194,8 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
         values.update(shard_index=task.task_index, num_shards=len(task.ps_addresses),
                       port=split_host_port(task.ps_addresses[task.task_index])[1])
     for f in fields(ServerConfig):
+        if f.name not in args:
+            continue
         raw = args[f.name]
         source = f"--{f.name.replace('_', '-')}"
         if raw is None and _env_name(f.name) in environ:
@@ -211,4 +217,10 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             values[f.name] = kind(raw) if kind is not str else str(raw)
         except (TypeError, ValueError):
             raise ConfigError(f"{source} must be {kind.__name__}, got {raw!r}") from None
-    return ServerConfig(**values)  # type: ignore[arg-type]
+    known = {_env_name(f.name) for f in fields(ServerConfig)} | {"PS_ADDRESSES", "PS_WORKER_ID", "PS_WORKER_INDEX",
+                                                                  "PS_NUM_WORKERS", "PS_EXAMPLE", "PS_TLS_CA",
+                                                                  "PS_SERVER_NAME", "PS_AUTH_TOKEN",
+                                                                  "PS_FINISH_CLUSTER", "PS_EXAMPLE_CONFIG",
+                                                                  "PS_WIRE_DTYPE"}
+    unknown = sorted(k for k in environ if k.startswith("PS_") and k not in known)
+    return ServerConfig(**values, unknown_environment=tuple(unknown))  # type: ignore[arg-type]

@@ -244,3 +244,11 @@ def test_split_host_port(address, expected):
 def test_bare_ipv6_without_port_is_refused():
     with pytest.raises(ClusterConfigError):
         split_host_port("fe80::1")
+
+
+def test_misspelled_environment_settings_are_reported_and_abbreviations_refused():
+    config = parse_config([], {"PS_CHECKPOINT_DIRECTORY": "/x", "PS_NUM_SHARDS": "2", "PS_ADDRESSES": "a:1"})
+    assert config.unknown_environment == ("PS_CHECKPOINT_DIRECTORY",)
+    assert config.checkpoint_dir is None
+    with pytest.raises(SystemExit):
+        parse_config(["--checkpoint-d", "/x"], {})
