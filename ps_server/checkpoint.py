@@ -122,22 +122,8 @@ class WrittenCheckpoint:
     num_shards: int
 
 
-@dataclass
-class LoadedPart:
-    """A variable part assembled from checkpoint data, ready for the store."""
-
-    spec: VariableSpec
-    row_start: int
-    row_end: int
-    holds_part: bool
-    version: int
-    optimizer_steps: int
-    initialized: bool
-    value: np.ndarray
-    slots: dict[str, np.ndarray]
-    row_steps: np.ndarray | None = None
-    rows: dict[str, np.ndarray] | None = None
-    evicted_rows: int = 0
+#: A variable part assembled from checkpoint data: the same fields as a snapshot.
+LoadedPart = PartSnapshot
 
 
 @dataclass(frozen=True)
