@@ -35,7 +35,6 @@ class Metrics:
         self.checkpoint_seconds = Histogram("wehub_ps_checkpoint_seconds", "Checkpoint write time",
                                             buckets=_SECONDS, registry=r)
         self._last_checkpoint = time.time()
-        self._has_checkpoint = False
         self.checkpoint_age = Gauge("wehub_ps_checkpoint_age_seconds", "Seconds since the last checkpoint "
                                     "(since start when none was written)", registry=r)
         self.checkpoint_age.set_function(lambda: time.time() - self._last_checkpoint)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from wehub_ps.dtypes import to_numpy_dtype, to_wire_dtype
+from wehub_ps.dtypes import to_numpy_dtype
 from wehub_ps.v1 import ps_pb2
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "byte_view",
     "encode_envelope",
     "decode_envelope",
-    "wire_dtype_of",
 ]
 
 _WIRE_VARINT = 0
@@ -315,7 +314,3 @@ def byte_view(array: np.ndarray) -> memoryview:
     """
     return memoryview(array.reshape(-1).view(np.uint8))
 
-
-def wire_dtype_of(array: np.ndarray) -> int:
-    """The wire DataType of an array's dtype."""
-    return to_wire_dtype(array.dtype)

@@ -20,7 +20,6 @@ from wehub_ps.codec import (
     decode_push_request,
     encode_pull_response,
     encode_push_request,
-    wire_dtype_of,
 )
 from wehub_ps.dtypes import BFLOAT16, to_numpy_dtype, to_wire_dtype
 from wehub_ps.v1 import ps_pb2
@@ -108,7 +107,7 @@ def _outgoing(wire: np.ndarray, chunk_elements: int, variable: str = "v") -> lis
     chunks = []
     for offset, count in chunk_ranges(wire.size, chunk_elements):
         header = ps_pb2.ChunkHeader(variable=variable, offset=offset, count=count,
-                                    dtype=wire_dtype_of(wire), version=7,
+                                    dtype=to_wire_dtype(wire.dtype), version=7,
                                     part_elements=wire.size)
         chunks.append(OutgoingChunk(header, byte_view(wire[offset:offset + count])))
     return chunks
@@ -154,7 +153,7 @@ def _check_wire_array(wire: np.ndarray, original: np.ndarray, dtype_name: str) -
     assert wire.ndim == 1
     assert wire.flags.c_contiguous
     assert wire.size == original.size
-    assert wire_dtype_of(wire) == _EXPECTED_WIRE[dtype_name]
+    assert to_wire_dtype(wire.dtype) == _EXPECTED_WIRE[dtype_name]
 
 
 @SETTINGS
@@ -185,7 +184,7 @@ def test_push_request_round_trip(tensor, chunk_elements, group_sizes, with_begin
         worker_id="w-1", incarnation="inc", sequence=3, shard_index=1, num_shards=2,
         kind=ps_pb2.GRADIENT,
         items=[ps_pb2.PushItem(variable="v", elements=wire.size,
-                               wire_dtype=wire_dtype_of(wire), base_version=7)],
+                               wire_dtype=to_wire_dtype(wire.dtype), base_version=7)],
     )
     decoded = []
     for i, group in enumerate(_group(chunks, group_sizes)):
@@ -314,7 +313,7 @@ def test_encoding_is_byte_identical_to_protobuf(tensor, chunk_elements, with_beg
         begin = ps_pb2.PushBegin(worker_id="worker-0", incarnation="abc", sequence=2**40,
                                  shard_index=3, num_shards=4, kind=ps_pb2.ASSIGN,
                                  items=[ps_pb2.PushItem(variable=name, elements=wire.size,
-                                                        wire_dtype=wire_dtype_of(wire))])
+                                                        wire_dtype=to_wire_dtype(wire.dtype))])
     ours = encode_push_request(begin, chunks)
     expected = ps_pb2.PushRequest(chunks=_proto_chunks(chunks))
     if begin is not None:
