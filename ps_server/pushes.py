@@ -53,6 +53,8 @@ class _Item:
     #: Row pushes: the rows updated, in the order of the pushed block.
     row_ids: np.ndarray | None = None
     elements: int = 0
+    #: Elements per row (the part's spec.row_elements, looked up once per push).
+    width: int = 1
 
 
 def check_cluster(store: VariableStore, shard_index: int, num_shards: int) -> None:
@@ -89,6 +91,36 @@ class ActivePush:
 
     def apply(self, chunk: DecodedChunk) -> None:
         """Check one chunk and apply it unless this push applied it before."""
+        self.apply_many([chunk])
+
+    def apply_many(self, chunks: list[DecodedChunk]) -> None:
+        """Check every chunk of one message, then apply them under one hold of the gate.
+
+        A message of a small model carries a chunk per variable; taking the
+        gate, timing and counting once per message instead of once per
+        chunk halves the server's work per step (measured with yappi). A
+        chunk that fails its checks refuses the whole message before any of
+        it is applied.
+        """
+        checked = [self._check(chunk) for chunk in chunks]
+        if self._session is None or not checked:
+            return  # the whole push is a duplicate, or nothing came
+        started = time.perf_counter()
+        completed = False
+        # Claim, apply and record under the shared gate, so that a checkpoint
+        # sees each chunk either applied and recorded, or neither.
+        with self._store.gate.shared():
+            for name, item, offset, values in checked:
+                if values.size and self._apply_one(name, item, offset, values):
+                    completed = True
+                    self._finalize()
+        if self._metrics is not None:
+            self._metrics.apply_seconds.observe(time.perf_counter() - started)
+        if completed:
+            self._after_complete()
+
+    def _check(self, chunk: DecodedChunk) -> tuple[str, _Item, int, np.ndarray]:
+        """Everything that can be wrong with a chunk, before anything is applied."""
         header = chunk.header
         item = self._items.get(header.variable)
         if item is None:
@@ -105,7 +137,6 @@ class ActivePush:
                 f"chunk for {header.variable!r} is {dtype_name(wire)}, but the push declared "
                 f"{dtype_name(item.wire_dtype)}",
             )
-        part = item.part
         offset, count = header.offset, header.count
         if offset + count > item.elements:
             raise RequestError(
@@ -113,7 +144,7 @@ class ActivePush:
                 f"chunk [{offset}, {offset + count}) of {header.variable!r} is outside the "
                 f"{item.elements} elements this push declared",
             )
-        width = part.spec.row_elements
+        width = item.width
         if item.row_ids is not None and (offset % width or count % width):
             raise RequestError(Reason.INVALID_CHUNK,
                                f"chunk [{offset}, {offset + count}) of {header.variable!r} does not hold "
@@ -122,39 +153,34 @@ class ActivePush:
             values = chunk.array()
         except CodecError as exc:
             raise RequestError(Reason.INVALID_CHUNK, f"chunk for {header.variable!r}: {exc}") from None
-        if count == 0 or self._session is None:
-            return  # nothing to apply, or the whole push is a duplicate
-        # Claim, apply and record under the shared gate, so that a checkpoint
-        # sees each chunk either applied and recorded, or neither.
-        started = time.perf_counter()
-        with self._store.gate.shared():
-            if self._session.claim(header.variable, offset, count) == ClaimResult.ALREADY_APPLIED:
-                return
-            try:
-                if self._decision == PushDecision.DROP:
-                    pass  # recorded (so a retry is recognised), never applied
-                elif self._decision == PushDecision.ACCUMULATE:
-                    self._stage(item, offset, values)
-                elif item.row_ids is not None:
-                    rows = item.row_ids[offset // width:(offset + count) // width]
-                    part.apply_rows(rows, values.reshape(len(rows), width))
-                elif self._assign:
-                    part.assign(offset, values)
-                else:
-                    step = self._session.step_for(header.variable, part.reserve_step)
-                    part.apply_gradient(offset, values, step)
-            except BaseException:
-                self._session.release(header.variable, offset)
-                raise
-            self._applied_here += count
-            self._store.generation += 1
-            completed = self._session.done(header.variable, offset)
-            if completed:
-                self._finalize()
-        if self._metrics is not None:
-            self._metrics.apply_seconds.observe(time.perf_counter() - started)
-        if completed:
-            self._after_complete()
+        return header.variable, item, offset, values
+
+    def _apply_one(self, name: str, item: _Item, offset: int, values: np.ndarray) -> bool:
+        """Apply one checked chunk (the caller holds the gate); True when it completed the push."""
+        session = self._session
+        count = values.size
+        if session.claim(name, offset, count) == ClaimResult.ALREADY_APPLIED:
+            return False
+        part = item.part
+        try:
+            if self._decision == PushDecision.DROP:
+                pass  # recorded (so a retry is recognised), never applied
+            elif self._decision == PushDecision.ACCUMULATE:
+                self._stage(item, offset, values)
+            elif item.row_ids is not None:
+                width = item.width
+                rows = item.row_ids[offset // width:(offset + count) // width]
+                part.apply_rows(rows, values.reshape(len(rows), width))
+            elif self._assign:
+                part.assign(offset, values)
+            else:
+                part.apply_gradient(offset, values, session.step_for(name, part.reserve_step))
+        except BaseException:
+            session.release(name, offset)
+            raise
+        self._applied_here += count
+        self._store.generation += 1
+        return session.done(name, offset)
 
     def _stage(self, item: _Item, offset: int, values: np.ndarray) -> None:
         """Synchronous mode: keep the chunk in the push's own staging until the push is whole."""
@@ -273,7 +299,7 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
                 Reason.NOT_INITIALIZED,
                 f"variable {declared.variable!r} is waiting for its explicit initial value",
             )
-        items[declared.variable] = _Item(part, wire, row_ids, expected)
+        items[declared.variable] = _Item(part, wire, row_ids, expected, part.spec.row_elements)
         if metrics is not None and declared.base_version and not assign:
             metrics.staleness.observe(max(0, part.version - declared.base_version))
     total = sum(item.elements for item in items.values())

@@ -37,6 +37,8 @@ from wehub_ps.codec import (
     decode_push_request,
     encode_envelope,
     encode_pull_response,
+    pull_response_pieces,
+    push_response_pieces,
 )
 from wehub_ps.dtypes import BFLOAT16, VARIABLE_DTYPES, dtype_name, to_numpy_dtype, to_wire_dtype
 from wehub_ps.errors import REASON_METADATA_KEY, Reason
@@ -239,7 +241,8 @@ class ParameterServerService:
             plan = self._plan_pull(msg)
             # ssp / sync: wait (at most the call's deadline) until this step may read.
             self._consistency.before_pull(msg.worker_id, msg.step, context.time_remaining())
-            for message in self._stream_pull(*plan):
+            for pieces in self._stream_pull(*plan):
+                message = b"".join(pieces)
                 self._metrics.bytes_sent.inc(len(message))
                 yield message
         except RequestError as error:
@@ -249,8 +252,7 @@ class ParameterServerService:
         self._count_pulls(names, "ok")
 
     def _count_pulls(self, names: list[str], outcome: str) -> None:
-        for name in names or ["-"]:
-            self._metrics.pulls.labels(name, outcome).inc()
+        self._metrics.pulls.add(names or ["-"], outcome)
 
     def _plan_pull(self, msg: ps_pb2.PullRequest):
         """Validate everything before the first byte is sent."""
@@ -304,14 +306,15 @@ class ParameterServerService:
             plan.append((part, item.offset, end - item.offset, requested or part.spec.dtype))
         return plan, chunk_bytes
 
-    def _stream_pull(self, plan, chunk_bytes: int) -> Iterator[bytes]:
+    def _stream_pull(self, plan, chunk_bytes: int) -> Iterator[list]:
+        """The response messages, each as pieces (codec.pull_response_pieces) to be joined once."""
         pending: list[OutgoingChunk] = []
         pending_bytes = 0
         for part, start, count, wire in plan:
             if count is None:  # rows: start holds (values, version), read when planned
                 for chunk in _row_chunks(part, *start, wire, chunk_bytes):
                     if pending and pending_bytes + chunk.data.nbytes > chunk_bytes:
-                        yield encode_pull_response(pending)
+                        yield pull_response_pieces(pending)
                         pending, pending_bytes = [], 0
                     pending.append(chunk)
                     pending_bytes += chunk.data.nbytes
@@ -323,7 +326,7 @@ class ParameterServerService:
                                             dtype=wire_enum, part_elements=part.elements)
                 if n * wire.itemsize >= _PACK_BELOW_BYTES:
                     if pending:
-                        yield encode_pull_response(pending)
+                        yield pull_response_pieces(pending)
                         pending, pending_bytes = [], 0
                     yield part.read(start + offset, n, wire,
                                     lambda values, version, h=header: _encode_one(h, values, version))
@@ -332,35 +335,58 @@ class ParameterServerService:
                                          lambda values, version, h=header: _copy_chunk(h, values, version)))
                 pending_bytes += n * wire.itemsize
                 if pending_bytes >= chunk_bytes:
-                    yield encode_pull_response(pending)
+                    yield pull_response_pieces(pending)
                     pending, pending_bytes = [], 0
         if pending:
-            yield encode_pull_response(pending)
+            yield pull_response_pieces(pending)
 
     def push(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> bytes:
         try:
-            return self._run_push(request_iterator)
+            return b"".join(self._run_push(request_iterator))
         except RequestError as error:
             _abort(context, error)
             return b""
 
-    def _run_push(self, messages: Iterable[bytes | memoryview]) -> bytes:
-        """Apply one push from its messages; the serialised PushResponse (metrics counted here)."""
+    def _run_push(self, messages: Iterable[bytes | memoryview]) -> list:
+        """Apply one push from its messages; the PushResponse as pieces (metrics counted here)."""
         names: list[str] = []
         try:
-            response, received = self._apply_push(messages, names)
+            response, received, pull_plan = self._apply_push(messages, names)
         except RequestError as error:
-            for name in names or ["-"]:
-                self._metrics.pushes.labels(name, error.reason.value).inc()
+            self._metrics.pushes.add(names or ["-"], error.reason.value)
             raise
         outcome = "dropped" if response.dropped else "duplicate" if response.duplicate else "ok"
-        for name in names:
-            self._metrics.pushes.labels(name, outcome).inc()
+        self._metrics.pushes.add(names, outcome)
         self._metrics.bytes_received.inc(received)
-        return response.SerializeToString()
+        pulled = None
+        if pull_plan is not None:
+            plan, chunk_bytes, pull_names = pull_plan
+            pulled = [piece for pieces in self._stream_pull(plan, chunk_bytes) for piece in pieces]
+            self._count_pulls(pull_names, "ok")
+        if pulled is not None:
+            self._metrics.bytes_sent.inc(sum(len(p) if isinstance(p, bytes) else p.nbytes for p in pulled))
+        return push_response_pieces(response.SerializeToString(), pulled)
+
+    def _plan_pull_after(self, msg: ps_pb2.PullRequest):
+        """Validate PushBegin.pull_after before the push changes anything."""
+        names = [item.variable for item in msg.items]
+        try:
+            if self._consistency.mode != "async":
+                raise RequestError(Reason.INVALID_REQUEST,
+                                   f"pull_after needs --consistency async (this server runs "
+                                   f"{self._consistency.mode}): there the next step's pull waits for the "
+                                   "other workers, so pull it separately")
+            if any(item.row_ids for item in msg.items):
+                raise RequestError(Reason.INVALID_REQUEST, "pull_after reads whole dense variables, not rows")
+            plan, chunk_bytes = self._plan_pull(msg)
+        except RequestError as error:
+            self._count_pulls(names, error.reason.value)
+            raise
+        return plan, chunk_bytes, names
 
     def _apply_push(self, messages: Iterable[bytes | memoryview], names: list[str]):
         received = 0
+        pull_plan = None
         with self._lifecycle.push_in_flight():
             active = None
             for raw in messages:
@@ -376,12 +402,13 @@ class ParameterServerService:
                                            "PushBegin may only appear in the first message")
                     self._seen(begin.worker_id, begin.incarnation, begin.step, pushed=True)
                     names.extend(item.variable for item in begin.items)
+                    if begin.HasField("pull_after"):
+                        pull_plan = self._plan_pull_after(begin.pull_after)
                     active = begin_push(self._store, self._ledger, begin, self._consistency, self._metrics)
                 elif active is None:
                     raise RequestError(Reason.INVALID_REQUEST,
                                        "the first message of a push must carry PushBegin")
-                for chunk in chunks:
-                    active.apply(chunk)
+                active.apply_many(chunks)
             if active is None:
                 raise RequestError(Reason.INVALID_REQUEST, "empty push stream")
             result = active.finish()
@@ -389,7 +416,7 @@ class ParameterServerService:
             versions=[ps_pb2.VariableVersion(variable=k, version=v) for k, v in result.versions.items()],
             duplicate=result.duplicate, elements_applied=result.elements_applied, dropped=result.dropped,
             cluster_step=result.cluster_step)
-        return response, received
+        return response, received, pull_plan
 
     def exchange(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         """Small pulls and pushes over one long-lived stream, answered in order.
@@ -412,7 +439,8 @@ class ParameterServerService:
                         plan = self._plan_pull(msg)
                         self._consistency.before_pull(msg.worker_id, msg.step, context.time_remaining())
                         # Concatenated PullResponses are one PullResponse (repeated field).
-                        reply = encode_envelope(request_id, EXCHANGE_PULL, list(self._stream_pull(*plan)))
+                        reply = encode_envelope(request_id, EXCHANGE_PULL,
+                                                [p for pieces in self._stream_pull(*plan) for p in pieces])
                     except RequestError as error:
                         self._count_pulls(names, error.reason.value)
                         raise
@@ -451,9 +479,10 @@ def _check_worker(worker_id: str, incarnation: str) -> None:
         raise RequestError(Reason.INVALID_REQUEST, "incarnation must be a non-empty id of the worker process")
 
 
-def _encode_one(header: ps_pb2.ChunkHeader, values: np.ndarray, version: int) -> bytes:
+def _encode_one(header: ps_pb2.ChunkHeader, values: np.ndarray, version: int) -> list:
+    """A large chunk's message, copied while the part's lock is held (one copy)."""
     header.version = version
-    return encode_pull_response([OutgoingChunk(header, byte_view(values))])
+    return [encode_pull_response([OutgoingChunk(header, byte_view(values))])]
 
 
 def _copy_chunk(header: ps_pb2.ChunkHeader, values: np.ndarray, version: int) -> OutgoingChunk:

@@ -8,6 +8,7 @@ a pull writes each received chunk straight into the preallocated result.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import logging
@@ -27,13 +28,12 @@ from wehub_ps.cluster import ClusterConfigError, ps_addresses_from_env, split_ho
 from wehub_ps.codec import (
     EXCHANGE_PULL,
     EXCHANGE_PUSH,
-    CodecError,
     OutgoingChunk,
     as_wire_array,
     byte_view,
     chunk_ranges,
-    decode_pull_response,
-    encode_push_request,
+    push_request_pieces,
+    split_push_response,
 )
 from wehub_ps.dtypes import BFLOAT16, dtype_name, parse_dtype, to_wire_dtype
 from wehub_ps.placement import MinSizePartitioner, Partitioner, Placement, hash_shards
@@ -60,12 +60,12 @@ from worker_client.errors import (
     DTypeMismatchError,
     InvalidArgumentError,
     PSError,
-    PSInternalError,
     PSUnavailableError,
     ShapeMismatchError,
     VariableNotFoundError,
 )
 from worker_client.gpu import GpuTransfers
+from worker_client.pulls import PullItem, PullReceiver, pull_request
 from worker_client.retry import RetryPolicy, call_with_retry
 from worker_client.step import Step
 from worker_client.transport import ShardChannel
@@ -99,6 +99,16 @@ class Variable:
     def dtype(self) -> np.dtype:
         return self.spec.dtype
 
+    @functools.cached_property
+    def element_ranges(self) -> tuple[tuple[int, int, int], ...]:
+        """(shard, first, end) flat element ranges of each part, computed once.
+
+        A step of a small model looks these up for every variable twice;
+        deriving them from the placement each time cost more than the copy.
+        """
+        width = self.spec.row_elements
+        return tuple((p.shard, p.row_start * width, p.row_end * width) for p in self.placement.parts)
+
 
 @dataclass(frozen=True)
 class ShardInfo:
@@ -120,14 +130,28 @@ class ShardInfo:
     memory_limit_bytes: int = 0
 
 
-@dataclass
-class _PullItem:
-    """One variable (or a block of its rows) pulled from one shard into ``dest`` (flat)."""
+#: A step's values brought back by the previous step's push are used only
+#: this soon after; a loop that pauses longer between steps pulls again.
+PREFETCH_MAX_AGE_SECONDS = 1.0
 
-    name: str
-    dest: np.ndarray
-    row_ids: np.ndarray | None = None
-    positions: np.ndarray | None = None  # rows: where the block goes among the unique ids
+
+@dataclass(frozen=True)
+class _NextPull:
+    """What the next step will pull: its variable names (None: all dense) and device."""
+
+    names: tuple[str, ...] | None
+    gpu: int | None
+
+
+@dataclass
+class _Prefetch:
+    """Values pulled by a step's push for the next step, and when."""
+
+    next_pull: _NextPull
+    out: dict[str, np.ndarray]
+    by_shard: dict[int, list[PullItem]]
+    generation: int = -1
+    fetched_at: float = 0.0
 
 
 @dataclass
@@ -143,13 +167,38 @@ class _PushItem:
 _conversion = threading.local()
 
 
-def _conversion_buffer(dtype: np.dtype, size: int) -> np.ndarray:
-    """This thread's reusable buffer for converting chunks to a narrower wire dtype."""
-    buffers = _conversion.__dict__.setdefault("buffers", {})
-    buffer = buffers.get(dtype)
-    if buffer is None or buffer.size < size:
-        buffer = buffers[dtype] = np.empty(size, dtype=dtype)
-    return buffer
+class _ConversionArena:
+    """This thread's reusable memory for chunks converted to a narrower wire dtype.
+
+    Every converted chunk of one message gets its own region (the message
+    is joined only after all of them are converted); ``reset`` after the
+    message is joined makes the memory reusable, so a training loop
+    allocates it once.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[np.dtype, np.ndarray] = {}
+        self._used: dict[np.dtype, int] = {}
+
+    def take(self, dtype: np.dtype, size: int) -> np.ndarray:
+        used = self._used.get(dtype, 0)
+        buffer = self._buffers.get(dtype)
+        if buffer is None or used + size > buffer.size:
+            # A bigger buffer; views handed out earlier keep the old one alive.
+            buffer = self._buffers[dtype] = np.empty(max(size, 2 * used + size), dtype=dtype)
+            used = 0
+        self._used[dtype] = used + size
+        return buffer[used:used + size]
+
+    def reset(self) -> None:
+        self._used.clear()
+
+
+def _conversion_arena() -> _ConversionArena:
+    arena = getattr(_conversion, "arena", None)
+    if arena is None:
+        arena = _conversion.arena = _ConversionArena()
+    return arena
 
 
 def _check_ids(ids: Any, argument: str) -> np.ndarray:
@@ -165,7 +214,7 @@ def _check_ids(ids: Any, argument: str) -> np.ndarray:
 def _check_array(array: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, what: str) -> None:
     if array.shape != tuple(shape):
         raise ShapeMismatchError(f"{what} has shape {array.shape}, expected {tuple(shape)}")
-    if parse_dtype(array.dtype) != dtype:
+    if array.dtype != dtype and parse_dtype(array.dtype) != dtype:
         raise DTypeMismatchError(f"{what} has dtype {dtype_name(array.dtype)}, expected {dtype_name(dtype)}; "
                                  f"cast it with .astype({dtype_name(dtype)!r})")
 
@@ -198,6 +247,12 @@ class PSClient:
     Delivery: :meth:`push` returns once every shard involved has applied the
     gradient; each push carries (worker_id, incarnation, sequence) so the
     servers apply it at most once.
+
+    Steps: in asynchronous mode the push of a :meth:`step` of a small model
+    brings the next step's values back with it, so a step costs one round
+    trip per shard, not two (``prefetch=False`` pulls at every step start).
+    The next step uses them only if nothing was pushed since and they are
+    under a second old; otherwise it pulls.
     """
 
     def __init__(
@@ -214,6 +269,7 @@ class PSClient:
         register: bool = True,
         heartbeat: bool | None = None,
         exchange_lane: bool = True,
+        prefetch: bool = True,
         tls_ca: str | bytes | None = None,
         tls_cert: str | bytes | None = None,
         tls_key: str | bytes | None = None,
@@ -257,8 +313,15 @@ class PSClient:
         self._variables: dict[str, Variable] = {}
         self._versions: dict[str, dict[int, int]] = {}
         self._sequences = [itertools.count(1) for _ in self._shards]
-        self._stats = {"retries": 0, "duplicate_acks": 0, "rollbacks": 0, "dropped_pushes": 0}
+        self._stats = {"retries": 0, "duplicate_acks": 0, "rollbacks": 0, "dropped_pushes": 0,
+                       "prefetched_steps": 0}
         self._step = 0
+        #: Step.push brings the next step's values back with it (see _push_step).
+        self._prefetch = prefetch
+        #: Counts pushes started by this client; a prefetch is used only while
+        #: no push started after its own (so every push is seen by the next step).
+        self._push_generation = 0
+        self._prefetched: dict[int, _Prefetch] = {}
         #: The servers' --consistency: "async", "ssp" or "sync" (read on connect).
         self.consistency = "async"
         self._closed = False
@@ -466,16 +529,30 @@ class PSClient:
         gpu = parse_device(device)
         if out is not None and gpu is not None:
             raise ValueError("pull: out= receives on the host; it cannot be combined with device=")
-        variables = [v for v in self._resolve(names) if names is not None or not v.spec.hash_table]
-        for v in variables:
-            if v.spec.hash_table:
-                raise InvalidArgumentError(f"{v.name!r} is a hash table: read it with pull_rows(name, ids)")
-        transfers = self._gpu_transfers() if gpu is not None else None
-        # For a GPU, chunks land straight in pinned buffers and go up on the device's stream.
         given = dict(out or {})
         for name, array in given.items():
             if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
                 raise TypeError(f"out[{name!r}] must be a C-contiguous numpy array")
+        out, by_shard = self._pull_targets(self._dense(names), gpu, given)
+        self._on_shards(by_shard, lambda s: self._pull_from(s, by_shard[s.index]))
+        return self._deliver(out, gpu)
+
+    def _dense(self, names: Iterable[str] | str | None) -> list[Variable]:
+        """The variables a whole-variable pull reads: all dense ones when ``names`` is None."""
+        variables = [v for v in self._resolve(names) if names is not None or not v.spec.hash_table]
+        for v in variables:
+            if v.spec.hash_table:
+                raise InvalidArgumentError(f"{v.name!r} is a hash table: read it with pull_rows(name, ids)")
+        return variables
+
+    def _pull_targets(self, variables: list[Variable], gpu: int | None, given: Mapping[str, np.ndarray]
+                      ) -> tuple[dict[str, np.ndarray], dict[int, list[PullItem]]]:
+        """Host arrays to receive into, and what each shard sends into which part of them.
+
+        For a GPU the arrays are this thread's pinned buffers (uploaded on the
+        device's stream by :meth:`_deliver`).
+        """
+        transfers = self._gpu_transfers() if gpu is not None else None
         out = {}
         for v in variables:
             if v.name in given:
@@ -485,16 +562,18 @@ class PSClient:
                 out[v.name] = np.empty(v.shape, dtype=v.dtype)
             else:
                 out[v.name] = transfers.pinned(f"pull:{threading.get_ident()}:{v.name}", v.shape, v.dtype)
-        by_shard: dict[int, list[_PullItem]] = {}
+        by_shard: dict[int, list[PullItem]] = {}
         for v in variables:
             flat = out[v.name].reshape(-1)
-            width = v.spec.row_elements
-            for part in v.placement.parts:
-                by_shard.setdefault(part.shard, []).append(
-                    _PullItem(v.name, flat[part.row_start * width:part.row_end * width]))
-        self._on_shards(by_shard, lambda s: self._pull_from(s, by_shard[s.index]))
-        if transfers is None:
+            for shard, first, end in v.element_ranges:
+                by_shard.setdefault(shard, []).append(PullItem(v.name, flat[first:end]))
+        return out, by_shard
+
+    def _deliver(self, out: dict[str, np.ndarray], gpu: int | None) -> dict[str, Any]:
+        """Pulled host arrays as the caller asked for them (uploaded to ``gpu`` when given)."""
+        if gpu is None:
             return out
+        transfers = self._gpu_transfers()
         on_device = {name: transfers.upload(arr, gpu) for name, arr in out.items()}
         transfers.synchronize({gpu})
         return on_device
@@ -512,10 +591,10 @@ class PSClient:
         unique, inverse = np.unique(ids, return_inverse=True)
         width = variable.spec.row_elements
         fetched = np.empty((len(unique), width), dtype=variable.dtype)
-        by_shard: dict[int, list[_PullItem]] = {}
+        by_shard: dict[int, list[PullItem]] = {}
         for shard, positions in self._rows_by_shard(variable, unique).items():
             block = np.empty((len(positions), width), dtype=variable.dtype)
-            by_shard[shard] = [_PullItem(name, block.reshape(-1), unique[positions], positions)]
+            by_shard[shard] = [PullItem(name, block.reshape(-1), unique[positions], positions)]
         self._on_shards(by_shard, lambda s: self._pull_from(s, by_shard[s.index]))
         for items in by_shard.values():
             fetched[items[0].positions] = items[0].dest.reshape(-1, width)
@@ -538,57 +617,36 @@ class PSClient:
             shards = np.array([p.shard for p in parts])[owner] if len(unique_ids) else owner
         return {int(s): np.flatnonzero(shards == s) for s in np.unique(shards)}
 
-    def _pull_from(self, shard: ShardChannel, items: list[_PullItem]) -> None:
-        """One Pull RPC to one shard; every chunk is copied straight into its item's ``dest``."""
-        with self._lock:
-            step = self._step
-        request = ps_pb2.PullRequest(
-            shard_index=shard.index, num_shards=len(self._shards),
-            items=[ps_pb2.PullItem(variable=item.name,
-                                   row_ids=b"" if item.row_ids is None else item.row_ids.astype("<i8").tobytes())
-                   for item in items],
-            wire_dtype=to_wire_dtype(self.wire_dtype) if self.wire_dtype is not None else 0,
-            chunk_bytes=self.chunk_bytes, worker_id=self.worker_id,
-            incarnation=self.incarnation if self.register else "", step=step).SerializeToString()
-        expected = {item.name: item.dest for item in items}
-        received: dict[str, int] = {}
-        versions: dict[str, int] = {}
-
-        def on_message(message: bytes) -> None:
-            try:
-                for chunk in decode_pull_response(message):
-                    h = chunk.header
-                    dest = expected[h.variable]
-                    if h.offset + h.count > dest.size:
-                        raise CodecError(f"chunk [{h.offset}, {h.offset + h.count}) is outside {dest.size} elements")
-                    np.copyto(dest[h.offset:h.offset + h.count], chunk.array(), casting="unsafe")
-                    received[h.variable] += h.count
-                    versions[h.variable] = h.version
-            except (CodecError, KeyError) as exc:
-                raise PSInternalError(f"pull from {shard.address}: malformed response: {exc}",
-                                      address=shard.address) from exc
-
-        wire_size = self.wire_dtype.itemsize if self.wire_dtype is not None else None
-        small = self._use_lane and sum(
-            d.size * (wire_size or d.dtype.itemsize) for d in expected.values()) <= self.chunk_bytes
+    def _pull_from(self, shard: ShardChannel, items: list[PullItem]) -> None:
+        """One pull from one shard; every chunk is copied straight into its item's ``dest``."""
+        request = self._pull_request(shard, items).SerializeToString()
+        receiver = PullReceiver(shard.address, items)
+        small = self._use_lane and self._pull_bytes(items) <= self.chunk_bytes
 
         def attempt() -> None:
-            received.clear()
-            received.update(dict.fromkeys(expected, 0))
-            versions.clear()
+            receiver.reset()
             answer = shard.exchange(EXCHANGE_PULL, request, "pull") if small else None
             if answer is not None:
-                on_message(answer)
+                receiver.take_message(answer)
             else:
-                shard.pull(request, self._data_timeout, on_message)
+                shard.pull(request, self._data_timeout, receiver.take_message)
 
         self._call(shard, "pull", attempt)
-        short = {name: (received[name], dest.size) for name, dest in expected.items()
-                 if received[name] != dest.size}
-        if short:
-            raise PSInternalError(f"pull from {shard.address} ended early: received/expected "
-                                  f"elements {short}", address=shard.address)
-        self._record_versions(shard, versions)
+        receiver.check_complete()
+        self._record_versions(shard, receiver.versions)
+
+    def _pull_request(self, shard: ShardChannel, items: list[PullItem], step_ahead: int = 0) -> ps_pb2.PullRequest:
+        with self._lock:
+            step = self._step + step_ahead
+        return pull_request(items, shard_index=shard.index, num_shards=len(self._shards),
+                            wire_dtype=to_wire_dtype(self.wire_dtype) if self.wire_dtype is not None else 0,
+                            chunk_bytes=self.chunk_bytes, worker_id=self.worker_id,
+                            incarnation=self.incarnation if self.register else "", step=step)
+
+    def _pull_bytes(self, items: list[PullItem]) -> int:
+        """Tensor bytes the answer to a pull of ``items`` carries."""
+        wire = self.wire_dtype.itemsize if self.wire_dtype is not None else None
+        return sum(item.dest.size * (wire or item.dest.dtype.itemsize) for item in items)
 
     def push(self, gradients: Mapping[str, Any],
              rows: Mapping[str, tuple[Any, Any]] | None = None) -> set[int]:
@@ -601,6 +659,10 @@ class PSClient:
         step. Each server runs the optimizers as the chunks arrive. Returns
         the shards pushed to.
         """
+        return self._push(gradients, rows, None)
+
+    def _push(self, gradients: Mapping[str, Any], rows: Mapping[str, tuple[Any, Any]] | None,
+              next_pull: _NextPull | None) -> set[int]:
         if not isinstance(gradients, Mapping):
             raise TypeError(f"gradients must be a mapping name -> array, got {type(gradients).__name__}")
         rows = dict(rows or {})
@@ -612,19 +674,67 @@ class PSClient:
             spec = variables[name].spec
             if spec.hash_table:
                 raise InvalidArgumentError(f"{name!r} is a hash table: send its rows with rows={{name: (ids, grads)}}")
-            host = self._host(grad, f"gradients[{name!r}]", name)
+            host = grad if type(grad) is np.ndarray else self._host(grad, f"gradients[{name!r}]", name)
             _check_array(host, spec.shape, spec.dtype, f"gradient for {name!r}")
             flat = as_wire_array(host)  # a narrower wire dtype is applied chunk by chunk when sending
-            width = spec.row_elements
-            for part in variables[name].placement.parts:
-                by_shard.setdefault(part.shard, []).append(
-                    _PushItem(name, flat[part.row_start * width:part.row_end * width]))
+            for shard, first, end in variables[name].element_ranges:
+                by_shard.setdefault(shard, []).append(_PushItem(name, flat[first:end]))
         for name, pair in rows.items():
             if not isinstance(pair, tuple) or len(pair) != 2:
                 raise TypeError(f"rows[{name!r}] must be a tuple (ids, gradients), got {type(pair).__name__}")
             for shard, item in self._row_items(variables[name], *pair).items():
                 by_shard.setdefault(shard, []).append(item)
-        return self._send_push(by_shard, ps_pb2.GRADIENT)
+        return self._send_push(by_shard, ps_pb2.GRADIENT, self._prefetch_plan(by_shard, next_pull))
+
+    def _push_step(self, gradients: Mapping[str, Any], rows: Mapping[str, tuple[Any, Any]] | None,
+                   names: list[str] | None, device: Any) -> set[int]:
+        """Step.push: the push and, riding on it, the next step's pull (see :meth:`_take_prefetched`).
+
+        In asynchronous mode, when the step's variables are small enough for
+        the exchange lane and live on shards this push goes to, each shard
+        answers the push with the values right after applying it
+        (``PushBegin.pull_after``): a step costs one round trip per shard
+        instead of two. Otherwise the next step pulls as usual.
+        """
+        next_pull = None
+        if self._prefetch and self._use_lane and self.consistency == "async":
+            next_pull = _NextPull(tuple(names) if names is not None else None, parse_device(device))
+        return self._push(gradients, rows, next_pull)
+
+    def _prefetch_plan(self, by_shard: dict[int, list[_PushItem]], next_pull: _NextPull | None
+                       ) -> _Prefetch | None:
+        """Where the pulled values go, per shard, or None when this push cannot carry the pull."""
+        if next_pull is None:
+            return None
+        variables = self._dense(next_pull.names)
+        out, pull_by_shard = self._pull_targets(variables, next_pull.gpu, {})
+        for shard, items in pull_by_shard.items():
+            pushed = by_shard.get(shard)
+            if (pushed is None or sum(i.values.nbytes for i in pushed) > self.chunk_bytes // 2
+                    or self._pull_bytes(items) > self.chunk_bytes):
+                return None  # a shard not pushed to, or too big for one message: pull next step
+        return _Prefetch(next_pull, out, pull_by_shard)
+
+    def _take_prefetched(self, names: list[str] | None, device: Any) -> dict[str, Any] | None:
+        """The values a step's push brought back, if they are what this step would pull now.
+
+        They must be this thread's, for the same names and device, no push may
+        have started since, and they must be fresh (a loop that pauses between
+        steps, to evaluate say, pulls again).
+        """
+        with self._lock:
+            prefetch = self._prefetched.pop(threading.get_ident(), None)
+            generation = self._push_generation
+        if prefetch is None or prefetch.generation != generation:
+            return None
+        wanted = _NextPull(tuple(names) if names is not None else None, parse_device(device))
+        if prefetch.next_pull != wanted or time.monotonic() - prefetch.fetched_at > PREFETCH_MAX_AGE_SECONDS:
+            return None
+        if names is None and set(prefetch.out) != {v.name for v in self._dense(None)}:
+            return None  # variables were created since
+        with self._lock:
+            self._stats["prefetched_steps"] += 1
+        return self._deliver(prefetch.out, wanted.gpu)
 
     def push_rows(self, name: str, ids: Any, gradients: Any) -> set[int]:
         """Sparse update: gradients for rows ``ids`` only; repeated ids are summed first.
@@ -724,7 +834,9 @@ class PSClient:
         """Counters: ``retries`` (RPC attempts repeated), ``duplicate_acks`` (retried
         pushes the server had already applied), ``rollbacks`` (versions that went
         backwards: a server restored an older checkpoint), ``dropped_pushes``
-        (sync mode: per shard, pushes that arrived after their step was applied)."""
+        (sync mode: per shard, pushes that arrived after their step was applied),
+        ``prefetched_steps`` (steps that began with values their previous step's
+        push brought back, instead of a pull)."""
         with self._lock:
             return dict(self._stats)
 
@@ -877,9 +989,18 @@ class PSClient:
                 "create it with create_variable first")
         return [known[name] for name in dict.fromkeys(names)]
 
-    def _send_push(self, by_shard: dict[int, list[_PushItem]], kind: int) -> set[int]:
-        """Push to every shard in ``by_shard`` at once; returns the shards pushed to."""
-        def push_to(shard: ShardChannel) -> None:
+    def _send_push(self, by_shard: dict[int, list[_PushItem]], kind: int,
+                   prefetch: _Prefetch | None = None) -> set[int]:
+        """Push to every shard in ``by_shard`` at once; returns the shards pushed to.
+
+        With ``prefetch``, each shard also answers the values it lists
+        (PushBegin.pull_after); they are kept for this thread's next step.
+        """
+        with self._lock:
+            self._push_generation += 1
+            generation = self._push_generation
+
+        def push_to(shard: ShardChannel) -> bool:
             items = by_shard[shard.index]
             # The sequence is taken once: every retry resends the same push,
             # chunked the same way, so the server applies it exactly once.
@@ -888,33 +1009,60 @@ class PSClient:
                 base_versions = {i.name: self._versions.get(i.name, {}).get(shard.index, 0) for i in items}
                 step = self._step
             attempts = []
-
+            after = prefetch.by_shard.get(shard.index) if prefetch is not None else None
+            receiver = PullReceiver(shard.address, after) if after else None
+            pull_after = self._pull_request(shard, after, step_ahead=1) if after else None
             small = self._use_lane and sum(i.values.nbytes for i in items) <= self.chunk_bytes // 2
 
-            def attempt() -> bytes:
+            def attempt() -> bytes | memoryview:
                 attempts.append(1)
-                messages = self._push_messages(shard.index, items, kind, sequence, base_versions, step)
-                if small:
-                    messages = list(messages)
-                    if len(messages) == 1:
-                        answer = shard.exchange(EXCHANGE_PUSH, messages[0], "push")
-                        if answer is not None:
-                            return bytes(answer)
-                return shard.push(iter(messages), self._data_timeout)
+                if small:  # at most chunk_bytes // 2: one message, sent over the lane when it is free
+                    answer = shard.exchange(EXCHANGE_PUSH, self._push_pieces(
+                        shard.index, items, kind, sequence, base_versions, step, pull_after), "push")
+                    if answer is not None:
+                        return answer
+                # Each message is joined before the generator converts the next chunk.
+                return shard.push((b"".join(pieces) for pieces in self._push_messages(
+                    shard.index, items, kind, sequence, base_versions, step, pull_after)), self._data_timeout)
 
-            response = ps_pb2.PushResponse.FromString(self._call(shard, "push", attempt))
+            response, pulled = split_push_response(self._call(shard, "push", attempt))
             if response.duplicate and len(attempts) > 1:
                 with self._lock:
                     self._stats["duplicate_acks"] += 1
             self._record_versions(shard, {e.variable: e.version for e in response.versions})
             self._note_cluster_step(response.cluster_step, response.dropped)
+            if receiver is None or pulled is None:
+                return False  # no values asked for, or a server that predates pull_after
+            receiver.take_chunks(pulled)
+            receiver.check_complete()
+            self._record_versions(shard, receiver.versions)
+            return True
 
-        self._on_shards(sorted(by_shard), push_to)
+        results = self._on_shards(sorted(by_shard), push_to)
+        if prefetch is not None and all(results.get(s, False) for s in prefetch.by_shard):
+            prefetch.generation = generation
+            prefetch.fetched_at = time.monotonic()
+            with self._lock:
+                self._prefetched[threading.get_ident()] = prefetch
         return set(by_shard)
 
+    def _push_pieces(self, shard_index: int, items: list[_PushItem], kind: int, sequence: int,
+                     base_versions: dict[str, int], step: int, pull_after: ps_pb2.PullRequest | None) -> list:
+        """A push that fits in one message, as pieces (see _push_messages)."""
+        messages = list(self._push_messages(shard_index, items, kind, sequence, base_versions, step,
+                                            pull_after, single=True))
+        return messages[0]
+
     def _push_messages(self, shard_index: int, items: list[_PushItem], kind: int, sequence: int,
-                       base_versions: dict[str, int], step: int) -> Iterator[bytes]:
-        """The messages of one push to one shard: begin first, chunks packed up to chunk_bytes."""
+                       base_versions: dict[str, int], step: int, pull_after: ps_pb2.PullRequest | None = None,
+                       single: bool = False) -> Iterator[list]:
+        """The messages of one push to one shard: begin first, chunks packed up to chunk_bytes.
+
+        Each message comes as pieces (codec.push_request_pieces) that the
+        caller joins once, before asking for the next message: converted
+        chunks live in this thread's arena, which the next message reuses.
+        ``single``: everything in one message, whatever its size.
+        """
         convert = self.wire_dtype is not None and kind == ps_pb2.GRADIENT
         begin = ps_pb2.PushBegin(
             worker_id=self.worker_id, incarnation=self.incarnation, sequence=sequence,
@@ -922,9 +1070,11 @@ class PSClient:
             items=[ps_pb2.PushItem(variable=item.name, elements=item.values.size,
                                    wire_dtype=to_wire_dtype(self.wire_dtype if convert else item.values.dtype),
                                    base_version=base_versions.get(item.name, 0), row_ids=item.row_ids)
-                   for item in items])
+                   for item in items], pull_after=pull_after)
         pending: list[OutgoingChunk] = []
         pending_bytes = 0
+        arena = _conversion_arena()
+        arena.reset()
         for item in items:
             values = item.values
             wire_dtype = self.wire_dtype if convert and values.dtype != self.wire_dtype else values.dtype
@@ -934,20 +1084,22 @@ class PSClient:
             for offset, count in chunk_ranges(values.size, per_chunk):
                 piece = values[offset:offset + count]
                 if wire_dtype != values.dtype:
-                    # Converted into one reused buffer (the encoder copies it into the message):
+                    # Converted into this thread's arena (joining the message copies it out):
                     # no model-sized temporary, and the conversion overlaps the sending.
-                    buffer = _conversion_buffer(wire_dtype, per_chunk)[:count]
+                    buffer = arena.take(wire_dtype, count)
                     np.copyto(buffer, piece, casting="unsafe")
                     piece = buffer
                 nbytes = piece.nbytes
-                if pending and pending_bytes + nbytes > self.chunk_bytes:
-                    yield encode_push_request(begin, pending)
+                if pending and pending_bytes + nbytes > self.chunk_bytes and not single:
+                    yield push_request_pieces(begin, pending)
+                    arena.reset()
                     begin, pending, pending_bytes = None, [], 0
                 header = ps_pb2.ChunkHeader(variable=item.name, offset=offset, count=count, dtype=wire,
                                             part_elements=values.size)
                 pending.append(OutgoingChunk(header, byte_view(piece)))
                 pending_bytes += nbytes
-        yield encode_push_request(begin, pending)
+        yield push_request_pieces(begin, pending)
+        arena.reset()
 
     def _on_shards(self, shards: Iterable[int], fn: Callable[[ShardChannel], Any]) -> dict[int, Any]:
         """Run ``fn`` on each shard concurrently; raise the first error by shard order."""

@@ -27,14 +27,16 @@ class Step:
         self._pushed_shards: set[int] = set()
 
     def __enter__(self) -> "Step":
-        self.params = self._client.pull(self._names, device=self._device)
+        # The previous step's push may have brought these values back already.
+        params = self._client._take_prefetched(self._names, self._device)
+        self.params = params if params is not None else self._client.pull(self._names, device=self._device)
         return self
 
     def push(self, gradients: Mapping[str, Any], rows: Mapping[str, tuple[Any, Any]] | None = None) -> None:
         """Push this step's gradients, dense and sparse (``rows={table: (ids, grads)}``), once."""
         if self.pushed:
             raise RuntimeError("this step already pushed its gradients; start a new step")
-        self._pushed_shards = self._client.push(gradients, rows)
+        self._pushed_shards = self._client._push_step(gradients, rows, self._names, self._device)
         self.pushed = True
 
     def __exit__(self, exc_type, *exc_info: object) -> None:

@@ -169,6 +169,28 @@ def test_bfloat16_on_the_wire(cluster2):
         np.testing.assert_allclose(after, before - 0.5, rtol=2**-7, atol=2**-8)
 
 
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 4096])
+def test_bfloat16_pushes_of_many_small_variables_keep_each_gradient(cluster2, chunk_bytes):
+    """Several converted chunks share one message (and one arena): each keeps its own values.
+
+    A regression test: converted chunks used to share one buffer, so every
+    variable in a message was sent the last one's gradient. With 4 KiB
+    chunks the 3,000-element variable is split over several messages.
+    """
+    shapes = {f"s{i}": (i + 1,) for i in range(6)} | {"big": (3000,)}
+    with PSClient(cluster2.addresses, wire_dtype="bfloat16", chunk_bytes=chunk_bytes) as client:
+        for name, shape in shapes.items():
+            client.create_variable(name, shape=shape, initializer="zeros", optimizer=SGD(learning_rate=1.0))
+        # Distinct values, all exact in bfloat16.
+        grads = {name: np.arange(np.prod(shape), dtype=np.float32) % 64 + 2.0 * k
+                 for k, (name, shape) in enumerate(shapes.items())}
+        for _ in range(2):
+            client.push(grads)
+        pulled = client.pull(list(shapes))
+        for name, grad in grads.items():
+            np.testing.assert_array_equal(pulled[name], -2 * grad.reshape(shapes[name]), err_msg=name)
+
+
 def test_concurrent_pushes_from_threads_lose_nothing(cluster2):
     with PSClient(cluster2.addresses) as client:
         client.create_variable("c", shape=(200, 400), initializer="zeros", optimizer=SGD(learning_rate=1.0))

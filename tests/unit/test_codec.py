@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from wehub_ps.codec import (
+    BATCH_BELOW_BYTES,
     CodecError,
     DecodedChunk,
     OutgoingChunk,
@@ -291,6 +292,30 @@ def _proto_chunks(chunks: list[OutgoingChunk]) -> list[ps_pb2.TensorChunk]:
     return [ps_pb2.TensorChunk(header=c.header, data=bytes(c.data)) for c in chunks]
 
 
+def _proto_parts(chunks: list[OutgoingChunk]) -> dict:
+    """The documented layout: two or more chunks under BATCH_BELOW_BYTES go in one ChunkBatch."""
+    small = [c for c in chunks if c.data.nbytes < BATCH_BELOW_BYTES]
+    if len(small) < 2:
+        return {"chunks": _proto_chunks(chunks)}
+    batch = ps_pb2.ChunkBatch(headers=ps_pb2.ChunkHeaders(items=[c.header for c in small]),
+                              data=b"".join(bytes(c.data) for c in small))
+    return {"chunks": _proto_chunks([c for c in chunks if c.data.nbytes >= BATCH_BELOW_BYTES]),
+            "batches": [batch]}
+
+
+def _parsed_chunks(parsed) -> list[tuple]:
+    """(header, data) of every chunk of a parsed PullResponse/PushRequest, batches split up."""
+    out = [(c.header, c.data) for c in parsed.chunks]
+    for batch in parsed.batches:
+        position = 0
+        for header in batch.headers.items:
+            size = header.count * to_numpy_dtype(header.dtype).itemsize
+            out.append((header, batch.data[position:position + size]))
+            position += size
+        assert position == len(batch.data)
+    return out
+
+
 @SETTINGS
 @given(tensors(), st.integers(1, 40), st.booleans(),
        st.text(alphabet=st.characters(codec="utf-8"), max_size=20))
@@ -300,13 +325,10 @@ def test_encoding_is_byte_identical_to_protobuf(tensor, chunk_elements, with_beg
     chunks = _outgoing(wire, chunk_elements, variable=name)
 
     ours = encode_pull_response(chunks)
-    theirs = ps_pb2.PullResponse(chunks=_proto_chunks(chunks)).SerializeToString()
+    theirs = ps_pb2.PullResponse(**_proto_parts(chunks)).SerializeToString()
     assert ours == theirs
     parsed = ps_pb2.PullResponse.FromString(ours)
-    assert len(parsed.chunks) == len(chunks)
-    for got, sent in zip(parsed.chunks, chunks):
-        assert got.header == sent.header
-        assert got.data == bytes(sent.data)
+    assert _parsed_chunks(parsed) == [(c.header, bytes(c.data)) for c in chunks]
 
     begin = None
     if with_begin:
@@ -315,13 +337,36 @@ def test_encoding_is_byte_identical_to_protobuf(tensor, chunk_elements, with_beg
                                  items=[ps_pb2.PushItem(variable=name, elements=wire.size,
                                                         wire_dtype=to_wire_dtype(wire.dtype))])
     ours = encode_push_request(begin, chunks)
-    expected = ps_pb2.PushRequest(chunks=_proto_chunks(chunks))
+    expected = ps_pb2.PushRequest(**_proto_parts(chunks))
     if begin is not None:
         expected.begin.CopyFrom(begin)
     assert ours == expected.SerializeToString()
     parsed = ps_pb2.PushRequest.FromString(ours)
     assert parsed.HasField("begin") == with_begin
-    assert [c.data for c in parsed.chunks] == [bytes(c.data) for c in chunks]
+    assert _parsed_chunks(parsed) == [(c.header, bytes(c.data)) for c in chunks]
+
+
+def test_large_and_small_chunks_together_are_byte_identical_and_round_trip():
+    large = as_wire_array(np.arange(BATCH_BELOW_BYTES // 4 + 3, dtype="<f4"))
+    small = as_wire_array(np.arange(7, dtype="<i8"))
+    chunks = (_outgoing(large, large.size, variable="large") + _outgoing(small, 3, variable="small")
+              + _outgoing(large, large.size, variable="large2"))
+    message = encode_pull_response(chunks)
+    assert message == ps_pb2.PullResponse(**_proto_parts(chunks)).SerializeToString()
+    parsed = ps_pb2.PullResponse.FromString(message)
+    assert len(parsed.chunks) == 2 and len(parsed.batches) == 1
+    assert len(parsed.batches[0].headers.items) == 3
+    decoded = decode_pull_response(message)
+    # Large chunks first (field order), then the batch in the order given.
+    assert [d.header.variable for d in decoded] == ["large", "large2", "small", "small", "small"]
+    assert [bytes(d.data) for d in decoded] == [bytes(c.data) for c in chunks[:1] + chunks[-1:] + chunks[1:-1]]
+    assert all(d.data.obj is message for d in decoded)
+
+
+def test_a_single_small_chunk_is_not_batched():
+    chunks = _outgoing(np.arange(5, dtype="<f4"), 5)
+    parsed = ps_pb2.PullResponse.FromString(encode_pull_response(chunks))
+    assert len(parsed.chunks) == 1 and not parsed.batches
 
 
 def test_large_chunk_uses_multi_byte_lengths():
@@ -359,6 +404,14 @@ def test_protobuf_messages_decode_with_our_decoder(specs):
     message = ps_pb2.PullResponse(chunks=proto_chunks).SerializeToString()
     decoded = decode_pull_response(message)
     assert [(d.header, bytes(d.data)) for d in decoded] == [(p.header, p.data) for p in proto_chunks]
+
+    # The same chunks in a ChunkBatch (the headers' counts must describe the data).
+    headers = [ps_pb2.ChunkHeader(variable=n, offset=o, count=len(blob), dtype=ps_pb2.UINT8)
+               for n, o, _, blob in specs]
+    batch = ps_pb2.ChunkBatch(headers=ps_pb2.ChunkHeaders(items=headers), data=b"".join(b for *_, b in specs))
+    message = ps_pb2.PullResponse(batches=[batch, batch]).SerializeToString()
+    decoded = decode_pull_response(message)
+    assert [(d.header, bytes(d.data)) for d in decoded] == 2 * [(h, b) for h, (*_, b) in zip(headers, specs)]
 
     begin = ps_pb2.PushBegin(worker_id="x", sequence=5)
     message = ps_pb2.PushRequest(begin=begin, chunks=proto_chunks).SerializeToString()
@@ -407,6 +460,36 @@ def test_garbage_push_request_raises_codec_error(garbage):
         decode_push_request(garbage)
 
 
+def _batch(headers: list[ps_pb2.ChunkHeader], data: bytes) -> ps_pb2.ChunkBatch:
+    return ps_pb2.ChunkBatch(headers=ps_pb2.ChunkHeaders(items=headers), data=data)
+
+
+@pytest.mark.parametrize("batch, match", [
+    (_batch([ps_pb2.ChunkHeader(variable="a", count=2, dtype=ps_pb2.FLOAT32)], b"\0" * 7), "headers describe"),
+    (_batch([ps_pb2.ChunkHeader(variable="a", count=2, dtype=ps_pb2.FLOAT32)], b"\0" * 9), "carries 9"),
+    (_batch([ps_pb2.ChunkHeader(variable="a", count=1, dtype=999)], b"\0" * 4), "'a'"),
+    (_batch([ps_pb2.ChunkHeader(variable="a", count=2**62, dtype=ps_pb2.FLOAT64)], b""), "headers describe"),
+    (_batch([], b"\0"), "carries 1"),
+])
+def test_malformed_batches_raise_codec_error(batch, match):
+    for message in (ps_pb2.PullResponse(batches=[batch]), ps_pb2.PushRequest(batches=[batch])):
+        decode = decode_pull_response if isinstance(message, ps_pb2.PullResponse) else decode_push_request
+        with pytest.raises(CodecError, match=match):
+            decode(message.SerializeToString())
+
+
+@pytest.mark.parametrize("garbage", [
+    b"\x12\x01\x08",  # PullResponse.batches (2): batch with a varint field, no value
+    b"\x12\x02\x08\x01",  # batch whose headers field has the varint wire type
+    b"\x12\x02\x10\x01",  # batch whose data field has the varint wire type
+    b"\x12\x04\x0a\x02\xff\xff",  # headers protobuf cannot parse
+    b"\x10\x01",  # batches with the varint wire type
+])
+def test_garbage_batches_raise_codec_error(garbage):
+    with pytest.raises(CodecError):
+        decode_pull_response(garbage)
+
+
 def test_invalid_utf8_in_header_raises_codec_error():
     # header { variable: <invalid UTF-8> }: protobuf refuses it; so must we.
     header = b"\x0a\x02\xc3\x28"
@@ -434,6 +517,7 @@ def _outer_boundaries(message: bytes) -> set[int]:
     if msg.HasField("begin"):
         parts.append(ps_pb2.PushRequest(begin=msg.begin).SerializeToString())
     parts += [ps_pb2.PushRequest(chunks=[c]).SerializeToString() for c in msg.chunks]
+    parts += [ps_pb2.PushRequest(batches=[b]).SerializeToString() for b in msg.batches]
     for part in parts:
         pos += len(part)
         ends.add(pos)
@@ -457,17 +541,13 @@ def test_truncated_messages_raise_codec_error(with_begin):
         else:
             with pytest.raises(CodecError):
                 decode_push_request(truncated)
+    # One ChunkBatch: any cut inside it breaks it.
     pull = encode_pull_response(chunks)
-    ends = [0]
-    for chunk in chunks:
-        ends.append(ends[-1] + len(encode_pull_response([chunk])))
-    assert ends[-1] == len(pull)
-    for cut in range(len(pull)):
-        if cut in ends:
-            assert len(decode_pull_response(pull[:cut])) == ends.index(cut)
-        else:
-            with pytest.raises(CodecError):
-                decode_pull_response(pull[:cut])
+    assert len(ps_pb2.PullResponse.FromString(pull).batches) == 1
+    assert decode_pull_response(pull[:0]) == []
+    for cut in range(1, len(pull)):
+        with pytest.raises(CodecError):
+            decode_pull_response(pull[:cut])
 
 
 @pytest.mark.parametrize("dtype", [ps_pb2.FLOAT32, ps_pb2.FLOAT64, ps_pb2.BFLOAT16, ps_pb2.INT8])

@@ -453,11 +453,27 @@ class TensorChunk(_message.Message):
     data: bytes
     def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class ChunkBatch(_message.Message):
+    __slots__ = ("headers", "data")
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    headers: ChunkHeaders
+    data: bytes
+    def __init__(self, headers: _Optional[_Union[ChunkHeaders, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ChunkHeaders(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ChunkHeader]
+    def __init__(self, items: _Optional[_Iterable[_Union[ChunkHeader, _Mapping]]] = ...) -> None: ...
+
 class PullResponse(_message.Message):
-    __slots__ = ("chunks",)
+    __slots__ = ("chunks", "batches")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
-    def __init__(self, chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+    batches: _containers.RepeatedCompositeFieldContainer[ChunkBatch]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., batches: _Optional[_Iterable[_Union[ChunkBatch, _Mapping]]] = ...) -> None: ...
 
 class PushItem(_message.Message):
     __slots__ = ("variable", "elements", "wire_dtype", "base_version", "row_ids")
@@ -474,7 +490,7 @@ class PushItem(_message.Message):
     def __init__(self, variable: _Optional[str] = ..., elements: _Optional[int] = ..., wire_dtype: _Optional[_Union[DataType, str]] = ..., base_version: _Optional[int] = ..., row_ids: _Optional[bytes] = ...) -> None: ...
 
 class PushBegin(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "sequence", "shard_index", "num_shards", "kind", "items", "step")
+    __slots__ = ("worker_id", "incarnation", "sequence", "shard_index", "num_shards", "kind", "items", "step", "pull_after")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -483,6 +499,7 @@ class PushBegin(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    PULL_AFTER_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     sequence: int
@@ -491,15 +508,18 @@ class PushBegin(_message.Message):
     kind: PushKind
     items: _containers.RepeatedCompositeFieldContainer[PushItem]
     step: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., sequence: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., items: _Optional[_Iterable[_Union[PushItem, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...
+    pull_after: PullRequest
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., sequence: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., items: _Optional[_Iterable[_Union[PushItem, _Mapping]]] = ..., step: _Optional[int] = ..., pull_after: _Optional[_Union[PullRequest, _Mapping]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("begin", "chunks")
+    __slots__ = ("begin", "chunks", "batches")
     BEGIN_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
     begin: PushBegin
     chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
-    def __init__(self, begin: _Optional[_Union[PushBegin, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+    batches: _containers.RepeatedCompositeFieldContainer[ChunkBatch]
+    def __init__(self, begin: _Optional[_Union[PushBegin, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., batches: _Optional[_Iterable[_Union[ChunkBatch, _Mapping]]] = ...) -> None: ...
 
 class VariableVersion(_message.Message):
     __slots__ = ("variable", "version")
@@ -510,18 +530,20 @@ class VariableVersion(_message.Message):
     def __init__(self, variable: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("versions", "duplicate", "elements_applied", "dropped", "cluster_step")
+    __slots__ = ("versions", "duplicate", "elements_applied", "dropped", "cluster_step", "pulled")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     ELEMENTS_APPLIED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    PULLED_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[VariableVersion]
     duplicate: bool
     elements_applied: int
     dropped: bool
     cluster_step: int
-    def __init__(self, versions: _Optional[_Iterable[_Union[VariableVersion, _Mapping]]] = ..., duplicate: _Optional[bool] = ..., elements_applied: _Optional[int] = ..., dropped: _Optional[bool] = ..., cluster_step: _Optional[int] = ...) -> None: ...
+    pulled: PullResponse
+    def __init__(self, versions: _Optional[_Iterable[_Union[VariableVersion, _Mapping]]] = ..., duplicate: _Optional[bool] = ..., elements_applied: _Optional[int] = ..., dropped: _Optional[bool] = ..., cluster_step: _Optional[int] = ..., pulled: _Optional[_Union[PullResponse, _Mapping]] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
     __slots__ = ("id", "pull", "push")

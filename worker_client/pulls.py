@@ -1,0 +1,84 @@
+"""One shard's part of a pull: the request, and the answer written straight into place.
+
+Used by a plain pull and by a push that brings the next step's values
+back with it (``PushBegin.pull_after``), so both check the answer the same
+way: every chunk inside its destination, every element received once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from wehub_ps.codec import CodecError, DecodedChunk, decode_pull_response
+from wehub_ps.v1 import ps_pb2
+from worker_client.errors import PSInternalError
+
+__all__ = ["PullItem", "PullReceiver", "pull_request"]
+
+
+@dataclass
+class PullItem:
+    """One variable (or a block of its rows) pulled from one shard into ``dest`` (flat)."""
+
+    name: str
+    dest: np.ndarray
+    row_ids: np.ndarray | None = None
+    positions: np.ndarray | None = None  # rows: where the block goes among the unique ids
+
+
+def pull_request(items: Iterable[PullItem], **fields) -> ps_pb2.PullRequest:
+    """The PullRequest for ``items``; ``fields`` are the request's other fields."""
+    return ps_pb2.PullRequest(
+        items=[ps_pb2.PullItem(variable=item.name,
+                               row_ids=b"" if item.row_ids is None else item.row_ids.astype("<i8").tobytes())
+               for item in items], **fields)
+
+
+class PullReceiver:
+    """Copies each received chunk into its item's destination and checks that all came."""
+
+    def __init__(self, address: str, items: list[PullItem]) -> None:
+        self.address = address
+        self._expected = {item.name: item.dest for item in items}
+        self.received: dict[str, int] = {}
+        #: The version of each variable as its last chunk was read.
+        self.versions: dict[str, int] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget a partial answer (before a retry)."""
+        self.received = dict.fromkeys(self._expected, 0)
+        self.versions = {}
+
+    def take_message(self, message: bytes | memoryview) -> None:
+        try:
+            chunks = decode_pull_response(message)
+        except CodecError as exc:
+            raise self._malformed(exc) from exc
+        self.take_chunks(chunks)
+
+    def take_chunks(self, chunks: list[DecodedChunk]) -> None:
+        try:
+            for chunk in chunks:
+                h = chunk.header
+                dest = self._expected[h.variable]
+                if h.offset + h.count > dest.size:
+                    raise CodecError(f"chunk [{h.offset}, {h.offset + h.count}) is outside {dest.size} elements")
+                np.copyto(dest[h.offset:h.offset + h.count], chunk.array(), casting="unsafe")
+                self.received[h.variable] += h.count
+                self.versions[h.variable] = h.version
+        except (CodecError, KeyError) as exc:
+            raise self._malformed(exc) from exc
+
+    def check_complete(self) -> None:
+        short = {name: (self.received[name], dest.size) for name, dest in self._expected.items()
+                 if self.received[name] != dest.size}
+        if short:
+            raise PSInternalError(f"pull from {self.address} ended early: received/expected "
+                                  f"elements {short}", address=self.address)
+
+    def _malformed(self, exc: Exception) -> PSInternalError:
+        return PSInternalError(f"pull from {self.address}: malformed response: {exc}", address=self.address)
