@@ -590,16 +590,26 @@ class PSClient:
         ids = _check_ids(ids, "ids")
         unique, inverse = np.unique(ids, return_inverse=True)
         width = variable.spec.row_elements
-        fetched = np.empty((len(unique), width), dtype=variable.dtype)
         by_shard: dict[int, list[PullItem]] = {}
         for shard, positions in self._rows_by_shard(variable, unique).items():
             block = np.empty((len(positions), width), dtype=variable.dtype)
             by_shard[shard] = [PullItem(name, block.reshape(-1), unique[positions], positions)]
         self._on_shards(by_shard, lambda s: self._pull_from(s, by_shard[s.index]))
-        for items in by_shard.values():
-            fetched[items[0].positions] = items[0].dest.reshape(-1, width)
         row_shape = variable.shape if variable.spec.hash_table else variable.shape[1:]
-        result = fetched[inverse.reshape(-1)].reshape((len(ids), *row_shape))
+        inverse = inverse.reshape(-1)
+        if len(unique) == len(ids):
+            # No repeats: each block goes straight to its rows of the result (one copy, not two).
+            result = np.empty((len(ids), width), dtype=variable.dtype)
+            where = np.empty(len(ids), dtype=np.intp)
+            where[inverse] = np.arange(len(ids))
+            for items in by_shard.values():
+                result[where[items[0].positions]] = items[0].dest.reshape(-1, width)
+        else:
+            fetched = np.empty((len(unique), width), dtype=variable.dtype)
+            for items in by_shard.values():
+                fetched[items[0].positions] = items[0].dest.reshape(-1, width)
+            result = fetched[inverse]
+        result = result.reshape((len(ids), *row_shape))
         return result if gpu is None else to_device(result, gpu)
 
     def _rows_by_shard(self, variable: Variable, unique_ids: np.ndarray) -> dict[int, np.ndarray]:
@@ -710,7 +720,7 @@ class PSClient:
         out, pull_by_shard = self._pull_targets(variables, next_pull.gpu, {})
         for shard, items in pull_by_shard.items():
             pushed = by_shard.get(shard)
-            if (pushed is None or sum(i.values.nbytes for i in pushed) > self.chunk_bytes // 2
+            if (pushed is None or sum(i.values.nbytes for i in pushed) > self.chunk_bytes
                     or self._pull_bytes(items) > self.chunk_bytes):
                 return None  # a shard not pushed to, or too big for one message: pull next step
         return _Prefetch(next_pull, out, pull_by_shard)
@@ -1012,11 +1022,11 @@ class PSClient:
             after = prefetch.by_shard.get(shard.index) if prefetch is not None else None
             receiver = PullReceiver(shard.address, after) if after else None
             pull_after = self._pull_request(shard, after, step_ahead=1) if after else None
-            small = self._use_lane and sum(i.values.nbytes for i in items) <= self.chunk_bytes // 2
+            small = self._use_lane and sum(i.values.nbytes for i in items) <= self.chunk_bytes
 
             def attempt() -> bytes | memoryview:
                 attempts.append(1)
-                if small:  # at most chunk_bytes // 2: one message, sent over the lane when it is free
+                if small:  # at most chunk_bytes: one message, sent over the lane when it is free
                     answer = shard.exchange(EXCHANGE_PUSH, self._push_pieces(
                         shard.index, items, kind, sequence, base_versions, step, pull_after), "push")
                     if answer is not None:
