@@ -64,6 +64,7 @@ from worker_client.errors import (
     ShapeMismatchError,
     VariableNotFoundError,
 )
+from worker_client.fanout import ShardCall, run_shard_calls
 from worker_client.gpu import GpuTransfers
 from worker_client.pulls import PullItem, PullReceiver, pull_request
 from worker_client.retry import RetryPolicy, call_with_retry
@@ -534,7 +535,7 @@ class PSClient:
             if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
                 raise TypeError(f"out[{name!r}] must be a C-contiguous numpy array")
         out, by_shard = self._pull_targets(self._dense(names), gpu, given)
-        self._on_shards(by_shard, lambda s: self._pull_from(s, by_shard[s.index]))
+        self._pull_all(by_shard)
         return self._deliver(out, gpu)
 
     def _dense(self, names: Iterable[str] | str | None) -> list[Variable]:
@@ -594,7 +595,7 @@ class PSClient:
         for shard, positions in self._rows_by_shard(variable, unique).items():
             block = np.empty((len(positions), width), dtype=variable.dtype)
             by_shard[shard] = [PullItem(name, block.reshape(-1), unique[positions], positions)]
-        self._on_shards(by_shard, lambda s: self._pull_from(s, by_shard[s.index]))
+        self._pull_all(by_shard)
         row_shape = variable.shape if variable.spec.hash_table else variable.shape[1:]
         inverse = inverse.reshape(-1)
         if len(unique) == len(ids):
@@ -627,23 +628,32 @@ class PSClient:
             shards = np.array([p.shard for p in parts])[owner] if len(unique_ids) else owner
         return {int(s): np.flatnonzero(shards == s) for s in np.unique(shards)}
 
-    def _pull_from(self, shard: ShardChannel, items: list[PullItem]) -> None:
-        """One pull from one shard; every chunk is copied straight into its item's ``dest``."""
+    def _pull_all(self, by_shard: dict[int, list[PullItem]]) -> None:
+        """Pull from every shard in ``by_shard`` at once, straight into the items' ``dest``."""
+        self._run_calls(self._pull_call(self._shards[i], items) for i, items in by_shard.items())
+
+    def _pull_call(self, shard: ShardChannel, items: list[PullItem]) -> ShardCall:
         request = self._pull_request(shard, items).SerializeToString()
         receiver = PullReceiver(shard.address, items)
-        small = self._use_lane and self._pull_bytes(items) <= self.chunk_bytes
 
-        def attempt() -> None:
+        def ordinary() -> None:
             receiver.reset()
-            answer = shard.exchange(EXCHANGE_PULL, request, "pull") if small else None
-            if answer is not None:
-                receiver.take_message(answer)
-            else:
-                shard.pull(request, self._data_timeout, receiver.take_message)
+            shard.pull(request, self._data_timeout, receiver.take_message)
 
-        self._call(shard, "pull", attempt)
-        receiver.check_complete()
-        self._record_versions(shard, receiver.versions)
+        def on_lane_answer(answer: memoryview) -> None:
+            receiver.reset()
+            receiver.take_message(answer)
+
+        def finish(_: None) -> None:
+            receiver.check_complete()
+            self._record_versions(shard, receiver.versions)
+
+        small = self._use_lane and self._pull_bytes(items) <= self.chunk_bytes
+        return ShardCall(shard, "pull", ordinary, finish, EXCHANGE_PULL, (lambda: request) if small else None,
+                         on_lane_answer)
+
+    def _run_calls(self, calls: Iterable[ShardCall]) -> dict[int, Any]:
+        return run_shard_calls(calls, self._executor, self._call)
 
     def _pull_request(self, shard: ShardChannel, items: list[PullItem], step_ahead: int = 0) -> ps_pb2.PullRequest:
         with self._lock:
@@ -1010,33 +1020,36 @@ class PSClient:
             self._push_generation += 1
             generation = self._push_generation
 
-        def push_to(shard: ShardChannel) -> bool:
-            items = by_shard[shard.index]
-            # The sequence is taken once: every retry resends the same push,
-            # chunked the same way, so the server applies it exactly once.
+        results = self._run_calls(
+            self._push_call(self._shards[i], by_shard[i], kind, prefetch.by_shard.get(i) if prefetch else None)
+            for i in sorted(by_shard))
+        if prefetch is not None and all(results.get(s, False) for s in prefetch.by_shard):
+            prefetch.generation = generation
+            prefetch.fetched_at = time.monotonic()
             with self._lock:
-                sequence = next(self._sequences[shard.index])
-                base_versions = {i.name: self._versions.get(i.name, {}).get(shard.index, 0) for i in items}
-                step = self._step
-            attempts = []
-            after = prefetch.by_shard.get(shard.index) if prefetch is not None else None
-            receiver = PullReceiver(shard.address, after) if after else None
-            pull_after = self._pull_request(shard, after, step_ahead=1) if after else None
-            small = self._use_lane and sum(i.values.nbytes for i in items) <= self.chunk_bytes
+                self._prefetched[threading.get_ident()] = prefetch
+        return set(by_shard)
 
-            def attempt() -> bytes | memoryview:
-                attempts.append(1)
-                if small:  # at most chunk_bytes: one message, sent over the lane when it is free
-                    answer = shard.exchange(EXCHANGE_PUSH, self._push_pieces(
-                        shard.index, items, kind, sequence, base_versions, step, pull_after), "push")
-                    if answer is not None:
-                        return answer
-                # Each message is joined before the generator converts the next chunk.
-                return shard.push((b"".join(pieces) for pieces in self._push_messages(
-                    shard.index, items, kind, sequence, base_versions, step, pull_after)), self._data_timeout)
+    def _push_call(self, shard: ShardChannel, items: list[_PushItem], kind: int,
+                   after: list[PullItem] | None) -> ShardCall:
+        """One shard's push; its result is True when it also brought back ``after``'s values."""
+        # The sequence is taken once: every retry resends the same push,
+        # chunked the same way, so the server applies it exactly once.
+        with self._lock:
+            sequence = next(self._sequences[shard.index])
+            base_versions = {i.name: self._versions.get(i.name, {}).get(shard.index, 0) for i in items}
+            step = self._step
+        receiver = PullReceiver(shard.address, after) if after else None
+        pull_after = self._pull_request(shard, after, step_ahead=1) if after else None
+        message = (shard.index, items, kind, sequence, base_versions, step, pull_after)
 
-            response, pulled = split_push_response(self._call(shard, "push", attempt))
-            if response.duplicate and len(attempts) > 1:
+        def ordinary() -> bytes:
+            # Each message is joined before the generator converts the next chunk.
+            return shard.push((b"".join(pieces) for pieces in self._push_messages(*message)), self._data_timeout)
+
+        def finish(answer: bytes | memoryview) -> bool:
+            response, pulled = split_push_response(answer)
+            if response.duplicate and call.attempts > 1:
                 with self._lock:
                     self._stats["duplicate_acks"] += 1
             self._record_versions(shard, {e.variable: e.version for e in response.versions})
@@ -1048,13 +1061,11 @@ class PSClient:
             self._record_versions(shard, receiver.versions)
             return True
 
-        results = self._on_shards(sorted(by_shard), push_to)
-        if prefetch is not None and all(results.get(s, False) for s in prefetch.by_shard):
-            prefetch.generation = generation
-            prefetch.fetched_at = time.monotonic()
-            with self._lock:
-                self._prefetched[threading.get_ident()] = prefetch
-        return set(by_shard)
+        # At most chunk_bytes: one message, sent over the lane when it is free.
+        small = self._use_lane and sum(i.values.nbytes for i in items) <= self.chunk_bytes
+        call = ShardCall(shard, "push", ordinary, finish, EXCHANGE_PUSH,
+                         (lambda: self._push_pieces(*message)) if small else None)
+        return call
 
     def _push_pieces(self, shard_index: int, items: list[_PushItem], kind: int, sequence: int,
                      base_versions: dict[str, int], step: int, pull_after: ps_pb2.PullRequest | None) -> list:

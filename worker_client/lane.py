@@ -50,13 +50,21 @@ class ExchangeLane:
     def release(self) -> None:
         self._busy.release()
 
-    def request(self, field: int, payload: bytes, what: str) -> tuple[int, memoryview]:
+    def request(self, field: int, payload: bytes | list, what: str) -> tuple[int, memoryview]:
         """Send one request and wait for its answer (the caller holds the lane)."""
+        return self.receive(self.send(field, payload), what)
+
+    def send(self, field: int, payload: bytes | list) -> int:
+        """Send one request (the caller holds the lane); its id, for :meth:`receive`."""
         if self._responses is None or time.monotonic() - self._opened_at > _LIFETIME_SECONDS * 0.9:
             self._reopen()
         request_id = self._next_id
         self._next_id += 1
         self._requests.put(encode_envelope(request_id, field, payload))
+        return request_id
+
+    def receive(self, request_id: int, what: str) -> tuple[int, memoryview]:
+        """Wait for the answer to request ``request_id``, the last one sent."""
         try:
             message = next(self._responses)
         except grpc.RpcError as error:

@@ -101,16 +101,28 @@ class ShardChannel:
     def push(self, messages: Iterator[bytes], timeout: float) -> bytes:
         return self._guard("push", lambda: self._push(messages, timeout=timeout, metadata=self._metadata))
 
-    def exchange(self, field: int, payload: bytes, what: str) -> memoryview | None:
+    def exchange(self, field: int, payload: bytes | list, what: str) -> memoryview | None:
         """One small request over the lane; None when the lane is busy (use the ordinary call)."""
+        pending = self.exchange_start(field, payload, what)
+        return pending.result() if pending is not None else None
+
+    def exchange_start(self, field: int, payload: bytes | list, what: str) -> "PendingExchange | None":
+        """Send a small request over the lane and return at once; None when the lane is busy.
+
+        The caller must call ``result()`` on what it gets: that reads the
+        answer and frees the lane. Sending to every shard first and then
+        reading the answers overlaps the shards without a thread per shard.
+        """
         if self._closed:
             raise PSError(f"{what}: the client was closed", address=self.address)
         if not self.lane.try_acquire():
             return None
         try:
-            return self.lane.request(field, payload, what)[1]
-        finally:
+            request_id = self.lane.send(field, payload)
+        except BaseException:
             self.lane.release()
+            raise
+        return PendingExchange(self.lane, request_id, what)
 
     def close(self) -> None:
         self._closed = True
@@ -126,3 +138,19 @@ class ShardChannel:
             return call()
         except grpc.RpcError as error:
             raise translate_rpc_error(error, self.address, what) from error
+
+
+class PendingExchange:
+    """A request sent over a shard's lane whose answer has not been read yet."""
+
+    def __init__(self, lane: ExchangeLane, request_id: int, what: str) -> None:
+        self._lane = lane
+        self._request_id = request_id
+        self._what = what
+
+    def result(self) -> memoryview:
+        """The answer (or the request's typed error); frees the lane either way."""
+        try:
+            return self._lane.receive(self._request_id, self._what)[1]
+        finally:
+            self._lane.release()

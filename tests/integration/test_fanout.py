@@ -1,0 +1,89 @@
+"""Requests to several shards at once over their exchange lanes, against real servers."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from wehub_ps.codec import EXCHANGE_PULL, decode_pull_response
+from wehub_ps.v1 import ps_pb2
+from worker_client import PSClient
+from worker_client.errors import InvalidArgumentError, VariableNotFoundError
+from worker_client.fanout import ShardCall, run_shard_calls
+from worker_client.transport import ShardChannel
+
+
+def _pull(index: int, name: str) -> bytes:
+    return ps_pb2.PullRequest(shard_index=index, num_shards=2,
+                              items=[ps_pb2.PullItem(variable=name)]).SerializeToString()
+
+
+def _call(channel: ShardChannel, payload: bytes, answers: list) -> ShardCall:
+    def ordinary() -> None:
+        raise AssertionError("a free lane must carry a small request")
+
+    return ShardCall(channel, "pull", ordinary, lambda answer: answers.append((channel.index, answer)) or "done",
+                     EXCHANGE_PULL, lambda: payload, lambda answer: bytes(answer))
+
+
+def _once(shard, what, attempt):
+    return attempt()
+
+
+@pytest.fixture
+def channels(cluster2):
+    """Channels to both shards, and a small variable held whole by each shard."""
+    held_by: dict[int, str] = {}
+    with PSClient(cluster2.addresses) as client:
+        for i in range(16):
+            var = client.create_variable(f"s{i}", shape=(64,), initializer="zeros")
+            held_by.setdefault(var.placement.parts[0].shard, var.name)
+    assert set(held_by) == {0, 1}
+    chans = [ShardChannel(i, address) for i, address in enumerate(cluster2.addresses)]
+    yield chans, held_by
+    for chan in chans:
+        chan.close()
+
+
+def test_answers_come_back_per_shard_and_every_lane_is_freed_after_an_error(channels):
+    chans, held_by = channels
+    executor = ThreadPoolExecutor(2)
+    answers: list = []
+    calls = [_call(chans[0], _pull(0, "missing"), answers), _call(chans[1], _pull(1, held_by[1]), answers)]
+    with pytest.raises(VariableNotFoundError, match="missing"):
+        run_shard_calls(calls, executor, _once)
+    # Shard 1's answer was read although shard 0 failed first: both lanes are free and in step.
+    assert [index for index, _ in answers] == [1]
+    assert all(chan.lane.try_acquire() for chan in chans)
+    for chan in chans:
+        chan.lane.release()
+    answers.clear()
+    good = [_call(chan, _pull(chan.index, held_by[chan.index]), answers) for chan in chans]
+    assert run_shard_calls(good, executor, _once) == {0: "done", 1: "done"}
+    assert sorted(index for index, _ in answers) == [0, 1]
+    for _, answer in answers:
+        assert decode_pull_response(answer)[0].header.count == 64
+    executor.shutdown()
+
+
+def test_a_busy_lane_falls_back_to_the_ordinary_call(channels):
+    chans, held_by = channels
+    assert chans[0].lane.try_acquire()  # someone else holds the lane
+    ran = []
+    call = ShardCall(chans[0], "pull", lambda: ran.append("ordinary") or "streamed", lambda answer: answer,
+                     EXCHANGE_PULL, lambda: _pull(0, held_by[0]))
+    try:
+        assert run_shard_calls([call], ThreadPoolExecutor(1), _once) == {0: "streamed"}
+    finally:
+        chans[0].lane.release()
+    assert ran == ["ordinary"]
+
+
+def test_garbage_over_a_lane_is_a_typed_error(channels):
+    chans, _ = channels
+    call = _call(chans[0], b"\xff" * 11, [])
+    with pytest.raises(InvalidArgumentError, match="not a valid wehub_ps.v1.PullRequest"):
+        run_shard_calls([call], ThreadPoolExecutor(1), _once)
+    assert chans[0].lane.try_acquire()  # the stream carries on
+    chans[0].lane.release()
