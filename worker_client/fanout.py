@@ -73,7 +73,7 @@ def run_shard_calls(calls: Iterable[ShardCall], executor: Executor,
         if c.lane_payload is not None:
             try:
                 pending = c.shard.exchange_start(c.lane_field, c.lane_payload(), c.what)
-            except Exception:  # noqa: BLE001 - the ordinary path below retries, or raises it again
+            except Exception:  # noqa: BLE001, S112 - the ordinary path below retries, or raises it again
                 continue
             if pending is not None:
                 sent[c.shard.index] = pending
@@ -89,12 +89,12 @@ def run_shard_calls(calls: Iterable[ShardCall], executor: Executor,
         if index in sent or c is inline:
             try:
                 results[index] = c.run(call, sent.get(index))
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, by shard order
                 errors[index] = exc
     for index, future in futures.items():
         try:
             results[index] = future.result()
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, by shard order
             errors[index] = exc
     if errors:
         raise errors[min(errors)]

@@ -106,7 +106,7 @@ class ShardChannel:
         pending = self.exchange_start(field, payload, what)
         return pending.result() if pending is not None else None
 
-    def exchange_start(self, field: int, payload: bytes | list, what: str) -> "PendingExchange | None":
+    def exchange_start(self, field: int, payload: bytes | list, what: str) -> PendingExchange | None:
         """Send a small request over the lane and return at once; None when the lane is busy.
 
         The caller must call ``result()`` on what it gets: that reads the
