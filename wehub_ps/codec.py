@@ -361,7 +361,7 @@ def encode_envelope(request_id: int, field: int, payload: bytes | memoryview | l
     once, with the envelope, so tensor bytes are copied once here too.
     """
     pieces = payload if isinstance(payload, list) else [payload]
-    size = sum(len(p) if isinstance(p, bytes) else memoryview(p).nbytes for p in pieces)
+    size = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in pieces)
     return b"".join([_tag(1, _WIRE_VARINT), _varint(request_id), _tag(field, _WIRE_LEN), _varint(size), *pieces])
 
 

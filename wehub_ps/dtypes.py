@@ -59,6 +59,10 @@ def to_numpy_dtype(wire: int) -> np.dtype:
 
 def to_wire_dtype(dtype: np.dtype | str) -> int:
     """The wire DataType of a numpy dtype (either byte order); ValueError if none."""
+    if isinstance(dtype, np.dtype):
+        wire = _NUMPY_TO_WIRE.get(dtype)  # the common case: a little-endian dtype, one lookup
+        if wire is not None:
+            return wire
     dt = np.dtype(dtype)
     if dt.byteorder == ">":
         dt = dt.newbyteorder("<")
