@@ -38,11 +38,12 @@ class OptimizerKernel(Protocol):
         """Update ``w`` (and ``slots``) in place; ``step`` counts from 1."""
 
     def apply_rows(self, w: np.ndarray, g: np.ndarray, slots: dict[str, np.ndarray],
-                   steps: np.ndarray) -> None:
+                   steps: np.ndarray, scratch: np.ndarray | None = None) -> None:
         """Sparse update of gathered rows, (k, row_elements) each, in place.
 
         ``steps`` holds each row's own step count (from 1), so rows touched
         rarely get the bias correction of their own history (lazy Adam).
+        ``scratch`` (at least ``w.size`` elements) saves an allocation per call.
         """
 
 
@@ -51,9 +52,11 @@ class _FlatRows:
 
     needs_row_steps = False
 
-    def apply_rows(self, w, g, slots, steps):
+    def apply_rows(self, w, g, slots, steps, scratch=None):
         flat_slots = {name: slot.reshape(-1) for name, slot in slots.items()}
-        self.apply(w.reshape(-1), g.reshape(-1), flat_slots, 0, np.empty(w.size, dtype=w.dtype))
+        if scratch is None:
+            scratch = np.empty(w.size, dtype=w.dtype)
+        self.apply(w.reshape(-1), g.reshape(-1), flat_slots, 0, scratch)
 
 
 class _SGDKernel(_FlatRows):
@@ -153,7 +156,7 @@ class _AdamKernel:
         np.multiply(s, lr_t, out=s, casting="unsafe")
         np.subtract(w, s, out=w)
 
-    def apply_rows(self, w, g, slots, steps):
+    def apply_rows(self, w, g, slots, steps, scratch=None):
         m, v = slots["m"], slots["v"]
         b1, b2 = self.beta_1, self.beta_2
         t = steps.astype(np.float64)[:, None]

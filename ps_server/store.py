@@ -188,7 +188,8 @@ class VariablePart:
             steps = self.row_steps[local]
         else:
             steps = np.zeros(0, np.int64)
-        self.kernel.apply_rows(w, grads.astype(compute, copy=False), state, steps)
+        self.kernel.apply_rows(w, grads.astype(compute, copy=False), state, steps,
+                               _scratch.get("kernel", compute, w.size))
         values[local] = w
         for name, rows in state.items():
             self.slots[name].reshape(-1, width)[local] = rows
