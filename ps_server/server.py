@@ -87,6 +87,10 @@ class PSServer:
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
             ("grpc.http2.max_ping_strikes", 0),
         ]
+        if config.stream_window_bytes:
+            # A fixed window instead of gRPC's probe-grown one bounds the memory
+            # each push in flight can hold (see DEFAULT_STREAM_WINDOW_BYTES).
+            options += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", config.stream_window_bytes)]
         # One thread per concurrent RPC: streams block their thread while
         # waiting for the network, and the RPC bound makes the pool the cap.
         self._executor = futures.ThreadPoolExecutor(

@@ -211,3 +211,14 @@ def test_concurrent_pushes_from_threads_lose_nothing(cluster2):
         assert not errors
         expected = -sum(seed * 100 + step for seed in range(4) for step in range(20))
         np.testing.assert_array_equal(client.pull(["c"])["c"], np.full((200, 400), expected, np.float32))
+
+
+@pytest.mark.parametrize("window", ["0", str(64 << 10)])
+def test_large_pushes_and_pulls_with_other_stream_windows(cluster_factory, window):
+    """--stream-window-bytes: gRPC's automatic window (0) or the smallest fixed one still carry 1 MiB chunks."""
+    cluster = cluster_factory(1, "--stream-window-bytes", window)
+    with PSClient(cluster.addresses) as client:
+        client.create_variable("w", shape=(1000, 1000), initializer="zeros", optimizer=SGD(learning_rate=1.0))
+        grad = np.random.default_rng(3).standard_normal((1000, 1000)).astype(np.float32)
+        client.push({"w": grad})
+        np.testing.assert_array_equal(client.pull(["w"])["w"], -grad)

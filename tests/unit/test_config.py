@@ -150,6 +150,8 @@ def test_flag_over_env_for_every_field():
     (["--chunk-bytes", str(MAX_MESSAGE_BYTES)], {}, ["--chunk-bytes", "--max-message-bytes"]),
     (["--max-message-bytes", "8192"], {}, ["--chunk-bytes", "--max-message-bytes"]),
     (["--max-concurrent-rpcs", "3"], {}, ["--max-concurrent-rpcs", "3"]),
+    (["--stream-window-bytes", "1000"], {}, ["--stream-window-bytes", "1000"]),
+    ([], {"PS_STREAM_WINDOW_BYTES": str(1 << 30)}, ["--stream-window-bytes", str(1 << 30)]),
     (["--drain-timeout", "-0.5"], {}, ["--drain-timeout", "-0.5"]),
     ([], {"PS_PORT": "abc"}, ["PS_PORT", "'abc'", "int"]),
     ([], {"PS_SHARD_INDEX": "1.5"}, ["PS_SHARD_INDEX", "'1.5'"]),
@@ -177,6 +179,11 @@ def test_unknown_flag_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         parse_config(["--no-such-flag", "1"], {})
     assert "--no-such-flag" in capsys.readouterr().err
+
+
+def test_stream_window_zero_means_grpc_automatic_window():
+    assert parse_config(["--stream-window-bytes", "0"], environ={}).stream_window_bytes == 0
+    assert parse_config([], environ={}).stream_window_bytes == 2 << 20
 
 
 def test_nan_drain_timeout_is_refused():
