@@ -97,8 +97,9 @@ class ActivePush:
         """Check every chunk of one message, then apply them under one hold of the gate.
 
         A message of a small model carries a chunk per variable; taking the
-        gate, timing and counting once per message instead of once per
-        chunk halves the server's work per step (measured with yappi). A
+        gate and timing once per message instead of once per chunk saves
+        that work for every variable (yappi showed the gate's condition and
+        the histogram among the server's largest costs in such a step). A
         chunk that fails its checks refuses the whole message before any of
         it is applied.
         """

@@ -363,8 +363,7 @@ class ParameterServerService:
             plan, chunk_bytes, pull_names = pull_plan
             pulled = [piece for pieces in self._stream_pull(plan, chunk_bytes) for piece in pieces]
             self._count_pulls(pull_names, "ok")
-        if pulled is not None:
-            self._metrics.bytes_sent.inc(sum(len(p) if isinstance(p, bytes) else p.nbytes for p in pulled))
+            self._metrics.bytes_sent.inc(sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in pulled))
         return push_response_pieces(response.SerializeToString(), pulled)
 
     def _plan_pull_after(self, msg: ps_pb2.PullRequest):

@@ -55,16 +55,15 @@ _WIRE_LEN = 2
 _WIRE_FIXED32 = 5
 
 # Field numbers from protos/wehub_ps/v1/ps.proto.
-_TENSOR_CHUNK_HEADER = 1
-_TENSOR_CHUNK_DATA = 2
+# TensorChunk and ChunkBatch share a layout: field 1 its header(s), field 2 the bytes.
+_FRAMED_HEADER = 1
+_FRAMED_DATA = 2
 _PULL_RESPONSE_CHUNKS = 1
 _PULL_RESPONSE_BATCHES = 2
 _PUSH_REQUEST_BEGIN = 1
 _PUSH_REQUEST_CHUNKS = 2
 _PUSH_REQUEST_BATCHES = 3
 _PUSH_RESPONSE_PULLED = 6
-_CHUNK_BATCH_HEADERS = 1
-_CHUNK_BATCH_DATA = 2
 
 #: Chunks smaller than this are sent in a ChunkBatch when there are two or more.
 BATCH_BELOW_BYTES = 64 * 1024
@@ -112,15 +111,13 @@ def _tag(field: int, wire_type: int) -> bytes:
     return _varint((field << 3) | wire_type)
 
 
-_TAG_CHUNK_HEADER = _tag(_TENSOR_CHUNK_HEADER, _WIRE_LEN)
-_TAG_CHUNK_DATA = _tag(_TENSOR_CHUNK_DATA, _WIRE_LEN)
+_TAG_CHUNK_HEADER = _tag(_FRAMED_HEADER, _WIRE_LEN)
+_TAG_CHUNK_DATA = _tag(_FRAMED_DATA, _WIRE_LEN)
 _TAG_PULL_CHUNKS = _tag(_PULL_RESPONSE_CHUNKS, _WIRE_LEN)
 _TAG_PUSH_BEGIN = _tag(_PUSH_REQUEST_BEGIN, _WIRE_LEN)
 _TAG_PUSH_CHUNKS = _tag(_PUSH_REQUEST_CHUNKS, _WIRE_LEN)
 _TAG_PULL_BATCHES = _tag(_PULL_RESPONSE_BATCHES, _WIRE_LEN)
 _TAG_PUSH_BATCHES = _tag(_PUSH_REQUEST_BATCHES, _WIRE_LEN)
-_TAG_BATCH_HEADERS = _tag(_CHUNK_BATCH_HEADERS, _WIRE_LEN)
-_TAG_BATCH_DATA = _tag(_CHUNK_BATCH_DATA, _WIRE_LEN)
 _TAG_PUSH_RESPONSE_PULLED = _tag(_PUSH_RESPONSE_PULLED, _WIRE_LEN)
 
 
@@ -129,33 +126,25 @@ def _append_chunks(pieces: list, chunk_tag: bytes, batch_tag: bytes, chunks: Seq
     small = [c for c in chunks if c.data.nbytes < BATCH_BELOW_BYTES]
     if len(small) < 2:
         small = []
-    single = [c for c in chunks if c.data.nbytes >= BATCH_BELOW_BYTES] if small else chunks
-    _append_tensor_chunks(pieces, chunk_tag, single)
+    for chunk in [c for c in chunks if c.data.nbytes >= BATCH_BELOW_BYTES] if small else chunks:
+        _append_framed(pieces, chunk_tag, chunk.header.SerializeToString(), [chunk.data])
     if small:
         headers = ps_pb2.ChunkHeaders(items=[c.header for c in small]).SerializeToString()
-        data_len = sum(c.data.nbytes for c in small)
-        inner = [_TAG_BATCH_HEADERS, _varint(len(headers)), headers]
-        if data_len:
-            inner += [_TAG_BATCH_DATA, _varint(data_len)]
-        pieces += [batch_tag, _varint(sum(len(p) for p in inner) + data_len)]
-        pieces += inner
-        pieces += [c.data for c in small if c.data.nbytes]
+        _append_framed(pieces, batch_tag, headers, [c.data for c in small])
 
 
-def _append_tensor_chunks(pieces: list, outer_tag: bytes, chunks: Sequence[OutgoingChunk]) -> None:
-    for chunk in chunks:
-        header = chunk.header.SerializeToString()
-        data_len = chunk.data.nbytes
-        inner = [_TAG_CHUNK_HEADER, _varint(len(header)), header]
-        # proto3 omits an empty bytes field; do the same so that the encoding
-        # is byte-identical to protobuf's own.
-        if data_len:
-            inner += [_TAG_CHUNK_DATA, _varint(data_len)]
-        body_len = sum(len(p) for p in inner) + data_len
-        pieces += [outer_tag, _varint(body_len)]
-        pieces += inner
-        if data_len:
-            pieces.append(chunk.data)
+def _append_framed(pieces: list, outer_tag: bytes, header: bytes, data: list[memoryview]) -> None:
+    """One TensorChunk or ChunkBatch: its header(s), then ``data`` back to back, not copied yet."""
+    data_len = sum(d.nbytes for d in data)
+    inner = [_TAG_CHUNK_HEADER, _varint(len(header)), header]
+    # proto3 omits an empty bytes field; do the same so that the encoding
+    # is byte-identical to protobuf's own.
+    if data_len:
+        inner += [_TAG_CHUNK_DATA, _varint(data_len)]
+    pieces += [outer_tag, _varint(sum(len(p) for p in inner) + data_len)]
+    pieces += inner
+    if data_len:
+        pieces += [d for d in data if d.nbytes]
 
 
 def pull_response_pieces(chunks: Sequence[OutgoingChunk]) -> list:
@@ -183,7 +172,7 @@ def push_response_pieces(response: bytes, pulled: list | None) -> list:
     """A serialised ``PushResponse`` with the pieces of a PullResponse as its ``pulled`` field."""
     if pulled is None:
         return [response]
-    size = sum(len(p) if isinstance(p, bytes) else memoryview(p).nbytes for p in pulled)
+    size = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in pulled)
     return [response, _TAG_PUSH_RESPONSE_PULLED, _varint(size), *pulled]
 
 
@@ -271,34 +260,29 @@ def _merge(message, buf: memoryview):
     return message
 
 
-def _decode_chunk(buf: memoryview, start: int, stop: int) -> DecodedChunk:
-    header = ps_pb2.ChunkHeader()
+def _header_and_data(buf: memoryview, start: int, stop: int, header, names: tuple[str, str]) -> memoryview:
+    """A TensorChunk or ChunkBatch: field 1 merged into ``header``, field 2 (bytes) returned as a view."""
     data = buf[0:0]
     for field, wire_type, fstart, fstop in _iter_fields(buf, start, stop):
-        if field == _TENSOR_CHUNK_HEADER:
-            if wire_type != _WIRE_LEN:
-                raise CodecError("TensorChunk.header has the wrong wire type")
+        if field in (_FRAMED_HEADER, _FRAMED_DATA) and wire_type != _WIRE_LEN:
+            raise CodecError(f"{names[field - 1]} has the wrong wire type")
+        if field == _FRAMED_HEADER:
             _merge(header, buf[fstart:fstop])
-        elif field == _TENSOR_CHUNK_DATA:
-            if wire_type != _WIRE_LEN:
-                raise CodecError("TensorChunk.data has the wrong wire type")
+        elif field == _FRAMED_DATA:
             data = buf[fstart:fstop]
+    return data
+
+
+def _decode_chunk(buf: memoryview, start: int, stop: int) -> DecodedChunk:
+    header = ps_pb2.ChunkHeader()
+    data = _header_and_data(buf, start, stop, header, ("TensorChunk.header", "TensorChunk.data"))
     return DecodedChunk(header, data)
 
 
 def _decode_batch(buf: memoryview, start: int, stop: int, chunks: list[DecodedChunk]) -> None:
     """Append the chunks of one ChunkBatch, each a view of its slice of the data."""
     headers = ps_pb2.ChunkHeaders()
-    data = buf[0:0]
-    for field, wire_type, fstart, fstop in _iter_fields(buf, start, stop):
-        if field == _CHUNK_BATCH_HEADERS:
-            if wire_type != _WIRE_LEN:
-                raise CodecError("ChunkBatch.headers has the wrong wire type")
-            _merge(headers, buf[fstart:fstop])
-        elif field == _CHUNK_BATCH_DATA:
-            if wire_type != _WIRE_LEN:
-                raise CodecError("ChunkBatch.data has the wrong wire type")
-            data = buf[fstart:fstop]
+    data = _header_and_data(buf, start, stop, headers, ("ChunkBatch.headers", "ChunkBatch.data"))
     position = 0
     for header in headers.items:
         try:

@@ -105,7 +105,8 @@ class Variable:
         """(shard, first, end) flat element ranges of each part, computed once.
 
         A step of a small model looks these up for every variable twice;
-        deriving them from the placement each time cost more than the copy.
+        deriving them from the placement each time showed in the profile
+        (yappi: 40 calls of rows_of and row_elements per 20-variable step).
         """
         width = self.spec.row_elements
         return tuple((p.shard, p.row_start * width, p.row_end * width) for p in self.placement.parts)
