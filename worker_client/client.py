@@ -590,44 +590,54 @@ class PSClient:
         gpu = parse_device(device)
         variable = self._resolve([name])[0]
         ids = _check_ids(ids, "ids")
-        unique, inverse = np.unique(ids, return_inverse=True)
         width = variable.spec.row_elements
+        # Sorted once: the unique ids, and for a dense variable each shard's rows as one slice.
+        order = np.argsort(ids, kind="stable")
+        sorted_ids = ids[order]
+        first = np.ones(len(ids), dtype=bool)
+        np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
+        repeats = not first.all()
+        unique = sorted_ids[first] if repeats else sorted_ids
+        fetched = np.empty((len(unique), width), dtype=variable.dtype)
         by_shard: dict[int, list[PullItem]] = {}
+        scattered: list[tuple[np.ndarray, np.ndarray]] = []
         for shard, positions in self._rows_by_shard(variable, unique).items():
-            block = np.empty((len(positions), width), dtype=variable.dtype)
-            by_shard[shard] = [PullItem(name, block.reshape(-1), unique[positions], positions)]
+            if isinstance(positions, slice):
+                dest = fetched[positions]  # received in place
+            else:
+                dest = np.empty((len(positions), width), dtype=variable.dtype)
+                scattered.append((positions, dest))
+            by_shard[shard] = [PullItem(name, dest.reshape(-1), unique[positions])]
         self._pull_all(by_shard)
+        for positions, dest in scattered:
+            fetched[positions] = dest
+        result = np.empty((len(ids), width), dtype=variable.dtype)
+        result[order] = fetched[np.cumsum(first) - 1] if repeats else fetched
         row_shape = variable.shape if variable.spec.hash_table else variable.shape[1:]
-        inverse = inverse.reshape(-1)
-        if len(unique) == len(ids):
-            # No repeats: each block goes straight to its rows of the result (one copy, not two).
-            result = np.empty((len(ids), width), dtype=variable.dtype)
-            where = np.empty(len(ids), dtype=np.intp)
-            where[inverse] = np.arange(len(ids))
-            for items in by_shard.values():
-                result[where[items[0].positions]] = items[0].dest.reshape(-1, width)
-        else:
-            fetched = np.empty((len(unique), width), dtype=variable.dtype)
-            for items in by_shard.values():
-                fetched[items[0].positions] = items[0].dest.reshape(-1, width)
-            result = fetched[inverse]
         result = result.reshape((len(ids), *row_shape))
         return result if gpu is None else to_device(result, gpu)
 
-    def _rows_by_shard(self, variable: Variable, unique_ids: np.ndarray) -> dict[int, np.ndarray]:
-        """Positions in ``unique_ids`` grouped by the shard that holds each row."""
+    def _rows_by_shard(self, variable: Variable, unique_ids: np.ndarray) -> dict[int, slice | np.ndarray]:
+        """Positions in ``unique_ids`` (sorted) grouped by the shard that holds each row.
+
+        A dense variable's part is a range of rows, so its positions are a
+        slice (views, not copies, downstream); a hash table's are an array.
+        """
         if variable.spec.hash_table:
             shards = hash_shards(unique_ids, len(self._shards))
-        else:
-            rows = variable.shape[0] if variable.shape else 1
-            if unique_ids.size and (unique_ids[0] < 0 or unique_ids[-1] >= rows):
-                bad = unique_ids[(unique_ids < 0) | (unique_ids >= rows)][0]
-                raise InvalidArgumentError(f"row {bad} is outside {variable.name!r}, which has {rows} rows")
-            parts = variable.placement.parts
-            starts = np.array([p.row_start for p in parts])
-            owner = np.searchsorted(starts, unique_ids, side="right") - 1
-            shards = np.array([p.shard for p in parts])[owner] if len(unique_ids) else owner
-        return {int(s): np.flatnonzero(shards == s) for s in np.unique(shards)}
+            return {int(s): np.flatnonzero(shards == s) for s in np.unique(shards)}
+        rows = variable.shape[0] if variable.shape else 1
+        if unique_ids.size and (unique_ids[0] < 0 or unique_ids[-1] >= rows):
+            bad = unique_ids[(unique_ids < 0) | (unique_ids >= rows)][0]
+            raise InvalidArgumentError(f"row {bad} is outside {variable.name!r}, which has {rows} rows")
+        ranges: dict[int, list[tuple[int, int]]] = {}
+        for part in variable.placement.parts:
+            low, high = (int(i) for i in np.searchsorted(unique_ids, (part.row_start, part.row_end)))
+            if high > low:
+                ranges.setdefault(part.shard, []).append((low, high))
+        return {shard: slice(*spans[0]) if len(spans) == 1
+                else np.concatenate([np.arange(low, high) for low, high in spans])
+                for shard, spans in ranges.items()}
 
     def _pull_all(self, by_shard: dict[int, list[PullItem]]) -> None:
         """Pull from every shard in ``by_shard`` at once, straight into the items' ``dest``."""

@@ -26,7 +26,6 @@ class PullItem:
     name: str
     dest: np.ndarray
     row_ids: np.ndarray | None = None
-    positions: np.ndarray | None = None  # rows: where the block goes among the unique ids
 
 
 def pull_request(items: Iterable[PullItem], **fields) -> ps_pb2.PullRequest:

@@ -187,6 +187,9 @@ def test_pull_rows_of_a_dense_variable_matches_pull(three):
         full = client.pull(["dense_rows"])["dense_rows"]
         ids = np.array([29, 0, 13, 13, 7, 22])
         assert client.pull_rows("dense_rows", ids).tobytes() == full[ids].tobytes()
+        # No repeats (each shard's rows land in place), and rows of one shard only.
+        for ids in (np.random.default_rng(0).permutation(30), np.array([3, 1, 2]), np.array([25])):
+            assert client.pull_rows("dense_rows", ids).tobytes() == full[ids].tobytes()
 
 
 # ---- sparse updates equal dense ones -------------------------------------------------------------
