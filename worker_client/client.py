@@ -741,8 +741,7 @@ class PSClient:
         out, pull_by_shard = self._pull_targets(variables, next_pull.gpu, {})
         for shard, items in pull_by_shard.items():
             pushed = by_shard.get(shard)
-            if (pushed is None or sum(i.values.nbytes for i in pushed) > self.chunk_bytes
-                    or self._pull_bytes(items) > self.chunk_bytes):
+            if pushed is None or not self._fits_lane(pushed) or self._pull_bytes(items) > self.chunk_bytes:
                 return None  # a shard not pushed to, or too big for one message: pull next step
         return _Prefetch(next_pull, out, pull_by_shard)
 
@@ -1072,11 +1071,14 @@ class PSClient:
             self._record_versions(shard, receiver.versions)
             return True
 
-        # At most chunk_bytes: one message, sent over the lane when it is free.
-        small = self._use_lane and sum(i.values.nbytes for i in items) <= self.chunk_bytes
+        small = self._use_lane and self._fits_lane(items)
         call = ShardCall(shard, "push", ordinary, finish, EXCHANGE_PUSH,
                          (lambda: self._push_pieces(*message)) if small else None)
         return call
+
+    def _fits_lane(self, items: list[_PushItem]) -> bool:
+        """A push of at most chunk_bytes is one message: it may go over the exchange lane."""
+        return sum(i.values.nbytes for i in items) <= self.chunk_bytes
 
     def _push_pieces(self, shard_index: int, items: list[_PushItem], kind: int, sequence: int,
                      base_versions: dict[str, int], step: int, pull_after: ps_pb2.PullRequest | None) -> list:
