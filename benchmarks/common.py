@@ -222,9 +222,13 @@ def peak_rss_bytes() -> int:
     return _status_field("self", "VmHWM")
 
 
+# Same malloc thresholds as ps-server and PSClient (wehub_ps.allocator), so the
+# reference differs from our figures by our code only.
 _GRPC_STREAM_SERVER = """
 import sys, grpc
 from concurrent import futures
+from wehub_ps.allocator import keep_freed_buffers
+keep_freed_buffers()
 N, CHUNK = int(sys.argv[1]), 1 << 20
 data = bytes(N)
 def pull(request, context):

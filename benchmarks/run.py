@@ -51,6 +51,8 @@ from common import (  # noqa: E402
     time_calls,
 )
 
+from wehub_ps.allocator import keep_freed_buffers  # noqa: E402 - importable once common put the repo on sys.path
+
 ROWS, COLUMNS, NUM_VARIABLES = 6400, 1024, 4
 MODEL_BYTES = ROWS * COLUMNS * 4 * NUM_VARIABLES
 NAMES = [f"dense_{i}" for i in range(NUM_VARIABLES)]
@@ -410,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(only) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    # As every ps-server and PSClient does (wehub_ps.allocator): the gRPC
+    # references measured in this process then run under the same malloc.
+    keep_freed_buffers()
     results: dict = {}
     tcp = MODEL_BYTES / best(tcp_seconds(MODEL_BYTES, args.repeats)) / 1e9
     memcpy = MODEL_BYTES / best(memcpy_seconds(MODEL_BYTES, args.repeats)) / 1e9

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from ps_server.checkpoint import CheckpointError
 from ps_server.config import ConfigError, parse_config
 from ps_server.server import create_server
+from wehub_ps.allocator import keep_freed_buffers
 from wehub_ps.logs import configure, event
 
 log = logging.getLogger("ps_server")
@@ -23,6 +24,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ps-server: {exc}", file=sys.stderr)
         return 2
     configure(config.log_level)
+    if config.keep_freed_bytes:
+        keep_freed_buffers(trim_threshold=config.keep_freed_bytes)
     if config.unknown_environment:
         event(log, logging.WARNING, "unknown PS_ environment variables ignored (misspelled settings?)",
               variables=list(config.unknown_environment))

@@ -152,6 +152,7 @@ def test_flag_over_env_for_every_field():
     (["--max-concurrent-rpcs", "3"], {}, ["--max-concurrent-rpcs", "3"]),
     (["--stream-window-bytes", "1000"], {}, ["--stream-window-bytes", "1000"]),
     ([], {"PS_STREAM_WINDOW_BYTES": str(1 << 30)}, ["--stream-window-bytes", str(1 << 30)]),
+    (["--keep-freed-bytes", "4096"], {}, ["--keep-freed-bytes", "4096"]),
     (["--drain-timeout", "-0.5"], {}, ["--drain-timeout", "-0.5"]),
     ([], {"PS_PORT": "abc"}, ["PS_PORT", "'abc'", "int"]),
     ([], {"PS_SHARD_INDEX": "1.5"}, ["PS_SHARD_INDEX", "'1.5'"]),
@@ -184,6 +185,12 @@ def test_unknown_flag_is_a_usage_error(capsys):
 def test_stream_window_zero_means_grpc_automatic_window():
     assert parse_config(["--stream-window-bytes", "0"], environ={}).stream_window_bytes == 0
     assert parse_config([], environ={}).stream_window_bytes == 2 << 20
+
+
+def test_keep_freed_bytes_zero_leaves_malloc_alone():
+    assert parse_config(["--keep-freed-bytes", "0"], environ={}).keep_freed_bytes == 0
+    assert parse_config([], environ={"PS_KEEP_FREED_BYTES": str(8 << 20)}).keep_freed_bytes == 8 << 20
+    assert parse_config([], environ={}).keep_freed_bytes == 64 << 20
 
 
 def test_nan_drain_timeout_is_refused():
