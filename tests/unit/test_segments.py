@@ -1,4 +1,4 @@
-"""sum_by_id: the same sums, bit for bit, as np.add.at on a dense array."""
+"""sum_by_id: the same sums, bit for bit, as np.add.at on a dense array; sort_ids' contract."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wehub_ps.segments import sum_by_id
+from wehub_ps.segments import sort_ids, sum_by_id
 
 
 @given(st.lists(st.integers(-5, 5), max_size=60), st.integers(1, 4), st.sampled_from(["float32", "float64"]),
@@ -29,3 +29,15 @@ def test_no_repeats_is_a_reordering_only():
     unique, sums = sum_by_id(ids, values)
     assert unique.tolist() == [-3, 4, 9]
     assert sums.tolist() == [[2.0, 3.0], [4.0, 5.0], [0.0, 1.0]]
+
+
+@given(st.lists(st.integers(0, 3000), max_size=3000), st.booleans())
+@settings(max_examples=100, deadline=None)
+def test_sort_ids_groups_equal_ids_and_keeps_their_order_when_asked(ids, keep_order):
+    ids = np.array(ids, dtype=np.int64)
+    order, sorted_ids, first = sort_ids(ids, keep_order_of_repeats=keep_order)
+    assert sorted(order.tolist()) == list(range(len(ids)))
+    assert np.array_equal(sorted_ids, ids[order]) and np.array_equal(sorted_ids, np.sort(ids))
+    assert first.tolist() == [i == 0 or sorted_ids[i] != sorted_ids[i - 1] for i in range(len(ids))]
+    if keep_order:  # equal ids in order of occurrence: the stable order
+        assert np.array_equal(order, np.argsort(ids, kind="stable"))
