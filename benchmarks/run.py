@@ -8,7 +8,9 @@ Sections (``--only`` takes their names):
 
 dense     100 MB model (4 x 6400x1024 float32): pull and push with 1 worker and
           1 or 2 servers, and 2 worker processes at once on 2 servers;
-          baseline raw TCP between two processes
+          baseline raw TCP between two processes. Pulls receive into the
+          same arrays each time (pull(out=...), as a training loop does);
+          one row reports a pull into new arrays
 bf16      the same model with bfloat16 on the wire: float32 parameters moved per second
 apply     server-side optimizer apply of 100 MB (SGD, Adam) against numpy memcpy
 step      pull + push of a 100K-parameter model in 20 variables over 2 servers,
@@ -106,11 +108,11 @@ def worker_main(args: argparse.Namespace) -> int:
         client.variables(refresh=True)
         grads = zero_grads()
         if args.worker_job == "dense":
-            client.pull(NAMES)
+            dest = client.pull(NAMES)
             client.push(grads)
             print("ready", flush=True)
             sys.stdin.readline()
-            pulls = time_calls(lambda: client.pull(NAMES), args.repeats, warmup=0)
+            pulls = time_calls(lambda: client.pull(NAMES, out=dest), args.repeats, warmup=0)
             pushes = time_calls(lambda: client.push(grads), args.repeats, warmup=0)
             print(json.dumps({"pull": pulls, "push": pushes}), flush=True)
         elif args.worker_job == "push":
@@ -176,11 +178,18 @@ def section_dense(repeats: int, tcp: float, results: dict) -> list[Row]:
         with ps_cluster(servers) as (addresses, _), PSClient(addresses, worker_id="bench") as client:
             create_model(client)
             grads = zero_grads()
-            pull = best(time_calls(lambda: client.pull(NAMES), repeats))
+            dest = client.pull(NAMES)
+            pull = best(time_calls(lambda: client.pull(NAMES, out=dest), repeats))
             push = best(time_calls(lambda: client.push(grads), repeats))
             results[f"dense_{servers}s_1w"] = {"pull": MODEL_BYTES / pull / 1e9, "push": MODEL_BYTES / push / 1e9}
-            rows.append(_row("dense", f"pull, 1 worker, {servers} server(s)", MODEL_BYTES / pull / 1e9, "GB/s",
+            rows.append(_row("dense", f"pull(out=), 1 worker, {servers} server(s)", MODEL_BYTES / pull / 1e9, "GB/s",
                              tcp, "raw TCP", 0.45))
+            if servers == 1:
+                # Into new arrays each time: the kernel zeroes 100 MB of fresh pages per pull.
+                fresh = best(time_calls(lambda: client.pull(NAMES), repeats))
+                results["dense_1s_1w"]["pull_allocating"] = MODEL_BYTES / fresh / 1e9
+                rows.append(_row("dense", "pull into new arrays, 1 worker, 1 server", MODEL_BYTES / fresh / 1e9,
+                                 "GB/s", tcp, "raw TCP", target_text="report"))
             rows.append(_row("dense", f"push, 1 worker, {servers} server(s)", MODEL_BYTES / push / 1e9, "GB/s",
                              tcp, "raw TCP", 0.40))
             if servers == 2:
@@ -191,7 +200,7 @@ def section_dense(repeats: int, tcp: float, results: dict) -> list[Row]:
                 pull2 = 2 * MODEL_BYTES / max(sum(r["pull"]) for r in out) * repeats / 1e9
                 push2 = 2 * MODEL_BYTES / max(sum(r["push"]) for r in out) * repeats / 1e9
                 results["dense_2s_2w"] = {"pull": pull2, "push": push2, "wall": time.perf_counter() - started}
-                rows.append(_row("dense", "pull, 2 workers together, 2 servers", pull2, "GB/s", tcp, "raw TCP", 0.6))
+                rows.append(_row("dense", "pull(out=), 2 workers together, 2 servers", pull2, "GB/s", tcp, "raw TCP", 0.6))
                 rows.append(_row("dense", "push, 2 workers together, 2 servers", push2, "GB/s", tcp, "raw TCP", 0.6))
     return rows
 
@@ -202,10 +211,11 @@ def section_bf16(repeats: int, tcp: float, results: dict) -> list[Row]:
     with ps_cluster(1) as (addresses, _), PSClient(addresses, worker_id="bench", wire_dtype="bfloat16") as client:
         create_model(client)
         grads = zero_grads()
-        pull = best(time_calls(lambda: client.pull(NAMES), repeats))
+        dest = client.pull(NAMES)
+        pull = best(time_calls(lambda: client.pull(NAMES, out=dest), repeats))
         push = best(time_calls(lambda: client.push(grads), repeats))
     results["bf16"] = {"pull": MODEL_BYTES / pull / 1e9, "push": MODEL_BYTES / push / 1e9}
-    return [_row("bf16", "pull, bfloat16 wire (float32 params/s)", MODEL_BYTES / pull / 1e9, "GB/s", tcp,
+    return [_row("bf16", "pull(out=), bfloat16 wire (float32 params/s)", MODEL_BYTES / pull / 1e9, "GB/s", tcp,
                  "raw TCP", 0.7),
             _row("bf16", "push, bfloat16 wire (float32 params/s)", MODEL_BYTES / push / 1e9, "GB/s", tcp,
                  "raw TCP", 0.7)]
