@@ -30,6 +30,7 @@ from ps_server.tables import HashTablePart
 from wehub_ps.dtypes import WIRE_FLOAT_DTYPES, dtype_name
 from wehub_ps.errors import Reason
 from wehub_ps.placement import rows_of
+from wehub_ps.rowops import put_rows, take_rows
 from wehub_ps.specs import Explicit, VariableSpec
 
 __all__ = ["VariableInfo", "VariablePart", "VariableStore", "check_dtype_allowed"]
@@ -163,7 +164,7 @@ class VariablePart:
         """Copies of global rows ``ids``: shape (len(ids), row elements)."""
         local = self.local_rows(ids)
         with self.lock:
-            return self.value.reshape(-1, self.spec.row_elements)[local]
+            return take_rows(self.value.reshape(-1, self.spec.row_elements), local)
 
     def apply_rows(self, ids: np.ndarray, grads: np.ndarray) -> None:
         """Sparse update of global rows ``ids`` (unique): only these rows and their state change.
@@ -179,8 +180,8 @@ class VariablePart:
         width = self.spec.row_elements
         compute = self.compute_dtype
         values = self.value.reshape(-1, width)
-        w = values[local].astype(compute, copy=False)
-        state = {name: slot.reshape(-1, width)[local] for name, slot in self.slots.items()}
+        w = take_rows(values, local).astype(compute, copy=False)
+        state = {name: take_rows(slot.reshape(-1, width), local) for name, slot in self.slots.items()}
         if self.kernel.needs_row_steps:
             if self.row_steps is None:
                 self.row_steps = np.zeros(self.row_end - self.row_start, np.int64)
@@ -190,9 +191,9 @@ class VariablePart:
             steps = np.zeros(0, np.int64)
         self.kernel.apply_rows(w, grads.astype(compute, copy=False), state, steps,
                                _scratch.get("kernel", compute, w.size))
-        values[local] = w
+        put_rows(values, local, w)
         for name, rows in state.items():
-            self.slots[name].reshape(-1, width)[local] = rows
+            put_rows(self.slots[name].reshape(-1, width), local, rows)
 
     # ---- synchronous mode ----
 

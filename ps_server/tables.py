@@ -31,6 +31,7 @@ from ps_server.info import VariableInfo
 from ps_server.initializers import fill_rows
 from ps_server.optimizers import make_kernel
 from wehub_ps.errors import Reason
+from wehub_ps.rowops import put_rows, take_rows
 from wehub_ps.specs import VariableSpec
 
 __all__ = ["HashTablePart"]
@@ -96,7 +97,7 @@ class HashTablePart:
         """Values of unique ``ids`` (creating missing rows), shape (len(ids), row elements)."""
         with self.lock:
             slots = self._slots_for(ids)
-            return self.value[slots]
+            return take_rows(self.value, slots)
 
     def apply_rows(self, ids: np.ndarray, grads: np.ndarray) -> None:
         """Run the optimizer on rows ``ids`` (unique) with ``grads`` (len(ids), row elements)."""
@@ -107,13 +108,13 @@ class HashTablePart:
         compute = self.compute_dtype
         grads = grads.astype(compute, copy=False)
         slots = self._slots_for(ids)
-        w = self.value[slots].astype(compute, copy=False)
-        state = {name: arr[slots] for name, arr in self.slots.items()}
+        w = take_rows(self.value, slots).astype(compute, copy=False)
+        state = {name: take_rows(arr, slots) for name, arr in self.slots.items()}
         self.row_steps[slots] += 1
         self.kernel.apply_rows(w, grads, state, self.row_steps[slots])
-        self.value[slots] = w
+        put_rows(self.value, slots, w)
         for name, rows in state.items():
-            self.slots[name][slots] = rows
+            put_rows(self.slots[name], slots, rows)
 
     # ---- synchronous mode ----
 

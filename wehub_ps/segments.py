@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from wehub_ps.rowops import take_rows
+
 __all__ = ["sort_ids", "sum_by_id"]
 
 
@@ -38,7 +40,7 @@ def sort_ids(ids: np.ndarray, *, keep_order_of_repeats: bool = True
 def sum_by_id(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sorted unique ids, the sum of ``values`` rows for each), ``values`` of shape (len(ids), ...)."""
     order, sorted_ids, first = sort_ids(ids)
-    sorted_values = values[order]
+    sorted_values = take_rows(values, order)
     if first.all():  # no id repeats (or there are none)
         return sorted_ids, sorted_values
     starts = np.flatnonzero(first)

@@ -38,6 +38,7 @@ from wehub_ps.codec import (
 )
 from wehub_ps.dtypes import BFLOAT16, dtype_name, parse_dtype, to_wire_dtype
 from wehub_ps.placement import MinSizePartitioner, Partitioner, Placement, hash_shards
+from wehub_ps.rowops import put_rows, take_rows
 from wehub_ps.rpc import DEFAULT_CHUNK_BYTES
 from wehub_ps.segments import sort_ids, sum_by_id
 from wehub_ps.specs import (
@@ -616,7 +617,7 @@ class PSClient:
             by_shard[shard] = [PullItem(name, dest.reshape(-1), unique[positions])]
         self._pull_all(by_shard)
         for positions, dest in scattered:
-            fetched[positions] = dest
+            put_rows(fetched, positions, dest)
         # Row i of the result is fetched row source[i]: one gather (a scatter
         # through ``order`` took twice as long).
         source = np.empty(len(ids), dtype=np.intp)
@@ -793,9 +794,12 @@ class PSClient:
         _check_array(host, (len(ids), *row_shape), spec.dtype, f"gradients for {spec.name!r}")
         width = spec.row_elements
         unique, summed = sum_by_id(ids, host.reshape(len(ids), width))
-        return {shard: _PushItem(spec.name, summed[positions].reshape(-1),
-                                 unique[positions].astype("<i8").tobytes(), width)
-                for shard, positions in self._rows_by_shard(variable, unique).items()}
+        items = {}
+        for shard, positions in self._rows_by_shard(variable, unique).items():
+            # A dense part's rows are a slice (a view); a hash table's are gathered.
+            rows = summed[positions] if isinstance(positions, slice) else take_rows(summed, positions)
+            items[shard] = _PushItem(spec.name, rows.reshape(-1), unique[positions].astype("<i8").tobytes(), width)
+        return items
 
     def create_embedding(
         self,
