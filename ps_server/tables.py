@@ -27,6 +27,7 @@ import numpy as np
 from ps_server.accumulator import PushStaging, StepAccumulator
 from ps_server.checkpoint import PartSnapshot
 from ps_server.errors import RequestError
+from ps_server.id_index import IdIndex
 from ps_server.info import VariableInfo
 from ps_server.initializers import fill_rows
 from ps_server.optimizers import make_kernel
@@ -55,8 +56,9 @@ class HashTablePart:
         self.reserve = reserve
         # Guards every field below, and the arrays' contents.
         self.lock = threading.Lock()
-        self._index: dict[int, int] = {}
-        self._free: list[int] = []
+        self._index = IdIndex()
+        #: Free slots, used from the end (a stack).
+        self._free = np.empty(0, np.int64)
         self.capacity = 0
         self.ids = np.empty(0, np.int64)
         self.value = np.empty((0, self.row_elements), spec.dtype)
@@ -162,8 +164,7 @@ class HashTablePart:
     def _slots_for(self, ids: np.ndarray) -> np.ndarray:
         """Slot index of each id, creating rows for new ids (all or nothing)."""
         self._clock += 1
-        index = self._index
-        slots = np.fromiter((index.get(i, -1) for i in ids.tolist()), np.int64, len(ids))
+        slots = self._index.lookup(ids)
         missing = np.flatnonzero(slots < 0)
         if missing.size:
             new_ids, inverse = np.unique(ids[missing], return_inverse=True)  # a repeated new id: one row
@@ -191,10 +192,10 @@ class HashTablePart:
             self._grow(needed - evict - len(self._free))  # may refuse (memory limit): nothing evicted yet
         if evict:
             self._evict(evict, protect)
-        slots = np.array([self._free.pop() for _ in range(needed)], np.int64)
+        slots = self._free[len(self._free) - needed:][::-1].copy()
+        self._free = self._free[:len(self._free) - needed]
         self.ids[slots] = new_ids
-        for i, slot in zip(new_ids.tolist(), slots.tolist()):
-            self._index[i] = slot
+        self._index.insert(new_ids, slots)
         rows = np.empty((needed, self.row_elements), np.float64)
         fill_rows(self.spec.initializer, self.spec.shape, new_ids, rows)
         self.value[slots] = rows
@@ -207,13 +208,12 @@ class HashTablePart:
 
     def _evict(self, count: int, protect: np.ndarray) -> None:
         """Drop the ``count`` least recently used rows, never those in ``protect``."""
-        live = np.fromiter(self._index.values(), np.int64, len(self._index))
+        live = self._index.live_slots()
         candidates = np.setdiff1d(live, protect, assume_unique=False)
         order = np.argpartition(self.last_access[candidates], count - 1)[:count] if count else []
         victims = candidates[order]
-        for slot in victims.tolist():
-            del self._index[int(self.ids[slot])]
-            self._free.append(slot)
+        self._index.remove(self.ids[victims])
+        self._free = np.concatenate([self._free, victims])
         self.evicted_rows += len(victims)
 
     def _grow(self, at_least: int) -> None:
@@ -233,7 +233,7 @@ class HashTablePart:
         self.slots = {name: grown(arr) for name, arr in self.slots.items()}
         self.row_steps = grown(self.row_steps)
         self.last_access = grown(self.last_access)
-        self._free.extend(range(new_capacity - 1, old - 1, -1))
+        self._free = np.concatenate([self._free, np.arange(new_capacity - 1, old - 1, -1, dtype=np.int64)])
         self.capacity = new_capacity
 
     # ---- checkpoints ----
@@ -241,7 +241,7 @@ class HashTablePart:
     def rows_snapshot(self) -> dict[str, np.ndarray]:
         """Compact copies of the live rows: ids, values, slots, row steps, last access."""
         with self.lock:
-            slots = np.fromiter(self._index.values(), np.int64, len(self._index))
+            slots = self._index.live_slots()
             order = np.argsort(self.ids[slots], kind="stable")
             slots = slots[order]
             out = {"ids": self.ids[slots].copy(), "value": self.value[slots].copy(),
@@ -256,7 +256,7 @@ class HashTablePart:
             count = len(rows["ids"])
             self._grow(max(count, 1))
             slots = np.arange(count, dtype=np.int64)
-            self._free = [s for s in self._free if s >= count]
+            self._free = self._free[self._free >= count]
             self.ids[slots] = rows["ids"]
             self.value[slots] = rows["value"].reshape(count, self.row_elements)
             for name, arr in self.slots.items():
@@ -264,5 +264,6 @@ class HashTablePart:
             self.row_steps[slots] = rows["row_steps"]
             self.last_access[slots] = rows["last_access"]
             self._clock = int(rows["last_access"].max()) if count else 0
-            self._index = {int(i): s for i, s in zip(rows["ids"].tolist(), range(count))}
+            self._index = IdIndex(count)
+            self._index.insert(rows["ids"], slots)
             self.version, self.optimizer_steps, self.evicted_rows = version, optimizer_steps, evicted

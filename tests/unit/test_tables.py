@@ -75,15 +75,19 @@ def _live_ids(table: HashTablePart) -> set[int]:
 
 def _check_invariants(table: HashTablePart) -> None:
     """Every slot is either live (exactly once in the index) or free."""
-    live = list(table._index.values())
+    ids, slots = table._index.items()
+    live = slots.tolist()
+    free = table._free.tolist()
     assert len(set(live)) == len(live), "two ids share a slot"
-    assert not set(live) & set(table._free), "a live slot is on the free list"
-    assert len(live) + len(table._free) == table.capacity, (
-        f"slots leaked: {len(live)} live + {len(table._free)} free != capacity {table.capacity}")
+    assert len(set(ids.tolist())) == len(live), "an id is in the index twice"
+    assert not set(live) & set(free), "a live slot is on the free list"
+    assert len(live) + len(free) == table.capacity, (
+        f"slots leaked: {len(live)} live + {len(free)} free != capacity {table.capacity}")
+    assert len(table._index) == len(live) == table.num_rows
     if table.max_rows:
         assert table.num_rows <= table.max_rows
-    for i, slot in table._index.items():
-        assert int(table.ids[slot]) == i
+    assert table.ids[slots].tolist() == ids.tolist()
+    assert table._index.lookup(ids).tolist() == live
 
 
 # ---- create / read / apply ---------------------------------------------------------------------
