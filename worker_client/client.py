@@ -622,7 +622,7 @@ class PSClient:
         # through ``order`` took twice as long).
         source = np.empty(len(ids), dtype=np.intp)
         source[order] = np.cumsum(first) - 1 if repeats else np.arange(len(ids))
-        result = np.take(fetched, source, axis=0)
+        result = take_rows(fetched, source)
         row_shape = variable.shape if variable.spec.hash_table else variable.shape[1:]
         result = result.reshape((len(ids), *row_shape))
         return result if gpu is None else to_device(result, gpu)
