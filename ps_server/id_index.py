@@ -21,6 +21,7 @@ __all__ = ["IdIndex"]
 
 _EMPTY = -1
 _DELETED = -2
+_CLAIMED = -3  # only while an insert is placing its ids
 _MIN_BUCKETS = 1024
 # Fibonacci hashing (Knuth): the id times 2^64 / golden ratio, top bits. Not
 # SplitMix64, which places the rows on shards: on one shard every id has the
@@ -29,6 +30,8 @@ _FIBONACCI = np.uint64(0x9E3779B97F4A7C15)
 
 
 class IdIndex:
+    """A map of unique int64 ids to int64 slots (see the module docstring)."""
+
     def __init__(self, expected: int = 0) -> None:
         self._allocate(_buckets_for(expected))
         self._live = 0
@@ -50,8 +53,8 @@ class IdIndex:
         ids = np.asarray(ids, np.int64)
         if self._used + len(ids) > len(self._ids) // 2:
             self._rebuild(self._live + len(ids))
-        positions = self._claim_free(ids)
-        self._used += int(np.count_nonzero(self._slots[positions] == _EMPTY))
+        positions, newly_used = self._claim_free(ids)
+        self._used += newly_used
         self._ids[positions] = ids
         self._slots[positions] = slots
         self._live += len(ids)
@@ -89,26 +92,30 @@ class IdIndex:
             position = (position[go_on] + 1) & mask
         return result
 
-    def _claim_free(self, ids: np.ndarray) -> np.ndarray:
-        """A distinct free (empty or deleted) bucket on each id's probe chain; the caller fills them."""
+    def _claim_free(self, ids: np.ndarray) -> tuple[np.ndarray, int]:
+        """A distinct free (empty or deleted) bucket on each id's probe chain, marked claimed for
+        the caller to fill; and how many of them were empty."""
         mask = len(self._ids) - 1
         result = np.full(len(ids), -1, np.int64)
         pending = np.arange(len(ids))
         position = self._home(ids)
-        claimed = np.zeros(len(self._ids), bool)  # taken in an earlier round of this call
+        newly_used = 0
         while pending.size:
-            free = (self._slots[position] < 0) & ~claimed[position]
+            slot = self._slots[position]
+            free = (slot == _EMPTY) | (slot == _DELETED)
             taken = np.zeros(len(pending), bool)
             candidates = np.flatnonzero(free)
             if candidates.size:
                 # Several ids may probe the same free bucket in one round: the first takes it.
                 _, first = np.unique(position[candidates], return_index=True)
                 taken[candidates[first]] = True
-                result[pending[taken]] = position[taken]
-                claimed[position[taken]] = True
+                won = position[taken]
+                newly_used += int(np.count_nonzero(self._slots[won] == _EMPTY))
+                self._slots[won] = _CLAIMED  # not free for the ids still probing
+                result[pending[taken]] = won
             pending = pending[~taken]
             position = (position[~taken] + 1) & mask
-        return result
+        return result, newly_used
 
     def _home(self, ids: np.ndarray) -> np.ndarray:
         bits = len(self._ids).bit_length() - 1
