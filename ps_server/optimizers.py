@@ -18,6 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ps_server.fused import fused_adam
 from wehub_ps.specs import SGD, Adagrad, Adam, Momentum, Optimizer
 
 __all__ = ["OptimizerKernel", "make_kernel"]
@@ -131,15 +132,19 @@ class _AdamKernel:
         self.beta_1 = config.beta_1
         self.beta_2 = config.beta_2
         self.epsilon = config.epsilon
+        #: Use the compiled one-pass update where it can run (False: NumPy's twelve passes).
+        self.fused = True
 
     def init_slot(self, name: str, out: np.ndarray) -> None:
         out.fill(0)
 
     def apply(self, w, g, slots, step, scratch):
         m, v = slots["m"], slots["v"]
-        s = scratch[: w.size]
         b1, b2 = self.beta_1, self.beta_2
         lr_t = self.lr * math.sqrt(1.0 - b2**step) / (1.0 - b1**step)
+        if self.fused and fused_adam(w, g, m, v, b1, b2, self.epsilon, lr_t):
+            return  # one compiled pass, the same bits as below (ps_server/fused.py)
+        s = scratch[: w.size]
         # m = b1 m + (1 - b1) g
         np.multiply(m, b1, out=m, casting="unsafe")
         np.multiply(g, 1.0 - b1, out=s, casting="unsafe")
