@@ -27,6 +27,7 @@ from ps_server.info import VariableInfo
 from ps_server.initializers import fill_initial_values
 from ps_server.optimizers import make_kernel
 from ps_server.tables import HashTablePart
+from wehub_ps.convert import cast_into
 from wehub_ps.dtypes import WIRE_FLOAT_DTYPES, dtype_name
 from wehub_ps.errors import Reason
 from wehub_ps.placement import rows_of
@@ -147,7 +148,7 @@ class VariablePart:
             view = self.value[offset : offset + count]
             if wire_dtype != view.dtype:
                 converted = _scratch.get("wire-out", wire_dtype, count)
-                np.copyto(converted, view, casting="unsafe")
+                cast_into(converted, view)
                 view = converted
             return sink(view, self.version)
 

@@ -36,6 +36,7 @@ from wehub_ps.codec import (
     push_request_pieces,
     split_push_response,
 )
+from wehub_ps.convert import cast_into
 from wehub_ps.dtypes import BFLOAT16, dtype_name, parse_dtype, to_wire_dtype
 from wehub_ps.placement import MinSizePartitioner, Partitioner, Placement, hash_shards
 from wehub_ps.rowops import put_rows, take_rows
@@ -1134,7 +1135,7 @@ class PSClient:
                     # Converted into this thread's arena (joining the message copies it out):
                     # no model-sized temporary, and the conversion overlaps the sending.
                     buffer = arena.take(wire_dtype, count)
-                    np.copyto(buffer, piece, casting="unsafe")
+                    cast_into(buffer, piece)
                     piece = buffer
                 nbytes = piece.nbytes
                 if pending and pending_bytes + nbytes > self.chunk_bytes and not single:

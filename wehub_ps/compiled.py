@@ -1,0 +1,49 @@
+"""Small loops compiled with numba: one pass over memory where NumPy needs several.
+
+Used for Adam's update on the server (ps_server/fused.py) and for the
+float32 -> bfloat16 cast on both sides (wehub_ps/convert.py). Each loop is
+compiled on first use (about 0.4 s per argument type) and cached next to
+its module when that directory is writable; elsewhere (a read-only
+install) it is compiled once per process. Without numba every caller has
+a NumPy path that gives the same bits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from wehub_ps.logs import event
+
+__all__ = ["compiled"]
+
+log = logging.getLogger("wehub_ps.compiled")
+
+_lock = threading.Lock()  # guards _built
+_built: dict[Callable, Callable | None] = {}
+
+
+def compiled(fn: Callable) -> Callable | None:
+    """``fn`` compiled by numba (GIL released, NumPy's error model), or None without numba.
+
+    ``error_model="numpy"`` only drops Python's zero-division checks, which
+    keep LLVM from vectorising a loop; no fast-math: the float operations
+    stay those written, in that order.
+    """
+    with _lock:
+        if fn not in _built:
+            _built[fn] = _build(fn)
+        return _built[fn]
+
+
+def _build(fn: Callable) -> Callable | None:
+    try:
+        import numba
+    except ImportError:
+        event(log, logging.INFO, "numba is not installed: loops run as NumPy passes", loop=fn.__name__)
+        return None
+    try:
+        return numba.njit(nogil=True, cache=True, error_model="numpy")(fn)
+    except RuntimeError:  # nowhere writable to cache: compile in this process only
+        return numba.njit(nogil=True, error_model="numpy")(fn)

@@ -1,0 +1,40 @@
+"""Casting tensors to a narrower wire dtype, float32 -> bfloat16 compiled.
+
+ml_dtypes casts float32 to bfloat16 at 5.3 GB/s of float32 on this
+machine, a loop with a branch per element; the compiled loop below (integer
+round to nearest even on the bit pattern) runs at 65 GB/s in cache, with
+the same bits, NaNs included (ml_dtypes makes every NaN 0x7FC0 or 0xFFC0).
+With a bfloat16 wire every pushed gradient and every pulled value passes
+through it. Compiling and the fallback without numba: wehub_ps/compiled.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from wehub_ps.compiled import compiled
+from wehub_ps.dtypes import BFLOAT16
+
+__all__ = ["cast_into"]
+
+
+def _f32_to_bf16(src, dst):  # pragma: no cover - runs compiled
+    for i in range(src.size):
+        bits = src[i]
+        if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN: quiet, sign kept
+            dst[i] = np.uint16((bits >> np.uint32(16)) & np.uint32(0x8000)) | np.uint16(0x7FC0)
+        else:
+            dst[i] = np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+                               >> np.uint32(16))
+
+
+def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """``np.copyto(dst, src, casting="unsafe")``; float32 -> bfloat16 by the compiled loop."""
+    if (dst.dtype == BFLOAT16 and src.dtype == np.float32 and src.shape == dst.shape and src.ndim == 1
+            and src.flags.c_contiguous and dst.flags.c_contiguous and src.flags.aligned and dst.flags.aligned
+            and dst.flags.writeable):
+        kernel = compiled(_f32_to_bf16)
+        if kernel is not None:
+            kernel(src.view(np.uint32), dst.view(np.uint16))
+            return
+    np.copyto(dst, src, casting="unsafe")
