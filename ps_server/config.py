@@ -242,6 +242,6 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
                                                                   "PS_NUM_WORKERS", "PS_EXAMPLE", "PS_TLS_CA",
                                                                   "PS_SERVER_NAME", "PS_AUTH_TOKEN",
                                                                   "PS_FINISH_CLUSTER", "PS_EXAMPLE_CONFIG",
-                                                                  "PS_WIRE_DTYPE"}
+                                                                  "PS_WIRE_DTYPE", "PS_COMPILED_LOOPS"}
     unknown = sorted(k for k in environ if k.startswith("PS_") and k not in known)
     return ServerConfig(**values, unknown_environment=tuple(unknown))  # type: ignore[arg-type]

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -41,3 +46,23 @@ def test_other_casts_fall_back_to_numpy(make):
     dst, source = make(src)
     cast_into(dst, source)
     assert dst.tobytes() == source.astype(dst.dtype).tobytes()
+
+
+def test_ps_compiled_loops_0_keeps_numpy_and_never_imports_numba():
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        from wehub_ps.compiled import compiled
+        from wehub_ps.convert import _f32_to_bf16, cast_into
+        from wehub_ps.dtypes import BFLOAT16
+        from ps_server.fused import fused_adam
+        assert compiled(_f32_to_bf16) is None
+        w = np.zeros(8, np.float32)
+        assert not fused_adam(w, w.copy(), w.copy(), w.copy(), 0.9, 0.999, 1e-7, 0.01)
+        dst = np.empty(8, BFLOAT16)
+        cast_into(dst, np.linspace(-1, 1, 8, dtype=np.float32))
+        assert dst.tolist() == np.linspace(-1, 1, 8, dtype=np.float32).astype(BFLOAT16).tolist()
+        assert "numba" not in sys.modules
+    """)
+    env = {**os.environ, "PS_COMPILED_LOOPS": "0"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
