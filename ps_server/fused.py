@@ -3,7 +3,7 @@
 In NumPy, Adam is twelve passes over each chunk (two moments, a square root,
 a division, the step); no formulation with NumPy's ufuncs needs fewer than
 eleven, and L2-sized sub-blocks or numexpr were no faster. One compiled
-loop reads w, g, m and v once and writes w, m and v: 8.5-9.3 GB/s of
+loop reads w, g, m and v once and writes w, m and v: 8.2-9.3 GB/s of
 parameters against NumPy's 2.9-3.2 on this machine (100 MB in 1 MiB
 chunks; memcpy 18 GB/s). It does the same float operations in the same
 order as the NumPy kernel, so the results are bit for bit the same.

@@ -16,9 +16,9 @@ import numpy as np
 __all__ = ["take_rows", "put_rows"]
 
 
-def take_rows(table: np.ndarray, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """``table[rows]`` for a 2-D ``table`` (a copy), optionally into ``out``."""
-    return np.take(table, rows, axis=0, out=out)
+def take_rows(table: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``table[rows]`` (a copy) for a ``table`` of rows along axis 0."""
+    return np.take(table, rows, axis=0)
 
 
 def put_rows(table: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:

@@ -34,13 +34,6 @@ def test_put_of_a_repeated_row_keeps_the_last_value():
     assert table.tolist() == [[0, 0], [2, 2], [0, 0]]
 
 
-def test_take_into_out():
-    table = np.arange(12, dtype=np.float32).reshape(4, 3)
-    out = np.empty((2, 3), np.float32)
-    assert take_rows(table, np.array([3, 0]), out=out) is out
-    assert out.tolist() == [[9, 10, 11], [0, 1, 2]]
-
-
 def test_put_into_a_strided_table_falls_back_to_fancy_indexing():
     table = np.zeros((4, 6), np.float32)[:, ::2]  # not contiguous: rows are not records
     put_rows(table, np.array([2]), np.ones((1, 3), np.float32))
