@@ -18,7 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ps_server.fused import fused_adam
+from ps_server.fused import fused_adam, fused_sgd_rows
 from wehub_ps.specs import SGD, Adagrad, Adam, Momentum, Optimizer
 
 __all__ = ["OptimizerKernel", "make_kernel"]
@@ -38,6 +38,13 @@ class OptimizerKernel(Protocol):
               step: int, scratch: np.ndarray) -> None:
         """Update ``w`` (and ``slots``) in place; ``step`` counts from 1."""
 
+    def update_rows(self, table: np.ndarray, rows: np.ndarray, g: np.ndarray) -> bool:
+        """A sparse update made where the rows lie (``table`` 2-D, ``rows`` unique), in one pass.
+
+        False when this optimizer or these arrays have no such form: nothing
+        was changed and the caller gathers, runs apply_rows and scatters.
+        """
+
     def apply_rows(self, w: np.ndarray, g: np.ndarray, slots: dict[str, np.ndarray],
                    steps: np.ndarray, scratch: np.ndarray | None = None) -> None:
         """Sparse update of gathered rows, (k, row_elements) each, in place.
@@ -53,6 +60,9 @@ class _FlatRows:
 
     needs_row_steps = False
 
+    def update_rows(self, table, rows, g):
+        return False
+
     def apply_rows(self, w, g, slots, steps, scratch=None):
         flat_slots = {name: slot.reshape(-1) for name, slot in slots.items()}
         if scratch is None:
@@ -65,6 +75,12 @@ class _SGDKernel(_FlatRows):
 
     def __init__(self, config: SGD) -> None:
         self.lr = config.learning_rate
+        #: Update rows in place with a compiled loop where it can run (False: gather, update, scatter).
+        self.fused = True
+
+    def update_rows(self, table, rows, g):
+        # The same float operations as apply: g * lr rounded to the dtype, then w - that.
+        return self.fused and fused_sgd_rows(table, rows, g, self.lr)
 
     def init_slot(self, name: str, out: np.ndarray) -> None:  # pragma: no cover - no slots
         raise KeyError(name)
@@ -137,6 +153,9 @@ class _AdamKernel:
 
     def init_slot(self, name: str, out: np.ndarray) -> None:
         out.fill(0)
+
+    def update_rows(self, table, rows, g):
+        return False  # lazy Adam keeps a step count per row: gathered rows (apply_rows)
 
     def apply(self, w, g, slots, step, scratch):
         m, v = slots["m"], slots["v"]

@@ -327,3 +327,46 @@ def test_fused_adam_declines_arrays_it_cannot_take():
     assert not fused_adam(w.astype(np.float16), w.astype(np.float16), w.astype(np.float16),
                           w.astype(np.float16), 0.9, 0.999, 1e-7, 0.01)
     assert w.tolist() == [0.0] * 8
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fused_sgd_rows_give_the_same_bits_as_gather_update_scatter(dtype):
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(11)
+    rows = rng.choice(400, 64, replace=False)
+    grads = rng.standard_normal((64, 25)).astype(dtype)
+    results = {}
+    for fused in (True, False):
+        part = _part(SGD(learning_rate=0.37), shape=(400, 25), dtype=dtype)
+        part.kernel.fused = fused
+        before = part.value.copy()
+        part.apply_rows(rows, grads)
+        part.apply_rows(rows[::2], grads[::2].copy())
+        results[fused] = part.value.copy()
+    assert results[True].tobytes() == results[False].tobytes()
+    changed = np.flatnonzero((results[True] != before).reshape(400, 25).any(axis=1))
+    assert sorted(changed) == sorted(rows)  # only the rows pushed
+    from ps_server.fused import fused_sgd_rows  # and the compiled loop did run
+
+    table = np.zeros((4, 2), dtype)
+    assert fused_sgd_rows(table, np.array([2, 0]), np.array([[1, 2], [3, 4]], dtype), 0.5)
+    assert table.tolist() == [[-1.5, -2.0], [0, 0], [-0.5, -1.0], [0, 0]]
+    unaligned = np.frombuffer(memoryview(bytes(1) + np.ones(4, dtype).tobytes())[1:], dtype).reshape(2, 2)
+    assert not unaligned.flags.aligned  # as a gradient read in place from a message can be
+    assert fused_sgd_rows(table, np.array([1, 3]), unaligned, 0.5)
+    assert table.tolist() == [[-1.5, -2.0], [-0.5, -0.5], [-0.5, -1.0], [-0.5, -0.5]]
+
+
+def test_fused_sgd_rows_declines_arrays_it_cannot_take():
+    from ps_server.fused import fused_sgd_rows
+
+    table = np.zeros((4, 2), np.float32)
+    g = np.ones((2, 2), np.float32)
+    assert not fused_sgd_rows(table, np.array([0, 4]), g, 0.1)  # a row outside the table
+    assert not fused_sgd_rows(table, np.array([-1, 0]), g, 0.1)
+    assert not fused_sgd_rows(table, np.array([0, 1]), g.astype(np.float64), 0.1)  # mixed dtypes
+    assert not fused_sgd_rows(table, np.array([0, 1, 2]), g, 0.1)  # a gradient row short
+    assert not fused_sgd_rows(table, np.array([0, 1]), np.ones((2, 4), np.float32)[:, ::2], 0.1)
+    assert not fused_sgd_rows(table.astype(np.float16), np.array([0, 1]), g.astype(np.float16), 0.1)
+    assert not fused_sgd_rows(table, np.array([0.0, 1.0]), g, 0.1)  # float "ids"
+    assert table.tolist() == [[0.0, 0.0]] * 4
