@@ -21,20 +21,44 @@ def sort_ids(ids: np.ndarray, *, keep_order_of_repeats: bool = True
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(order, ids[order], first), where ``first`` marks the first of each run of equal ids.
 
-    numpy's default sort (vectorised quicksort) takes 51 us on 4,096 random
-    int64 ids where its stable one (timsort) takes 221 us, and most batches
-    repeat no id. So the fast one runs first; only when an id repeats and
-    ``keep_order_of_repeats`` is set does the stable one run as well, so
-    equal ids keep their order of occurrence.
+    Row indices (non-negative, below 2**(63 - bits of len(ids))) are sorted
+    as one int64 key each, the id above its position: NumPy's vectorised
+    sort of plain integers is twice as fast as its argsort (18 against 36
+    us on 4,096 random ids) and, the position being part of the key, equal
+    ids keep their order. Other ids (a hash table's are any int64) take the
+    fast argsort, and the stable one (timsort, four times slower) as well
+    only when an id repeats and ``keep_order_of_repeats`` is set.
     """
-    order = np.argsort(ids)
+    order = _packed_order(ids)
+    if order is None:
+        order = np.argsort(ids)
     sorted_ids = ids[order]
     first = np.ones(len(ids), dtype=bool)
     np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
-    if keep_order_of_repeats and not first.all():
+    if keep_order_of_repeats and not first.all() and not _is_stable(order, first):
         order = np.argsort(ids, kind="stable")
         sorted_ids = ids[order]
     return order, sorted_ids, first
+
+
+def _packed_order(ids: np.ndarray) -> np.ndarray | None:
+    """The stable sorting order of ``ids`` through one sort of (id, position) keys; None where they do not fit."""
+    n = len(ids)
+    if n < 2 or ids.dtype.kind not in "iu":
+        return None
+    shift = int(n - 1).bit_length()
+    if ids.min() < 0 or int(ids.max()) >= 1 << (63 - shift):
+        return None
+    key = ids.astype(np.int64) << shift
+    key |= np.arange(n, dtype=np.int64)
+    key.sort()
+    return key & ((1 << shift) - 1)
+
+
+def _is_stable(order: np.ndarray, first: np.ndarray) -> bool:
+    """Whether equal ids in ``order`` keep their order of occurrence (each run ascending)."""
+    later = ~first[1:]
+    return bool((order[1:][later] > order[:-1][later]).all())
 
 
 def sum_by_id(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -41,3 +41,24 @@ def test_sort_ids_groups_equal_ids_and_keeps_their_order_when_asked(ids, keep_or
     assert first.tolist() == [i == 0 or sorted_ids[i] != sorted_ids[i - 1] for i in range(len(ids))]
     if keep_order:  # equal ids in order of occurrence: the stable order
         assert np.array_equal(order, np.argsort(ids, kind="stable"))
+
+
+@given(st.lists(st.one_of(st.integers(-2**63, 2**63 - 1), st.integers(2**54 - 3, 2**54 + 3),
+                          st.integers(2**55 - 3, 2**55 + 3), st.integers(0, 9)), max_size=300), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_sort_ids_any_int64_and_the_packed_keys_edge(ids, keep_order):
+    """Ids near where (id, position) stops fitting one int64 key, negative and huge ones."""
+    ids = np.array(ids, dtype=np.int64)
+    order, sorted_ids, first = sort_ids(ids, keep_order_of_repeats=keep_order)
+    assert np.array_equal(sorted_ids, np.sort(ids)) and np.array_equal(sorted_ids, ids[order])
+    assert first.tolist() == [i == 0 or sorted_ids[i] != sorted_ids[i - 1] for i in range(len(ids))]
+    if keep_order:
+        assert np.array_equal(order, np.argsort(ids, kind="stable"))
+
+
+def test_sort_ids_of_unsigned_ids():
+    ids = np.array([7, 3, 7, 2**64 - 1, 0], dtype=np.uint64)
+    order, sorted_ids, _ = sort_ids(ids)
+    assert order.tolist() == [4, 1, 0, 2, 3] and sorted_ids.tolist() == [0, 3, 7, 7, 2**64 - 1]
+    order, _, _ = sort_ids(ids[:3])
+    assert order.tolist() == [1, 0, 2]
