@@ -604,8 +604,22 @@ class PSClient:
         width = variable.spec.row_elements
         # Sorted once: the unique ids, and for a dense variable each shard's rows as one slice.
         order, sorted_ids, first = sort_ids(ids, keep_order_of_repeats=False)
-        repeats = not first.all()
-        unique = sorted_ids[first] if repeats else sorted_ids
+        if first.all():
+            # No repeats: each shard's rows go from its answer straight to their places.
+            result = np.empty((len(ids), width), dtype=variable.dtype)
+            self._pull_all({shard: [PullItem(name, result, sorted_ids[positions], rows_at=order[positions])]
+                            for shard, positions in self._rows_by_shard(variable, sorted_ids).items()})
+        else:
+            result = self._pull_unique_rows(variable, ids, order, sorted_ids, first)
+        row_shape = variable.shape if variable.spec.hash_table else variable.shape[1:]
+        result = result.reshape((len(ids), *row_shape))
+        return result if gpu is None else to_device(result, gpu)
+
+    def _pull_unique_rows(self, variable: Variable, ids: np.ndarray, order: np.ndarray, sorted_ids: np.ndarray,
+                          first: np.ndarray) -> np.ndarray:
+        """pull_rows of ids that repeat: each id fetched once, then copied to every place it was asked."""
+        width = variable.spec.row_elements
+        unique = sorted_ids[first]
         fetched = np.empty((len(unique), width), dtype=variable.dtype)
         by_shard: dict[int, list[PullItem]] = {}
         scattered: list[tuple[np.ndarray, np.ndarray]] = []
@@ -615,18 +629,15 @@ class PSClient:
             else:
                 dest = np.empty((len(positions), width), dtype=variable.dtype)
                 scattered.append((positions, dest))
-            by_shard[shard] = [PullItem(name, dest.reshape(-1), unique[positions])]
+            by_shard[shard] = [PullItem(variable.name, dest.reshape(-1), unique[positions])]
         self._pull_all(by_shard)
         for positions, dest in scattered:
             put_rows(fetched, positions, dest)
         # Row i of the result is fetched row source[i]: one gather (a scatter
         # through ``order`` took twice as long).
         source = np.empty(len(ids), dtype=np.intp)
-        source[order] = np.cumsum(first) - 1 if repeats else np.arange(len(ids))
-        result = take_rows(fetched, source)
-        row_shape = variable.shape if variable.spec.hash_table else variable.shape[1:]
-        result = result.reshape((len(ids), *row_shape))
-        return result if gpu is None else to_device(result, gpu)
+        source[order] = np.cumsum(first) - 1
+        return take_rows(fetched, source)
 
     def _rows_by_shard(self, variable: Variable, unique_ids: np.ndarray) -> dict[int, slice | np.ndarray]:
         """Positions in ``unique_ids`` (sorted) grouped by the shard that holds each row.
@@ -688,7 +699,7 @@ class PSClient:
     def _pull_bytes(self, items: list[PullItem]) -> int:
         """Tensor bytes the answer to a pull of ``items`` carries."""
         wire = self.wire_dtype.itemsize if self.wire_dtype is not None else None
-        return sum(item.dest.size * (wire or item.dest.dtype.itemsize) for item in items)
+        return sum(item.size * (wire or item.dest.dtype.itemsize) for item in items)
 
     def push(self, gradients: Mapping[str, Any],
              rows: Mapping[str, tuple[Any, Any]] | None = None) -> set[int]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from wehub_ps.codec import CodecError, DecodedChunk, decode_pull_response
+from wehub_ps.rowops import put_rows
 from wehub_ps.v1 import ps_pb2
 from worker_client.errors import PSInternalError
 
@@ -21,11 +22,22 @@ __all__ = ["PullItem", "PullReceiver", "pull_request"]
 
 @dataclass
 class PullItem:
-    """One variable (or a block of its rows) pulled from one shard into ``dest`` (flat)."""
+    """One variable (or a block of its rows) pulled from one shard into ``dest`` (flat).
+
+    With ``rows_at``, ``dest`` is a 2-D array and the answer's row i goes to
+    ``dest[rows_at[i]]``: rows pulled in sorted order land in the caller's
+    order with one scatter from the message, no copy in between.
+    """
 
     name: str
     dest: np.ndarray
     row_ids: np.ndarray | None = None
+    rows_at: np.ndarray | None = None
+
+    @property
+    def size(self) -> int:
+        """Elements the answer carries."""
+        return self.dest.size if self.rows_at is None else len(self.rows_at) * self.dest.shape[1]
 
 
 def pull_request(items: Iterable[PullItem], **fields) -> ps_pb2.PullRequest:
@@ -41,7 +53,7 @@ class PullReceiver:
 
     def __init__(self, address: str, items: list[PullItem]) -> None:
         self.address = address
-        self._expected = {item.name: item.dest for item in items}
+        self._expected = {item.name: item for item in items}
         self.received: dict[str, int] = {}
         #: The version of each variable as its last chunk was read.
         self.versions: dict[str, int] = {}
@@ -63,18 +75,27 @@ class PullReceiver:
         try:
             for chunk in chunks:
                 h = chunk.header
-                dest = self._expected[h.variable]
-                if h.offset + h.count > dest.size:
-                    raise CodecError(f"chunk [{h.offset}, {h.offset + h.count}) is outside {dest.size} elements")
-                np.copyto(dest[h.offset:h.offset + h.count], chunk.array(), casting="unsafe")
+                item = self._expected[h.variable]
+                if h.offset + h.count > item.size:
+                    raise CodecError(f"chunk [{h.offset}, {h.offset + h.count}) is outside {item.size} elements")
+                if item.rows_at is None:
+                    np.copyto(item.dest[h.offset:h.offset + h.count], chunk.array(), casting="unsafe")
+                else:
+                    width = item.dest.shape[1]
+                    if h.offset % width or h.count % width:
+                        raise CodecError(f"chunk [{h.offset}, {h.offset + h.count}) of {h.variable!r} "
+                                         f"is not whole rows of {width}")
+                    first = h.offset // width
+                    put_rows(item.dest, item.rows_at[first:first + h.count // width],
+                             chunk.array().reshape(-1, width))
                 self.received[h.variable] += h.count
                 self.versions[h.variable] = h.version
         except (CodecError, KeyError) as exc:
             raise self._malformed(exc) from exc
 
     def check_complete(self) -> None:
-        short = {name: (self.received[name], dest.size) for name, dest in self._expected.items()
-                 if self.received[name] != dest.size}
+        short = {name: (self.received[name], item.size) for name, item in self._expected.items()
+                 if self.received[name] != item.size}
         if short:
             raise PSInternalError(f"pull from {self.address} ended early: received/expected "
                                   f"elements {short}", address=self.address)
