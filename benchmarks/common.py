@@ -268,3 +268,165 @@ def grpc_stream_seconds(nbytes: int, repeats: int) -> tuple[list[float], list[fl
     finally:
         server.stdin.close()
         stop_process(server)
+
+
+# The least a sparse call can do over gRPC Python: ids out as raw int64 and
+# rows back as raw bytes on one open bidirectional stream per server; the
+# server gathers (or updates) its rows with the same NumPy calls ps-server
+# uses, with no framing, checks, ledger or metrics.
+_BARE_ROWS_SERVER = """
+import sys, grpc, numpy as np
+from concurrent import futures
+from wehub_ps.allocator import keep_freed_buffers
+keep_freed_buffers()
+rows, dim = int(sys.argv[1]), int(sys.argv[2])
+table = np.zeros((rows, dim), np.float32)
+table += 0.5  # every page touched, as a ps-server's initialised part
+record = np.dtype((np.void, dim * 4))
+def exchange(requests, context):
+    for raw in requests:
+        n = int.from_bytes(raw[1:8], "little")
+        ids = np.frombuffer(raw, np.int64, n, 8)
+        if raw[0] == 0:
+            yield np.take(table, ids, axis=0).tobytes()
+        else:
+            w = np.take(table, ids, axis=0)
+            w -= np.float32(1e-9) * np.frombuffer(raw, np.float32, n * dim, 8 + 8 * n).reshape(n, dim)
+            np.put(table.view(record).reshape(-1), ids, w.view(record).reshape(-1))
+            yield b"ok"
+h = grpc.method_handlers_generic_handler("bench.Rows", {"Exchange": grpc.stream_stream_rpc_method_handler(exchange)})
+options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+s = grpc.server(futures.ThreadPoolExecutor(4), options=options); s.add_generic_rpc_handlers((h,))
+print(s.add_insecure_port("127.0.0.1:0"), flush=True); s.start(); sys.stdin.read()
+"""
+
+
+def bare_rows_seconds(rows_per_server: int, batches: Sequence[np.ndarray], grads: np.ndarray, calls: int,
+                      warmup: int) -> tuple[list[float], list[float]]:
+    """(pull, push) seconds per call of the bare row exchange with 2 servers, each holding ``rows_per_server``.
+
+    The client does what any row client must: sort the ids, split them by
+    server, send, and put each answer's rows back in the caller's order.
+    """
+    import queue
+
+    import grpc
+
+    dim = grads.shape[1]
+    record = np.dtype((np.void, dim * 4))
+    servers = [subprocess.Popen([sys.executable, "-c", _BARE_ROWS_SERVER, str(rows_per_server), str(dim)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env())
+               for _ in range(2)]
+    channels = []
+    try:
+        lanes = []
+        for server in servers:
+            channel = grpc.insecure_channel(f"127.0.0.1:{int(server.stdout.readline())}",
+                                            options=[("grpc.max_receive_message_length", 64 << 20)])
+            channels.append(channel)
+            requests: queue.SimpleQueue = queue.SimpleQueue()
+            lanes.append((requests, channel.stream_stream("/bench.Rows/Exchange")(iter(requests.get, None))))
+
+        def split(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+            order = np.argsort(ids)
+            sorted_ids = ids[order]
+            return order, sorted_ids, int(np.searchsorted(sorted_ids, rows_per_server))
+
+        def pull(ids: np.ndarray) -> np.ndarray:
+            order, sorted_ids, cut = split(ids)
+            parts = ((sorted_ids[:cut], order[:cut]), (sorted_ids[cut:] - rows_per_server, order[cut:]))
+            for (requests, _), (local, _) in zip(lanes, parts):
+                requests.put(b"\0" + len(local).to_bytes(7, "little") + local.tobytes())
+            out = np.empty((len(ids), dim), np.float32)
+            for (_, answers), (_, places) in zip(lanes, parts):
+                np.put(out.view(record).reshape(-1), places, np.frombuffer(next(answers), record))
+            return out
+
+        def push(ids: np.ndarray) -> None:
+            order, sorted_ids, cut = split(ids)
+            rows = np.take(grads, order, axis=0)
+            parts = ((sorted_ids[:cut], rows[:cut]), (sorted_ids[cut:] - rows_per_server, rows[cut:]))
+            for (requests, _), (local, values) in zip(lanes, parts):
+                requests.put(b"".join([b"\1" + len(local).to_bytes(7, "little"), local.tobytes(),
+                                       memoryview(values).cast("B")]))
+            for _, answers in lanes:
+                next(answers)
+
+        results = []
+        for fn in (pull, push):
+            it = iter(batches)
+            results.append(time_calls(lambda: fn(next(it)), calls, warmup=warmup))
+        for requests, answers in lanes:
+            requests.put(None)
+            answers.cancel()
+        return results[0], results[1]
+    finally:
+        for channel in channels:
+            channel.close()
+        for server in servers:
+            server.stdin.close()
+            stop_process(server)
+
+
+# A worker of the bare 2-worker reference: pulls then pushes ``nbytes`` per
+# server (1 MiB raw messages), both servers at once, ``repeats`` times.
+_GRPC_STREAM_WORKER = """
+import json, sys, threading, time, grpc
+from wehub_ps.allocator import keep_freed_buffers
+keep_freed_buffers()
+ports, nbytes, repeats = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
+options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+channels = [grpc.insecure_channel(f"127.0.0.1:{p}", options=options) for p in ports]
+source = memoryview(bytes(nbytes))
+def pull(channel):
+    for message in channel.unary_stream("/bench.Raw/Pull")(b""):
+        pass
+def push(channel):
+    channel.stream_unary("/bench.Raw/Push")(bytes(source[i:i + (1 << 20)]) for i in range(0, nbytes, 1 << 20))
+def both(fn):
+    threads = [threading.Thread(target=fn, args=(c,)) for c in channels]
+    start = time.perf_counter()
+    for t in threads: t.start()
+    for t in threads: t.join()
+    return time.perf_counter() - start
+both(pull); both(push)
+print("ready", flush=True)
+sys.stdin.readline()
+result = {"pull": [both(pull) for _ in range(repeats)]}
+result["push"] = [both(push) for _ in range(repeats)]
+print(json.dumps(result), flush=True)
+"""
+
+
+def grpc_stream_2x2_seconds(nbytes_per_server: int, repeats: int) -> tuple[float, float]:
+    """gRPC Python alone, 2 worker processes x 2 servers at once: (pull, push) seconds of the slower worker.
+
+    The same traffic as the benchmark's 2-worker figure (each worker moves
+    ``nbytes_per_server`` to or from each server, both servers at once), as
+    raw 1 MiB messages with no serialisation: what four processes on this
+    machine's cores can move through gRPC Python with nothing of ours.
+    """
+    import json
+
+    servers = [subprocess.Popen([sys.executable, "-c", _GRPC_STREAM_SERVER, str(nbytes_per_server)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env())
+               for _ in range(2)]
+    workers: list[subprocess.Popen] = []
+    try:
+        ports = ",".join(str(int(s.stdout.readline())) for s in servers)
+        workers = [subprocess.Popen([sys.executable, "-c", _GRPC_STREAM_WORKER, ports, str(nbytes_per_server),
+                                     str(repeats)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                    env=child_env()) for _ in range(2)]
+        for w in workers:
+            if w.stdout.readline().strip() != "ready":
+                raise RuntimeError("bare gRPC benchmark worker did not start")
+        for w in workers:
+            w.stdin.write("go\n")
+            w.stdin.flush()
+        out = [json.loads(w.stdout.readline()) for w in workers]
+        return max(sum(r["pull"]) for r in out) / repeats, max(sum(r["push"]) for r in out) / repeats
+    finally:
+        for proc in workers + servers:
+            if proc.stdin:
+                proc.stdin.close()
+            stop_process(proc)

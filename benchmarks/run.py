@@ -10,7 +10,9 @@ dense     100 MB model (4 x 6400x1024 float32): pull and push with 1 worker and
           1 or 2 servers, and 2 worker processes at once on 2 servers;
           baseline raw TCP between two processes. Pulls receive into the
           same arrays each time (pull(out=...), as a training loop does);
-          one row reports a pull into new arrays
+          one row reports a pull into new arrays. References: gRPC Python
+          alone (raw 1 MiB messages, no serialisation) with 1 worker and 1
+          server, and with 2 worker processes x 2 servers
 bf16      the same model with bfloat16 on the wire: float32 parameters moved per second
 apply     server-side optimizer apply of 100 MB (SGD, Adam) against numpy memcpy
 step      pull + push of a 100K-parameter model in 20 variables over 2 servers,
@@ -18,7 +20,8 @@ step      pull + push of a 100K-parameter model in 20 variables over 2 servers,
 memory    server RSS during 4 concurrent 100 MB pushes; a client's peak RSS
 sparse    pull_rows / push_rows of 4,096 ids x 64 dims from a 10M-row table on
           2 servers: rows/s and bytes/s (best of 100 warm calls; p50 beside it)
-          against raw TCP
+          against raw TCP. Reference: the same calls as a bare row exchange
+          (raw ids out, raw rows back, one open stream per server)
 modes     3 workers on 2 servers in ssp (staleness 2) and sync: time pulls waited per step
 
 Each figure is printed with its baseline, the ratio and the target; the exit
@@ -41,9 +44,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    bare_rows_seconds,
     best,
     child_env,
     grpc_round_trips,
+    grpc_stream_2x2_seconds,
     grpc_stream_seconds,
     median,
     memcpy_seconds,
@@ -200,8 +205,16 @@ def section_dense(repeats: int, tcp: float, results: dict) -> list[Row]:
                 pull2 = 2 * MODEL_BYTES / max(sum(r["pull"]) for r in out) * repeats / 1e9
                 push2 = 2 * MODEL_BYTES / max(sum(r["push"]) for r in out) * repeats / 1e9
                 results["dense_2s_2w"] = {"pull": pull2, "push": push2, "wall": time.perf_counter() - started}
-                rows.append(_row("dense", "pull(out=), 2 workers together, 2 servers", pull2, "GB/s", tcp, "raw TCP", 0.6))
-                rows.append(_row("dense", "push, 2 workers together, 2 servers", push2, "GB/s", tcp, "raw TCP", 0.6))
+                # The same traffic through gRPC Python alone (four processes, raw 1 MiB messages).
+                bare_pull, bare_push = grpc_stream_2x2_seconds(MODEL_BYTES // 2, repeats)
+                results["grpc_ceiling_2s_2w"] = {"pull": 2 * MODEL_BYTES / bare_pull / 1e9,
+                                                 "push": 2 * MODEL_BYTES / bare_push / 1e9}
+                for what, ours in (("pull", pull2), ("push", push2)):
+                    rows.append(_row("dense", f"gRPC Python ceiling, 2 workers x 2 servers, {what}",
+                                     results["grpc_ceiling_2s_2w"][what], "GB/s", tcp, "raw TCP",
+                                     target_text="reference"))
+                    rows.append(_row("dense", f"{what}{'(out=)' if what == 'pull' else ''}, 2 workers together, "
+                                              "2 servers", ours, "GB/s", tcp, "raw TCP", 0.6))
     return rows
 
 
@@ -328,16 +341,25 @@ def section_sparse(tcp: float, results: dict) -> list[Row]:
         pulls = time_calls(lambda: client.pull_rows("table", next(it)), SPARSE_CALLS, warmup=SPARSE_WARMUP)
         it = iter(batches)
         pushes = time_calls(lambda: client.push_rows("table", next(it), grads), SPARSE_CALLS, warmup=SPARSE_WARMUP)
+    # The same calls with nothing of ours: what gRPC Python and NumPy alone take (common.bare_rows_seconds).
+    bare_pulls, bare_pushes = bare_rows_seconds(rows_total // 2, batches, grads, SPARSE_CALLS, SPARSE_WARMUP)
     nbytes = batch * dim * 4
     pull, push = best(pulls), best(pushes)
     results["sparse"] = {"pull_rows_per_s": batch / pull, "push_rows_per_s": batch / push,
                          "pull_gbps": nbytes / pull / 1e9, "push_gbps": nbytes / push / 1e9,
                          "pull_p50_ms": median(pulls) * 1e3, "push_p50_ms": median(pushes) * 1e3,
+                         "bare_pull_gbps": nbytes / best(bare_pulls) / 1e9,
+                         "bare_push_gbps": nbytes / best(bare_pushes) / 1e9,
+                         "bare_pull_p50_ms": median(bare_pulls) * 1e3, "bare_push_p50_ms": median(bare_pushes) * 1e3,
                          "calls": SPARSE_CALLS}
-    return [_row("sparse", f"pull_rows 4096x64 ({batch / pull:,.0f} rows/s; p50 {median(pulls) * 1e3:.2f} ms)",
-                 nbytes / pull / 1e9, "GB/s", tcp, "raw TCP", 0.25),
-            _row("sparse", f"push_rows 4096x64 ({batch / push:,.0f} rows/s; p50 {median(pushes) * 1e3:.2f} ms)",
-                 nbytes / push / 1e9, "GB/s", tcp, "raw TCP", 0.25)]
+    rows = []
+    for what, ours, bare in (("pull", pulls, bare_pulls), ("push", pushes, bare_pushes)):
+        rows.append(_row("sparse", f"bare gRPC row exchange, {what} (p50 {median(bare) * 1e3:.2f} ms)",
+                         nbytes / best(bare) / 1e9, "GB/s", tcp, "raw TCP", target_text="reference"))
+        rows.append(_row("sparse", f"{what}_rows 4096x64 ({batch / best(ours):,.0f} rows/s; "
+                                   f"p50 {median(ours) * 1e3:.2f} ms)", nbytes / best(ours) / 1e9, "GB/s", tcp,
+                         "raw TCP", 0.25))
+    return rows
 
 
 def section_modes(results: dict) -> list[Row]:
