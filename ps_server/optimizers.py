@@ -41,8 +41,10 @@ class OptimizerKernel(Protocol):
     def update_rows(self, table: np.ndarray, rows: np.ndarray, g: np.ndarray) -> bool:
         """A sparse update made where the rows lie (``table`` 2-D, ``rows`` unique), in one pass.
 
-        False when this optimizer or these arrays have no such form: nothing
-        was changed and the caller gathers, runs apply_rows and scatters.
+        Only for optimizers with no slots and no per-row step count (the
+        arguments carry neither). False when this optimizer or these arrays
+        have no such form: nothing was changed and the caller gathers, runs
+        apply_rows and scatters.
         """
 
     def apply_rows(self, w: np.ndarray, g: np.ndarray, slots: dict[str, np.ndarray],

@@ -181,8 +181,7 @@ class VariablePart:
         width = self.spec.row_elements
         compute = self.compute_dtype
         values = self.value.reshape(-1, width)
-        if values.dtype == compute and not self.slots and not self.kernel.needs_row_steps \
-                and self.kernel.update_rows(values, local, grads):
+        if values.dtype == compute and self.kernel.update_rows(values, local, grads):
             return  # updated where the rows lie, one pass (ps_server/fused.py)
         w = take_rows(values, local).astype(compute, copy=False)
         state = {name: take_rows(slot.reshape(-1, width), local) for name, slot in self.slots.items()}

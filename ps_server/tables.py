@@ -111,8 +111,7 @@ class HashTablePart:
         grads = grads.astype(compute, copy=False)
         slots = self._slots_for(ids)
         self.row_steps[slots] += 1
-        if self.value.dtype == compute and not self.slots and not self.kernel.needs_row_steps \
-                and self.kernel.update_rows(self.value, slots, grads):
+        if self.value.dtype == compute and self.kernel.update_rows(self.value, slots, grads):
             return  # updated where the rows lie, one pass (ps_server/fused.py)
         w = take_rows(self.value, slots).astype(compute, copy=False)
         state = {name: take_rows(arr, slots) for name, arr in self.slots.items()}

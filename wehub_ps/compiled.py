@@ -2,15 +2,14 @@
 
 Used for Adam's update and SGD on pushed rows on the server
 (ps_server/fused.py) and for the float32 -> bfloat16 cast on both sides
-(wehub_ps/convert.py). Each loop is
-compiled on first use (about 0.4 s per argument type) and cached next to
-its module when that directory is writable; elsewhere (a read-only
-install) it is compiled once per process. Without numba every caller has
-a NumPy path that gives the same bits.
+(wehub_ps/convert.py). Each loop is compiled on first use (about 0.4 s per
+argument type) and cached next to its module when that directory is
+writable; elsewhere (a read-only install) it is compiled once per process.
+Without numba every caller has a NumPy path that gives the same bits.
 
 Memory: numba is imported only when a loop is first needed (an Adam
-variable, SGD on rows, a bfloat16 wire), and then costs about 140 MB of RSS per process
-(65 MB the import, the rest LLVM). ``PS_COMPILED_LOOPS=0`` in the
+variable, SGD on rows, a bfloat16 wire), and then costs about 140 MB of
+RSS per process (65 MB the import, the rest LLVM). ``PS_COMPILED_LOOPS=0`` in the
 environment keeps every process on the NumPy paths.
 """
 

@@ -82,12 +82,13 @@ class PullReceiver:
                     np.copyto(item.dest[h.offset:h.offset + h.count], chunk.array(), casting="unsafe")
                 else:
                     width = item.dest.shape[1]
-                    if h.offset % width or h.count % width:
+                    if width and (h.offset % width or h.count % width):
                         raise CodecError(f"chunk [{h.offset}, {h.offset + h.count}) of {h.variable!r} "
                                          f"is not whole rows of {width}")
-                    first = h.offset // width
-                    put_rows(item.dest, item.rows_at[first:first + h.count // width],
-                             chunk.array().reshape(-1, width))
+                    if h.count:  # (rows of no elements: nothing to put)
+                        first = h.offset // width
+                        put_rows(item.dest, item.rows_at[first:first + h.count // width],
+                                 chunk.array().reshape(-1, width))
                 self.received[h.variable] += h.count
                 self.versions[h.variable] = h.version
         except (CodecError, KeyError) as exc:

@@ -65,3 +65,11 @@ def test_flat_destination_as_before():
     receiver.take_message(_answer("v", np.arange(3.0)))
     receiver.check_complete()
     assert dest.tolist() == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0]
+
+
+def test_rows_of_no_elements():
+    result = np.zeros((2, 0), np.float32)
+    receiver = PullReceiver("h:1", [PullItem("t", result, np.array([4, 7]), rows_at=np.array([1, 0]))])
+    receiver.take_message(_answer("t", np.zeros(0, np.float32)))
+    receiver.check_complete()
+    assert result.shape == (2, 0)
