@@ -278,21 +278,21 @@ _BARE_ROWS_SERVER = """
 import sys, grpc, numpy as np
 from concurrent import futures
 from wehub_ps.allocator import keep_freed_buffers
+from wehub_ps.rowops import put_rows, take_rows
 keep_freed_buffers()
 rows, dim = int(sys.argv[1]), int(sys.argv[2])
 table = np.zeros((rows, dim), np.float32)
 table += 0.5  # every page touched, as a ps-server's initialised part
-record = np.dtype((np.void, dim * 4))
 def exchange(requests, context):
     for raw in requests:
         n = int.from_bytes(raw[1:8], "little")
         ids = np.frombuffer(raw, np.int64, n, 8)
         if raw[0] == 0:
-            yield np.take(table, ids, axis=0).tobytes()
+            yield take_rows(table, ids).tobytes()
         else:
-            w = np.take(table, ids, axis=0)
+            w = take_rows(table, ids)
             w -= np.float32(1e-9) * np.frombuffer(raw, np.float32, n * dim, 8 + 8 * n).reshape(n, dim)
-            np.put(table.view(record).reshape(-1), ids, w.view(record).reshape(-1))
+            put_rows(table, ids, w)
             yield b"ok"
 h = grpc.method_handlers_generic_handler("bench.Rows", {"Exchange": grpc.stream_stream_rpc_method_handler(exchange)})
 options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
@@ -312,8 +312,9 @@ def bare_rows_seconds(rows_per_server: int, batches: Sequence[np.ndarray], grads
 
     import grpc
 
+    from wehub_ps.rowops import put_rows, take_rows
+
     dim = grads.shape[1]
-    record = np.dtype((np.void, dim * 4))
     servers = [subprocess.Popen([sys.executable, "-c", _BARE_ROWS_SERVER, str(rows_per_server), str(dim)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env())
                for _ in range(2)]
@@ -339,12 +340,12 @@ def bare_rows_seconds(rows_per_server: int, batches: Sequence[np.ndarray], grads
                 requests.put(b"\0" + len(local).to_bytes(7, "little") + local.tobytes())
             out = np.empty((len(ids), dim), np.float32)
             for (_, answers), (_, places) in zip(lanes, parts):
-                np.put(out.view(record).reshape(-1), places, np.frombuffer(next(answers), record))
+                put_rows(out, places, np.frombuffer(next(answers), np.float32).reshape(-1, dim))
             return out
 
         def push(ids: np.ndarray) -> None:
             order, sorted_ids, cut = split(ids)
-            rows = np.take(grads, order, axis=0)
+            rows = take_rows(grads, order)
             parts = ((sorted_ids[:cut], rows[:cut]), (sorted_ids[cut:] - rows_per_server, rows[cut:]))
             for (requests, _), (local, values) in zip(lanes, parts):
                 requests.put(b"".join([b"\1" + len(local).to_bytes(7, "little"), local.tobytes(),
