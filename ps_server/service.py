@@ -31,12 +31,15 @@ from wehub_ps.codec import (
     EXCHANGE_PUSH,
     CodecError,
     OutgoingChunk,
+    RowGather,
     byte_view,
     chunk_ranges,
     decode_envelope,
     decode_push_request,
     encode_envelope,
     encode_pull_response,
+    join_pieces,
+    piece_size,
     pull_response_pieces,
     push_response_pieces,
 )
@@ -242,7 +245,7 @@ class ParameterServerService:
             # ssp / sync: wait (at most the call's deadline) until this step may read.
             self._consistency.before_pull(msg.worker_id, msg.step, context.time_remaining())
             for pieces in self._stream_pull(*plan):
-                message = b"".join(pieces)
+                message = join_pieces(pieces)
                 self._metrics.bytes_sent.inc(len(message))
                 yield message
         except RequestError as error:
@@ -284,12 +287,20 @@ class ParameterServerService:
                                        f"{item.variable!r} is a hash table: pull it by rows (pull_rows)")
                 ids = parse_row_ids(part, item.row_ids, self._store.shard_index, self._store.num_shards,
                                     unique=False)
+                wire = requested or part.spec.dtype
+                if not part.spec.hash_table and part.initialized and wire == part.spec.dtype:
+                    # Rows of a dense part stay where they are: each is copied once, from the
+                    # table into the message as it is joined (under the part's lock). The
+                    # version is read first: it is the rows' or, after a push in between, older.
+                    version = part.info().version
+                    plan.append((part, (part.rows_to_send(ids), version), None, wire))
+                    continue
                 # Read (and, in a hash table, create) every row before the first byte is
                 # sent, so a refusal leaves nothing behind and the rows are one instant.
                 with self._store.gate.shared():
                     values = part.read_rows(ids)
                     version = part.info().version
-                plan.append((part, (values, version), None, requested or part.spec.dtype))
+                plan.append((part, (values, version), None, wire))
                 continue
             if not part.holds_part:
                 raise RequestError(Reason.INVALID_REQUEST,
@@ -342,7 +353,7 @@ class ParameterServerService:
 
     def push(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> bytes:
         try:
-            return b"".join(self._run_push(request_iterator))
+            return join_pieces(self._run_push(request_iterator))
         except RequestError as error:
             _abort(context, error)
             return b""
@@ -363,7 +374,7 @@ class ParameterServerService:
             plan, chunk_bytes, pull_names = pull_plan
             pulled = [piece for pieces in self._stream_pull(plan, chunk_bytes) for piece in pieces]
             self._count_pulls(pull_names, "ok")
-            self._metrics.bytes_sent.inc(sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in pulled))
+            self._metrics.bytes_sent.inc(sum(piece_size(p) for p in pulled))
         return push_response_pieces(response.SerializeToString(), pulled)
 
     def _plan_pull_after(self, msg: ps_pb2.PullRequest):
@@ -456,18 +467,22 @@ class ParameterServerService:
             yield reply
 
 
-def _row_chunks(part, values: np.ndarray, version: int, wire: np.dtype,
+def _row_chunks(part, values: np.ndarray | RowGather, version: int, wire: np.dtype,
                 chunk_bytes: int) -> Iterator[OutgoingChunk]:
-    """Rows already read, in whole-row chunks of the wire dtype."""
+    """Rows already read (or to be gathered into the message), in whole-row chunks of the wire dtype."""
     width = part.spec.row_elements
-    rows = len(values)
+    rows = len(values.rows) if isinstance(values, RowGather) else len(values)
     per_chunk = max(1, chunk_bytes // max(1, width * wire.itemsize))
     wire_enum = to_wire_dtype(wire)
     for first in range(0, max(rows, 1), per_chunk):
-        block = np.ascontiguousarray(values[first:first + per_chunk], dtype=wire)
-        header = ps_pb2.ChunkHeader(variable=part.spec.name, offset=first * width, count=block.size,
+        if isinstance(values, RowGather):
+            data: memoryview | RowGather = values.select(slice(first, first + per_chunk))
+        else:
+            data = byte_view(np.ascontiguousarray(values[first:first + per_chunk], dtype=wire))
+        header = ps_pb2.ChunkHeader(variable=part.spec.name, offset=first * width,
+                                    count=piece_size(data) // wire.itemsize,
                                     dtype=wire_enum, part_elements=rows * width, version=version)
-        yield OutgoingChunk(header, byte_view(block))
+        yield OutgoingChunk(header, data)
 
 
 def _check_worker(worker_id: str, incarnation: str) -> None:

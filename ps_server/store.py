@@ -27,6 +27,7 @@ from ps_server.info import VariableInfo
 from ps_server.initializers import fill_initial_values
 from ps_server.optimizers import make_kernel
 from ps_server.tables import HashTablePart
+from wehub_ps.codec import RowGather
 from wehub_ps.convert import cast_into
 from wehub_ps.dtypes import WIRE_FLOAT_DTYPES, dtype_name
 from wehub_ps.errors import Reason
@@ -166,6 +167,15 @@ class VariablePart:
         local = self.local_rows(ids)
         with self.lock:
             return take_rows(self.value.reshape(-1, self.spec.row_elements), local)
+
+    def rows_to_send(self, ids: np.ndarray) -> RowGather:
+        """Global rows ``ids`` (checked now), read under the lock when the message is joined.
+
+        Each row is then copied once, from the table into the message. Only
+        for an initialised part: its rows never move (a hash table's do).
+        """
+        local = self.local_rows(ids)
+        return RowGather(self.value.reshape(-1, self.spec.row_elements), local, self.lock)
 
     def apply_rows(self, ids: np.ndarray, grads: np.ndarray) -> None:
         """Sparse update of global rows ``ids`` (unique): only these rows and their state change.

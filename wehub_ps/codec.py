@@ -8,6 +8,9 @@ protobuf and the bulk bytes are spliced in by hand:
 
 * encoding joins ``[tag, length, header, tag, length, <tensor memoryview>]``
   once, so each tensor byte is copied exactly once into the message;
+* a payload that must be gathered first (rows of a table in another
+  order, :class:`RowGather`) is gathered straight into the message when
+  it is joined (:func:`join_pieces`), so that is its one copy too;
 * decoding returns ``memoryview`` slices of the received message, so the
   receiver copies each byte once, straight into its destination array;
 * chunks under :data:`BATCH_BELOW_BYTES` travel together as one
@@ -22,17 +25,22 @@ The output is ordinary protobuf (a test compares it with
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 
 from wehub_ps.dtypes import to_numpy_dtype
+from wehub_ps.fresh_bytes import filled_bytes
 from wehub_ps.v1 import ps_pb2
 
 __all__ = [
     "CodecError",
     "DecodedChunk",
     "OutgoingChunk",
+    "RowGather",
+    "join_pieces",
+    "piece_size",
     "encode_pull_response",
     "encode_push_request",
     "pull_response_pieces",
@@ -74,11 +82,82 @@ class CodecError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class RowGather:
+    """Rows ``rows`` of the C-contiguous 2-D ``source``, to be gathered into a message as it is joined.
+
+    ``rows`` must all be valid row indices of ``source`` (the caller made
+    them: they are not checked again). ``lock``, when given, is held while
+    the rows are read (a table that others update).
+    """
+
+    source: np.ndarray
+    rows: np.ndarray
+    lock: AbstractContextManager | None = None
+
+    @property
+    def size(self) -> int:
+        """Elements."""
+        return len(self.rows) * self.source.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.source.itemsize
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.source.dtype
+
+    def select(self, positions: slice | np.ndarray) -> RowGather:
+        """The gather of ``self.rows[positions]``."""
+        return RowGather(self.source, self.rows[positions], self.lock)
+
+    def gather(self) -> np.ndarray:
+        """The rows as a new 2-D array."""
+        with self.lock or nullcontext():
+            return np.take(self.source, self.rows, axis=0)
+
+    def write_into(self, dest: np.ndarray) -> None:
+        """Gather the rows into ``dest``, ``nbytes`` bytes of uint8 at any alignment."""
+        width = self.source.shape[1]
+        if not width or not len(self.rows):
+            return
+        # Each row as one opaque record: any address is aligned for it, so
+        # np.take writes into the message directly instead of through a buffer.
+        record = np.dtype((np.void, width * self.source.itemsize))
+        with self.lock or nullcontext():
+            np.take(self.source.view(record).reshape(-1), self.rows, out=dest.view(record), mode="clip")
+
+
+@dataclass(frozen=True, slots=True)
 class OutgoingChunk:
-    """A chunk to send: a protobuf header and a buffer of little-endian bytes."""
+    """A chunk to send: a protobuf header and its little-endian bytes (or rows to gather into the message)."""
 
     header: ps_pb2.ChunkHeader
-    data: memoryview
+    data: memoryview | RowGather
+
+
+def piece_size(piece: bytes | memoryview | RowGather) -> int:
+    """Bytes a piece of a message takes."""
+    return piece.nbytes if isinstance(piece, (memoryview, RowGather)) else len(piece)
+
+
+def join_pieces(pieces: list) -> bytes:
+    """The message made of ``pieces`` (bytes, memoryviews and RowGathers), each byte copied once."""
+    if not any(isinstance(p, RowGather) for p in pieces):
+        return b"".join(pieces)
+
+    def fill(contents: np.ndarray) -> None:
+        writable = memoryview(contents)
+        position = 0
+        for piece in pieces:
+            end = position + piece_size(piece)
+            if isinstance(piece, RowGather):
+                piece.write_into(contents[position:end])
+            else:
+                writable[position:end] = piece
+            position = end
+
+    return filled_bytes(sum(piece_size(p) for p in pieces), fill)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,8 +251,7 @@ def push_response_pieces(response: bytes, pulled: list | None) -> list:
     """A serialised ``PushResponse`` with the pieces of a PullResponse as its ``pulled`` field."""
     if pulled is None:
         return [response]
-    size = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in pulled)
-    return [response, _TAG_PUSH_RESPONSE_PULLED, _varint(size), *pulled]
+    return [response, _TAG_PUSH_RESPONSE_PULLED, _varint(sum(piece_size(p) for p in pulled)), *pulled]
 
 
 def split_push_response(message: bytes | memoryview) -> tuple[ps_pb2.PushResponse, list[DecodedChunk] | None]:
@@ -197,14 +275,14 @@ def split_push_response(message: bytes | memoryview) -> tuple[ps_pb2.PushRespons
 
 def encode_pull_response(chunks: Sequence[OutgoingChunk]) -> bytes:
     """Serialise a ``PullResponse``; copies each tensor byte once."""
-    return b"".join(pull_response_pieces(chunks))
+    return join_pieces(pull_response_pieces(chunks))
 
 
 def encode_push_request(
     begin: ps_pb2.PushBegin | None, chunks: Sequence[OutgoingChunk]
 ) -> bytes:
     """Serialise a ``PushRequest``; copies each tensor byte once."""
-    return b"".join(push_request_pieces(begin, chunks))
+    return join_pieces(push_request_pieces(begin, chunks))
 
 
 def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
@@ -345,8 +423,8 @@ def encode_envelope(request_id: int, field: int, payload: bytes | memoryview | l
     once, with the envelope, so tensor bytes are copied once here too.
     """
     pieces = payload if isinstance(payload, list) else [payload]
-    size = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in pieces)
-    return b"".join([_tag(1, _WIRE_VARINT), _varint(request_id), _tag(field, _WIRE_LEN), _varint(size), *pieces])
+    size = sum(piece_size(p) for p in pieces)
+    return join_pieces([_tag(1, _WIRE_VARINT), _varint(request_id), _tag(field, _WIRE_LEN), _varint(size), *pieces])
 
 
 def decode_envelope(message: bytes) -> tuple[int, int, memoryview]:

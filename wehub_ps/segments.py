@@ -14,7 +14,7 @@ import numpy as np
 
 from wehub_ps.rowops import take_rows
 
-__all__ = ["sort_ids", "sum_by_id"]
+__all__ = ["sort_ids", "sum_by_id", "sum_sorted"]
 
 
 def sort_ids(ids: np.ndarray, *, keep_order_of_repeats: bool = True
@@ -63,7 +63,12 @@ def _is_stable(order: np.ndarray, first: np.ndarray) -> bool:
 
 def sum_by_id(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sorted unique ids, the sum of ``values`` rows for each), ``values`` of shape (len(ids), ...)."""
-    order, sorted_ids, first = sort_ids(ids)
+    return sum_sorted(values, *sort_ids(ids))
+
+
+def sum_sorted(values: np.ndarray, order: np.ndarray, sorted_ids: np.ndarray, first: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`sum_by_id` for ids already sorted by :func:`sort_ids` (its three results)."""
     sorted_values = take_rows(values, order)
     if first.all():  # no id repeats (or there are none)
         return sorted_ids, sorted_values

@@ -30,9 +30,11 @@ from wehub_ps.codec import (
     EXCHANGE_PULL,
     EXCHANGE_PUSH,
     OutgoingChunk,
+    RowGather,
     as_wire_array,
     byte_view,
     chunk_ranges,
+    join_pieces,
     push_request_pieces,
     split_push_response,
 )
@@ -41,7 +43,7 @@ from wehub_ps.dtypes import BFLOAT16, dtype_name, parse_dtype, to_wire_dtype
 from wehub_ps.placement import MinSizePartitioner, Partitioner, Placement, hash_shards
 from wehub_ps.rowops import put_rows, take_rows
 from wehub_ps.rpc import DEFAULT_CHUNK_BYTES
-from wehub_ps.segments import sort_ids, sum_by_id
+from wehub_ps.segments import sort_ids, sum_sorted
 from wehub_ps.specs import (
     SGD,
     Constant,
@@ -161,10 +163,14 @@ class _Prefetch:
 
 @dataclass
 class _PushItem:
-    """One variable's part (or rows) pushed to one shard: flat values in the wire dtype."""
+    """One variable's part (or rows) pushed to one shard.
+
+    ``values``: flat values, or rows still to be gathered from the caller's
+    gradients (straight into the message, codec.RowGather).
+    """
 
     name: str
-    values: np.ndarray
+    values: np.ndarray | RowGather
     row_ids: bytes = b""
     row_elements: int = 1
 
@@ -805,12 +811,20 @@ class PSClient:
         host = self._host(gradients, "gradients", spec.name)
         _check_array(host, (len(ids), *row_shape), spec.dtype, f"gradients for {spec.name!r}")
         width = spec.row_elements
-        unique, summed = sum_by_id(ids, host.reshape(len(ids), width))
+        rows = as_wire_array(host).reshape(len(ids), width)  # C-contiguous, little-endian
+        order, unique, first = sort_ids(ids)
+        if first.all():
+            # No id repeats: the rows are gathered in id order straight into each message.
+            summed: np.ndarray | RowGather = RowGather(rows, order)
+        else:
+            unique, summed = sum_sorted(rows, order, unique, first)
         items = {}
         for shard, positions in self._rows_by_shard(variable, unique).items():
-            # A dense part's rows are a slice (a view); a hash table's are gathered.
-            rows = summed[positions] if isinstance(positions, slice) else take_rows(summed, positions)
-            items[shard] = _PushItem(spec.name, rows.reshape(-1), unique[positions].astype("<i8").tobytes(), width)
+            if isinstance(summed, RowGather):
+                part: np.ndarray | RowGather = summed.select(positions)
+            else:  # a dense part's rows are a slice (a view); a hash table's are gathered
+                part = (summed[positions] if isinstance(positions, slice) else take_rows(summed, positions)).reshape(-1)
+            items[shard] = _PushItem(spec.name, part, unique[positions].astype("<i8").tobytes(), width)
         return items
 
     def create_embedding(
@@ -1080,7 +1094,7 @@ class PSClient:
 
         def ordinary() -> bytes:
             # Each message is joined before the generator converts the next chunk.
-            return shard.push((b"".join(pieces) for pieces in self._push_messages(*message)), self._data_timeout)
+            return shard.push((join_pieces(pieces) for pieces in self._push_messages(*message)), self._data_timeout)
 
         def finish(answer: bytes | memoryview) -> bool:
             response, pulled = split_push_response(answer)
@@ -1141,7 +1155,13 @@ class PSClient:
             # Whole rows per chunk for row pushes (the server applies rows).
             per_chunk = max(1, self.chunk_bytes // (wire_dtype.itemsize * item.row_elements)) * item.row_elements
             for offset, count in chunk_ranges(values.size, per_chunk):
-                piece = values[offset:offset + count]
+                if isinstance(values, RowGather):  # whole rows (per_chunk is)
+                    width = item.row_elements
+                    piece = values.select(slice(offset // width, (offset + count) // width))
+                    if wire_dtype != values.dtype:
+                        piece = piece.gather().reshape(-1)
+                else:
+                    piece = values[offset:offset + count]
                 if wire_dtype != values.dtype:
                     # Converted into this thread's arena (joining the message copies it out):
                     # no model-sized temporary, and the conversion overlaps the sending.
@@ -1155,7 +1175,7 @@ class PSClient:
                     begin, pending, pending_bytes = None, [], 0
                 header = ps_pb2.ChunkHeader(variable=item.name, offset=offset, count=count, dtype=wire,
                                             part_elements=values.size)
-                pending.append(OutgoingChunk(header, byte_view(piece)))
+                pending.append(OutgoingChunk(header, piece if isinstance(piece, RowGather) else byte_view(piece)))
                 pending_bytes += nbytes
         yield push_request_pieces(begin, pending)
         arena.reset()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import signal
+import threading
 import uuid
 
 import grpc
@@ -18,6 +19,7 @@ from grpc_health.v1 import health_pb2
 
 from ps_server.initializers import fill_rows
 from wehub_ps.codec import OutgoingChunk, byte_view, decode_pull_response, encode_push_request
+from wehub_ps.dtypes import BFLOAT16
 from wehub_ps.errors import REASON_METADATA_KEY
 from wehub_ps.placement import hash_shards
 from wehub_ps.rpc import method_path
@@ -190,6 +192,43 @@ def test_pull_rows_of_a_dense_variable_matches_pull(three):
         # No repeats (each shard's rows land in place), and rows of one shard only.
         for ids in (np.random.default_rng(0).permutation(30), np.array([3, 1, 2]), np.array([25])):
             assert client.pull_rows("dense_rows", ids).tobytes() == full[ids].tobytes()
+    # Answers of many messages (rows gathered into each as it is joined), and a converting wire dtype.
+    ids = np.random.default_rng(1).permutation(30)
+    with PSClient(three.addresses, chunk_bytes=4096) as small, PSClient(three.addresses, wire_dtype="float16") as half:
+        wide = "dense_rows_wide"
+        small.create_variable(wide, shape=(30, 300), initializer="normal", partitioner=FixedShardsPartitioner(3))
+        wide_full = small.pull([wide])[wide]
+        assert small.pull_rows(wide, ids).tobytes() == wide_full[ids].tobytes()
+        assert half.pull_rows("dense_rows", ids).tobytes() == full[ids].astype(np.float16).astype(np.float32).tobytes()
+
+
+def test_pulled_rows_are_never_torn_by_concurrent_pushes(three):
+    """A dense part's rows are read under its lock: every pulled row is one push's result, never half of two."""
+    name, rows, dim, pushes = "untorn", 48, 4096, 100
+    with PSClient(three.addresses) as pusher, PSClient(three.addresses) as puller:
+        pusher.create_variable(name, shape=(rows, dim), initializer="zeros", optimizer=SGD(learning_rate=1.0),
+                               partitioner=FixedShardsPartitioner(3))
+        done = threading.Event()
+
+        def push_loop() -> None:
+            try:
+                for _ in range(pushes):  # each push lowers every element of every row by exactly 1
+                    pusher.push_rows(name, np.arange(rows), np.ones((rows, dim), np.float32))
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=push_loop, name="untorn-pusher")
+        thread.start()
+        seen = set()
+        try:
+            while not done.is_set():
+                pulled = puller.pull_rows(name, np.arange(rows)[::-1])
+                assert (pulled == pulled[:, :1]).all(), "a row mixes the values of two pushes"
+                seen.update(np.unique(pulled[:, 0]).tolist())
+        finally:
+            thread.join(60)
+        assert puller.pull_rows(name, np.arange(rows)).tobytes() == np.full((rows, dim), -pushes, np.float32).tobytes()
+        assert len(seen) > 1  # the pulls did overlap the pushes
 
 
 # ---- sparse updates equal dense ones -------------------------------------------------------------
@@ -223,6 +262,43 @@ def test_push_rows_equals_a_dense_push_with_zeros_elsewhere(three, optimizer, dt
             assert now[sparse].tobytes() == now[dense].tobytes()
         assert now[sparse][~touched].tobytes() == initial[sparse][~touched].tobytes()
         assert not np.array_equal(now[sparse][touched], initial[sparse][touched])
+
+
+@pytest.mark.parametrize("framing", ["lane", "several_messages", "bfloat16_wire", "big_endian"])
+def test_unique_row_pushes_equal_dense_pushes_in_every_framing(three, framing):
+    """Rows without repeats are gathered straight into each message (codec.RowGather): the
+    one-message lane push, a push split over many messages, a wire dtype conversion and
+    big-endian gradients must all apply exactly what the dense push of the same values does."""
+    n, dim = 64, 8
+    options = {"several_messages": {"chunk_bytes": 4096}, "bfloat16_wire": {"wire_dtype": "bfloat16"}}
+    sparse, dense, table = f"unique_sparse_{framing}", f"unique_dense_{framing}", f"unique_table_{framing}"
+    # Values are read back by a float32-wire client: a bfloat16 wire would round them too.
+    with PSClient(three.addresses, **options.get(framing, {})) as client, PSClient(three.addresses) as reader:
+        for name in (sparse, dense):
+            client.create_variable(name, shape=(n, dim), initializer=Uniform(-1, 1, seed=3),
+                                   optimizer=SGD(learning_rate=0.5), partitioner=FixedShardsPartitioner(3))
+        client.create_embedding(table, dim, initializer=Uniform(-1, 1, seed=3), optimizer=SGD(learning_rate=0.5))
+        rng = np.random.default_rng(8)
+        table_ids = rng.permutation(np.arange(-(2**40), -(2**40) + 200, dtype=np.int64))[:60]
+        table_before = reader.pull_rows(table, table_ids)
+        initial = reader.pull([sparse])[sparse]
+        ids = rng.permutation(n)[:40]  # unique, unsorted, on every shard
+        grads = rng.standard_normal((40, dim)).astype(np.float32)
+        full = np.zeros((n, dim), np.float32)
+        full[ids] = grads
+        sent = grads.astype(">f4") if framing == "big_endian" else grads
+        client.push_rows(sparse, ids, sent)
+        client.push({dense: full})
+        client.push_rows(table, table_ids, np.resize(sent, (60, dim)))
+        now = reader.pull([sparse, dense])
+        assert now[sparse].tobytes() == now[dense].tobytes()
+        assert not np.array_equal(now[sparse][ids], initial[ids])
+        # The hash table's rows moved by exactly one SGD step of the (wire-rounded) gradient.
+        wire_grads = np.resize(grads, (60, dim))
+        if framing == "bfloat16_wire":
+            wire_grads = wire_grads.astype(BFLOAT16).astype(np.float32)
+        expected = table_before - np.float32(0.5) * wire_grads
+        assert reader.pull_rows(table, table_ids).tobytes() == expected.tobytes()
 
 
 def _adam_reference_step(w, m, v, t, rows, grads, lr, b1=0.9, b2=0.999, eps=1e-7):

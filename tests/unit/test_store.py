@@ -13,7 +13,7 @@ from ps_server.initializers import fill_initial_values
 from ps_server.push_ledger import PushLedger
 from ps_server.pushes import begin_push, check_cluster
 from ps_server.store import VariableStore, check_dtype_allowed
-from wehub_ps.codec import DecodedChunk, as_wire_array, byte_view, chunk_ranges
+from wehub_ps.codec import DecodedChunk, as_wire_array, byte_view, chunk_ranges, join_pieces
 from wehub_ps.dtypes import BFLOAT16, to_wire_dtype
 from wehub_ps.errors import Reason
 from wehub_ps.placement import FixedShardsPartitioner, rows_of
@@ -481,3 +481,27 @@ def test_failed_chunk_application_does_not_block_the_retry(setup, monkeypatch):
     thread.join(2)
     assert not thread.is_alive(), "the retry hangs on the unreleased claim"
     assert outcome and not outcome[0].duplicate
+
+
+def test_rows_to_send_are_read_under_the_parts_lock_when_the_message_is_joined():
+    """The rows of a pull are gathered as the message is joined: after the check, never while a push holds the lock."""
+    store = VariableStore(0, 2, LIMIT)
+    store.create(_spec("table", shape=(10, 3), partitioner=FixedShardsPartitioner(2)))
+    part = store.get("table")
+    start, end = part.row_start, part.row_end
+    assert end - start == 5
+    part.value[:] = np.arange(part.value.size)
+    with pytest.raises(RequestError):
+        part.rows_to_send(np.array([start, (end + 1) % 10]))  # another shard's row: refused when planned
+    gather = part.rows_to_send(np.array([start + 4, start, start + 2]))
+    joined: list[bytes] = []
+    with part.lock:
+        thread = threading.Thread(target=lambda: joined.append(join_pieces([b"h", gather])), name="join")
+        thread.start()
+        thread.join(0.2)
+        assert thread.is_alive() and not joined  # waits for the lock
+        part.value[:3] = -1  # a change made under the lock is what the message carries
+    thread.join(10)
+    expected = np.arange(15, dtype=np.float32).reshape(5, 3)
+    expected[0] = -1
+    assert joined == [b"h" + expected[[4, 0, 2]].tobytes()]
