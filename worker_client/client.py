@@ -824,7 +824,7 @@ class PSClient:
                 part: np.ndarray | RowGather = summed.select(positions)
             else:  # a dense part's rows are a slice (a view); a hash table's are gathered
                 part = (summed[positions] if isinstance(positions, slice) else take_rows(summed, positions)).reshape(-1)
-            items[shard] = _PushItem(spec.name, part, unique[positions].astype("<i8").tobytes(), width)
+            items[shard] = _PushItem(spec.name, part, unique[positions].astype("<i8", copy=False).tobytes(), width)
         return items
 
     def create_embedding(

@@ -44,7 +44,7 @@ def pull_request(items: Iterable[PullItem], **fields) -> ps_pb2.PullRequest:
     """The PullRequest for ``items``; ``fields`` are the request's other fields."""
     return ps_pb2.PullRequest(
         items=[ps_pb2.PullItem(variable=item.name,
-                               row_ids=b"" if item.row_ids is None else item.row_ids.astype("<i8").tobytes())
+                               row_ids=b"" if item.row_ids is None else item.row_ids.astype("<i8", copy=False).tobytes())
                for item in items], **fields)
 
 
