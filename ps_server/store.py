@@ -266,7 +266,7 @@ class VariablePart:
         compute = self.compute_dtype
         if grad.dtype != compute:
             widened = _scratch.get("wire-in", compute, count)
-            np.copyto(widened, grad, casting="unsafe")
+            cast_into(widened, grad)
             grad = widened
         scratch = _scratch.get("kernel", compute, count)
         with self.lock:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from wehub_ps.codec import CodecError, DecodedChunk, decode_pull_response
+from wehub_ps.convert import cast_into
 from wehub_ps.rowops import put_rows
 from wehub_ps.v1 import ps_pb2
 from worker_client.errors import PSInternalError
@@ -79,7 +80,7 @@ class PullReceiver:
                 if h.offset + h.count > item.size:
                     raise CodecError(f"chunk [{h.offset}, {h.offset + h.count}) is outside {item.size} elements")
                 if item.rows_at is None:
-                    np.copyto(item.dest[h.offset:h.offset + h.count], chunk.array(), casting="unsafe")
+                    cast_into(item.dest[h.offset:h.offset + h.count], chunk.array())
                 else:
                     width = item.dest.shape[1]
                     if width and (h.offset % width or h.count % width):
