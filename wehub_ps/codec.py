@@ -424,7 +424,8 @@ def encode_envelope(request_id: int, field: int, payload: bytes | memoryview | l
     """
     pieces = payload if isinstance(payload, list) else [payload]
     size = sum(piece_size(p) for p in pieces)
-    return join_pieces([_tag(1, _WIRE_VARINT), _varint(request_id), _tag(field, _WIRE_LEN), _varint(size), *pieces])
+    head = [_tag(1, _WIRE_VARINT), _varint(request_id), _tag(field, _WIRE_LEN), _varint(size)]
+    return join_pieces(head + pieces)
 
 
 def decode_envelope(message: bytes) -> tuple[int, int, memoryview]:

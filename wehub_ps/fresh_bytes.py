@@ -32,7 +32,8 @@ class _Contents:
 
     def __init__(self, owner: bytes, address: int, size: int) -> None:
         self.owner = owner
-        self.__array_interface__ = {"data": (address, False), "shape": (size,), "typestr": "|u1", "version": 3}
+        self.__array_interface__ = {"data": (address, False), "shape": (size,), "typestr": "|u1",
+                                    "version": 3}
 
 
 if sys.implementation.name == "cpython":
@@ -58,7 +59,7 @@ if sys.implementation.name == "cpython":
 
 else:  # pragma: no cover - exercised only on other interpreters
     def filled_bytes(size: int, fill: Callable[[np.ndarray], None]) -> bytes:
-        """A new bytes object of ``size`` whose every byte ``fill`` writes into the uint8 array it is given."""
+        """A new bytes object of ``size`` whose every byte ``fill`` writes into the uint8 array given."""
         scratch = bytearray(size)
         fill(np.frombuffer(scratch, np.uint8))
         return bytes(scratch)

@@ -820,11 +820,15 @@ class PSClient:
             unique, summed = sum_sorted(rows, order, unique, first)
         items = {}
         for shard, positions in self._rows_by_shard(variable, unique).items():
+            part: np.ndarray | RowGather
             if isinstance(summed, RowGather):
-                part: np.ndarray | RowGather = summed.select(positions)
-            else:  # a dense part's rows are a slice (a view); a hash table's are gathered
-                part = (summed[positions] if isinstance(positions, slice) else take_rows(summed, positions)).reshape(-1)
-            items[shard] = _PushItem(spec.name, part, unique[positions].astype("<i8", copy=False).tobytes(), width)
+                part = summed.select(positions)
+            elif isinstance(positions, slice):  # a dense part's rows: a view
+                part = summed[positions].reshape(-1)
+            else:  # a hash table's rows: gathered
+                part = take_rows(summed, positions).reshape(-1)
+            row_ids = unique[positions].astype("<i8", copy=False).tobytes()
+            items[shard] = _PushItem(spec.name, part, row_ids, width)
         return items
 
     def create_embedding(
@@ -1094,7 +1098,8 @@ class PSClient:
 
         def ordinary() -> bytes:
             # Each message is joined before the generator converts the next chunk.
-            return shard.push((join_pieces(pieces) for pieces in self._push_messages(*message)), self._data_timeout)
+            messages = (join_pieces(pieces) for pieces in self._push_messages(*message))
+            return shard.push(messages, self._data_timeout)
 
         def finish(answer: bytes | memoryview) -> bool:
             response, pulled = split_push_response(answer)
@@ -1175,7 +1180,8 @@ class PSClient:
                     begin, pending, pending_bytes = None, [], 0
                 header = ps_pb2.ChunkHeader(variable=item.name, offset=offset, count=count, dtype=wire,
                                             part_elements=values.size)
-                pending.append(OutgoingChunk(header, piece if isinstance(piece, RowGather) else byte_view(piece)))
+                data = piece if isinstance(piece, RowGather) else byte_view(piece)
+                pending.append(OutgoingChunk(header, data))
                 pending_bytes += nbytes
         yield push_request_pieces(begin, pending)
         arena.reset()

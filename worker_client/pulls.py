@@ -44,9 +44,13 @@ class PullItem:
 def pull_request(items: Iterable[PullItem], **fields) -> ps_pb2.PullRequest:
     """The PullRequest for ``items``; ``fields`` are the request's other fields."""
     return ps_pb2.PullRequest(
-        items=[ps_pb2.PullItem(variable=item.name,
-                               row_ids=b"" if item.row_ids is None else item.row_ids.astype("<i8", copy=False).tobytes())
-               for item in items], **fields)
+        items=[ps_pb2.PullItem(variable=item.name, row_ids=_id_bytes(item.row_ids)) for item in items],
+        **fields)
+
+
+def _id_bytes(ids: np.ndarray | None) -> bytes:
+    """Row ids as the wire's little-endian int64 (one copy)."""
+    return b"" if ids is None else ids.astype("<i8", copy=False).tobytes()
 
 
 class PullReceiver:

@@ -194,16 +194,19 @@ def test_pull_rows_of_a_dense_variable_matches_pull(three):
             assert client.pull_rows("dense_rows", ids).tobytes() == full[ids].tobytes()
     # Answers of many messages (rows gathered into each as it is joined), and a converting wire dtype.
     ids = np.random.default_rng(1).permutation(30)
-    with PSClient(three.addresses, chunk_bytes=4096) as small, PSClient(three.addresses, wire_dtype="float16") as half:
+    with PSClient(three.addresses, chunk_bytes=4096) as small, \
+            PSClient(three.addresses, wire_dtype="float16") as half:
         wide = "dense_rows_wide"
-        small.create_variable(wide, shape=(30, 300), initializer="normal", partitioner=FixedShardsPartitioner(3))
+        small.create_variable(wide, shape=(30, 300), initializer="normal",
+                              partitioner=FixedShardsPartitioner(3))
         wide_full = small.pull([wide])[wide]
         assert small.pull_rows(wide, ids).tobytes() == wide_full[ids].tobytes()
-        assert half.pull_rows("dense_rows", ids).tobytes() == full[ids].astype(np.float16).astype(np.float32).tobytes()
+        rounded = full[ids].astype(np.float16).astype(np.float32)
+        assert half.pull_rows("dense_rows", ids).tobytes() == rounded.tobytes()
 
 
 def test_pulled_rows_are_never_torn_by_concurrent_pushes(three):
-    """A dense part's rows are read under its lock: every pulled row is one push's result, never half of two."""
+    """A dense part's rows are read under its lock: each pulled row is one push's result, not half of two."""
     name, rows, dim, pushes = "untorn", 48, 4096, 100
     with PSClient(three.addresses) as pusher, PSClient(three.addresses) as puller:
         pusher.create_variable(name, shape=(rows, dim), initializer="zeros", optimizer=SGD(learning_rate=1.0),
@@ -227,7 +230,8 @@ def test_pulled_rows_are_never_torn_by_concurrent_pushes(three):
                 seen.update(np.unique(pulled[:, 0]).tolist())
         finally:
             thread.join(60)
-        assert puller.pull_rows(name, np.arange(rows)).tobytes() == np.full((rows, dim), -pushes, np.float32).tobytes()
+        final = np.full((rows, dim), -pushes, np.float32)
+        assert puller.pull_rows(name, np.arange(rows)).tobytes() == final.tobytes()
         assert len(seen) > 1  # the pulls did overlap the pushes
 
 
@@ -277,7 +281,8 @@ def test_unique_row_pushes_equal_dense_pushes_in_every_framing(three, framing):
         for name in (sparse, dense):
             client.create_variable(name, shape=(n, dim), initializer=Uniform(-1, 1, seed=3),
                                    optimizer=SGD(learning_rate=0.5), partitioner=FixedShardsPartitioner(3))
-        client.create_embedding(table, dim, initializer=Uniform(-1, 1, seed=3), optimizer=SGD(learning_rate=0.5))
+        client.create_embedding(table, dim, initializer=Uniform(-1, 1, seed=3),
+                                optimizer=SGD(learning_rate=0.5))
         rng = np.random.default_rng(8)
         table_ids = rng.permutation(np.arange(-(2**40), -(2**40) + 200, dtype=np.int64))[:60]
         table_before = reader.pull_rows(table, table_ids)

@@ -484,7 +484,7 @@ def test_failed_chunk_application_does_not_block_the_retry(setup, monkeypatch):
 
 
 def test_rows_to_send_are_read_under_the_parts_lock_when_the_message_is_joined():
-    """The rows of a pull are gathered as the message is joined: after the check, never while a push holds the lock."""
+    """A pull's rows are gathered as its answer is joined: after the check, never under a push's lock."""
     store = VariableStore(0, 2, LIMIT)
     store.create(_spec("table", shape=(10, 3), partitioner=FixedShardsPartitioner(2)))
     part = store.get("table")
