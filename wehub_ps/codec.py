@@ -32,6 +32,7 @@ import numpy as np
 
 from wehub_ps.dtypes import to_numpy_dtype
 from wehub_ps.fresh_bytes import filled_bytes
+from wehub_ps.rowops import take_rows, take_rows_into
 from wehub_ps.v1 import ps_pb2
 
 __all__ = [
@@ -114,18 +115,12 @@ class RowGather:
     def gather(self) -> np.ndarray:
         """The rows as a new 2-D array."""
         with self.lock or nullcontext():
-            return np.take(self.source, self.rows, axis=0)
+            return take_rows(self.source, self.rows)
 
     def write_into(self, dest: np.ndarray) -> None:
         """Gather the rows into ``dest``, ``nbytes`` bytes of uint8 at any alignment."""
-        width = self.source.shape[1]
-        if not width or not len(self.rows):
-            return
-        # Each row as one opaque record: any address is aligned for it, so
-        # np.take writes into the message directly instead of through a buffer.
-        record = np.dtype((np.void, width * self.source.itemsize))
         with self.lock or nullcontext():
-            np.take(self.source.view(record).reshape(-1), self.rows, out=dest.view(record), mode="clip")
+            take_rows_into(dest, self.source, self.rows)
 
 
 @dataclass(frozen=True, slots=True)

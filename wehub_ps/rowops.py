@@ -13,12 +13,25 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["take_rows", "put_rows"]
+__all__ = ["take_rows", "take_rows_into", "put_rows"]
 
 
 def take_rows(table: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """``table[rows]`` (a copy) for a ``table`` of rows along axis 0."""
     return np.take(table, rows, axis=0)
+
+
+def take_rows_into(out: np.ndarray, table: np.ndarray, rows: np.ndarray) -> None:
+    """``table[rows]``'s bytes into ``out`` (uint8, any alignment) for a C-contiguous 2-D ``table``.
+
+    ``rows`` must be valid (they are not checked). Each row is one opaque
+    record, aligned at any address, so NumPy writes straight into ``out``
+    (a message being built) instead of through a buffer.
+    """
+    if not table.shape[1] or not len(rows):
+        return
+    record = np.dtype((np.void, table.shape[1] * table.dtype.itemsize))
+    np.take(table.view(record).reshape(-1), rows, out=out.view(record), mode="clip")
 
 
 def put_rows(table: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:

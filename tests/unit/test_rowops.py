@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wehub_ps.rowops import put_rows, take_rows
+from wehub_ps.rowops import put_rows, take_rows, take_rows_into
 
 DTYPES = ["float16", "float32", "float64", "int64"]
 
@@ -19,6 +19,10 @@ def test_take_and_put_match_fancy_indexing(dtype, num_rows, width, data):
     table = (rng.standard_normal((num_rows, width)) * 100).astype(dtype)
     rows = np.array(data.draw(st.lists(st.integers(0, num_rows - 1), max_size=3 * num_rows)), dtype=np.int64)
     assert take_rows(table, rows).tobytes() == table[rows].tobytes()
+    offset = data.draw(st.integers(0, 7))  # a message's payload may start at any byte
+    message = np.zeros(offset + table[rows].nbytes, np.uint8)
+    take_rows_into(message[offset:], table, rows)
+    assert message[offset:].tobytes() == table[rows].tobytes() and not message[:offset].any()
 
     unique = np.unique(rows)
     values = (rng.standard_normal((len(unique), width)) * 100).astype(np.float64)  # cast on the way in
