@@ -133,26 +133,28 @@ class OutgoingChunk:
 
 def piece_size(piece: bytes | memoryview | RowGather) -> int:
     """Bytes a piece of a message takes."""
-    return piece.nbytes if isinstance(piece, (memoryview, RowGather)) else len(piece)
+    kind = type(piece)
+    return piece.nbytes if kind is memoryview or kind is RowGather else len(piece)
 
 
 def join_pieces(pieces: list) -> bytes:
     """The message made of ``pieces`` (bytes, memoryviews and RowGathers), each byte copied once."""
-    if not any(isinstance(p, RowGather) for p in pieces):
+    sizes = [piece_size(p) for p in pieces]
+    if not any(type(p) is RowGather for p in pieces):
         return b"".join(pieces)
 
     def fill(contents: np.ndarray) -> None:
         writable = memoryview(contents)
         position = 0
-        for piece in pieces:
-            end = position + piece_size(piece)
-            if isinstance(piece, RowGather):
+        for piece, size in zip(pieces, sizes):
+            end = position + size
+            if type(piece) is RowGather:
                 piece.write_into(contents[position:end])
             else:
                 writable[position:end] = piece
             position = end
 
-    return filled_bytes(sum(piece_size(p) for p in pieces), fill)
+    return filled_bytes(sum(sizes), fill)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,15 +210,18 @@ def _append_chunks(pieces: list, chunk_tag: bytes, batch_tag: bytes, chunks: Seq
 
 
 def _append_framed(pieces: list, outer_tag: bytes, header: bytes, data: list[memoryview]) -> None:
-    """One TensorChunk or ChunkBatch: its header(s), then ``data`` back to back, not copied yet."""
+    """One TensorChunk or ChunkBatch: its framing and header(s) as one piece, then ``data``, not copied yet.
+
+    Few pieces keep joining cheap: a message is a handful of pieces, not
+    one per tag and length (the per-piece Python work showed in profiles).
+    """
     data_len = sum(d.nbytes for d in data)
-    inner = [_TAG_CHUNK_HEADER, _varint(len(header)), header]
     # proto3 omits an empty bytes field; do the same so that the encoding
     # is byte-identical to protobuf's own.
+    inner = _TAG_CHUNK_HEADER + _varint(len(header)) + header
     if data_len:
-        inner += [_TAG_CHUNK_DATA, _varint(data_len)]
-    pieces += [outer_tag, _varint(sum(len(p) for p in inner) + data_len)]
-    pieces += inner
+        inner += _TAG_CHUNK_DATA + _varint(data_len)
+    pieces.append(outer_tag + _varint(len(inner) + data_len) + inner)
     if data_len:
         pieces += [d for d in data if d.nbytes]
 
@@ -237,7 +242,7 @@ def push_request_pieces(begin: ps_pb2.PushBegin | None, chunks: Sequence[Outgoin
     pieces: list = []
     if begin is not None:
         body = begin.SerializeToString()
-        pieces += [_TAG_PUSH_BEGIN, _varint(len(body)), body]
+        pieces.append(_TAG_PUSH_BEGIN + _varint(len(body)) + body)
     _append_chunks(pieces, _TAG_PUSH_CHUNKS, _TAG_PUSH_BATCHES, chunks)
     return pieces
 
@@ -246,7 +251,7 @@ def push_response_pieces(response: bytes, pulled: list | None) -> list:
     """A serialised ``PushResponse`` with the pieces of a PullResponse as its ``pulled`` field."""
     if pulled is None:
         return [response]
-    return [response, _TAG_PUSH_RESPONSE_PULLED, _varint(sum(piece_size(p) for p in pulled)), *pulled]
+    return [response + _TAG_PUSH_RESPONSE_PULLED + _varint(sum(piece_size(p) for p in pulled)), *pulled]
 
 
 def split_push_response(message: bytes | memoryview) -> tuple[ps_pb2.PushResponse, list[DecodedChunk] | None]:
@@ -408,6 +413,7 @@ def decode_push_request(
 EXCHANGE_PULL = 2
 EXCHANGE_PUSH = 3
 EXCHANGE_ERROR = 4
+_TAG_ENVELOPE_ID = _tag(1, _WIRE_VARINT)
 
 
 def encode_envelope(request_id: int, field: int, payload: bytes | memoryview | list) -> bytes:
@@ -419,13 +425,24 @@ def encode_envelope(request_id: int, field: int, payload: bytes | memoryview | l
     """
     pieces = payload if isinstance(payload, list) else [payload]
     size = sum(piece_size(p) for p in pieces)
-    head = [_tag(1, _WIRE_VARINT), _varint(request_id), _tag(field, _WIRE_LEN), _varint(size)]
-    return join_pieces(head + pieces)
+    head = _TAG_ENVELOPE_ID + _varint(request_id) + _tag(field, _WIRE_LEN) + _varint(size)
+    return join_pieces([head, *pieces])
 
 
 def decode_envelope(message: bytes) -> tuple[int, int, memoryview]:
     """(id, payload field, payload view) of an ExchangeRequest/ExchangeResponse."""
     buf = memoryview(message)
+    end = len(buf)
+    # encode_envelope's layout (the id, then the payload, nothing else) read
+    # directly: a few lookups instead of the general field loop below.
+    if end and buf[0] == _TAG_ENVELOPE_ID[0]:
+        request_id, position = _read_varint(buf, 1, end)
+        if position < end:
+            key = buf[position]  # a one-byte tag: fields 2-4, length-delimited
+            if key & 7 == _WIRE_LEN and key >> 3 in (EXCHANGE_PULL, EXCHANGE_PUSH, EXCHANGE_ERROR):
+                length, start = _read_varint(buf, position + 1, end)
+                if start + length == end:
+                    return request_id, key >> 3, buf[start:end]
     request_id, field, payload = 0, 0, buf[0:0]
     for number, wire_type, start, stop in _iter_fields(buf, 0, len(buf)):
         if number == 1 and wire_type == _WIRE_VARINT:

@@ -10,6 +10,9 @@ from hypothesis.extra import numpy as hnp
 
 from wehub_ps.codec import (
     BATCH_BELOW_BYTES,
+    EXCHANGE_ERROR,
+    EXCHANGE_PULL,
+    EXCHANGE_PUSH,
     CodecError,
     DecodedChunk,
     OutgoingChunk,
@@ -17,8 +20,10 @@ from wehub_ps.codec import (
     byte_view,
     chunk_ranges,
     chunk_view,
+    decode_envelope,
     decode_pull_response,
     decode_push_request,
+    encode_envelope,
     encode_pull_response,
     encode_push_request,
 )
@@ -657,3 +662,30 @@ def test_repeated_singular_message_fields_merge_like_protobuf():
     assert expected.variable == "a" and expected.count == 2
     (chunk,) = decode_pull_response(message)
     assert chunk.header == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(request_id=st.integers(0, 2**64 - 1), kind=st.sampled_from(["pull", "push", "error"]),
+       payload_size=st.integers(0, 70_000), extra_field=st.booleans())
+def test_exchange_envelopes_decode_as_protobuf_reads_them(request_id, kind, payload_size, extra_field):
+    """Our envelopes (read by the direct path) and protobuf's own, also with fields we do not know."""
+    if kind == "pull":
+        inner = ps_pb2.PullRequest(worker_id="w" * (payload_size % 300), chunk_bytes=payload_size)
+        message = ps_pb2.ExchangeRequest(id=request_id, pull=inner)
+    elif kind == "push":
+        inner = ps_pb2.PushRequest(begin=ps_pb2.PushBegin(worker_id="w", items=[
+            ps_pb2.PushItem(variable="v", row_ids=bytes(payload_size))]))
+        message = ps_pb2.ExchangeRequest(id=request_id, push=inner)
+    else:
+        inner = ps_pb2.ExchangeError(code=5, message="m" * payload_size)
+        message = ps_pb2.ExchangeResponse(id=request_id, error=inner)
+    field = {"pull": EXCHANGE_PULL, "push": EXCHANGE_PUSH, "error": EXCHANGE_ERROR}[kind]
+    body = inner.SerializeToString()
+    ours = encode_envelope(request_id, field, body)
+    if request_id:  # (protobuf leaves out an id of 0; we write it, which protobuf reads the same)
+        assert ours == message.SerializeToString()
+    for encoded in (ours, message.SerializeToString()):
+        if extra_field:  # a newer peer's field after the payload: the general path reads it
+            encoded += b"\x78\x01"  # field 15, varint 1
+        decoded_id, decoded_field, payload = decode_envelope(encoded)
+        assert (decoded_id, decoded_field, bytes(payload)) == (request_id, field, body)
