@@ -37,10 +37,29 @@ def _adam(w, g, m, v, b1, c1, b2, c2, eps, lr_t):  # pragma: no cover - runs com
 
 
 def _sgd_rows(table, rows, g, lr):  # pragma: no cover - runs compiled
+    # Every row is checked before any is changed: the loop below checks no bounds.
+    for i in range(rows.size):
+        if rows[i] < 0 or rows[i] >= table.shape[0]:
+            return False
     for i in range(rows.size):
         row = rows[i]
         for j in range(table.shape[1]):
             table[row, j] = table[row, j] - g[i, j] * lr
+    return True
+
+
+def _sgd_rows_signatures(types) -> list:
+    """The table and rows as NumPy makes them; the gradient only read, at any alignment.
+
+    A gradient is read in place from the received message, where it may
+    start at any byte: typed unaligned, it needs no aligning copy (about
+    0.05 ms of a server's 0.3 ms per 2,048-row push, in perf). Same speed
+    as aligned on this machine (72-74 us either way for 2,048 random rows).
+    """
+    # (A writable, aligned gradient converts to this type safely, so one signature per dtype.)
+    return [types.boolean(types.Array(dtype, 2, "C"), types.Array(types.int64, 1, "C"),
+                          types.Array(dtype, 2, "C", readonly=True, aligned=False), dtype)
+            for dtype in (types.float32, types.float64)]
 
 
 def fused_adam(w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray,
@@ -78,15 +97,11 @@ def fused_sgd_rows(table: np.ndarray, rows: np.ndarray, g: np.ndarray, learning_
     if not (table.flags.c_contiguous and table.flags.aligned and table.flags.writeable
             and g.flags.c_contiguous):
         return False
-    if rows.size and (rows.min() < 0 or rows.max() >= len(table)):
-        return False  # (the compiled loop checks no bounds)
-    kernel = compiled(_sgd_rows)
+    kernel = compiled(_sgd_rows, _sgd_rows_signatures)
     if kernel is None:
         return False
-    if not g.flags.aligned:
-        # A gradient read in place from a message may start at any byte; one
-        # copy of it (in cache: it just arrived) costs little next to the rows.
-        g = np.require(g, requirements="A")
+    # The only argument types it was compiled for: native int64 rows, contiguous.
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
     # The constant NumPy's kernel uses: the Python float rounded once to the table's dtype.
-    kernel(table, rows, g, dtype.type(learning_rate))
-    return True
+    # False when a row is outside the table (nothing was changed then).
+    return bool(kernel(table, rows, g, dtype.type(learning_rate)))

@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from wehub_ps.logs import event
 
@@ -30,20 +31,26 @@ _lock = threading.Lock()  # guards _built
 _built: dict[Callable, Callable | None] = {}
 
 
-def compiled(fn: Callable) -> Callable | None:
+def compiled(fn: Callable, signatures: Callable[[Any], list] | None = None) -> Callable | None:
     """``fn`` compiled by numba (GIL released, NumPy's error model), or None without numba.
 
     ``error_model="numpy"`` only drops Python's zero-division checks, which
     keep LLVM from vectorising a loop; no fast-math: the float operations
     stay those written, in that order.
+
+    ``signatures(numba.types)``, when given, lists the only argument types
+    the loop is compiled for (all at once, on first use). That is how a
+    loop declares an argument that may start at any byte: numba types every
+    array it is handed as aligned, so only a declared ``aligned=False``
+    makes it generate loads that are correct at any address.
     """
     with _lock:
         if fn not in _built:
-            _built[fn] = _build(fn)
+            _built[fn] = _build(fn, signatures)
         return _built[fn]
 
 
-def _build(fn: Callable) -> Callable | None:
+def _build(fn: Callable, signatures: Callable[[Any], list] | None) -> Callable | None:
     if os.environ.get("PS_COMPILED_LOOPS", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     try:
@@ -51,7 +58,8 @@ def _build(fn: Callable) -> Callable | None:
     except ImportError:
         event(log, logging.INFO, "numba is not installed: loops run as NumPy passes", loop=fn.__name__)
         return None
+    declared = [signatures(numba.types)] if signatures is not None else []
     try:
-        return numba.njit(nogil=True, cache=True, error_model="numpy")(fn)
+        return numba.njit(*declared, nogil=True, cache=True, error_model="numpy")(fn)
     except RuntimeError:  # nowhere writable to cache: compile in this process only
-        return numba.njit(nogil=True, error_model="numpy")(fn)
+        return numba.njit(*declared, nogil=True, error_model="numpy")(fn)
