@@ -55,6 +55,8 @@ class _Item:
     elements: int = 0
     #: Elements per row (the part's spec.row_elements, looked up once per push).
     width: int = 1
+    #: A dense part's row pushes: the same rows as indices into the part (checked at the begin).
+    local_rows: np.ndarray | None = None
 
 
 def check_cluster(store: VariableStore, shard_index: int, num_shards: int) -> None:
@@ -168,6 +170,10 @@ class ActivePush:
                 pass  # recorded (so a retry is recognised), never applied
             elif self._decision == PushDecision.ACCUMULATE:
                 self._stage(item, offset, values)
+            elif item.local_rows is not None:
+                width = item.width
+                rows = item.local_rows[offset // width:(offset + count) // width]
+                part.apply_local_rows(rows, values.reshape(len(rows), width))
             elif item.row_ids is not None:
                 width = item.width
                 rows = item.row_ids[offset // width:(offset + count) // width]
@@ -253,14 +259,15 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
         if declared.variable in items:
             raise RequestError(Reason.INVALID_REQUEST, f"variable {declared.variable!r} is declared twice")
         part = store.get(declared.variable)
-        row_ids = None
+        row_ids = local_rows = None
         if declared.row_ids or part.spec.hash_table:
             if assign:
                 raise RequestError(Reason.INVALID_REQUEST, "an ASSIGN push cannot address rows")
             if not declared.row_ids and declared.elements:
                 raise RequestError(Reason.INVALID_REQUEST,
                                    f"{declared.variable!r} is a hash table: push it by rows (push_rows)")
-            row_ids = parse_row_ids(part, declared.row_ids, store.shard_index, store.num_shards, unique=True)
+            row_ids, local_rows = parse_row_ids(part, declared.row_ids, store.shard_index, store.num_shards,
+                                                unique=True)
             if part.spec.hash_table and part.max_rows and len(row_ids) > part.max_rows:
                 raise RequestError(Reason.MEMORY_LIMIT,
                                    f"push of {len(row_ids)} rows of {declared.variable!r} on one shard; the "
@@ -300,7 +307,7 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
                 Reason.NOT_INITIALIZED,
                 f"variable {declared.variable!r} is waiting for its explicit initial value",
             )
-        items[declared.variable] = _Item(part, wire, row_ids, expected, part.spec.row_elements)
+        items[declared.variable] = _Item(part, wire, row_ids, expected, part.spec.row_elements, local_rows)
         if metrics is not None and declared.base_version and not assign:
             metrics.staleness.observe(max(0, part.version - declared.base_version))
     total = sum(item.elements for item in items.values())

@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ps_server.errors import RequestError
 from wehub_ps.errors import Reason
 from wehub_ps.placement import hash_shards
 
-__all__ = ["parse_row_ids", "MAX_ROWS_PER_REQUEST"]
+__all__ = ["parse_row_ids", "ParsedRows", "MAX_ROWS_PER_REQUEST"]
 
 # One request names at most this many rows: 8 MiB of ids, and a bound on the
 # gathered block a single pull or push can make the server build.
 MAX_ROWS_PER_REQUEST = 1 << 20
 
 
-def parse_row_ids(part, raw: bytes, shard_index: int, num_shards: int, *, unique: bool) -> np.ndarray:
+class ParsedRows(NamedTuple):
+    """A request's row ids, checked."""
+
+    #: The ids as sent (global row indices, or a hash table's keys).
+    ids: np.ndarray
+    #: A dense part's rows as indices into its local block (the range check's
+    #: result, kept so no later step computes it again); None for a hash table.
+    local: np.ndarray | None
+
+
+def parse_row_ids(part, raw: bytes, shard_index: int, num_shards: int, *, unique: bool) -> ParsedRows:
     """The int64 ids of a request, checked against this shard; nothing is changed on error.
 
     Dense variables take global row indices inside this shard's rows; hash
@@ -39,8 +51,7 @@ def parse_row_ids(part, raw: bytes, shard_index: int, num_shards: int, *, unique
             raise RequestError(Reason.CLUSTER_MISMATCH,
                                f"row id {int(ids[wrong][0])} of {name!r} belongs to shard "
                                f"{int(hash_shards(ids[wrong][:1], num_shards)[0])}, not {shard_index}")
-    else:
-        if not part.holds_part:
-            raise RequestError(Reason.INVALID_REQUEST, f"variable {name!r} has no rows on shard {shard_index}")
-        part.local_rows(ids)  # raises when a row is outside this shard's range
-    return ids
+        return ParsedRows(ids, None)
+    if not part.holds_part:
+        raise RequestError(Reason.INVALID_REQUEST, f"variable {name!r} has no rows on shard {shard_index}")
+    return ParsedRows(ids, part.local_rows(ids))  # raises when a row is outside this shard's range

@@ -285,15 +285,15 @@ class ParameterServerService:
                 if not item.row_ids:
                     raise RequestError(Reason.INVALID_REQUEST,
                                        f"{item.variable!r} is a hash table: pull it by rows (pull_rows)")
-                ids = parse_row_ids(part, item.row_ids, self._store.shard_index, self._store.num_shards,
-                                    unique=False)
+                ids, local = parse_row_ids(part, item.row_ids, self._store.shard_index, self._store.num_shards,
+                                           unique=False)
                 wire = requested or part.spec.dtype
-                if not part.spec.hash_table and part.initialized and wire == part.spec.dtype:
+                if local is not None and part.initialized and wire == part.spec.dtype:
                     # Rows of a dense part stay where they are: each is copied once, from the
                     # table into the message as it is joined (under the part's lock). The
                     # version is read first: it is the rows' or, after a push in between, older.
                     version = part.info().version
-                    plan.append((part, (part.rows_to_send(ids), version), None, wire))
+                    plan.append((part, (part.rows_to_send(local), version), None, wire))
                     continue
                 # Read (and, in a hash table, create) every row before the first byte is
                 # sent, so a refusal leaves nothing behind and the rows are one instant.

@@ -155,12 +155,14 @@ class VariablePart:
 
     def local_rows(self, ids: np.ndarray) -> np.ndarray:
         """Global row indices -> indices into this part; RequestError when outside it."""
-        if ids.size and (ids.min() < self.row_start or ids.max() >= self.row_end):
+        local = np.asarray(ids, dtype=np.int64) - self.row_start
+        # One pass checks both ends: a row before the part wraps to a huge unsigned value.
+        if local.size and local.view(np.uint64).max() >= self.row_end - self.row_start:
             bad = ids[(ids < self.row_start) | (ids >= self.row_end)][0]
             raise RequestError(Reason.INVALID_CHUNK,
                                f"row {bad} of {self.spec.name!r} is not on this shard (it holds rows "
                                f"[{self.row_start}, {self.row_end}))")
-        return ids - self.row_start
+        return local
 
     def read_rows(self, ids: np.ndarray) -> np.ndarray:
         """Copies of global rows ``ids``: shape (len(ids), row elements)."""
@@ -168,13 +170,12 @@ class VariablePart:
         with self.lock:
             return take_rows(self.value.reshape(-1, self.spec.row_elements), local)
 
-    def rows_to_send(self, ids: np.ndarray) -> RowGather:
-        """Global rows ``ids`` (checked now), read under the lock when the message is joined.
+    def rows_to_send(self, local: np.ndarray) -> RowGather:
+        """Rows ``local`` (from :meth:`local_rows`), read under the lock when the message is joined.
 
         Each row is then copied once, from the table into the message. Only
         for an initialised part: its rows never move (a hash table's do).
         """
-        local = self.local_rows(ids)
         return RowGather(self.value.reshape(-1, self.spec.row_elements), local, self.lock)
 
     def apply_rows(self, ids: np.ndarray, grads: np.ndarray) -> None:
@@ -183,7 +184,10 @@ class VariablePart:
         Adam keeps a step count per row for sparse updates (created on the
         first one), so a row's bias correction follows its own history.
         """
-        local = self.local_rows(ids)
+        self.apply_local_rows(self.local_rows(ids), grads)
+
+    def apply_local_rows(self, local: np.ndarray, grads: np.ndarray) -> None:
+        """:meth:`apply_rows` of rows already checked by :meth:`local_rows` (a push's, at its begin)."""
         with self.lock:
             self._apply_local_rows(local, grads)
 

@@ -492,8 +492,8 @@ def test_rows_to_send_are_read_under_the_parts_lock_when_the_message_is_joined()
     assert end - start == 5
     part.value[:] = np.arange(part.value.size)
     with pytest.raises(RequestError):
-        part.rows_to_send(np.array([start, (end + 1) % 10]))  # another shard's row: refused when planned
-    gather = part.rows_to_send(np.array([start + 4, start, start + 2]))
+        part.local_rows(np.array([start, (end + 1) % 10]))  # another shard's row: refused when planned
+    gather = part.rows_to_send(part.local_rows(np.array([start + 4, start, start + 2])))
     joined: list[bytes] = []
     with part.lock:
         thread = threading.Thread(target=lambda: joined.append(join_pieces([b"h", gather])), name="join")
@@ -505,3 +505,20 @@ def test_rows_to_send_are_read_under_the_parts_lock_when_the_message_is_joined()
     expected = np.arange(15, dtype=np.float32).reshape(5, 3)
     expected[0] = -1
     assert joined == [b"h" + expected[[4, 0, 2]].tobytes()]
+
+
+@pytest.mark.parametrize("shard", [0, 1])
+def test_local_rows_refuse_every_row_outside_the_part(shard):
+    """One unsigned pass checks both ends, also for ids at the edges of int64."""
+    store = VariableStore(shard, 2, LIMIT)
+    store.create(_spec("table", shape=(10, 3), partitioner=FixedShardsPartitioner(2)))
+    part = store.get("table")
+    start, end = part.row_start, part.row_end
+    inside = np.arange(start, end, dtype=np.int64)
+    assert part.local_rows(inside).tolist() == list(range(end - start))
+    assert part.local_rows(np.array([], np.int64)).size == 0
+    info = np.iinfo(np.int64)
+    for bad in (start - 1, end, -1, info.min, info.max, info.min + start, start - (1 << 63) + 5):
+        ids = np.array([start, bad, end - 1], dtype=np.int64)
+        with pytest.raises(RequestError, match=f"row {bad} of 'table' is not on this shard"):
+            part.local_rows(ids)
