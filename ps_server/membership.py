@@ -77,10 +77,12 @@ class Membership:
             elif not self._is_live(record, now):
                 event(log, logging.INFO, "worker back", worker_id=worker_id)
                 changed = True
-            record = replace(record, last_seen=now, live=True,
-                             step=max(record.step, step) if step is not None else record.step,
-                             pushes=record.pushes + (1 if pushed else 0))
-            self._workers[worker_id] = record
+            # Built directly, not with dataclasses.replace: this runs for every pull and push
+            # (replace took 1.6 us of the 2 us of a warm call).
+            self._workers[worker_id] = WorkerRecord(
+                worker_id, incarnation, record.registered_unix, now,
+                max(record.step, step) if step is not None else record.step,
+                record.pushes + (1 if pushed else 0), True)
         if changed:
             self._notify()
         return joined

@@ -21,6 +21,8 @@ def sort_ids(ids: np.ndarray, *, keep_order_of_repeats: bool = True
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(order, ids[order], first), where ``first`` marks the first of each run of equal ids.
 
+    The sorted ids are int64 when they came out of the packed sort below.
+
     Row indices (non-negative, below 2**(63 - bits of len(ids))) are sorted
     as one int64 key each, the id above its position: NumPy's vectorised
     sort of plain integers is twice as fast as its argsort (18 against 36
@@ -29,10 +31,12 @@ def sort_ids(ids: np.ndarray, *, keep_order_of_repeats: bool = True
     fast argsort, and the stable one (timsort, four times slower) as well
     only when an id repeats and ``keep_order_of_repeats`` is set.
     """
-    order = _packed_order(ids)
-    if order is None:
+    packed = _packed_sort(ids)
+    if packed is None:
         order = np.argsort(ids)
-    sorted_ids = ids[order]
+        sorted_ids = ids[order]
+    else:
+        order, sorted_ids = packed
     first = np.ones(len(ids), dtype=bool)
     np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
     if keep_order_of_repeats and not first.all() and not _is_stable(order, first):
@@ -41,18 +45,22 @@ def sort_ids(ids: np.ndarray, *, keep_order_of_repeats: bool = True
     return order, sorted_ids, first
 
 
-def _packed_order(ids: np.ndarray) -> np.ndarray | None:
-    """The stable sorting order of ``ids`` through one sort of (id, position) keys; None where they do not fit."""
+def _packed_sort(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(stable sorting order, sorted ids as int64) through one sort of (id, position) keys.
+
+    None where the keys do not fit. Both halves come out of the sorted keys
+    by a shift and a mask, without gathering ``ids`` through the order.
+    """
     n = len(ids)
     if n < 2 or ids.dtype.kind not in "iu":
         return None
     shift = int(n - 1).bit_length()
     if ids.min() < 0 or int(ids.max()) >= 1 << (63 - shift):
         return None
-    key = ids.astype(np.int64) << shift
+    key = np.left_shift(ids, shift, dtype=np.int64)
     key |= np.arange(n, dtype=np.int64)
     key.sort()
-    return key & ((1 << shift) - 1)
+    return key & ((1 << shift) - 1), key >> shift
 
 
 def _is_stable(order: np.ndarray, first: np.ndarray) -> bool:
