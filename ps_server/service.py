@@ -292,14 +292,14 @@ class ParameterServerService:
                     # Rows of a dense part stay where they are: each is copied once, from the
                     # table into the message as it is joined (under the part's lock). The
                     # version is read first: it is the rows' or, after a push in between, older.
-                    version = part.info().version
+                    version = part.version  # (one int read: no lock, no VariableInfo)
                     plan.append((part, (part.rows_to_send(local), version), None, wire))
                     continue
                 # Read (and, in a hash table, create) every row before the first byte is
                 # sent, so a refusal leaves nothing behind and the rows are one instant.
                 with self._store.gate.shared():
                     values = part.read_rows(ids)
-                    version = part.info().version
+                    version = part.version
                 plan.append((part, (values, version), None, wire))
                 continue
             if not part.holds_part:
