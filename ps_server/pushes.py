@@ -170,14 +170,14 @@ class ActivePush:
                 pass  # recorded (so a retry is recognised), never applied
             elif self._decision == PushDecision.ACCUMULATE:
                 self._stage(item, offset, values)
-            elif item.local_rows is not None:
-                width = item.width
-                rows = item.local_rows[offset // width:(offset + count) // width]
-                part.apply_local_rows(rows, values.reshape(len(rows), width))
             elif item.row_ids is not None:
                 width = item.width
-                rows = item.row_ids[offset // width:(offset + count) // width]
-                part.apply_rows(rows, values.reshape(len(rows), width))
+                first, end = offset // width, (offset + count) // width
+                grads = values.reshape(end - first, width)
+                if item.local_rows is not None:  # a dense part's rows, checked at the begin
+                    part.apply_local_rows(item.local_rows[first:end], grads)
+                else:
+                    part.apply_rows(item.row_ids[first:end], grads)
             elif self._assign:
                 part.assign(offset, values)
             else:

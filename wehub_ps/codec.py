@@ -139,9 +139,9 @@ def piece_size(piece: bytes | memoryview | RowGather) -> int:
 
 def join_pieces(pieces: list) -> bytes:
     """The message made of ``pieces`` (bytes, memoryviews and RowGathers), each byte copied once."""
-    sizes = [piece_size(p) for p in pieces]
     if not any(type(p) is RowGather for p in pieces):
         return b"".join(pieces)
+    sizes = [piece_size(p) for p in pieces]
 
     def fill(contents: np.ndarray) -> None:
         writable = memoryview(contents)
