@@ -36,6 +36,7 @@ from wehub_ps.codec import (
     chunk_ranges,
     decode_envelope,
     decode_push_request,
+    encode_chunk_header,
     encode_envelope,
     encode_pull_response,
     join_pieces,
@@ -332,18 +333,16 @@ class ParameterServerService:
                 continue
             wire_enum = to_wire_dtype(wire)
             per_chunk = max(1, chunk_bytes // wire.itemsize)
+            name, elements = part.spec.name, part.elements
             for offset, n in chunk_ranges(count, per_chunk):
-                header = ps_pb2.ChunkHeader(variable=part.spec.name, offset=start + offset, count=n,
-                                            dtype=wire_enum, part_elements=part.elements)
+                first = start + offset
                 if n * wire.itemsize >= _PACK_BELOW_BYTES:
                     if pending:
                         yield pull_response_pieces(pending)
                         pending, pending_bytes = [], 0
-                    yield part.read(start + offset, n, wire,
-                                    lambda values, version, h=header: _encode_one(h, values, version))
+                    yield part.read(first, n, wire, _chunk_sink(name, first, wire_enum, elements, alone=True))
                     continue
-                pending.append(part.read(start + offset, n, wire,
-                                         lambda values, version, h=header: _copy_chunk(h, values, version)))
+                pending.append(part.read(first, n, wire, _chunk_sink(name, first, wire_enum, elements)))
                 pending_bytes += n * wire.itemsize
                 if pending_bytes >= chunk_bytes:
                     yield pull_response_pieces(pending)
@@ -479,10 +478,24 @@ def _row_chunks(part, values: np.ndarray | RowGather, version: int, wire: np.dty
             data: memoryview | RowGather = values.select(slice(first, first + per_chunk))
         else:
             data = byte_view(np.ascontiguousarray(values[first:first + per_chunk], dtype=wire))
-        header = ps_pb2.ChunkHeader(variable=part.spec.name, offset=first * width,
-                                    count=piece_size(data) // wire.itemsize,
-                                    dtype=wire_enum, part_elements=rows * width, version=version)
+        header = encode_chunk_header(part.spec.name, first * width, piece_size(data) // wire.itemsize, wire_enum,
+                                     version, rows * width)
         yield OutgoingChunk(header, data)
+
+
+def _chunk_sink(variable: str, offset: int, wire_enum: int, part_elements: int,
+                alone: bool = False) -> Callable[[np.ndarray, int], object]:
+    """What a pull does with a chunk read under its part's lock: copy it out, with the version it was read at.
+
+    ``alone``: a large chunk becomes its own message, copied straight into
+    it (one copy); a small one is copied out to be packed with others.
+    """
+    def sink(values: np.ndarray, version: int) -> object:
+        header = encode_chunk_header(variable, offset, values.size, wire_enum, version, part_elements)
+        if alone:
+            return [encode_pull_response([OutgoingChunk(header, byte_view(values))])]
+        return OutgoingChunk(header, memoryview(bytes(byte_view(values))))
+    return sink
 
 
 def _check_worker(worker_id: str, incarnation: str) -> None:
@@ -491,14 +504,3 @@ def _check_worker(worker_id: str, incarnation: str) -> None:
                            f"worker_id must be 1 to {MAX_WORKER_ID_LENGTH} characters, got {worker_id!r}")
     if not incarnation or len(incarnation) > MAX_WORKER_ID_LENGTH:
         raise RequestError(Reason.INVALID_REQUEST, "incarnation must be a non-empty id of the worker process")
-
-
-def _encode_one(header: ps_pb2.ChunkHeader, values: np.ndarray, version: int) -> list:
-    """A large chunk's message, copied while the part's lock is held (one copy)."""
-    header.version = version
-    return [encode_pull_response([OutgoingChunk(header, byte_view(values))])]
-
-
-def _copy_chunk(header: ps_pb2.ChunkHeader, values: np.ndarray, version: int) -> OutgoingChunk:
-    header.version = version
-    return OutgoingChunk(header, memoryview(bytes(byte_view(values))))

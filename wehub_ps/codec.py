@@ -13,6 +13,11 @@ protobuf and the bulk bytes are spliced in by hand:
   it is joined (:func:`join_pieces`), so that is its one copy too;
 * decoding returns ``memoryview`` slices of the received message, so the
   receiver copies each byte once, straight into its destination array;
+* the small headers that are written for every variable of every step
+  (``ChunkHeader``, ``PushItem``, ``PushBegin``) are written as bytes here
+  rather than built as protobuf objects and serialised: a step of a model
+  in many variables spent more time building and copying those objects
+  than in the rest of its framing;
 * chunks under :data:`BATCH_BELOW_BYTES` travel together as one
   ``ChunkBatch`` (one protobuf parse for all headers, one bytes field), because
   framing a chunk in Python costs more than copying a few KiB: a step of
@@ -27,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -56,6 +62,9 @@ __all__ = [
     "byte_view",
     "encode_envelope",
     "decode_envelope",
+    "encode_chunk_header",
+    "encode_push_item",
+    "encode_push_begin",
 ]
 
 _WIRE_VARINT = 0
@@ -125,10 +134,18 @@ class RowGather:
 
 @dataclass(frozen=True, slots=True)
 class OutgoingChunk:
-    """A chunk to send: a protobuf header and its little-endian bytes (or rows to gather into the message)."""
+    """A chunk to send: its header and its little-endian bytes (or rows to gather into the message).
 
-    header: ps_pb2.ChunkHeader
+    The header is a serialised ChunkHeader (:func:`encode_chunk_header`, the
+    hot paths) or the message itself.
+    """
+
+    header: bytes | ps_pb2.ChunkHeader
     data: memoryview | RowGather
+
+
+def _header_bytes(header: bytes | ps_pb2.ChunkHeader) -> bytes:
+    return header if type(header) is bytes else header.SerializeToString()
 
 
 def piece_size(piece: bytes | memoryview | RowGather) -> int:
@@ -195,6 +212,75 @@ _TAG_PUSH_CHUNKS = _tag(_PUSH_REQUEST_CHUNKS, _WIRE_LEN)
 _TAG_PULL_BATCHES = _tag(_PULL_RESPONSE_BATCHES, _WIRE_LEN)
 _TAG_PUSH_BATCHES = _tag(_PUSH_REQUEST_BATCHES, _WIRE_LEN)
 _TAG_PUSH_RESPONSE_PULLED = _tag(_PUSH_RESPONSE_PULLED, _WIRE_LEN)
+# ChunkHeaders.items, PushBegin.items and PushBegin.pull_after.
+_TAG_HEADERS_ITEM = _tag(1, _WIRE_LEN)
+_TAG_BEGIN_ITEM = _tag(7, _WIRE_LEN)
+_TAG_BEGIN_PULL_AFTER = _tag(9, _WIRE_LEN)
+_TAG_ITEM_ROW_IDS = _tag(5, _WIRE_LEN)
+# One-byte tags of the varint fields 2-8 (ChunkHeader, PushItem, PushBegin).
+_VARINT_TAGS = [_tag(n, _WIRE_VARINT) for n in range(16)]
+
+
+@lru_cache(maxsize=1 << 16)
+def _string_field(field: int, text: str) -> bytes:
+    """A string field as written (empty when ``text`` is, as proto3 omits it); cached: names repeat every step."""
+    encoded = text.encode()
+    return _tag(field, _WIRE_LEN) + _varint(len(encoded)) + encoded if encoded else b""
+
+
+def _varint_field(field: int, value: int) -> bytes:
+    """A uint64 / uint32 / enum field (fields 1-15); proto3 omits zero."""
+    return _VARINT_TAGS[field] + _varint(value) if value else b""
+
+
+def encode_chunk_header(variable: str, offset: int, count: int, dtype: int, version: int = 0,
+                        part_elements: int = 0) -> bytes:
+    """``ChunkHeader(...).SerializeToString()``, without building the message."""
+    out = _string_field(1, variable)
+    if offset:
+        out += _VARINT_TAGS[2] + _varint(offset)
+    if count:
+        out += _VARINT_TAGS[3] + _varint(count)
+    if dtype:
+        out += _VARINT_TAGS[4] + _varint(dtype)
+    if version:
+        out += _VARINT_TAGS[5] + _varint(version)
+    if part_elements:
+        out += _VARINT_TAGS[6] + _varint(part_elements)
+    return out
+
+
+@lru_cache(maxsize=1 << 16)
+def _push_item_head(variable: str, elements: int, wire_dtype: int) -> bytes:
+    return _string_field(1, variable) + _varint_field(2, elements) + _varint_field(3, wire_dtype)
+
+
+def encode_push_item(variable: str, elements: int, wire_dtype: int, base_version: int = 0,
+                     row_ids: bytes = b"") -> bytes:
+    """``PushItem(...).SerializeToString()``; the fields that repeat every step are cached."""
+    out = _push_item_head(variable, elements, wire_dtype)
+    if base_version:
+        out += _VARINT_TAGS[4] + _varint(base_version)
+    if row_ids:
+        out += b"".join((_TAG_ITEM_ROW_IDS, _varint(len(row_ids)), row_ids))
+    return out
+
+
+def encode_push_begin(worker_id: str, incarnation: str, sequence: int, shard_index: int, num_shards: int,
+                      kind: int, items: Sequence[bytes], step: int = 0, pull_after: bytes | None = None) -> bytes:
+    """``PushBegin(...).SerializeToString()`` with ``items`` already serialised (:func:`encode_push_item`).
+
+    ``pull_after``: a serialised PullRequest, written even when empty (the
+    server tells "no values asked for" from "asked for nothing" by its presence).
+    """
+    pieces = [_string_field(1, worker_id), _string_field(2, incarnation), _varint_field(3, sequence),
+              _varint_field(4, shard_index), _varint_field(5, num_shards), _varint_field(6, kind)]
+    for item in items:
+        pieces += (_TAG_BEGIN_ITEM, _varint(len(item)), item)
+    pieces.append(_varint_field(8, step))
+    if pull_after is not None:
+        pieces += (_TAG_BEGIN_PULL_AFTER, _varint(len(pull_after)), pull_after)
+    return b"".join(pieces)
 
 
 def _append_chunks(pieces: list, chunk_tag: bytes, batch_tag: bytes, chunks: Sequence[OutgoingChunk]) -> None:
@@ -203,10 +289,13 @@ def _append_chunks(pieces: list, chunk_tag: bytes, batch_tag: bytes, chunks: Seq
     if len(small) < 2:
         small = []
     for chunk in [c for c in chunks if c.data.nbytes >= BATCH_BELOW_BYTES] if small else chunks:
-        _append_framed(pieces, chunk_tag, chunk.header.SerializeToString(), [chunk.data])
+        _append_framed(pieces, chunk_tag, _header_bytes(chunk.header), [chunk.data])
     if small:
-        headers = ps_pb2.ChunkHeaders(items=[c.header for c in small]).SerializeToString()
-        _append_framed(pieces, batch_tag, headers, [c.data for c in small])
+        headers = []
+        for c in small:
+            header = _header_bytes(c.header)
+            headers += (_TAG_HEADERS_ITEM, _varint(len(header)), header)
+        _append_framed(pieces, batch_tag, b"".join(headers), [c.data for c in small])
 
 
 def _append_framed(pieces: list, outer_tag: bytes, header: bytes, data: list[memoryview]) -> None:
@@ -237,11 +326,14 @@ def pull_response_pieces(chunks: Sequence[OutgoingChunk]) -> list:
     return pieces
 
 
-def push_request_pieces(begin: ps_pb2.PushBegin | None, chunks: Sequence[OutgoingChunk]) -> list:
-    """A ``PushRequest`` as pieces whose concatenation is the message (see pull_response_pieces)."""
+def push_request_pieces(begin: ps_pb2.PushBegin | bytes | None, chunks: Sequence[OutgoingChunk]) -> list:
+    """A ``PushRequest`` as pieces whose concatenation is the message (see pull_response_pieces).
+
+    ``begin``: the message, or its serialisation (:func:`encode_push_begin`).
+    """
     pieces: list = []
     if begin is not None:
-        body = begin.SerializeToString()
+        body = begin if type(begin) is bytes else begin.SerializeToString()
         pieces.append(_TAG_PUSH_BEGIN + _varint(len(body)) + body)
     _append_chunks(pieces, _TAG_PUSH_CHUNKS, _TAG_PUSH_BATCHES, chunks)
     return pieces
@@ -279,7 +371,7 @@ def encode_pull_response(chunks: Sequence[OutgoingChunk]) -> bytes:
 
 
 def encode_push_request(
-    begin: ps_pb2.PushBegin | None, chunks: Sequence[OutgoingChunk]
+    begin: ps_pb2.PushBegin | bytes | None, chunks: Sequence[OutgoingChunk]
 ) -> bytes:
     """Serialise a ``PushRequest``; copies each tensor byte once."""
     return join_pieces(push_request_pieces(begin, chunks))

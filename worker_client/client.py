@@ -34,6 +34,9 @@ from wehub_ps.codec import (
     as_wire_array,
     byte_view,
     chunk_ranges,
+    encode_chunk_header,
+    encode_push_begin,
+    encode_push_item,
     join_pieces,
     push_request_pieces,
     split_push_response,
@@ -1142,13 +1145,12 @@ class PSClient:
         ``single``: everything in one message, whatever its size.
         """
         convert = self.wire_dtype is not None and kind == ps_pb2.GRADIENT
-        begin = ps_pb2.PushBegin(
-            worker_id=self.worker_id, incarnation=self.incarnation, sequence=sequence,
-            shard_index=shard_index, num_shards=len(self._shards), kind=kind, step=step,
-            items=[ps_pb2.PushItem(variable=item.name, elements=item.values.size,
-                                   wire_dtype=to_wire_dtype(self.wire_dtype if convert else item.values.dtype),
-                                   base_version=base_versions.get(item.name, 0), row_ids=item.row_ids)
-                   for item in items], pull_after=pull_after)
+        begin: bytes | None = encode_push_begin(
+            self.worker_id, self.incarnation, sequence, shard_index, len(self._shards), kind,
+            [encode_push_item(item.name, item.values.size,
+                              to_wire_dtype(self.wire_dtype if convert else item.values.dtype),
+                              base_versions.get(item.name, 0), item.row_ids)
+             for item in items], step, pull_after.SerializeToString() if pull_after is not None else None)
         pending: list[OutgoingChunk] = []
         pending_bytes = 0
         arena = _conversion_arena()
@@ -1178,8 +1180,7 @@ class PSClient:
                     yield push_request_pieces(begin, pending)
                     arena.reset()
                     begin, pending, pending_bytes = None, [], 0
-                header = ps_pb2.ChunkHeader(variable=item.name, offset=offset, count=count, dtype=wire,
-                                            part_elements=values.size)
+                header = encode_chunk_header(item.name, offset, count, wire, 0, values.size)
                 data = piece if isinstance(piece, RowGather) else byte_view(piece)
                 pending.append(OutgoingChunk(header, data))
                 pending_bytes += nbytes

@@ -23,8 +23,11 @@ from wehub_ps.codec import (
     decode_envelope,
     decode_pull_response,
     decode_push_request,
+    encode_chunk_header,
     encode_envelope,
     encode_pull_response,
+    encode_push_begin,
+    encode_push_item,
     encode_push_request,
 )
 from wehub_ps.dtypes import BFLOAT16, to_numpy_dtype, to_wire_dtype
@@ -349,6 +352,52 @@ def test_encoding_is_byte_identical_to_protobuf(tensor, chunk_elements, with_beg
     parsed = ps_pb2.PushRequest.FromString(ours)
     assert parsed.HasField("begin") == with_begin
     assert _parsed_chunks(parsed) == [(c.header, bytes(c.data)) for c in chunks]
+
+
+_UINT64 = st.integers(0, 2**64 - 1)
+_NAMES = st.text(alphabet=st.characters(codec="utf-8"), max_size=20)
+
+
+@SETTINGS
+@given(_NAMES, _UINT64, _UINT64, st.sampled_from(sorted(ps_pb2.DataType.values())), _UINT64, _UINT64)
+def test_chunk_headers_written_by_hand_are_protobufs(name, offset, count, dtype, version, part_elements):
+    ours = encode_chunk_header(name, offset, count, dtype, version, part_elements)
+    assert ours == ps_pb2.ChunkHeader(variable=name, offset=offset, count=count, dtype=dtype, version=version,
+                                      part_elements=part_elements).SerializeToString()
+
+
+_PUSH_ITEMS = st.lists(st.tuples(_NAMES, _UINT64, st.sampled_from(sorted(ps_pb2.DataType.values())), _UINT64,
+                                 st.binary(max_size=300)), max_size=5)
+
+
+@SETTINGS
+@given(_NAMES, _NAMES, _UINT64, st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
+       st.sampled_from(sorted(ps_pb2.PushKind.values())), _PUSH_ITEMS, _UINT64,
+       st.one_of(st.none(), st.builds(lambda n, s: ps_pb2.PullRequest(
+           items=[ps_pb2.PullItem(variable=v) for v in n], step=s), st.lists(_NAMES, max_size=3), _UINT64)))
+def test_push_begins_written_by_hand_are_protobufs(worker, incarnation, sequence, shard, shards, kind, items,
+                                                  step, pull_after):
+    ours = encode_push_begin(worker, incarnation, sequence, shard, shards, kind,
+                             [encode_push_item(*item) for item in items], step,
+                             pull_after.SerializeToString() if pull_after is not None else None)
+    expected = ps_pb2.PushBegin(
+        worker_id=worker, incarnation=incarnation, sequence=sequence, shard_index=shard, num_shards=shards,
+        kind=kind, step=step, pull_after=pull_after,
+        items=[ps_pb2.PushItem(variable=n, elements=e, wire_dtype=d, base_version=b, row_ids=r)
+               for n, e, d, b, r in items])
+    assert ours == expected.SerializeToString()
+    # An empty pull_after is still there: the server asks HasField.
+    assert ps_pb2.PushBegin.FromString(ours).HasField("pull_after") == (pull_after is not None)
+
+
+def test_hand_written_headers_and_protobuf_headers_frame_alike():
+    values = [as_wire_array(np.arange(n, dtype="<f4")) for n in (3, 5, BATCH_BELOW_BYTES // 4)]
+    as_messages = [OutgoingChunk(ps_pb2.ChunkHeader(variable=f"v{i}", count=v.size, dtype=ps_pb2.FLOAT32),
+                                 byte_view(v)) for i, v in enumerate(values)]
+    as_bytes = [OutgoingChunk(encode_chunk_header(f"v{i}", 0, v.size, ps_pb2.FLOAT32), byte_view(v))
+                for i, v in enumerate(values)]
+    assert encode_pull_response(as_bytes) == encode_pull_response(as_messages)
+    assert encode_push_request(None, as_bytes) == encode_push_request(None, as_messages)
 
 
 def test_large_and_small_chunks_together_are_byte_identical_and_round_trip():
