@@ -330,10 +330,15 @@ class PSClient:
                         for i, a in enumerate(self.addresses)]
         self._executor = futures.ThreadPoolExecutor(
             max_workers=max(2, 2 * len(self._shards)), thread_name_prefix=f"ps-client-{worker_id}")
-        # Guards _variables, _versions, _sequences, _stats and _step.
+        # Guards _variables, _versions, _calls_started, _sequences, _stats and _step.
         self._lock = threading.Lock()
         self._variables: dict[str, Variable] = {}
+        #: Per variable and shard: the newest version seen, and the value of
+        #: _calls_started when it was seen (see _record_versions).
         self._versions: dict[str, dict[int, int]] = {}
+        self._versions_seen_at: dict[tuple[str, int], int] = {}
+        #: Pulls and pushes started so far; each takes the count as its ticket.
+        self._calls_started = 0
         self._sequences = [itertools.count(1) for _ in self._shards]
         self._stats = {"retries": 0, "duplicate_acks": 0, "rollbacks": 0, "dropped_pushes": 0,
                        "prefetched_steps": 0}
@@ -677,6 +682,7 @@ class PSClient:
     def _pull_call(self, shard: ShardChannel, items: list[PullItem]) -> ShardCall:
         request = self._pull_request(shard, items).SerializeToString()
         receiver = PullReceiver(shard.address, items)
+        ticket = self._take_ticket()
 
         def ordinary() -> None:
             receiver.reset()
@@ -688,7 +694,7 @@ class PSClient:
 
         def finish(_: None) -> None:
             receiver.check_complete()
-            self._record_versions(shard, receiver.versions)
+            self._record_versions(shard, receiver.versions, ticket)
 
         small = self._use_lane and self._pull_bytes(items) <= self.chunk_bytes
         return ShardCall(shard, "pull", ordinary, finish, EXCHANGE_PULL, (lambda: request) if small else None,
@@ -917,7 +923,7 @@ class PSClient:
             return dict(self._stats)
 
     def versions(self, name: str) -> dict[int, int]:
-        """Per shard, the version of ``name`` seen by this client's last pull or push."""
+        """Per shard, the newest version of ``name`` this client's pulls and pushes have seen."""
         with self._lock:
             return dict(self._versions.get(name, {}))
 
@@ -961,15 +967,31 @@ class PSClient:
                 self._stats["retries"] += 1
         return call_with_retry(call, self._retry, what, shard.address, on_retry=counted)
 
-    def _record_versions(self, shard: ShardChannel, versions: dict[str, int]) -> None:
-        """Remember versions; a version that went backwards means the server rolled back."""
+    def _take_ticket(self) -> int:
+        with self._lock:
+            ticket = self._calls_started
+            self._calls_started += 1
+            return ticket
+
+    def _record_versions(self, shard: ShardChannel, versions: dict[str, int], ticket: int) -> None:
+        """Remember the newest versions; one that went backwards means the server rolled back.
+
+        Calls from several threads can be answered out of order: an answer
+        to a call started before a newer version was seen may carry an older
+        one, and says nothing. Only a call started after the newer version
+        was seen (``ticket``, from _take_ticket) proves a rollback.
+        """
         rolled_back = {}
         with self._lock:
             for name, version in versions.items():
                 known = self._versions.setdefault(name, {})
-                if version < known.get(shard.index, 0):
-                    rolled_back[name] = (known[shard.index], version)
+                previous = known.get(shard.index)
+                if previous is not None and version < previous:
+                    if ticket < self._versions_seen_at[name, shard.index]:
+                        continue  # an answer overtaken by a newer one
+                    rolled_back[name] = (previous, version)
                 known[shard.index] = version
+                self._versions_seen_at[name, shard.index] = self._calls_started
             if rolled_back:
                 self._stats["rollbacks"] += 1
         if rolled_back:
@@ -1095,6 +1117,8 @@ class PSClient:
             sequence = next(self._sequences[shard.index])
             base_versions = {i.name: self._versions.get(i.name, {}).get(shard.index, 0) for i in items}
             step = self._step
+            ticket = self._calls_started
+            self._calls_started += 1
         receiver = PullReceiver(shard.address, after) if after else None
         pull_after = self._pull_request(shard, after, step_ahead=1) if after else None
         message = (shard.index, items, kind, sequence, base_versions, step, pull_after)
@@ -1109,13 +1133,13 @@ class PSClient:
             if response.duplicate and call.attempts > 1:
                 with self._lock:
                     self._stats["duplicate_acks"] += 1
-            self._record_versions(shard, {e.variable: e.version for e in response.versions})
+            self._record_versions(shard, {e.variable: e.version for e in response.versions}, ticket)
             self._note_cluster_step(response.cluster_step, response.dropped)
             if receiver is None or pulled is None:
                 return False  # no values asked for, or a server that predates pull_after
             receiver.take_chunks(pulled)
             receiver.check_complete()
-            self._record_versions(shard, receiver.versions)
+            self._record_versions(shard, receiver.versions, ticket)
             return True
 
         small = self._use_lane and self._fits_lane(items)

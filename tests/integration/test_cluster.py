@@ -222,3 +222,33 @@ def test_large_pushes_and_pulls_with_other_stream_windows(cluster_factory, windo
         grad = np.random.default_rng(3).standard_normal((1000, 1000)).astype(np.float32)
         client.push({"w": grad})
         np.testing.assert_array_equal(client.pull(["w"])["w"], -grad)
+
+
+def test_answers_out_of_order_are_not_taken_for_a_rollback(cluster2, caplog):
+    """Threads sharing a client get their answers in any order; the older versions they carry mean nothing."""
+    with PSClient(cluster2.addresses) as client:
+        client.create_variable("w", shape=(4, 1000), optimizer=SGD(learning_rate=1.0))
+        client.create_embedding("e", 8, initializer="zeros", optimizer=SGD(learning_rate=1.0))
+        ids = np.arange(64)
+        errors: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                for _ in range(150):
+                    client.push({"w": np.ones((4, 1000), np.float32)})
+                    client.push_rows("e", ids, np.ones((64, 8), np.float32))
+                    client.pull(["w"])
+            except BaseException as exc:  # re-raised by the assertion below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors
+        assert client.stats()["rollbacks"] == 0
+        assert "rolled back" not in caplog.text
+        # What the client keeps is the newest version, which every push made: 450 pushes of "w".
+        assert set(client.versions("w").values()) == {450}
+        np.testing.assert_array_equal(client.pull(["w"])["w"], np.full((4, 1000), -450, np.float32))

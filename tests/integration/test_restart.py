@@ -177,6 +177,24 @@ def test_deduplication_survives_a_restart(cluster_factory, tmp_path):
         np.testing.assert_array_equal(client.pull(["v"])["v"], np.full(4, -2, np.float32))
 
 
+def test_a_client_notices_that_its_server_rolled_back(cluster_factory, tmp_path, caplog):
+    cluster = cluster_factory(1, *_ckpt_args(tmp_path / "ckpt"))
+    with PSClient(cluster.addresses, retry_timeout=30) as client:
+        client.create_variable("v", shape=(4,), initializer="zeros", optimizer=SGD(learning_rate=1.0))
+        for _ in range(2):
+            client.push({"v": np.ones(4, np.float32)})
+        client.checkpoint()  # version 2 is durable
+        for _ in range(3):
+            client.push({"v": np.ones(4, np.float32)})
+        assert client.versions("v") == {0: 5} and client.stats()["rollbacks"] == 0
+        _kill_and_restart(cluster.servers[0])
+        np.testing.assert_array_equal(client.pull(["v"])["v"], np.full(4, -2, np.float32))
+    # The three pushes after the checkpoint are lost, and the user is told.
+    assert client.versions("v") == {0: 2}
+    assert client.stats()["rollbacks"] == 1
+    assert "ps-server rolled back" in caplog.text
+
+
 def _train(clients: list[PSClient], steps: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     for _ in range(steps):
