@@ -41,15 +41,23 @@ def median(seconds: Sequence[float]) -> float:
     return statistics.median(seconds)
 
 
-def time_calls(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
-    """Wall seconds of each of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones."""
+def time_calls(fn: Callable[[], object], repeats: int, warmup: int = 1,
+               cpu: MachineCPU | None = None) -> list[float]:
+    """Wall seconds of each of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones.
+
+    ``cpu``, when given, measures the machine during the timed calls.
+    """
     for _ in range(warmup):
         fn()
     seconds = []
+    if cpu is not None:
+        cpu.start()
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         seconds.append(time.perf_counter() - start)
+    if cpu is not None:
+        cpu.stop()
     return seconds
 
 
@@ -204,6 +212,38 @@ def ps_cluster(num_servers: int, *flags: str) -> Iterator[tuple[list[str], list[
                 stop_process(proc)
 
 
+class MachineCPU:
+    """Core-seconds the whole machine spent busy (every process, kernel included) between start() and stop().
+
+    From /proc/stat (Linux): what limits a figure when every core is busy,
+    as with two workers and two servers on two cores.
+    """
+
+    def __init__(self) -> None:
+        self.busy = self.wall = 0.0
+        self._start: tuple[float, float] = (0.0, 0.0)
+
+    @staticmethod
+    def _busy_seconds() -> float:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        # guest time is counted in user already (fields 8-9)
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    def start(self) -> None:
+        self._start = (self._busy_seconds(), time.perf_counter())
+
+    def stop(self) -> None:
+        self.busy = self._busy_seconds() - self._start[0]
+        self.wall = time.perf_counter() - self._start[1]
+
+    @property
+    def cores_busy(self) -> float:
+        """Cores busy on average."""
+        return self.busy / self.wall if self.wall else 0.0
+
+
 def _status_field(pid: int | str, field: str) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -302,11 +342,12 @@ print(s.add_insecure_port("127.0.0.1:0"), flush=True); s.start(); sys.stdin.read
 
 
 def bare_rows_seconds(rows_per_server: int, batches: Sequence[np.ndarray], grads: np.ndarray, calls: int,
-                      warmup: int) -> tuple[list[float], list[float]]:
+                      warmup: int, cpu: Sequence[MachineCPU] = ()) -> tuple[list[float], list[float]]:
     """(pull, push) seconds per call of the bare row exchange with 2 servers, each holding ``rows_per_server``.
 
     The client does what any row client must: sort the ids, split them by
     server, send, and put each answer's rows back in the caller's order.
+    ``cpu``: two meters, for the machine during the timed pulls and pushes.
     """
     import queue
 
@@ -354,9 +395,10 @@ def bare_rows_seconds(rows_per_server: int, batches: Sequence[np.ndarray], grads
                 next(answers)
 
         results = []
-        for fn in (pull, push):
+        for i, fn in enumerate((pull, push)):
             it = iter(batches)
-            results.append(time_calls(lambda: fn(next(it)), calls, warmup=warmup))
+            results.append(time_calls(lambda: fn(next(it)), calls, warmup=warmup,
+                                      cpu=cpu[i] if cpu else None))
         for requests, answers in lanes:
             requests.put(None)
             answers.cancel()
@@ -399,13 +441,15 @@ print(json.dumps(result), flush=True)
 """
 
 
-def grpc_stream_2x2_seconds(nbytes_per_server: int, repeats: int) -> tuple[float, float]:
+def grpc_stream_2x2_seconds(nbytes_per_server: int, repeats: int,
+                            cpu: MachineCPU | None = None) -> tuple[float, float]:
     """gRPC Python alone, 2 worker processes x 2 servers at once: (pull, push) seconds of the slower worker.
 
     The same traffic as the benchmark's 2-worker figure (each worker moves
     ``nbytes_per_server`` to or from each server, both servers at once), as
     raw 1 MiB messages with no serialisation: what four processes on this
     machine's cores can move through gRPC Python with nothing of ours.
+    ``cpu``, when given, measures the machine while they do.
     """
     import json
 
@@ -421,10 +465,14 @@ def grpc_stream_2x2_seconds(nbytes_per_server: int, repeats: int) -> tuple[float
         for w in workers:
             if w.stdout.readline().strip() != "ready":
                 raise RuntimeError("bare gRPC benchmark worker did not start")
+        if cpu is not None:
+            cpu.start()
         for w in workers:
             w.stdin.write("go\n")
             w.stdin.flush()
         out = [json.loads(w.stdout.readline()) for w in workers]
+        if cpu is not None:
+            cpu.stop()
         return max(sum(r["pull"]) for r in out) / repeats, max(sum(r["push"]) for r in out) / repeats
     finally:
         for proc in workers + servers:

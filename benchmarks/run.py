@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -44,6 +45,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    MachineCPU,
     bare_rows_seconds,
     best,
     child_env,
@@ -155,11 +157,16 @@ def _spawn_workers(addresses: list[str], job: str, count: int, repeats: int) -> 
     return workers
 
 
-def _go(workers: list[subprocess.Popen], timeout: float = 600) -> list[dict]:
+def _go(workers: list[subprocess.Popen], timeout: float = 600, cpu: MachineCPU | None = None) -> list[dict]:
+    """Start the workers' jobs together; their JSON results. ``cpu`` measures the machine until they report."""
+    if cpu is not None:
+        cpu.start()
     for w in workers:
         w.stdin.write("go\n")
         w.stdin.flush()
     results = [json.loads(w.stdout.readline()) for w in workers]
+    if cpu is not None:
+        cpu.stop()
     for w in workers:
         w.stdin.close()
         w.wait(timeout)
@@ -200,13 +207,15 @@ def section_dense(repeats: int, tcp: float, results: dict) -> list[Row]:
             if servers == 2:
                 workers = _spawn_workers(addresses, "dense", 2, repeats)
                 started = time.perf_counter()
-                out = _go(workers)
+                ours_cpu = MachineCPU()
+                out = _go(workers, cpu=ours_cpu)
                 # Both workers pull, then push, at the same time: bytes of both over the slower one.
                 pull2 = 2 * MODEL_BYTES / max(sum(r["pull"]) for r in out) * repeats / 1e9
                 push2 = 2 * MODEL_BYTES / max(sum(r["push"]) for r in out) * repeats / 1e9
                 results["dense_2s_2w"] = {"pull": pull2, "push": push2, "wall": time.perf_counter() - started}
                 # The same traffic through gRPC Python alone (four processes, raw 1 MiB messages).
-                bare_pull, bare_push = grpc_stream_2x2_seconds(MODEL_BYTES // 2, repeats)
+                bare_cpu = MachineCPU()
+                bare_pull, bare_push = grpc_stream_2x2_seconds(MODEL_BYTES // 2, repeats, bare_cpu)
                 results["grpc_ceiling_2s_2w"] = {"pull": 2 * MODEL_BYTES / bare_pull / 1e9,
                                                  "push": 2 * MODEL_BYTES / bare_push / 1e9}
                 for what, ours in (("pull", pull2), ("push", push2)):
@@ -215,8 +224,28 @@ def section_dense(repeats: int, tcp: float, results: dict) -> list[Row]:
                                      target_text="reference"))
                     rows.append(_row("dense", f"{what}{'(out=)' if what == 'pull' else ''}, 2 workers together, "
                                               "2 servers", ours, "GB/s", tcp, "raw TCP", 0.6))
+                rows += _cpu_bound_rows(ours_cpu, bare_cpu, 2 * 2 * MODEL_BYTES * repeats, tcp, results)
     return rows
 
+
+def _cpu_bound_rows(ours: MachineCPU, bare: MachineCPU, moved: int, tcp: float, results: dict) -> list[Row]:
+    """What the machine's cores allow the 2-worker figure: CPU per GB moved, all processes and the kernel.
+
+    With every core busy, throughput is at most cores / (core-seconds per
+    GB): a target above that needs less CPU per GB, not less waiting.
+    """
+    cores = os.cpu_count() or 1
+    ours_per_gb, bare_per_gb = ours.busy / (moved / 1e9), bare.busy / (moved / 1e9)
+    results["cpu_2s_2w"] = {"cores": cores, "ours_cores_busy": ours.cores_busy, "ours_core_s_per_gb": ours_per_gb,
+                            "bare_cores_busy": bare.cores_busy, "bare_core_s_per_gb": bare_per_gb}
+    return [
+        _row("dense", f"  CPU per GB, 2 workers ({ours.cores_busy:.2f} of {cores} cores busy)", ours_per_gb,
+             "core-s", bare_per_gb, f"gRPC alone, {bare.cores_busy:.2f} busy", target_text="report"),
+        _row("dense", f"  at that cost {cores} cores move at most", cores / ours_per_gb, "GB/s", tcp, "raw TCP",
+             target_text="report"),
+        _row("dense", f"  at gRPC Python's own cost {cores} cores move at most", cores / bare_per_gb, "GB/s", tcp,
+             "raw TCP", target_text="reference"),
+    ]
 
 def section_bf16(repeats: int, tcp: float, results: dict) -> list[Row]:
     from worker_client import PSClient
@@ -337,12 +366,18 @@ def section_sparse(tcp: float, results: dict) -> list[Row]:
         client.create_variable("table", (rows_total, dim), initializer="zeros", optimizer=SGD(learning_rate=1e-9))
         batches = [rng.choice(rows_total, batch, replace=False) for _ in range(SPARSE_CALLS + SPARSE_WARMUP)]
         grads = np.zeros((batch, dim), np.float32)
+        meters = {kind: MachineCPU() for kind in ("pull", "push", "bare_pull", "bare_push")}
         it = iter(batches)
-        pulls = time_calls(lambda: client.pull_rows("table", next(it)), SPARSE_CALLS, warmup=SPARSE_WARMUP)
+        pulls = time_calls(lambda: client.pull_rows("table", next(it)), SPARSE_CALLS, warmup=SPARSE_WARMUP,
+                           cpu=meters["pull"])
         it = iter(batches)
-        pushes = time_calls(lambda: client.push_rows("table", next(it), grads), SPARSE_CALLS, warmup=SPARSE_WARMUP)
+        pushes = time_calls(lambda: client.push_rows("table", next(it), grads), SPARSE_CALLS, warmup=SPARSE_WARMUP,
+                            cpu=meters["push"])
     # The same calls with nothing of ours: what gRPC Python and NumPy alone take (common.bare_rows_seconds).
-    bare_pulls, bare_pushes = bare_rows_seconds(rows_total // 2, batches, grads, SPARSE_CALLS, SPARSE_WARMUP)
+    bare_pulls, bare_pushes = bare_rows_seconds(rows_total // 2, batches, grads, SPARSE_CALLS, SPARSE_WARMUP,
+                                                cpu=(meters["bare_pull"], meters["bare_push"]))
+    # Machine CPU per call (every process, the kernel's share included) and the cores busy meanwhile.
+    cpu_ms = {kind: meter.busy / SPARSE_CALLS * 1e3 for kind, meter in meters.items()}
     nbytes = batch * dim * 4
     pull, push = best(pulls), best(pushes)
     results["sparse"] = {"pull_rows_per_s": batch / pull, "push_rows_per_s": batch / push,
@@ -351,6 +386,8 @@ def section_sparse(tcp: float, results: dict) -> list[Row]:
                          "bare_pull_gbps": nbytes / best(bare_pulls) / 1e9,
                          "bare_push_gbps": nbytes / best(bare_pushes) / 1e9,
                          "bare_pull_p50_ms": median(bare_pulls) * 1e3, "bare_push_p50_ms": median(bare_pushes) * 1e3,
+                         "cpu_ms_per_call": cpu_ms,
+                         "cores_busy": {kind: meter.cores_busy for kind, meter in meters.items()},
                          "calls": SPARSE_CALLS}
     rows = []
     for what, ours, bare in (("pull", pulls, bare_pulls), ("push", pushes, bare_pushes)):
@@ -359,6 +396,9 @@ def section_sparse(tcp: float, results: dict) -> list[Row]:
         rows.append(_row("sparse", f"{what}_rows 4096x64 ({batch / best(ours):,.0f} rows/s; "
                                    f"p50 {median(ours) * 1e3:.2f} ms)", nbytes / best(ours) / 1e9, "GB/s", tcp,
                          "raw TCP", 0.25))
+        rows.append(_row("sparse", f"  {what}: machine CPU per call ({meters[what].cores_busy:.2f} cores busy)",
+                         cpu_ms[what], "ms", cpu_ms[f"bare_{what}"],
+                         f"bare, {meters[f'bare_{what}'].cores_busy:.2f} busy", target_text="report"))
     return rows
 
 

@@ -192,6 +192,8 @@ _SMALL_VARINTS = [bytes([i]) for i in range(128)]
 def _varint(value: int) -> bytes:
     if value < 128:
         return _SMALL_VARINTS[value]
+    if value < 16384:  # sizes of small variables, versions: two bytes, written at once
+        return bytes((value & 0x7F | 0x80, value >> 7))
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)

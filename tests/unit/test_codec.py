@@ -366,6 +366,13 @@ def test_chunk_headers_written_by_hand_are_protobufs(name, offset, count, dtype,
                                       part_elements=part_elements).SerializeToString()
 
 
+@pytest.mark.parametrize("value", [1, 127, 128, 255, 16383, 16384, 2**21 - 1, 2**21, 2**63, 2**64 - 1])
+def test_chunk_header_varints_at_their_length_boundaries(value):
+    ours = encode_chunk_header("v", value, value, ps_pb2.FLOAT32, value, value)
+    assert ours == ps_pb2.ChunkHeader(variable="v", offset=value, count=value, dtype=ps_pb2.FLOAT32, version=value,
+                                      part_elements=value).SerializeToString()
+
+
 _PUSH_ITEMS = st.lists(st.tuples(_NAMES, _UINT64, st.sampled_from(sorted(ps_pb2.DataType.values())), _UINT64,
                                  st.binary(max_size=300)), max_size=5)
 
