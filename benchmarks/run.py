@@ -247,6 +247,7 @@ def _cpu_bound_rows(ours: MachineCPU, bare: MachineCPU, moved: int, tcp: float, 
              "raw TCP", target_text="reference"),
     ]
 
+
 def section_bf16(repeats: int, tcp: float, results: dict) -> list[Row]:
     from worker_client import PSClient
 
