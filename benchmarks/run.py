@@ -157,7 +157,8 @@ def _spawn_workers(addresses: list[str], job: str, count: int, repeats: int) -> 
     return workers
 
 
-def _go(workers: list[subprocess.Popen], timeout: float = 600, cpu: MachineCPU | None = None) -> list[dict]:
+def _go(workers: list[subprocess.Popen], timeout: float = 600,
+        cpu: MachineCPU | None = None) -> list[dict]:
     """Start the workers' jobs together; their JSON results. ``cpu`` measures the machine until they report."""
     if cpu is not None:
         cpu.start()

@@ -238,7 +238,7 @@ def test_answers_out_of_order_are_not_taken_for_a_rollback(cluster2, caplog):
                     client.push({"w": np.ones((4, 1000), np.float32)})
                     client.push_rows("e", ids, np.ones((64, 8), np.float32))
                     client.pull(["w"])
-            except BaseException as exc:  # re-raised by the assertion below
+            except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
                 errors.append(exc)
 
         threads = [threading.Thread(target=work) for _ in range(3)]
