@@ -159,7 +159,10 @@ def _spawn_workers(addresses: list[str], job: str, count: int, repeats: int) -> 
 
 def _go(workers: list[subprocess.Popen], timeout: float = 600,
         cpu: MachineCPU | None = None) -> list[dict]:
-    """Start the workers' jobs together; their JSON results. ``cpu`` measures the machine until they report."""
+    """Start the workers' jobs together; their JSON results.
+
+    ``cpu``, when given, measures the machine until they have all reported.
+    """
     if cpu is not None:
         cpu.start()
     for w in workers:
