@@ -1117,8 +1117,7 @@ class PSClient:
             sequence = next(self._sequences[shard.index])
             base_versions = {i.name: self._versions.get(i.name, {}).get(shard.index, 0) for i in items}
             step = self._step
-            ticket = self._calls_started
-            self._calls_started += 1
+        ticket = self._take_ticket()
         receiver = PullReceiver(shard.address, after) if after else None
         pull_after = self._pull_request(shard, after, step_ahead=1) if after else None
         message = (shard.index, items, kind, sequence, base_versions, step, pull_after)
