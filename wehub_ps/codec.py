@@ -577,15 +577,17 @@ def chunk_view(data: memoryview, wire_dtype: int, count: int) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype, count=count)
 
 
-def chunk_ranges(total: int, chunk_elements: int) -> Iterator[tuple[int, int]]:
-    """(offset, count) covering ``total`` elements; one empty range when total is 0."""
+def chunk_ranges(total: int, chunk_elements: int) -> list[tuple[int, int]]:
+    """(offset, count) covering ``total`` elements; one empty range when total is 0.
+
+    A list, not a generator: most variables of a step are one chunk, and
+    resuming a generator cost more than the list of one range.
+    """
     if chunk_elements <= 0:
         raise ValueError(f"chunk_elements must be positive, got {chunk_elements}")
-    if total == 0:
-        yield 0, 0
-        return
-    for offset in range(0, total, chunk_elements):
-        yield offset, min(chunk_elements, total - offset)
+    if total <= chunk_elements:
+        return [(0, total)]
+    return [(offset, min(chunk_elements, total - offset)) for offset in range(0, total, chunk_elements)]
 
 
 def byte_view(array: np.ndarray) -> memoryview:

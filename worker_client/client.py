@@ -96,15 +96,16 @@ class Variable:
     placement: Placement | None
     created: bool = False
 
-    @property
+    # Cached: a step reads them several times per variable.
+    @functools.cached_property
     def name(self) -> str:
         return self.spec.name
 
-    @property
+    @functools.cached_property
     def shape(self) -> tuple[int, ...]:
         return self.spec.shape
 
-    @property
+    @functools.cached_property
     def dtype(self) -> np.dtype:
         return self.spec.dtype
 
@@ -1168,20 +1169,20 @@ class PSClient:
         ``single``: everything in one message, whatever its size.
         """
         convert = self.wire_dtype is not None and kind == ps_pb2.GRADIENT
+        wire_dtypes = [self.wire_dtype if convert and item.values.dtype != self.wire_dtype else item.values.dtype
+                       for item in items]
+        wires = [to_wire_dtype(dtype) for dtype in wire_dtypes]
         begin: bytes | None = encode_push_begin(
             self.worker_id, self.incarnation, sequence, shard_index, len(self._shards), kind,
-            [encode_push_item(item.name, item.values.size,
-                              to_wire_dtype(self.wire_dtype if convert else item.values.dtype),
-                              base_versions.get(item.name, 0), item.row_ids)
-             for item in items], step, pull_after.SerializeToString() if pull_after is not None else None)
+            [encode_push_item(item.name, item.values.size, wire, base_versions.get(item.name, 0), item.row_ids)
+             for item, wire in zip(items, wires)],
+            step, pull_after.SerializeToString() if pull_after is not None else None)
         pending: list[OutgoingChunk] = []
         pending_bytes = 0
         arena = _conversion_arena()
         arena.reset()
-        for item in items:
+        for item, wire_dtype, wire in zip(items, wire_dtypes, wires):
             values = item.values
-            wire_dtype = self.wire_dtype if convert and values.dtype != self.wire_dtype else values.dtype
-            wire = to_wire_dtype(wire_dtype)
             # Whole rows per chunk for row pushes (the server applies rows).
             per_chunk = max(1, self.chunk_bytes // (wire_dtype.itemsize * item.row_elements)) * item.row_elements
             for offset, count in chunk_ranges(values.size, per_chunk):
@@ -1191,7 +1192,7 @@ class PSClient:
                     if wire_dtype != values.dtype:
                         piece = piece.gather().reshape(-1)
                 else:
-                    piece = values[offset:offset + count]
+                    piece = values if count == values.size else values[offset:offset + count]
                 if wire_dtype != values.dtype:
                     # Converted into this thread's arena (joining the message copies it out):
                     # no model-sized temporary, and the conversion overlaps the sending.

@@ -80,22 +80,24 @@ class PullReceiver:
         try:
             for chunk in chunks:
                 h = chunk.header
-                item = self._expected[h.variable]
-                if h.offset + h.count > item.size:
-                    raise CodecError(f"chunk [{h.offset}, {h.offset + h.count}) is outside {item.size} elements")
+                # Each field read once: a protobuf field read is an attribute lookup and a conversion.
+                name, offset, count = h.variable, h.offset, h.count
+                item = self._expected[name]
+                if offset + count > item.size:
+                    raise CodecError(f"chunk [{offset}, {offset + count}) is outside {item.size} elements")
                 if item.rows_at is None:
-                    cast_into(item.dest[h.offset:h.offset + h.count], chunk.array())
+                    cast_into(item.dest[offset:offset + count], chunk.array())
                 else:
                     width = item.dest.shape[1]
-                    if width and (h.offset % width or h.count % width):
-                        raise CodecError(f"chunk [{h.offset}, {h.offset + h.count}) of {h.variable!r} "
+                    if width and (offset % width or count % width):
+                        raise CodecError(f"chunk [{offset}, {offset + count}) of {name!r} "
                                          f"is not whole rows of {width}")
-                    if h.count:  # (rows of no elements: nothing to put)
-                        first = h.offset // width
-                        put_rows(item.dest, item.rows_at[first:first + h.count // width],
+                    if count:  # (rows of no elements: nothing to put)
+                        first = offset // width
+                        put_rows(item.dest, item.rows_at[first:first + count // width],
                                  chunk.array().reshape(-1, width))
-                self.received[h.variable] += h.count
-                self.versions[h.variable] = h.version
+                self.received[name] += count
+                self.versions[name] = h.version
         except (CodecError, KeyError) as exc:
             raise self._malformed(exc) from exc
 
