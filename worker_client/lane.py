@@ -74,6 +74,11 @@ class ExchangeLane:
             self.close()
             raise error_for(grpc.StatusCode.UNAVAILABLE, None, "the exchange stream ended", self._address,
                             what) from None
+        except BaseException:
+            # Interrupted while waiting (KeyboardInterrupt): the answer still
+            # on its way would be read as the next request's. Start afresh.
+            self.close()
+            raise
         answer_id, answer_field, answer = decode_envelope(message)
         if answer_id != request_id:
             self.close()

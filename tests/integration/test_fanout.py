@@ -87,3 +87,38 @@ def test_garbage_over_a_lane_is_a_typed_error(channels):
         run_shard_calls([call], ThreadPoolExecutor(1), _once)
     assert chans[0].lane.try_acquire()  # the stream carries on
     chans[0].lane.release()
+
+
+class _InterruptedOnce:
+    """The lane's answer stream, whose first wait is interrupted (as by Ctrl-C) while the answer is on its way."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self.interrupted = False
+
+    def __next__(self):
+        if not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt
+        return next(self._stream)
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+
+def test_a_lane_interrupted_while_waiting_starts_afresh(channels):
+    chans, held_by = channels
+    lane, name = chans[0].lane, held_by[0]
+    assert lane.try_acquire()
+    try:
+        lane.request(EXCHANGE_PULL, _pull(0, name), "pull")  # opens the stream
+        request_id = lane.send(EXCHANGE_PULL, _pull(0, name))
+        lane._responses = interrupted = _InterruptedOnce(lane._responses)
+        with pytest.raises(KeyboardInterrupt):
+            lane.receive(request_id, "pull")
+        assert interrupted.interrupted
+        # The answer to the interrupted request is never taken for the next one's.
+        _, answer = lane.request(EXCHANGE_PULL, _pull(0, name), "pull")
+    finally:
+        lane.release()
+    assert decode_pull_response(answer)[0].header.variable == name
