@@ -90,7 +90,7 @@ def test_garbage_over_a_lane_is_a_typed_error(channels):
 
 
 class _InterruptedOnce:
-    """The lane's answer stream, whose first wait is interrupted (as by Ctrl-C) while the answer is on its way."""
+    """A lane's answer stream whose first wait is interrupted (as by Ctrl-C) with the answer on its way."""
 
     def __init__(self, stream) -> None:
         self._stream = stream
