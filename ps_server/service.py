@@ -39,6 +39,7 @@ from wehub_ps.codec import (
     encode_chunk_header,
     encode_envelope,
     encode_pull_response,
+    encode_push_response,
     join_pieces,
     piece_size,
     pull_response_pieces,
@@ -361,11 +362,11 @@ class ParameterServerService:
         """Apply one push from its messages; the PushResponse as pieces (metrics counted here)."""
         names: list[str] = []
         try:
-            response, received, pull_plan = self._apply_push(messages, names)
+            result, received, pull_plan = self._apply_push(messages, names)
         except RequestError as error:
             self._metrics.pushes.add(names or ["-"], error.reason.value)
             raise
-        outcome = "dropped" if response.dropped else "duplicate" if response.duplicate else "ok"
+        outcome = "dropped" if result.dropped else "duplicate" if result.duplicate else "ok"
         self._metrics.pushes.add(names, outcome)
         self._metrics.bytes_received.inc(received)
         pulled = None
@@ -374,7 +375,9 @@ class ParameterServerService:
             pulled = [piece for pieces in self._stream_pull(plan, chunk_bytes) for piece in pieces]
             self._count_pulls(pull_names, "ok")
             self._metrics.bytes_sent.inc(sum(piece_size(p) for p in pulled))
-        return push_response_pieces(response.SerializeToString(), pulled)
+        response = encode_push_response(result.versions, result.duplicate, result.elements_applied,
+                                        result.dropped, result.cluster_step)
+        return push_response_pieces(response, pulled)
 
     def _plan_pull_after(self, msg: ps_pb2.PullRequest):
         """Validate PushBegin.pull_after before the push changes anything."""
@@ -421,11 +424,7 @@ class ParameterServerService:
             if active is None:
                 raise RequestError(Reason.INVALID_REQUEST, "empty push stream")
             result = active.finish()
-        response = ps_pb2.PushResponse(
-            versions=[ps_pb2.VariableVersion(variable=k, version=v) for k, v in result.versions.items()],
-            duplicate=result.duplicate, elements_applied=result.elements_applied, dropped=result.dropped,
-            cluster_step=result.cluster_step)
-        return response, received, pull_plan
+        return result, received, pull_plan
 
     def exchange(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         """Small pulls and pushes over one long-lived stream, answered in order.

@@ -65,6 +65,9 @@ __all__ = [
     "encode_chunk_header",
     "encode_push_item",
     "encode_push_begin",
+    "encode_pull_item",
+    "encode_pull_request",
+    "encode_push_response",
 ]
 
 _WIRE_VARINT = 0
@@ -235,9 +238,9 @@ def _varint_field(field: int, value: int) -> bytes:
     return _VARINT_TAGS[field] + _varint(value) if value else b""
 
 
-def encode_chunk_header(variable: str, offset: int, count: int, dtype: int, version: int = 0,
-                        part_elements: int = 0) -> bytes:
-    """``ChunkHeader(...).SerializeToString()``, without building the message."""
+@lru_cache(maxsize=1 << 14)
+def _chunk_header_head(variable: str, offset: int, count: int, dtype: int) -> bytes:
+    """Fields 1-4 of a ChunkHeader; cached: a step sends each variable's chunks alike every time."""
     out = _string_field(1, variable)
     if offset:
         out += _VARINT_TAGS[2] + _varint(offset)
@@ -245,6 +248,13 @@ def encode_chunk_header(variable: str, offset: int, count: int, dtype: int, vers
         out += _VARINT_TAGS[3] + _varint(count)
     if dtype:
         out += _VARINT_TAGS[4] + _varint(dtype)
+    return out
+
+
+def encode_chunk_header(variable: str, offset: int, count: int, dtype: int, version: int = 0,
+                        part_elements: int = 0) -> bytes:
+    """``ChunkHeader(...).SerializeToString()``, without building the message."""
+    out = _chunk_header_head(variable, offset, count, dtype)
     if version:
         out += _VARINT_TAGS[5] + _varint(version)
     if part_elements:
@@ -282,6 +292,49 @@ def encode_push_begin(worker_id: str, incarnation: str, sequence: int, shard_ind
     pieces.append(_varint_field(8, step))
     if pull_after is not None:
         pieces += (_TAG_BEGIN_PULL_AFTER, _varint(len(pull_after)), pull_after)
+    return b"".join(pieces)
+
+
+_TAG_PULL_REQUEST_ITEM = _tag(3, _WIRE_LEN)
+_TAG_PULL_ITEM_ROW_IDS = _tag(4, _WIRE_LEN)
+
+
+@lru_cache(maxsize=1 << 16)
+def _pull_item_of_whole(variable: str) -> bytes:
+    """A PullRequest.items entry for a whole part, framed; cached: a step pulls the same names each time."""
+    item = _string_field(1, variable)
+    return _TAG_PULL_REQUEST_ITEM + _varint(len(item)) + item
+
+
+def encode_pull_item(variable: str, row_ids: bytes = b"") -> bytes:
+    """A ``PullItem`` (a whole part, or ``row_ids``) as it is framed in :func:`encode_pull_request`."""
+    if not row_ids:
+        return _pull_item_of_whole(variable)
+    item = b"".join((_string_field(1, variable), _TAG_PULL_ITEM_ROW_IDS, _varint(len(row_ids)), row_ids))
+    return b"".join((_TAG_PULL_REQUEST_ITEM, _varint(len(item)), item))
+
+
+def encode_pull_request(shard_index: int, num_shards: int, items: Sequence[bytes], wire_dtype: int = 0,
+                        chunk_bytes: int = 0, worker_id: str = "", incarnation: str = "",
+                        step: int = 0) -> bytes:
+    """``PullRequest(...).SerializeToString()`` with ``items`` from :func:`encode_pull_item`."""
+    return b"".join((_varint_field(1, shard_index), _varint_field(2, num_shards), *items,
+                     _varint_field(4, wire_dtype), _varint_field(5, chunk_bytes), _string_field(6, worker_id),
+                     _string_field(7, incarnation), _varint_field(8, step)))
+
+
+_TAG_PUSH_RESPONSE_VERSION = _tag(1, _WIRE_LEN)
+
+
+def encode_push_response(versions: dict[str, int], duplicate: bool = False, elements_applied: int = 0,
+                         dropped: bool = False, cluster_step: int = 0) -> bytes:
+    """``PushResponse(...).SerializeToString()`` (without ``pulled``: see push_response_pieces)."""
+    pieces = []
+    for variable, version in versions.items():
+        entry = _string_field(1, variable) + _varint_field(2, version)
+        pieces += (_TAG_PUSH_RESPONSE_VERSION, _varint(len(entry)), entry)
+    pieces += (_varint_field(2, int(duplicate)), _varint_field(3, elements_applied),
+               _varint_field(4, int(dropped)), _varint_field(5, cluster_step))
     return b"".join(pieces)
 
 

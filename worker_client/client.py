@@ -681,7 +681,7 @@ class PSClient:
         self._run_calls(self._pull_call(self._shards[i], items) for i, items in by_shard.items())
 
     def _pull_call(self, shard: ShardChannel, items: list[PullItem]) -> ShardCall:
-        request = self._pull_request(shard, items).SerializeToString()
+        request = self._pull_request(shard, items)
         receiver = PullReceiver(shard.address, items)
         ticket = self._take_ticket()
 
@@ -704,7 +704,7 @@ class PSClient:
     def _run_calls(self, calls: Iterable[ShardCall]) -> dict[int, Any]:
         return run_shard_calls(calls, self._executor, self._call)
 
-    def _pull_request(self, shard: ShardChannel, items: list[PullItem], step_ahead: int = 0) -> ps_pb2.PullRequest:
+    def _pull_request(self, shard: ShardChannel, items: list[PullItem], step_ahead: int = 0) -> bytes:
         with self._lock:
             step = self._step + step_ahead
         return pull_request(items, shard_index=shard.index, num_shards=len(self._shards),
@@ -1152,14 +1152,14 @@ class PSClient:
         return sum(i.values.nbytes for i in items) <= self.chunk_bytes
 
     def _push_pieces(self, shard_index: int, items: list[_PushItem], kind: int, sequence: int,
-                     base_versions: dict[str, int], step: int, pull_after: ps_pb2.PullRequest | None) -> list:
+                     base_versions: dict[str, int], step: int, pull_after: bytes | None) -> list:
         """A push that fits in one message, as pieces (see _push_messages)."""
         messages = list(self._push_messages(shard_index, items, kind, sequence, base_versions, step,
                                             pull_after, single=True))
         return messages[0]
 
     def _push_messages(self, shard_index: int, items: list[_PushItem], kind: int, sequence: int,
-                       base_versions: dict[str, int], step: int, pull_after: ps_pb2.PullRequest | None = None,
+                       base_versions: dict[str, int], step: int, pull_after: bytes | None = None,
                        single: bool = False) -> Iterator[list]:
         """The messages of one push to one shard: begin first, chunks packed up to chunk_bytes.
 
@@ -1176,7 +1176,7 @@ class PSClient:
             self.worker_id, self.incarnation, sequence, shard_index, len(self._shards), kind,
             [encode_push_item(item.name, item.values.size, wire, base_versions.get(item.name, 0), item.row_ids)
              for item, wire in zip(items, wires)],
-            step, pull_after.SerializeToString() if pull_after is not None else None)
+            step, pull_after)
         pending: list[OutgoingChunk] = []
         pending_bytes = 0
         arena = _conversion_arena()

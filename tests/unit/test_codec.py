@@ -25,10 +25,13 @@ from wehub_ps.codec import (
     decode_push_request,
     encode_chunk_header,
     encode_envelope,
+    encode_pull_item,
+    encode_pull_request,
     encode_pull_response,
     encode_push_begin,
     encode_push_item,
     encode_push_request,
+    encode_push_response,
 )
 from wehub_ps.dtypes import BFLOAT16, to_numpy_dtype, to_wire_dtype
 from wehub_ps.v1 import ps_pb2
@@ -396,6 +399,45 @@ def test_push_begins_written_by_hand_are_protobufs(worker, incarnation, sequence
     assert ours == expected.SerializeToString()
     # An empty pull_after is still there: the server asks HasField.
     assert ps_pb2.PushBegin.FromString(ours).HasField("pull_after") == (pull_after is not None)
+
+
+@SETTINGS
+@given(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
+       st.lists(st.tuples(_NAMES, st.binary(max_size=300)), max_size=5),
+       st.sampled_from(sorted(ps_pb2.DataType.values())), _UINT64, _NAMES, _NAMES, _UINT64)
+def test_pull_requests_written_by_hand_are_protobufs(shard, shards, items, wire_dtype, chunk_bytes, worker,
+                                                      incarnation, step):
+    ours = encode_pull_request(shard, shards, [encode_pull_item(name, ids) for name, ids in items], wire_dtype,
+                               chunk_bytes, worker, incarnation, step)
+    expected = ps_pb2.PullRequest(
+        shard_index=shard, num_shards=shards, items=[ps_pb2.PullItem(variable=n, row_ids=r) for n, r in items],
+        wire_dtype=wire_dtype, chunk_bytes=chunk_bytes, worker_id=worker, incarnation=incarnation, step=step)
+    assert ours == expected.SerializeToString()
+
+
+@SETTINGS
+@given(st.dictionaries(_NAMES, _UINT64, max_size=5), st.booleans(), _UINT64, st.booleans(), _UINT64)
+def test_push_responses_written_by_hand_are_protobufs(versions, duplicate, elements, dropped, cluster_step):
+    ours = encode_push_response(versions, duplicate, elements, dropped, cluster_step)
+    expected = ps_pb2.PushResponse(
+        versions=[ps_pb2.VariableVersion(variable=k, version=v) for k, v in versions.items()],
+        duplicate=duplicate, elements_applied=elements, dropped=dropped, cluster_step=cluster_step)
+    assert ours == expected.SerializeToString()
+
+
+@pytest.mark.parametrize("value", [1, 127, 128, 16383, 16384, 2**63, 2**64 - 1])
+def test_pull_requests_and_push_responses_at_varint_length_boundaries(value):
+    ids = bytes(value % 300)
+    ours = encode_pull_request(value % 2**32, value % 2**32, [encode_pull_item("v", ids), encode_pull_item("w")],
+                               ps_pb2.BFLOAT16, value, "w0", "i0", value)
+    assert ours == ps_pb2.PullRequest(
+        shard_index=value % 2**32, num_shards=value % 2**32,
+        items=[ps_pb2.PullItem(variable="v", row_ids=ids), ps_pb2.PullItem(variable="w")],
+        wire_dtype=ps_pb2.BFLOAT16, chunk_bytes=value, worker_id="w0", incarnation="i0", step=value,
+    ).SerializeToString()
+    assert encode_push_response({"v": value}, True, value, True, value) == ps_pb2.PushResponse(
+        versions=[ps_pb2.VariableVersion(variable="v", version=value)], duplicate=True, elements_applied=value,
+        dropped=True, cluster_step=value).SerializeToString()
 
 
 def test_hand_written_headers_and_protobuf_headers_frame_alike():
