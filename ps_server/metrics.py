@@ -7,12 +7,14 @@ several servers in one process. Label cardinality is bounded: variables by
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 __all__ = ["Metrics"]
 
@@ -32,8 +34,8 @@ class Metrics:
         self.apply_seconds = Histogram("wehub_ps_apply_seconds", "Time to apply the chunks of one push "
                                        "message (at most --chunk-bytes of gradients)",
                                        buckets=_SECONDS, registry=r)
-        self.staleness = Histogram("wehub_ps_push_staleness", "Server version minus the version a pushed "
-                                   "gradient was computed from", buckets=_VERSIONS, registry=r)
+        self.staleness = CountHistogram("wehub_ps_push_staleness", "Server version minus the version a pushed "
+                                        "gradient was computed from", _VERSIONS, r)
         self.live_workers = Gauge("wehub_ps_live_workers", "Workers holding a lease", registry=r)
         self.checkpoint_seconds = Histogram("wehub_ps_checkpoint_seconds", "Checkpoint write time",
                                             buckets=_SECONDS, registry=r)
@@ -94,3 +96,40 @@ class VariableOutcomeCounter:
         for (variable, outcome), count in counts:
             family.add_metric([variable, outcome], count)
         yield family
+
+
+class CountHistogram:
+    """A histogram of whole numbers that a request observes all at once, exported when scraped.
+
+    A push observes the staleness of each of its variables; prometheus_client's
+    Histogram takes two locks and walks its buckets in Python per observation,
+    about 2 us each, which for a model of a hundred small variables cost a
+    server 0.2 ms per push (measured with yappi). Here one lock per push.
+    """
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[int], registry: CollectorRegistry) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._bounds = list(buckets)
+        # Guards _counts and _sum. _counts[i]: observations in (bound i-1, bound i]; the last is +Inf.
+        self._lock = threading.Lock()
+        self._counts = [0] * (len(self._bounds) + 1)
+        self._sum = 0
+        registry.register(self)
+
+    def observe_many(self, values: Iterable[int]) -> None:
+        """One observation of each of ``values``."""
+        bounds, counts = self._bounds, self._counts
+        with self._lock:
+            for value in values:
+                counts[bisect.bisect_left(bounds, value)] += 1
+                self._sum += value
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative, buckets = 0, []
+        for bound, count in zip([*map(floatToGoString, self._bounds), "+Inf"], counts):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        yield HistogramMetricFamily(self._name, self._documentation, buckets=buckets, sum_value=total)

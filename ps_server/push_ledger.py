@@ -62,43 +62,72 @@ class PushSession:
     #: Synchronous mode: this push's gradients per variable until the push is whole
     #: (never checkpointed; see PushLedger.snapshot).
     staging: dict = field(default_factory=dict)
-    # Guards every field below and above; waits for chunks applied by
-    # another stream of the same push.
-    cond: threading.Condition = field(default_factory=threading.Condition)
+    # Guards every field below and above. Taken directly (``with self._lock``),
+    # not through the condition: a step of a small model takes it a few times
+    # per variable, and Condition's own __enter__/__exit__ are Python calls.
+    _lock: threading.RLock = field(default_factory=threading.RLock)
+    # Waits for chunks applied by another stream of the same push (on _lock).
+    cond: threading.Condition = field(init=False)
+    # Streams waiting in cond: notify only when there are any.
+    _waiting: int = 0
     # per variable: sorted chunk offsets, and offset -> (count, applied?)
     _offsets: dict[str, list[int]] = field(default_factory=dict)
     _chunks: dict[str, dict[int, tuple[int, bool]]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.cond = threading.Condition(self._lock)
+
     def claim(self, variable: str, offset: int, count: int) -> str:
         """Reserve a chunk for applying; blocks while another stream applies it."""
-        with self.cond:
-            while True:
-                chunks = self._chunks.setdefault(variable, {})
-                existing = chunks.get(offset)
-                if existing is not None and existing[0] == count:
-                    if existing[1]:
-                        return ClaimResult.ALREADY_APPLIED
+        with self._lock:
+            return self._claim(variable, offset, count)
+
+    def claim_with_step(self, variable: str, offset: int, count: int, reserve: Callable[[], int]) -> int | None:
+        """:meth:`claim` and then :meth:`step_for` in one hold of the lock.
+
+        The optimizer step to apply the chunk with, or None when it was
+        applied before (nothing reserved then).
+        """
+        with self._lock:
+            if self._claim(variable, offset, count) == ClaimResult.ALREADY_APPLIED:
+                return None
+            step = self.steps.get(variable)
+            if step is None:
+                step = self.steps[variable] = reserve()
+            return step
+
+    def _claim(self, variable: str, offset: int, count: int) -> str:
+        while True:
+            chunks = self._chunks.setdefault(variable, {})
+            existing = chunks.get(offset)
+            if existing is not None and existing[0] == count:
+                if existing[1]:
+                    return ClaimResult.ALREADY_APPLIED
+                self._waiting += 1
+                try:
                     self.cond.wait()
-                    continue
-                offsets = self._offsets.setdefault(variable, [])
-                i = bisect.bisect_left(offsets, offset)
-                overlaps = (existing is not None
-                            or (i > 0 and offsets[i - 1] + chunks[offsets[i - 1]][0] > offset)
-                            or (i < len(offsets) and offset + count > offsets[i]))
-                if overlaps:
-                    raise RequestError(
-                        Reason.INVALID_CHUNK,
-                        f"chunk [{offset}, {offset + count}) of {variable!r} overlaps a chunk of "
-                        "the same push with different bounds; a retried push must be chunked "
-                        "exactly like the original",
-                    )
-                offsets.insert(i, offset)
-                chunks[offset] = (count, False)
-                return ClaimResult.APPLY
+                finally:
+                    self._waiting -= 1
+                continue
+            offsets = self._offsets.setdefault(variable, [])
+            i = bisect.bisect_left(offsets, offset)
+            overlaps = (existing is not None
+                        or (i > 0 and offsets[i - 1] + chunks[offsets[i - 1]][0] > offset)
+                        or (i < len(offsets) and offset + count > offsets[i]))
+            if overlaps:
+                raise RequestError(
+                    Reason.INVALID_CHUNK,
+                    f"chunk [{offset}, {offset + count}) of {variable!r} overlaps a chunk of "
+                    "the same push with different bounds; a retried push must be chunked "
+                    "exactly like the original",
+                )
+            offsets.insert(i, offset)
+            chunks[offset] = (count, False)
+            return ClaimResult.APPLY
 
     def step_for(self, variable: str, reserve: Callable[[], int]) -> int:
         """The optimizer step of ``variable`` in this push, reserved on first use."""
-        with self.cond:
+        with self._lock:
             step = self.steps.get(variable)
             if step is None:
                 step = self.steps[variable] = reserve()
@@ -106,19 +135,21 @@ class PushSession:
 
     def release(self, variable: str, offset: int) -> None:
         """Give back a claimed chunk that could not be applied, so a retry can apply it."""
-        with self.cond:
+        with self._lock:
             self._chunks[variable].pop(offset, None)
             offsets = self._offsets[variable]
             offsets.pop(bisect.bisect_left(offsets, offset))
-            self.cond.notify_all()
+            if self._waiting:
+                self.cond.notify_all()
 
     def done(self, variable: str, offset: int) -> bool:
         """Mark a claimed chunk applied; True when this completed the push."""
-        with self.cond:
+        with self._lock:
             count, _ = self._chunks[variable][offset]
             self._chunks[variable][offset] = (count, True)
             self.applied_elements += count
-            self.cond.notify_all()
+            if self._waiting:
+                self.cond.notify_all()
             if self.applied_elements == self.total_elements and not self.finalized:
                 self.finalized = True
                 return True
@@ -126,12 +157,12 @@ class PushSession:
 
     @property
     def complete(self) -> bool:
-        with self.cond:
+        with self._lock:
             return self.applied_elements == self.total_elements
 
     def to_json(self) -> dict:
         """The applied chunks (claimed-but-unapplied ones cannot exist under the apply gate)."""
-        with self.cond:
+        with self._lock:
             return {"total": self.total_elements, "steps": dict(self.steps),
                     "chunks": {var: [[off, n] for off, (n, applied) in sorted(chunks.items()) if applied]
                                for var, chunks in self._chunks.items()}}

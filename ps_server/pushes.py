@@ -162,9 +162,22 @@ class ActivePush:
         """Apply one checked chunk (the caller holds the gate); True when it completed the push."""
         session = self._session
         count = values.size
+        part = item.part
+        if self._decision == PushDecision.APPLY and item.row_ids is None and not self._assign:
+            # The common case (a dense gradient), its ledger work in one hold of the session's lock.
+            step = session.claim_with_step(name, offset, count, part.reserve_step)
+            if step is None:
+                return False
+            try:
+                part.apply_gradient(offset, values, step)
+            except BaseException:
+                session.release(name, offset)
+                raise
+            self._applied_here += count
+            self._store.generation += 1
+            return session.done(name, offset)
         if session.claim(name, offset, count) == ClaimResult.ALREADY_APPLIED:
             return False
-        part = item.part
         try:
             if self._decision == PushDecision.DROP:
                 pass  # recorded (so a retry is recognised), never applied
@@ -178,10 +191,8 @@ class ActivePush:
                     part.apply_local_rows(item.local_rows[first:end], grads)
                 else:
                     part.apply_rows(item.row_ids[first:end], grads)
-            elif self._assign:
+            else:  # (a dense gradient under APPLY took the path above)
                 part.assign(offset, values)
-            else:
-                part.apply_gradient(offset, values, session.step_for(name, part.reserve_step))
         except BaseException:
             session.release(name, offset)
             raise
@@ -255,6 +266,7 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
     # even when its effect (an initial value) now makes it look invalid.
     already_done = ledger.is_done(begin.worker_id, begin.incarnation, begin.sequence)
     items: dict[str, _Item] = {}
+    staleness: list[int] = []
     for declared in begin.items:
         if declared.variable in items:
             raise RequestError(Reason.INVALID_REQUEST, f"variable {declared.variable!r} is declared twice")
@@ -308,8 +320,10 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
                 f"variable {declared.variable!r} is waiting for its explicit initial value",
             )
         items[declared.variable] = _Item(part, wire, row_ids, expected, part.spec.row_elements, local_rows)
-        if metrics is not None and declared.base_version and not assign:
-            metrics.staleness.observe(max(0, part.version - declared.base_version))
+        if declared.base_version and not assign:
+            staleness.append(max(0, part.version - declared.base_version))
+    if metrics is not None and staleness:
+        metrics.staleness.observe_many(staleness)  # a refused push observes nothing
     total = sum(item.elements for item in items.values())
     decision = PushDecision.APPLY
     if consistency is not None and not assign and not already_done:

@@ -40,6 +40,10 @@ def declared_metrics(source: str) -> dict[str, tuple[str, set[str]]]:
             # Our own collector of counters with fixed labels (ps_server.metrics).
             found[node.args[0].value + "_total"] = ("counter", set(VariableOutcomeCounter.LABELS))
             continue
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "CountHistogram" and isinstance(node.args[0], ast.Constant)):
+            found[node.args[0].value] = ("histogram", set())  # our own unlabelled histogram collector
+            continue
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                 and node.func.id in ("Counter", "Gauge", "Histogram", "Summary")):
             continue

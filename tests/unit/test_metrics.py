@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import threading
 
-from prometheus_client import CollectorRegistry, generate_latest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from ps_server.metrics import Metrics, VariableOutcomeCounter
+from ps_server.metrics import CountHistogram, Metrics, VariableOutcomeCounter
 
 
 def test_counts_from_many_threads_are_exact():
@@ -38,3 +40,42 @@ def test_exported_as_a_counter_with_variable_and_outcome_labels():
     assert 'wehub_ps_pushes_total{outcome="ok",variable="dense/kernel"} 2.0' in text
     assert 'wehub_ps_pushes_total{outcome="ok",variable="dense/bias"} 1.0' in text
     assert 'wehub_ps_pulls_total{outcome="UNKNOWN_VARIABLE",variable="-"} 1.0' in text
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5000), max_size=20), max_size=10))
+def test_count_histogram_exports_what_a_prometheus_histogram_would(batches):
+    ours_registry, theirs_registry = CollectorRegistry(), CollectorRegistry()
+    bounds = (0, 1, 2, 3, 5, 10, 20, 50, 100, 1000)
+    ours = CountHistogram("t_staleness", "test", bounds, ours_registry)
+    theirs = Histogram("t_staleness", "test", buckets=bounds, registry=theirs_registry)
+    for batch in batches:
+        ours.observe_many(batch)
+        for value in batch:
+            theirs.observe(value)
+
+    def samples(registry):
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in registry.collect() for s in family.samples if not s.name.endswith("_created")}
+
+    assert samples(ours_registry) == samples(theirs_registry)
+
+
+def test_count_histogram_is_exact_under_concurrency():
+    registry = CollectorRegistry()
+    histogram = CountHistogram("t_staleness", "test", (0, 1, 5), registry)
+
+    def observe() -> None:
+        for _ in range(300):
+            histogram.observe_many([0, 1, 2, 7])
+
+    threads = [threading.Thread(target=observe) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    text = generate_latest(registry).decode()
+    assert 't_staleness_bucket{le="0.0"} 1800.0' in text
+    assert 't_staleness_bucket{le="5.0"} 5400.0' in text
+    assert 't_staleness_bucket{le="+Inf"} 7200.0' in text
+    assert "t_staleness_sum 18000.0" in text and "t_staleness_count 7200.0" in text

@@ -318,3 +318,45 @@ def test_racing_streams_apply_each_chunk_exactly_once():
     assert applied == [1] * (total // chunk)
     assert len(completions) == 1
     assert s.complete and s.applied_elements == total
+
+
+def test_claim_with_step_reserves_once_and_nothing_for_an_applied_chunk():
+    s = _session(20)
+    calls = []
+
+    def reserve():
+        calls.append(1)
+        return 70 + len(calls)
+
+    assert s.claim_with_step("v", 0, 10, reserve) == 71
+    assert s.done("v", 0) is False
+    assert s.claim_with_step("v", 0, 10, reserve) is None, "applied before: nothing to do"
+    assert s.claim_with_step("v", 10, 10, reserve) == 71, "the variable's next chunk reuses its step"
+    assert s.done("v", 10) is True
+    assert len(calls) == 1 and s.steps == {"v": 71}
+    with pytest.raises(RequestError) as err:
+        s.claim_with_step("v", 5, 10, reserve)
+    assert err.value.reason == Reason.INVALID_CHUNK
+    assert len(calls) == 1, "a refused chunk reserves no step"
+
+
+def test_a_released_chunk_wakes_the_waiting_retry_which_applies_it():
+    s = _session(10)
+    assert s.claim_with_step("v", 0, 10, lambda: 1) == 1
+    results = []
+    started = threading.Event()
+
+    def retry():
+        started.set()
+        results.append(s.claim_with_step("v", 0, 10, lambda: 2))
+
+    thread = threading.Thread(target=retry, daemon=True)
+    thread.start()
+    assert started.wait(5)
+    thread.join(0.2)
+    assert thread.is_alive(), "the retry waits while the first stream applies the chunk"
+    s.release("v", 0)  # the first stream failed to apply it
+    thread.join(5)
+    assert not thread.is_alive()
+    assert results == [1], "the retry claims the chunk, with the step reserved before"
+    assert s.done("v", 0) is True
