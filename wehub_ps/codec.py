@@ -29,6 +29,7 @@ The output is ordinary protobuf (a test compares it with
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -601,12 +602,17 @@ def decode_envelope(message: bytes) -> tuple[int, int, memoryview]:
     return request_id, field, payload
 
 
+_LITTLE_ENDIAN_HOST = sys.byteorder == "little"
+
+
 def as_wire_array(array: np.ndarray, wire_dtype: np.dtype | None = None) -> np.ndarray:
     """A flat, C-contiguous, little-endian array ready to be viewed as bytes.
 
     No copy when the input already is one (the common case); a converted copy
     otherwise (non-contiguous, big-endian, or a narrower ``wire_dtype``).
     """
+    if wire_dtype is None and _LITTLE_ENDIAN_HOST and array.dtype.isnative and array.flags.c_contiguous:
+        return array.reshape(-1)  # the common case, decided in a few attribute reads
     target = np.dtype(wire_dtype) if wire_dtype is not None else array.dtype
     if target.byteorder == ">" or (target.byteorder == "=" and target.itemsize > 1):
         target = target.newbyteorder("<")

@@ -1181,8 +1181,22 @@ class PSClient:
         pending_bytes = 0
         arena = _conversion_arena()
         arena.reset()
+        chunk_bytes = self.chunk_bytes
         for item, wire_dtype, wire in zip(items, wire_dtypes, wires):
             values = item.values
+            if type(values) is np.ndarray and item.row_elements == 1 and wire_dtype == values.dtype:
+                nbytes = values.nbytes
+                if nbytes <= chunk_bytes:
+                    # A small model's common case: a whole variable, unconverted, is one chunk.
+                    if pending and pending_bytes + nbytes > chunk_bytes and not single:
+                        yield push_request_pieces(begin, pending)
+                        arena.reset()
+                        begin, pending, pending_bytes = None, [], 0
+                    size = values.size
+                    pending.append(OutgoingChunk(encode_chunk_header(item.name, 0, size, wire, 0, size),
+                                                 byte_view(values)))
+                    pending_bytes += nbytes
+                    continue
             # Whole rows per chunk for row pushes (the server applies rows).
             per_chunk = max(1, self.chunk_bytes // (wire_dtype.itemsize * item.row_elements)) * item.row_elements
             for offset, count in chunk_ranges(values.size, per_chunk):
