@@ -252,12 +252,19 @@ def _chunk_header_head(variable: str, offset: int, count: int, dtype: int) -> by
     return out
 
 
+@lru_cache(maxsize=1 << 14)
+def _unversioned_chunk_header(variable: str, offset: int, count: int, dtype: int, part_elements: int) -> bytes:
+    """A whole ChunkHeader without a version (a worker's pushed chunks); cached like the head."""
+    out = _chunk_header_head(variable, offset, count, dtype)
+    return out + _VARINT_TAGS[6] + _varint(part_elements) if part_elements else out
+
+
 def encode_chunk_header(variable: str, offset: int, count: int, dtype: int, version: int = 0,
                         part_elements: int = 0) -> bytes:
     """``ChunkHeader(...).SerializeToString()``, without building the message."""
-    out = _chunk_header_head(variable, offset, count, dtype)
-    if version:
-        out += _VARINT_TAGS[5] + _varint(version)
+    if not version:
+        return _unversioned_chunk_header(variable, offset, count, dtype, part_elements)
+    out = _chunk_header_head(variable, offset, count, dtype) + _VARINT_TAGS[5] + _varint(version)
     if part_elements:
         out += _VARINT_TAGS[6] + _varint(part_elements)
     return out
