@@ -83,10 +83,11 @@ class PushSession:
             return self._claim(variable, offset, count)
 
     def claim_with_step(self, variable: str, offset: int, count: int, reserve: Callable[[], int]) -> int | None:
-        """:meth:`claim` and then :meth:`step_for` in one hold of the lock.
+        """:meth:`claim`, and the optimizer step of ``variable`` in this push, in one hold of the lock.
 
-        The optimizer step to apply the chunk with, or None when it was
-        applied before (nothing reserved then).
+        The step is reserved (``reserve()``) with the variable's first chunk
+        and reused by its other chunks and by retries. None when the chunk
+        was applied before (nothing reserved then).
         """
         with self._lock:
             if self._claim(variable, offset, count) == ClaimResult.ALREADY_APPLIED:
@@ -124,14 +125,6 @@ class PushSession:
             offsets.insert(i, offset)
             chunks[offset] = (count, False)
             return ClaimResult.APPLY
-
-    def step_for(self, variable: str, reserve: Callable[[], int]) -> int:
-        """The optimizer step of ``variable`` in this push, reserved on first use."""
-        with self._lock:
-            step = self.steps.get(variable)
-            if step is None:
-                step = self.steps[variable] = reserve()
-            return step
 
     def release(self, variable: str, offset: int) -> None:
         """Give back a claimed chunk that could not be applied, so a retry can apply it."""

@@ -163,23 +163,19 @@ class ActivePush:
         session = self._session
         count = values.size
         part = item.part
-        if self._decision == PushDecision.APPLY and item.row_ids is None and not self._assign:
-            # The common case (a dense gradient), its ledger work in one hold of the session's lock.
+        # The common case, a dense gradient, takes its ledger work in one hold of the session's lock.
+        dense_gradient = self._decision == PushDecision.APPLY and item.row_ids is None and not self._assign
+        step = 0
+        if dense_gradient:
             step = session.claim_with_step(name, offset, count, part.reserve_step)
             if step is None:
                 return False
-            try:
-                part.apply_gradient(offset, values, step)
-            except BaseException:
-                session.release(name, offset)
-                raise
-            self._applied_here += count
-            self._store.generation += 1
-            return session.done(name, offset)
-        if session.claim(name, offset, count) == ClaimResult.ALREADY_APPLIED:
+        elif session.claim(name, offset, count) == ClaimResult.ALREADY_APPLIED:
             return False
         try:
-            if self._decision == PushDecision.DROP:
+            if dense_gradient:
+                part.apply_gradient(offset, values, step)
+            elif self._decision == PushDecision.DROP:
                 pass  # recorded (so a retry is recognised), never applied
             elif self._decision == PushDecision.ACCUMULATE:
                 self._stage(item, offset, values)
@@ -191,7 +187,7 @@ class ActivePush:
                     part.apply_local_rows(item.local_rows[first:end], grads)
                 else:
                     part.apply_rows(item.row_ids[first:end], grads)
-            else:  # (a dense gradient under APPLY took the path above)
+            else:
                 part.assign(offset, values)
         except BaseException:
             session.release(name, offset)

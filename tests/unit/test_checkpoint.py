@@ -588,8 +588,7 @@ def _busy_ledger(**limits) -> PushLedger:
         _complete(ledger, "w0", "inc-a", seq)
     partial = ledger.begin("w0", "inc-a", 6, 20)
     for var, offset, count, step in (("v", 0, 5, 11), ("u", 0, 4, 4), ("v", 10, 5, 11)):
-        assert partial.step_for(var, lambda s=step: s) == step
-        assert partial.claim(var, offset, count) == ClaimResult.APPLY
+        assert partial.claim_with_step(var, offset, count, lambda s=step: s) == step
         assert not partial.done(var, offset)
     assert ledger.begin("w0", "inc-a", 8, 3) is not None  # open, nothing applied yet
     _complete(ledger, "w1", "inc-b", 1)
@@ -616,14 +615,13 @@ def test_ledger_round_trip_through_json():
     assert session is not None and session.key == ("w0", "inc-a", 6)
     assert session.steps == {"v": 11, "u": 4}
     assert session.applied_elements == 14 and not session.complete
-    assert session.step_for("v", lambda: pytest.fail("the reserved step must be reused")) == 11
     assert session.claim("v", 0, 5) == ClaimResult.ALREADY_APPLIED
     assert session.claim("v", 10, 5) == ClaimResult.ALREADY_APPLIED
     assert session.claim("u", 0, 4) == ClaimResult.ALREADY_APPLIED
     with pytest.raises(RequestError) as info:
         session.claim("v", 3, 5)
     assert info.value.reason == Reason.INVALID_CHUNK
-    assert session.claim("v", 5, 5) == ClaimResult.APPLY
+    assert session.claim_with_step("v", 5, 5, lambda: pytest.fail("the reserved step must be reused")) == 11
     assert not session.done("v", 5)
     with pytest.raises(RequestError):
         restored.begin("w0", "inc-a", 6, 21)

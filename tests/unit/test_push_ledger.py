@@ -45,9 +45,9 @@ def test_step_is_reserved_once_per_variable():
         calls.append(1)
         return 40 + len(calls)
 
-    assert session.step_for("v", reserve) == 41
-    assert session.step_for("v", reserve) == 41, "a retried chunk reuses the step"
-    assert session.step_for("u", reserve) == 42
+    assert session.claim_with_step("v", 0, 2, reserve) == 41
+    assert session.claim_with_step("v", 2, 2, reserve) == 41, "the variable's next chunk reuses the step"
+    assert session.claim_with_step("u", 0, 2, reserve) == 42
     assert len(calls) == 2
     assert session.steps == {"v": 41, "u": 42}
 
