@@ -82,7 +82,8 @@ class PushSession:
         with self._lock:
             return self._claim(variable, offset, count)
 
-    def claim_with_step(self, variable: str, offset: int, count: int, reserve: Callable[[], int]) -> int | None:
+    def claim_with_step(self, variable: str, offset: int, count: int,
+                        reserve: Callable[[], int]) -> int | None:
         """:meth:`claim`, and the optimizer step of ``variable`` in this push, in one hold of the lock.
 
         The step is reserved (``reserve()``) with the variable's first chunk

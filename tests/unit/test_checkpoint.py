@@ -621,7 +621,8 @@ def test_ledger_round_trip_through_json():
     with pytest.raises(RequestError) as info:
         session.claim("v", 3, 5)
     assert info.value.reason == Reason.INVALID_CHUNK
-    assert session.claim_with_step("v", 5, 5, lambda: pytest.fail("the reserved step must be reused")) == 11
+    step = session.claim_with_step("v", 5, 5, lambda: pytest.fail("the reserved step must be reused"))
+    assert step == 11
     assert not session.done("v", 5)
     with pytest.raises(RequestError):
         restored.begin("w0", "inc-a", 6, 21)
