@@ -601,10 +601,7 @@ class PSClient:
         """Pulled host arrays as the caller asked for them (uploaded to ``gpu`` when given)."""
         if gpu is None:
             return out
-        transfers = self._gpu_transfers()
-        on_device = {name: transfers.upload(arr, gpu) for name, arr in out.items()}
-        transfers.synchronize({gpu})
-        return on_device
+        return self._gpu_transfers().upload_all(out, gpu)
 
     def pull_rows(self, name: str, ids: Any, *, device: Any = None) -> Any:
         """Rows ``ids`` of an embedding table, shape ``(len(ids), *row_shape)``, in the order given.
@@ -739,11 +736,14 @@ class PSClient:
             return set()
         variables = {v.name: v for v in self._resolve([*gradients, *rows])}
         by_shard: dict[int, list[_PushItem]] = {}
+        # Every GPU gradient is copied out at once: one wait for them all, not one per variable.
+        on_gpu = {name: g for name, g in gradients.items() if type(g) is not np.ndarray and is_gpu_array(g)}
+        downloaded = self._gpu_transfers().download_all(on_gpu, f"push:{threading.get_ident()}") if on_gpu else {}
         for name, grad in gradients.items():
             spec = variables[name].spec
             if spec.hash_table:
                 raise InvalidArgumentError(f"{name!r} is a hash table: send its rows with rows={{name: (ids, grads)}}")
-            host = grad if type(grad) is np.ndarray else self._host(grad, f"gradients[{name!r}]", name)
+            host = downloaded[name] if name in downloaded else self._host(grad, f"gradients[{name!r}]", name)
             _check_array(host, spec.shape, spec.dtype, f"gradient for {name!r}")
             flat = as_wire_array(host)  # a narrower wire dtype is applied chunk by chunk when sending
             for shard, first, end in variables[name].element_ranges:
@@ -958,7 +958,7 @@ class PSClient:
     def _host(self, array: Any, argument: str, name: str) -> np.ndarray:
         """Host memory for a gradient: GPU arrays go through this thread's pinned buffer for ``name``."""
         if is_gpu_array(array):
-            return self._gpu_transfers().download(f"push:{threading.get_ident()}:{name}", array)
+            return self._gpu_transfers().download_all({name: array}, f"push:{threading.get_ident()}")[name]
         return to_host(array, argument)
 
     def _call(self, shard: ShardChannel, what: str, call: Callable[[], Any]) -> Any:

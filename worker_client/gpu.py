@@ -13,6 +13,7 @@ is present nothing here runs, and the client stays on numpy.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,15 @@ def gpu_available() -> bool:
 
 
 class GpuTransfers:
-    """Pinned buffers (by name and size) and one stream per device; thread-safe."""
+    """Pinned buffers (by name and size) and one stream per device; thread-safe.
+
+    Our streams are non-blocking: they do not wait for the caller's stream
+    by themselves. So each batch of copies first waits (an event, on the
+    GPU, not the host) for the work the caller's current stream has queued:
+    a gradient still being computed is copied only once it is complete, and
+    device memory freshly taken from CuPy's pool is written only after the
+    kernels that used it last.
+    """
 
     def __init__(self) -> None:
         import cupy
@@ -61,32 +70,61 @@ class GpuTransfers:
                     stream = self._streams[device] = self._cupy.cuda.Stream(non_blocking=True)
             return stream
 
-    def upload(self, host: np.ndarray, device: int) -> Any:
-        """Start copying ``host`` (ideally pinned) to ``device``; call :meth:`synchronize` before use."""
-        cupy = self._cupy
-        with cupy.cuda.Device(device):
-            out = cupy.empty(host.shape, dtype=host.dtype)
-            out.set(host, stream=self.stream(device))
-        return out
-
-    def download(self, name: str, array: Any) -> np.ndarray:
-        """Copy a GPU array into its pinned buffer and wait; valid until the next download of ``name``."""
-        if type(array).__module__.split(".", 1)[0] != "cupy":
-            array = self._cupy.from_dlpack(array)  # e.g. a PyTorch CUDA tensor, without a copy
-        device = array.device.id
-        out = self.pinned(name, array.shape, np.dtype(array.dtype))
+    def _stream_after_current(self, device: int):
+        """Our stream for ``device``, made to wait for what the caller's current stream has queued there."""
         stream = self.stream(device)
         with self._cupy.cuda.Device(device):
-            array.get(stream=stream, out=out, blocking=False)
+            current = self._cupy.cuda.get_current_stream()
+            if current.ptr != stream.ptr:
+                stream.wait_event(current.record())
+        return stream
+
+    def upload_all(self, host: Mapping[str, np.ndarray], device: int, wait: bool = True) -> dict[str, Any]:
+        """Copies of ``host`` (ideally pinned) on ``device``, complete on return; one wait for them all.
+
+        ``wait=False`` returns at once, for uploads to several devices that
+        run side by side: call :meth:`synchronize` before using any of them.
+        """
+        cupy = self._cupy
+        stream = self._stream_after_current(device)
+        out = {}
+        with cupy.cuda.Device(device):
+            for name, array in host.items():
+                out[name] = on_device = cupy.empty(array.shape, dtype=array.dtype)
+                on_device.set(array, stream=stream)
+        if wait:
             stream.synchronize()
         return out
 
-    def synchronize(self, devices: set[int] | None = None) -> None:
-        with self._lock:
-            streams = dict(self._streams)
-        for device, stream in streams.items():
-            if devices is None or device in devices:
-                stream.synchronize()
+    def synchronize(self, devices: set[int]) -> None:
+        """Wait for the copies queued on our streams of ``devices``."""
+        for device in devices:
+            self.stream(device).synchronize()
+
+    def download_all(self, arrays: Mapping[str, Any], tag: str) -> dict[str, np.ndarray]:
+        """GPU arrays copied into the pinned buffers ``f"{tag}:{name}"``; one wait per device.
+
+        A buffer is valid until the next download under the same tag and
+        name. CuPy arrays, and CUDA arrays with ``__dlpack__`` (PyTorch,
+        JAX: no copy) are accepted.
+        """
+        cupy = self._cupy
+        by_device: dict[int, list[tuple[str, Any]]] = {}
+        for name, array in arrays.items():
+            if type(array).__module__.split(".", 1)[0] != "cupy":
+                # DLPack makes CuPy's current stream wait for the producer's (e.g. PyTorch's).
+                array = cupy.from_dlpack(array)
+            by_device.setdefault(array.device.id, []).append((name, array))
+        out = {}
+        for device, named in by_device.items():
+            stream = self._stream_after_current(device)
+            with cupy.cuda.Device(device), stream:
+                for name, array in named:
+                    out[name] = host = self.pinned(f"{tag}:{name}", array.shape, np.dtype(array.dtype))
+                    # A strided array is made contiguous by a kernel on our stream (current here).
+                    array.get(stream=stream, out=host, blocking=False)
+        self.synchronize(set(by_device))
+        return out
 
     def sum_on(self, device: int, arrays: list[Any]) -> Any:
         """Sum CuPy arrays that may live on different GPUs, on ``device`` (peer copies)."""
@@ -98,8 +136,12 @@ class GpuTransfers:
         return total
 
     def _copy_to(self, array: Any, device: int) -> Any:
+        """A copy on ``device``, after the work queued on ``array``'s own GPU (streams do not cross GPUs)."""
         cupy = self._cupy
+        with cupy.cuda.Device(array.device.id):
+            ready = cupy.cuda.get_current_stream().record()
         with cupy.cuda.Device(device):
+            cupy.cuda.get_current_stream().wait_event(ready)
             out = cupy.empty(array.shape, dtype=array.dtype)
             out.data.copy_from_device(array.data, array.nbytes)
         return out

@@ -53,12 +53,9 @@ class ReplicaGroup:
         """The pulled parameters on each replica's device (a private copy per CPU replica)."""
         gpus = {d for d in self.devices if d is not None}
         transfers = self.client._gpu_transfers() if gpus else None
-        placed = []
-        for device in self.devices:
-            if device is None:
-                placed.append({name: value.copy() for name, value in host_params.items()})
-            else:
-                placed.append({name: transfers.upload(value, device) for name, value in host_params.items()})
+        # The devices' copies run side by side; one wait for them all.
+        placed = [{name: value.copy() for name, value in host_params.items()} if device is None
+                  else transfers.upload_all(host_params, device, wait=False) for device in self.devices]
         if transfers is not None:
             transfers.synchronize(gpus)
         return placed
@@ -78,8 +75,10 @@ class ReplicaGroup:
             if any(is_gpu_array(v) for v in values):
                 transfers = self.client._gpu_transfers()
                 first = next(d for d in self.devices if d is not None)
-                total = transfers.sum_on(first, [v if is_gpu_array(v) else transfers.upload(np.asarray(v), first)
-                                                 for v in values])
+                # CPU replicas' gradients go up in one batch; GPU ones stay where they are.
+                uploaded = transfers.upload_all({str(r): np.asarray(v) for r, v in enumerate(values)
+                                                 if not is_gpu_array(v)}, first)
+                total = transfers.sum_on(first, [uploaded.get(str(r), v) for r, v in enumerate(values)])
                 if scale != 1.0:
                     total *= total.dtype.type(scale)
                 out[name] = total  # the client downloads it through its pinned buffer
