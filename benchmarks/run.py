@@ -23,6 +23,10 @@ sparse    pull_rows / push_rows of 4,096 ids x 64 dims from a 10M-row table on
           against raw TCP. Reference: the same calls as a bare row exchange
           (raw ids out, raw rows back, one open stream per server)
 modes     3 workers on 2 servers in ssp (staleness 2) and sync: time pulls waited per step
+gpu       (skipped without CuPy and a CUDA GPU) the GPU path: the pull's upload from
+          pinned buffers and the push's download into them, against a plain pinned
+          copy of 100 MB; whole pull(device=) and push of CuPy gradients against
+          the same calls on the host
 
 Each figure is printed with its baseline, the ratio and the target; the exit
 status does not depend on targets (the machines are shared and noisy).
@@ -459,6 +463,50 @@ def section_modes(results: dict) -> list[Row]:
     return rows
 
 
+def section_gpu(repeats: int, results: dict) -> list[Row]:
+    """The GPU path's device stage and whole calls, against a plain pinned copy; skipped with no GPU."""
+    from worker_client import PSClient
+    from worker_client.gpu import gpu_available
+
+    if not gpu_available():
+        print("  gpu: skipped (no CuPy or no CUDA device)", file=sys.stderr, flush=True)
+        return []
+    import bench_gpu
+
+    copies = max(repeats, 10)
+    shapes = {name: (ROWS, COLUMNS) for name in NAMES}
+    gb = MODEL_BYTES / 1e9
+    pinned_up, pinned_down = (gb / best(s) for s in bench_gpu.plain_copy_seconds(MODEL_BYTES, copies, True))
+    pageable_up, pageable_down = (gb / best(s) for s in bench_gpu.plain_copy_seconds(MODEL_BYTES, copies, False))
+    upload, download = (gb / best(s) for s in bench_gpu.transfer_stage_seconds(shapes, copies))
+    with ps_cluster(1) as (addresses, _), PSClient(addresses, worker_id="bench-gpu") as client:
+        create_model(client)
+        seconds = bench_gpu.client_seconds(client, NAMES, shapes, repeats)
+    calls = {what: gb / best(s) for what, s in seconds.items()}
+    results["gpu"] = {"device": bench_gpu.device_name(), "pinned_h2d": pinned_up, "pinned_d2h": pinned_down,
+                      "pageable_h2d": pageable_up, "pageable_d2h": pageable_down, "pull_upload": upload,
+                      "push_download": download, **calls}
+    pinned = "plain pinned copy"
+    return [
+        _row("gpu", "plain pinned copy, host to GPU", pinned_up, "GB/s", pinned_up, pinned,
+             target_text="baseline"),
+        _row("gpu", "plain pinned copy, GPU to host", pinned_down, "GB/s", pinned_down, pinned,
+             target_text="baseline"),
+        _row("gpu", "pageable copy (cupy.asarray), host to GPU", pageable_up, "GB/s", pinned_up, pinned,
+             target_text="reference"),
+        _row("gpu", "pageable copy (cupy.asnumpy), GPU to host", pageable_down, "GB/s", pinned_down, pinned,
+             target_text="reference"),
+        _row("gpu", "pull path: pinned buffers to GPU (4 vars)", upload, "GB/s", pinned_up, pinned,
+             target_text="report"),
+        _row("gpu", "push path: GPU gradients to pinned buffers", download, "GB/s", pinned_down, pinned,
+             target_text="report"),
+        _row("gpu", "pull(device='cuda:0'), 1 worker, 1 server", calls["pull_gpu"], "GB/s",
+             calls["pull_host"], "pull(out=) to host", target_text="report"),
+        _row("gpu", "push of CuPy gradients, 1 worker, 1 server", calls["push_gpu"], "GB/s",
+             calls["push_host"], "push from host", target_text="report"),
+    ]
+
+
 def print_table(rows: list[Row]) -> None:
     header = f"{'section':<7} {'figure':<46} {'value':>10} {'unit':<5} {'baseline':>10} {'ratio':>7} {'target':>9}  result"
     print(header)
@@ -495,7 +543,7 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-SECTIONS = ("dense", "bf16", "apply", "step", "memory", "sparse", "modes")
+SECTIONS = ("dense", "bf16", "apply", "step", "memory", "sparse", "modes", "gpu")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -541,6 +589,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += section_sparse(tcp, results)
         elif section == "modes":
             rows += section_modes(results)
+        elif section == "gpu":
+            rows += section_gpu(args.repeats, results)
         print(f"  {section} measured in {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
     print_table(rows)
     if args.json:
