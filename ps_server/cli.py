@@ -25,7 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     configure(config.log_level)
     if config.keep_freed_bytes:
-        keep_freed_buffers(trim_threshold=config.keep_freed_bytes)
+        keep_freed_buffers(trim_threshold=config.keep_freed_bytes, arena_max=config.malloc_arenas or None)
     if config.unknown_environment:
         event(log, logging.WARNING, "unknown PS_ environment variables ignored (misspelled settings?)",
               variables=list(config.unknown_environment))

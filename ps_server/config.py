@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from wehub_ps.allocator import DEFAULT_TRIM_THRESHOLD
+from wehub_ps.allocator import DEFAULT_ARENA_MAX, DEFAULT_TRIM_THRESHOLD
 from wehub_ps.cluster import ClusterConfigError, split_host_port, task_from_tf_config
 from wehub_ps.rpc import DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES
 
@@ -56,6 +56,7 @@ class ServerConfig:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     stream_window_bytes: int = DEFAULT_STREAM_WINDOW_BYTES
     keep_freed_bytes: int = DEFAULT_TRIM_THRESHOLD
+    malloc_arenas: int = DEFAULT_ARENA_MAX
     max_concurrent_rpcs: int = 256
     drain_timeout: float = 30.0
     checkpoint_interval: float = 300.0
@@ -100,6 +101,9 @@ class ServerConfig:
         if self.keep_freed_bytes != 0 and self.keep_freed_bytes < 1 << 20:
             raise ConfigError(f"--keep-freed-bytes must be 0 (malloc's own thresholds) or at least 1 MiB, "
                               f"got {self.keep_freed_bytes}")
+        if not 0 <= self.malloc_arenas <= 1024:
+            raise ConfigError(f"--malloc-arenas must be 0 (glibc's own: 8 per core) or in [1, 1024], "
+                              f"got {self.malloc_arenas}")
         if self.max_concurrent_rpcs < 4:
             raise ConfigError(f"--max-concurrent-rpcs must be at least 4, got {self.max_concurrent_rpcs}")
         for flag, value in (("--drain-timeout", self.drain_timeout),
@@ -151,6 +155,8 @@ _HELP = {
                            "0 = gRPC's automatic window (grows with its bandwidth probe)",
     "keep_freed_bytes": "free memory each malloc arena keeps for reuse instead of returning it to the OS "
                         "(glibc; saves a page fault per 4 KiB of every message); 0 = malloc's own thresholds",
+    "malloc_arenas": "malloc arenas at most (glibc), so what --keep-freed-bytes keeps per arena does not "
+                     "grow with the cores; 0 = glibc's own (8 per core); MALLOC_ARENA_MAX in the environment wins",
     "max_concurrent_rpcs": "RPCs served at once; more get RESOURCE_EXHAUSTED",
     "drain_timeout": "seconds to let pushes in flight finish on SIGTERM",
     "checkpoint_interval": "seconds between periodic checkpoints (with --checkpoint-dir); 0 = only on request and SIGTERM",

@@ -272,7 +272,9 @@ class PSClient:
     Memory: by default the process's malloc keeps freed message-sized
     blocks for reuse (see wehub_ps.allocator; glibc only, process-wide):
     otherwise each received message faults in fresh pages, which cost a
-    fifth of a worker's CPU. ``keep_freed_buffers=False`` leaves malloc as it is.
+    fifth of a worker's CPU. It also caps malloc at 2 arenas, so that what
+    is kept does not grow with the cores (``MALLOC_ARENA_MAX`` in the
+    environment wins). ``keep_freed_buffers=False`` leaves malloc as it is.
     """
 
     def __init__(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import signal
 import threading
 import time
@@ -116,3 +117,14 @@ def test_sigterm_during_pushes_finishes_them_and_exits_zero(cluster_factory):
     # Every push that was acknowledged was applied; none was cut in half:
     # the server answered each one in full or refused it before it began.
     assert failures, "the pusher should have been refused once the server stopped"
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                    reason="malloc settings exist in glibc only")
+@pytest.mark.parametrize("flags, arena_max", [((), "2"), (("--malloc-arenas", "0"), "null"),
+                                              (("--malloc-arenas", "6"), "6")])
+def test_the_server_caps_malloc_arenas_as_configured(cluster_factory, flags, arena_max):
+    server = cluster_factory(1, "--log-level", "debug", *flags).servers[0]
+    with PSClient(server.address) as client:
+        client.create_variable("w", shape=(4,))  # the server is up and serving
+    assert f'"arena_max": {arena_max}' in server.log_text()

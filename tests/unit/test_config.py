@@ -153,6 +153,8 @@ def test_flag_over_env_for_every_field():
     (["--stream-window-bytes", "1000"], {}, ["--stream-window-bytes", "1000"]),
     ([], {"PS_STREAM_WINDOW_BYTES": str(1 << 30)}, ["--stream-window-bytes", str(1 << 30)]),
     (["--keep-freed-bytes", "4096"], {}, ["--keep-freed-bytes", "4096"]),
+    (["--malloc-arenas", "-1"], {}, ["--malloc-arenas", "-1"]),
+    ([], {"PS_MALLOC_ARENAS": "5000"}, ["--malloc-arenas", "5000"]),
     (["--drain-timeout", "-0.5"], {}, ["--drain-timeout", "-0.5"]),
     ([], {"PS_PORT": "abc"}, ["PS_PORT", "'abc'", "int"]),
     ([], {"PS_SHARD_INDEX": "1.5"}, ["PS_SHARD_INDEX", "'1.5'"]),
@@ -191,6 +193,12 @@ def test_keep_freed_bytes_zero_leaves_malloc_alone():
     assert parse_config(["--keep-freed-bytes", "0"], environ={}).keep_freed_bytes == 0
     assert parse_config([], environ={"PS_KEEP_FREED_BYTES": str(8 << 20)}).keep_freed_bytes == 8 << 20
     assert parse_config([], environ={}).keep_freed_bytes == 64 << 20
+
+
+def test_malloc_arenas_default_and_zero():
+    assert parse_config([], environ={}).malloc_arenas == 2
+    assert parse_config(["--malloc-arenas", "0"], environ={}).malloc_arenas == 0
+    assert parse_config([], environ={"PS_MALLOC_ARENAS": "8"}).malloc_arenas == 8
 
 
 def test_nan_drain_timeout_is_refused():
