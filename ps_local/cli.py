@@ -122,6 +122,7 @@ class _Progress:
     def __init__(self, num_workers: int, stream: TextIO) -> None:
         self.latest: dict[int, dict[str, Any]] = {}
         self.done: set[int] = set()
+        self.wire_dtypes: dict[int, str] = {}  # worker -> what its client sent tensors as
         self.num_workers = num_workers
         self.stream = stream
         self.tty = stream.isatty()
@@ -132,6 +133,8 @@ class _Progress:
     def update(self, message: dict[str, Any]) -> None:
         if message.get("type") == "progress":
             self.latest[message["worker"]] = message
+        elif message.get("type") == "started":
+            self.wire_dtypes[message["worker"]] = str(message.get("wire_dtype"))
         elif message.get("type") == "done":
             self.done.add(message["worker"])
 
@@ -172,7 +175,8 @@ def _read_lines(proc: ManagedProcess, sink: "queue.Queue[dict[str, Any]]") -> No
 
 
 def _run_workers(group: ProcessGroup, args: argparse.Namespace, addresses: list[str], config,
-                 out: TextIO) -> None:
+                 out: TextIO) -> set[str]:
+    """Train to the end, showing progress; returns the wire dtypes the workers' clients used."""
     config_json = json.dumps(asdict(config))
     workers = []
     messages: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -180,7 +184,8 @@ def _run_workers(group: ProcessGroup, args: argparse.Namespace, addresses: list[
         proc = group.start(f"worker-{i}", [
             sys.executable, "-m", "ps_local.worker", "--example", args.example,
             "--addresses", ",".join(addresses), "--worker-index", str(i),
-            "--num-workers", str(args.num_workers), "--config", config_json], capture_stdout=True)
+            "--num-workers", str(args.num_workers), "--config", config_json,
+            "--wire-dtype", args.wire_dtype], capture_stdout=True)
         threading.Thread(target=_read_lines, args=(proc, messages), name=f"read-{proc.name}",
                          daemon=True).start()
         workers.append(proc)
@@ -207,6 +212,7 @@ def _run_workers(group: ProcessGroup, args: argparse.Namespace, addresses: list[
     while not messages.empty():
         progress.update(messages.get_nowait())
     progress.render(final=True)
+    return set(progress.wire_dtypes.values())
 
 
 def _interrupt(signum: int, _frame) -> None:
@@ -229,7 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         addresses = _start_servers(group, args)
         out.write(f"ps-local: ps-servers at {', '.join(addresses)}\n")
         out.flush()
-        _run_workers(group, args, addresses, config, out)
+        wire = _run_workers(group, args, addresses, config, out)
+        out.write(f"ps-local: tensors went over the wire as {', '.join(sorted(wire))}\n")
         from worker_client import PSClient
 
         with PSClient(addresses, worker_id="ps-local-evaluator", register=False) as client:

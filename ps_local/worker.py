@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {**environ, "PS_ADDRESSES": ",".join(addresses)}
     with PSClient.from_env(env, worker_id=f"worker-{index}", wire_dtype=wire) as client:
         example.setup(client, config)
-        _emit("started", index, {})
+        sent_as = "float32" if client.wire_dtype is None else str(client.wire_dtype)
+        _emit("started", index, {"wire_dtype": sent_as})  # what this client really sends
         example.train(client, index, count, config, lambda progress: _emit("progress", index, progress))
         if args.finish_cluster and index == 0:
             client.finish(wait_for_workers=True)

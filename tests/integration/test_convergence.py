@@ -17,6 +17,18 @@ def test_ps_local_trains_digits_to_target_accuracy():
     assert match, result.stdout
     assert float(match.group(1)) >= 0.90
     assert "step" in result.stdout and "examples/s" in result.stdout  # progress was shown
+    assert "tensors went over the wire as float32\n" in result.stdout
+
+
+def test_ps_local_sends_bfloat16_when_asked_and_still_reaches_the_target():
+    # --wire-dtype once stopped at ps-local's own parser: the workers sent float32.
+    result = subprocess.run([sys.executable, "-m", "ps_local", "--num-ps", "1", "--num-workers", "1",
+                             "--wire-dtype", "bfloat16"],
+                            capture_output=True, text=True, cwd=str(ROOT), env=child_env(), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "tensors went over the wire as bfloat16\n" in result.stdout
+    match = re.search(r"held-out accuracy (\d\.\d+) \(target 0\.9\)", result.stdout)
+    assert match and float(match.group(1)) >= 0.90, result.stdout
 
 
 def test_ps_local_fails_loudly_when_the_target_is_missed():
