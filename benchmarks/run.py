@@ -14,6 +14,8 @@ dense     100 MB model (4 x 6400x1024 float32): pull and push with 1 worker and
           alone (raw 1 MiB messages, no serialisation) with 1 worker and 1
           server, and with 2 worker processes x 2 servers
 bf16      the same model with bfloat16 on the wire: float32 parameters moved per second
+topk      the same model's push with top-k rows (1%) and error feedback: gradient
+          parameters per second, and the time choosing the rows takes
 apply     server-side optimizer apply of 100 MB (SGD, Adam) against numpy memcpy
 step      pull + push of a 100K-parameter model in 20 variables over 2 servers,
           p50 and p99, against the bare gRPC bidi round trip
@@ -270,6 +272,26 @@ def section_bf16(repeats: int, tcp: float, results: dict) -> list[Row]:
                  "raw TCP", 0.7),
             _row("bf16", "push, bfloat16 wire (float32 params/s)", MODEL_BYTES / push / 1e9, "GB/s", tcp,
                  "raw TCP", 0.7)]
+
+
+def section_topk(repeats: int, tcp: float, results: dict, ratio: float = 0.01) -> list[Row]:
+    """Push with top-k rows and error feedback: gradient parameters per second, and what selecting costs."""
+    from worker_client import PSClient
+    from worker_client.topk import TopKRows
+
+    with ps_cluster(1) as (addresses, _), PSClient(addresses, worker_id="bench", topk_ratio=ratio) as client:
+        create_model(client)
+        grads = {name: np.random.default_rng(i).standard_normal((ROWS, COLUMNS), np.float32)
+                 for i, name in enumerate(NAMES)}
+        push = best(time_calls(lambda: client.push(grads), repeats))
+    topk = TopKRows(ratio)
+    select = best(time_calls(lambda: [topk.select(name, g) for name, g in grads.items()], repeats))
+    results["topk"] = {"ratio": ratio, "push": MODEL_BYTES / push / 1e9, "select_ms": select * 1e3,
+                       "push_ms": push * 1e3}
+    return [_row("topk", f"push, top {ratio:g} of rows + error feedback (gradient params/s)",
+                 MODEL_BYTES / push / 1e9, "GB/s", tcp, "raw TCP", target_text="report"),
+            _row("topk", "  of which choosing the rows (4 variables)", select * 1e3, "ms", push * 1e3,
+                 "the whole push", target_text="report")]
 
 
 def section_apply(repeats: int, memcpy: float, results: dict) -> list[Row]:
@@ -543,7 +565,7 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-SECTIONS = ("dense", "bf16", "apply", "step", "memory", "sparse", "modes", "gpu")
+SECTIONS = ("dense", "bf16", "topk", "apply", "step", "memory", "sparse", "modes", "gpu")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -579,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += section_dense(args.repeats, tcp, results)
         elif section == "bf16":
             rows += section_bf16(args.repeats, tcp, results)
+        elif section == "topk":
+            rows += section_topk(args.repeats, tcp, results)
         elif section == "apply":
             rows += section_apply(args.repeats, memcpy, results)
         elif section == "step":

@@ -49,6 +49,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="sync: apply a step without waiting for this many slowest workers (default 0)")
     parser.add_argument("--wire-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                         help="dtype of tensors on the wire; servers keep float32 (default float32)")
+    parser.add_argument("--topk-ratio", type=float, default=None,
+                        help="send only this fraction of each gradient's rows, the largest, and carry "
+                             "the rest to the next push (error feedback); default: every row")
     parser.add_argument("--timeout", type=float, default=900.0,
                         help="seconds before the run is abandoned (default 900)")
     parser.add_argument("--log-level", default="warning", help="log level of ps-local and the servers")
@@ -134,7 +137,10 @@ class _Progress:
         if message.get("type") == "progress":
             self.latest[message["worker"]] = message
         elif message.get("type") == "started":
-            self.wire_dtypes[message["worker"]] = str(message.get("wire_dtype"))
+            sent = str(message.get("wire_dtype"))
+            if message.get("topk_ratio") is not None:
+                sent += f", gradients as the top {message['topk_ratio']:g} of their rows"
+            self.wire_dtypes[message["worker"]] = sent
         elif message.get("type") == "done":
             self.done.add(message["worker"])
 
@@ -185,7 +191,9 @@ def _run_workers(group: ProcessGroup, args: argparse.Namespace, addresses: list[
             sys.executable, "-m", "ps_local.worker", "--example", args.example,
             "--addresses", ",".join(addresses), "--worker-index", str(i),
             "--num-workers", str(args.num_workers), "--config", config_json,
-            "--wire-dtype", args.wire_dtype], capture_stdout=True)
+            "--wire-dtype", args.wire_dtype,
+            *(["--topk-ratio", str(args.topk_ratio)] if args.topk_ratio is not None else [])],
+            capture_stdout=True)
         threading.Thread(target=_read_lines, args=(proc, messages), name=f"read-{proc.name}",
                          daemon=True).start()
         workers.append(proc)

@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="JSON object of example Config overrides")
     parser.add_argument("--wire-dtype", default=environ.get("PS_WIRE_DTYPE", "float32"),
                         help="float32, or bfloat16/float16 on the wire")
+    parser.add_argument("--topk-ratio", type=float, default=None,
+                        help="send only this fraction of each gradient's rows (error feedback: the rest "
+                             "goes with the next push)")
     parser.add_argument("--finish-cluster", action="store_true",
                         default=environ.get("PS_FINISH_CLUSTER", "").lower() in ("1", "true", "yes"),
                         help="worker 0 ends the job: servers checkpoint and exit 0 once all workers are done")
@@ -90,10 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     config = example.Config(**json.loads(args.config))
     wire = None if args.wire_dtype == "float32" else args.wire_dtype
     env = {**environ, "PS_ADDRESSES": ",".join(addresses)}
-    with PSClient.from_env(env, worker_id=f"worker-{index}", wire_dtype=wire) as client:
+    with PSClient.from_env(env, worker_id=f"worker-{index}", wire_dtype=wire,
+                           topk_ratio=args.topk_ratio) as client:
         example.setup(client, config)
         sent_as = "float32" if client.wire_dtype is None else str(client.wire_dtype)
-        _emit("started", index, {"wire_dtype": sent_as})  # what this client really sends
+        # What this client really sends.
+        _emit("started", index, {"wire_dtype": sent_as, "topk_ratio": args.topk_ratio})
         example.train(client, index, count, config, lambda progress: _emit("progress", index, progress))
         if args.finish_cluster and index == 0:
             client.finish(wait_for_workers=True)

@@ -77,6 +77,7 @@ from worker_client.gpu import GpuTransfers
 from worker_client.pulls import PullItem, PullReceiver, pull_request
 from worker_client.retry import RetryPolicy, call_with_retry
 from worker_client.step import Step
+from worker_client.topk import TopKRows
 from worker_client.transport import ShardChannel
 
 __all__ = ["PSClient", "Variable", "ShardInfo"]
@@ -269,6 +270,13 @@ class PSClient:
     The next step uses them only if nothing was pushed since and they are
     under a second old; otherwise it pulls.
 
+    Compression: ``wire_dtype="bfloat16"`` (or float16) halves the bytes of
+    every tensor on the wire. ``topk_ratio=r`` sends only the fraction ``r``
+    of each dense gradient's rows with the largest norms (as row updates)
+    and adds the rest to the next push's gradient (error feedback, see
+    worker_client.topk); it holds one residual per variable pushed, the
+    size of the variable.
+
     Memory: by default the process's malloc keeps freed message-sized
     blocks for reuse (see wehub_ps.allocator; glibc only, process-wide):
     otherwise each received message faults in fresh pages, which cost a
@@ -284,6 +292,7 @@ class PSClient:
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         wire_dtype: str | np.dtype | None = None,
+        topk_ratio: float | None = None,
         connect_timeout: float = 60.0,
         control_timeout: float = 30.0,
         data_timeout: float = 300.0,
@@ -324,6 +333,7 @@ class PSClient:
         #: Small pulls and pushes go over a long-lived stream per shard (worker_client.lane).
         self._use_lane = exchange_lane
         self.wire_dtype = self._check_wire_dtype(wire_dtype)
+        self._topk = TopKRows(topk_ratio) if topk_ratio is not None else None
         self._control_timeout = control_timeout
         self._data_timeout = data_timeout
         self._retry = RetryPolicy(timeout=retry_timeout)
@@ -738,6 +748,7 @@ class PSClient:
             return set()
         variables = {v.name: v for v in self._resolve([*gradients, *rows])}
         by_shard: dict[int, list[_PushItem]] = {}
+        selected: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # top-k: rows taken from dense gradients
         # Every GPU gradient is copied out at once: one wait for them all, not one per variable.
         on_gpu = {name: g for name, g in gradients.items() if type(g) is not np.ndarray and is_gpu_array(g)}
         downloaded = self._gpu_transfers().download_all(on_gpu, f"push:{threading.get_ident()}") if on_gpu else {}
@@ -747,15 +758,35 @@ class PSClient:
                 raise InvalidArgumentError(f"{name!r} is a hash table: send its rows with rows={{name: (ids, grads)}}")
             host = downloaded[name] if name in downloaded else self._host(grad, f"gradients[{name!r}]", name)
             _check_array(host, spec.shape, spec.dtype, f"gradient for {name!r}")
+            if self._topk is not None and spec.shape:
+                if name in rows:
+                    raise InvalidArgumentError(f"{name!r} is in both gradients and rows: push it once")
+                selected[name] = self._topk.select(name, host)  # its largest rows go as rows, below
+                continue
             flat = as_wire_array(host)  # a narrower wire dtype is applied chunk by chunk when sending
             for shard, first, end in variables[name].element_ranges:
                 by_shard.setdefault(shard, []).append(_PushItem(name, flat[first:end]))
         for name, pair in rows.items():
             if not isinstance(pair, tuple) or len(pair) != 2:
                 raise TypeError(f"rows[{name!r}] must be a tuple (ids, gradients), got {type(pair).__name__}")
-            for shard, item in self._row_items(variables[name], *pair).items():
-                by_shard.setdefault(shard, []).append(item)
-        return self._send_push(by_shard, ps_pb2.GRADIENT, self._prefetch_plan(by_shard, next_pull))
+        delivered: set[int] = set()
+        try:
+            for name, pair in [*rows.items(), *selected.items()]:
+                for shard, item in self._row_items(variables[name], *pair).items():
+                    by_shard.setdefault(shard, []).append(item)
+            return self._send_push(by_shard, ps_pb2.GRADIENT, self._prefetch_plan(by_shard, next_pull),
+                                   delivered)
+        except BaseException:
+            self._owe_undelivered(selected, variables, delivered)
+            raise
+
+    def _owe_undelivered(self, selected: dict[str, tuple[np.ndarray, np.ndarray]],
+                         variables: dict[str, Variable], delivered: set[int]) -> None:
+        """Top-k rows of a failed push that no shard confirmed go back into the residual."""
+        for name, (ids, sent) in selected.items():
+            for shard, positions in self._rows_by_shard(variables[name], ids).items():
+                if shard not in delivered:
+                    self._topk.restore(name, ids[positions], sent[positions])
 
     def _push_step(self, gradients: Mapping[str, Any], rows: Mapping[str, tuple[Any, Any]] | None,
                    names: list[str] | None, device: Any) -> set[int]:
@@ -925,6 +956,10 @@ class PSClient:
         with self._lock:
             return dict(self._stats)
 
+    def gradient_residuals(self) -> dict[str, np.ndarray]:
+        """With ``topk_ratio``: per variable, the gradient rows not sent yet (error feedback), as copies."""
+        return {} if self._topk is None else self._topk.residuals()
+
     def versions(self, name: str) -> dict[int, int]:
         """Per shard, the newest version of ``name`` this client's pulls and pushes have seen."""
         with self._lock:
@@ -1091,18 +1126,21 @@ class PSClient:
         return [known[name] for name in dict.fromkeys(names)]
 
     def _send_push(self, by_shard: dict[int, list[_PushItem]], kind: int,
-                   prefetch: _Prefetch | None = None) -> set[int]:
+                   prefetch: _Prefetch | None = None, delivered: set[int] | None = None) -> set[int]:
         """Push to every shard in ``by_shard`` at once; returns the shards pushed to.
 
         With ``prefetch``, each shard also answers the values it lists
         (PushBegin.pull_after); they are kept for this thread's next step.
+        ``delivered`` collects the shards that confirmed the push, also when
+        another one fails.
         """
         with self._lock:
             self._push_generation += 1
             generation = self._push_generation
 
         results = self._run_calls(
-            self._push_call(self._shards[i], by_shard[i], kind, prefetch.by_shard.get(i) if prefetch else None)
+            self._push_call(self._shards[i], by_shard[i], kind, prefetch.by_shard.get(i) if prefetch else None,
+                            delivered)
             for i in sorted(by_shard))
         if prefetch is not None and all(results.get(s, False) for s in prefetch.by_shard):
             prefetch.generation = generation
@@ -1112,7 +1150,7 @@ class PSClient:
         return set(by_shard)
 
     def _push_call(self, shard: ShardChannel, items: list[_PushItem], kind: int,
-                   after: list[PullItem] | None) -> ShardCall:
+                   after: list[PullItem] | None, delivered: set[int] | None = None) -> ShardCall:
         """One shard's push; its result is True when it also brought back ``after``'s values."""
         # The sequence is taken once: every retry resends the same push,
         # chunked the same way, so the server applies it exactly once.
@@ -1132,6 +1170,8 @@ class PSClient:
 
         def finish(answer: bytes | memoryview) -> bool:
             response, pulled = split_push_response(answer)
+            if delivered is not None:
+                delivered.add(shard.index)  # applied, whatever happens to the values riding back
             if response.duplicate and call.attempts > 1:
                 with self._lock:
                     self._stats["duplicate_acks"] += 1

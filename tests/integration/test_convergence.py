@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from ps_testing import ROOT, child_env
 
 
@@ -20,13 +21,16 @@ def test_ps_local_trains_digits_to_target_accuracy():
     assert "tensors went over the wire as float32\n" in result.stdout
 
 
-def test_ps_local_sends_bfloat16_when_asked_and_still_reaches_the_target():
+@pytest.mark.parametrize("flags, reported", [
+    (["--wire-dtype", "bfloat16"], "as bfloat16\n"),
+    (["--topk-ratio", "0.05"], "as float32, gradients as the top 0.05 of their rows\n"),
+])
+def test_ps_local_compresses_when_asked_and_still_reaches_the_target(flags, reported):
     # --wire-dtype once stopped at ps-local's own parser: the workers sent float32.
-    result = subprocess.run([sys.executable, "-m", "ps_local", "--num-ps", "1", "--num-workers", "1",
-                             "--wire-dtype", "bfloat16"],
+    result = subprocess.run([sys.executable, "-m", "ps_local", "--num-ps", "1", "--num-workers", "1", *flags],
                             capture_output=True, text=True, cwd=str(ROOT), env=child_env(), timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "tensors went over the wire as bfloat16\n" in result.stdout
+    assert "tensors went over the wire " + reported in result.stdout
     match = re.search(r"held-out accuracy (\d\.\d+) \(target 0\.9\)", result.stdout)
     assert match and float(match.group(1)) >= 0.90, result.stdout
 
