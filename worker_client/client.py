@@ -8,6 +8,7 @@ a pull writes each received chunk straight into the preallocated result.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -748,7 +749,38 @@ class PSClient:
             return set()
         variables = {v.name: v for v in self._resolve([*gradients, *rows])}
         by_shard: dict[int, list[_PushItem]] = {}
-        selected: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # top-k: rows taken from dense gradients
+        # Top-k: rows chosen from dense gradients, and the gradients they came from.
+        selected: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        chosen_from: dict[str, np.ndarray] = {}
+        delivered: set[int] = set()
+        with self._topk.pushing() if self._topk is not None else contextlib.nullcontext():
+            try:
+                self._add_dense(gradients, variables, rows, by_shard, selected, chosen_from)
+                for name, pair in rows.items():
+                    if not isinstance(pair, tuple) or len(pair) != 2:
+                        raise TypeError(f"rows[{name!r}] must be a tuple (ids, gradients), "
+                                        f"got {type(pair).__name__}")
+                for name, pair in [*rows.items(), *selected.items()]:
+                    for shard, item in self._row_items(variables[name], *pair).items():
+                        by_shard.setdefault(shard, []).append(item)
+                shards = self._send_push(by_shard, ps_pb2.GRADIENT, self._prefetch_plan(by_shard, next_pull),
+                                         delivered)
+            except BaseException:
+                for name, (ids, _) in selected.items():
+                    # Rows a shard confirmed were applied; the rest of the push did not happen.
+                    applied = [ids[at] for shard, at in self._rows_by_shard(variables[name], ids).items()
+                               if shard in delivered]
+                    self._topk.settle(name, chosen_from[name], ids, np.concatenate([ids[:0], *applied]))
+                raise
+            for name, (ids, _) in selected.items():
+                self._topk.settle(name, chosen_from[name], ids)
+        return shards
+
+    def _add_dense(self, gradients: Mapping[str, Any], variables: dict[str, Variable],
+                   rows: Mapping[str, Any], by_shard: dict[int, list[_PushItem]],
+                   selected: dict[str, tuple[np.ndarray, np.ndarray]],
+                   chosen_from: dict[str, np.ndarray]) -> None:
+        """Each dense gradient's parts into ``by_shard``; with top-k, its chosen rows into ``selected``."""
         # Every GPU gradient is copied out at once: one wait for them all, not one per variable.
         on_gpu = {name: g for name, g in gradients.items() if type(g) is not np.ndarray and is_gpu_array(g)}
         downloaded = self._gpu_transfers().download_all(on_gpu, f"push:{threading.get_ident()}") if on_gpu else {}
@@ -761,32 +793,12 @@ class PSClient:
             if self._topk is not None and spec.shape:
                 if name in rows:
                     raise InvalidArgumentError(f"{name!r} is in both gradients and rows: push it once")
-                selected[name] = self._topk.select(name, host)  # its largest rows go as rows, below
+                selected[name] = self._topk.choose(name, host)  # its largest rows go as rows
+                chosen_from[name] = host
                 continue
             flat = as_wire_array(host)  # a narrower wire dtype is applied chunk by chunk when sending
             for shard, first, end in variables[name].element_ranges:
                 by_shard.setdefault(shard, []).append(_PushItem(name, flat[first:end]))
-        for name, pair in rows.items():
-            if not isinstance(pair, tuple) or len(pair) != 2:
-                raise TypeError(f"rows[{name!r}] must be a tuple (ids, gradients), got {type(pair).__name__}")
-        delivered: set[int] = set()
-        try:
-            for name, pair in [*rows.items(), *selected.items()]:
-                for shard, item in self._row_items(variables[name], *pair).items():
-                    by_shard.setdefault(shard, []).append(item)
-            return self._send_push(by_shard, ps_pb2.GRADIENT, self._prefetch_plan(by_shard, next_pull),
-                                   delivered)
-        except BaseException:
-            self._owe_undelivered(selected, variables, delivered)
-            raise
-
-    def _owe_undelivered(self, selected: dict[str, tuple[np.ndarray, np.ndarray]],
-                         variables: dict[str, Variable], delivered: set[int]) -> None:
-        """Top-k rows of a failed push that no shard confirmed go back into the residual."""
-        for name, (ids, sent) in selected.items():
-            for shard, positions in self._rows_by_shard(variables[name], ids).items():
-                if shard not in delivered:
-                    self._topk.restore(name, ids[positions], sent[positions])
 
     def _push_step(self, gradients: Mapping[str, Any], rows: Mapping[str, tuple[Any, Any]] | None,
                    names: list[str] | None, device: Any) -> set[int]:

@@ -9,62 +9,86 @@ servers already update sparsely (``push_rows`` on a dense variable), so
 the ids travel once per row instead of once per element, and the servers
 need nothing new. A 1-D variable's rows are its elements.
 
-The residual is one float32-sized copy of each variable the worker pushes:
-the memory price of error feedback.
+A push is two-phase, so that one that fails changes nothing it should
+not: :meth:`TopKRows.choose` picks the rows of ``owed + gradient`` without
+changing what is owed, and :meth:`TopKRows.settle` records the outcome.
+After a push that raised, the gradient is not taken in; only the rows a
+shard confirmed are owed nothing (they were applied).
+
+The residual is one copy of each variable the worker pushes: the memory
+price of error feedback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 
 __all__ = ["TopKRows"]
 
+# Rows of owed + gradient are summed this many bytes at a time to rank them (no variable-sized temporary).
+_BLOCK_BYTES = 1 << 20
+
 
 class TopKRows:
-    """Per-variable residuals; ``select`` takes a gradient and returns the rows to send now. Thread-safe."""
+    """Per-variable residuals. Hold :meth:`pushing` around each push's ``choose`` ... ``settle`` calls."""
 
     def __init__(self, ratio: float) -> None:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
             raise ValueError(f"topk_ratio must be in (0, 1], got {ratio!r}")
         self.ratio = float(ratio)
-        self._lock = threading.Lock()  # guards _residuals
-        self._residuals: dict[str, np.ndarray] = {}  # name -> (rows, width), the variable's dtype
+        # One push at a time: what a push chooses depends on what the one before it settled.
+        self._lock = threading.Lock()
+        self._owed: dict[str, np.ndarray] = {}  # name -> (rows, width), the variable's dtype
 
     def rows_sent(self, num_rows: int) -> int:
         """How many of ``num_rows`` rows one push sends."""
         return min(num_rows, max(1, math.ceil(self.ratio * num_rows)))
 
-    def select(self, name: str, gradient: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(row ids, rows): the largest rows of ``gradient`` plus what is still owed for ``name``.
-
-        The rows returned are taken out of the residual; if the push that
-        carries them fails, give them back with :meth:`restore`.
-        """
-        rows = gradient.reshape(gradient.shape[0], -1)
+    @contextlib.contextmanager
+    def pushing(self) -> Iterator[None]:
         with self._lock:
-            owed = self._residuals.get(name)
-            if owed is None or owed.shape != rows.shape or owed.dtype != rows.dtype:
-                owed = self._residuals[name] = np.zeros(rows.shape, dtype=rows.dtype)
-            owed += rows
-            norms = np.einsum("ij,ij->i", owed, owed)
-            k = self.rows_sent(len(owed))
-            ids = np.argpartition(norms, len(norms) - k)[len(norms) - k:] if k < len(norms) else np.arange(k)
-            ids.sort()
-            sent = owed[ids]  # a copy (fancy indexing)
-            owed[ids] = 0
+            yield
+
+    def choose(self, name: str, gradient: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(sorted row ids, their rows of owed + ``gradient``): the rows to send now. Changes nothing."""
+        rows = gradient.reshape(gradient.shape[0], -1)
+        owed = self._owed.get(name)
+        if owed is None or owed.shape != rows.shape or owed.dtype != rows.dtype:
+            owed = self._owed[name] = np.zeros(rows.shape, dtype=rows.dtype)
+        norms = np.empty(len(rows), dtype=np.float64)
+        block = max(1, _BLOCK_BYTES // max(1, rows.shape[1] * rows.itemsize))
+        scratch = np.empty((min(block, len(rows)), rows.shape[1]), dtype=rows.dtype)
+        for start in range(0, len(rows), block):
+            stop = min(start + block, len(rows))
+            total = np.add(owed[start:stop], rows[start:stop], out=scratch[:stop - start])
+            norms[start:stop] = np.einsum("ij,ij->i", total, total)
+        k = self.rows_sent(len(rows))
+        ids = np.argpartition(norms, len(norms) - k)[len(norms) - k:] if k < len(norms) else np.arange(k)
+        ids.sort()
+        sent = owed[ids] + rows[ids]
         return ids, sent.reshape((k, *gradient.shape[1:]))
 
-    def restore(self, name: str, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Owe again rows that :meth:`select` gave out but were not delivered."""
-        with self._lock:
-            owed = self._residuals.get(name)
-            if owed is not None:
-                owed[ids] += rows.reshape(len(ids), -1)
+    def settle(self, name: str, gradient: np.ndarray, ids: np.ndarray, applied: np.ndarray | None = None) -> None:
+        """Record a push of rows ``ids`` chosen for ``gradient``.
+
+        ``applied=None``: it was delivered, so the gradient is taken in and
+        the rows sent are owed nothing. Otherwise it failed: the gradient is
+        not taken in, and only the rows ``applied`` (those a shard
+        confirmed) are owed nothing.
+        """
+        owed = self._owed[name]
+        if applied is None:
+            owed += gradient.reshape(owed.shape)
+            owed[ids] = 0
+        else:
+            owed[applied] = 0
 
     def residuals(self) -> dict[str, np.ndarray]:
-        """Copies of what each variable is still owed, in the variable's shape per row."""
+        """Copies of what each variable is still owed, one row per row of the variable."""
         with self._lock:
-            return {name: owed.copy() for name, owed in self._residuals.items()}
+            return {name: owed.copy() for name, owed in self._owed.items()}

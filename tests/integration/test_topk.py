@@ -38,28 +38,35 @@ def test_servers_apply_the_top_rows_and_the_worker_owes_the_rest(cluster_factory
         assert np.any(owed[name] != 0) and np.any(pulled[name] != 0)
 
 
-def test_rows_a_failed_shard_did_not_confirm_are_owed_again(cluster_factory):
+def test_a_push_that_fails_on_one_shard_takes_in_only_the_rows_the_other_applied(cluster_factory):
     cluster = cluster_factory(2)
     with PSClient(cluster.addresses, worker_id="topk", topk_ratio=0.5, retry_timeout=1.0) as client:
         client.create_variable("w", shape=(8, 3), initializer="zeros", optimizer=SGD(learning_rate=1.0),
                                partitioner=FixedShardsPartitioner(2))
         parts = client.variables()["w"].placement.parts
-        rows_of = {p.shard: slice(p.row_start, p.row_end) for p in parts}
-        assert len(rows_of) == 2
-        g1, g2 = _grad(1, (8, 3)), _grad(2, (8, 3)) * 3
-        client.push({"w": g1})
+        on_0 = np.arange(parts[0].row_start, parts[0].row_end) if parts[0].shard == 0 else \
+            np.arange(parts[1].row_start, parts[1].row_end)
+        client.push({"w": _grad(1, (8, 3))})
         applied_before = client.pull(["w"])["w"]
+        owed_before = client.gradient_residuals()["w"]
+        # Distinct row sizes, the largest half spread over both shards: rows 0, 2 (shard 0) and 4, 6 (shard 1).
+        g2 = _grad(2, (8, 3)) + np.array([8, 1, 7, 2, 6, 3, 5, 4], np.float32)[:, None] * 100
+        candidate = owed_before + g2
+        chosen = np.sort(np.argsort(-np.einsum("ij,ij->i", candidate, candidate))[:4])
+        np.testing.assert_array_equal(chosen, [0, 2, 4, 6])
         cluster.servers[1].stop()
         with pytest.raises(PSUnavailableError):
             client.push({"w": g2})
         owed = client.gradient_residuals()["w"]
-        # Shard 0 confirmed its rows: applied + owed is everything pushed.
-        on_0 = rows_of[0]
-        applied_0 = client.pull_rows("w", np.arange(8)[on_0])
-        np.testing.assert_array_equal(-applied_0 + owed[on_0], (g1 + g2)[on_0])
-        # Shard 1 never confirmed: its rows of the failed push are owed again, none lost, none doubled.
-        on_1 = rows_of[1]
-        np.testing.assert_array_equal(-applied_before[on_1] + owed[on_1], (g1 + g2)[on_1])
+        applied_by_0 = np.intersect1d(chosen, on_0)
+        # Shard 0 applied its chosen rows whole (owed + gradient): they are owed nothing now.
+        np.testing.assert_array_equal(client.pull_rows("w", on_0),
+                                      applied_before[on_0] - np.where(np.isin(on_0, applied_by_0)[:, None],
+                                                                      candidate[on_0], 0))
+        np.testing.assert_array_equal(owed[applied_by_0], 0)
+        # Every other row is owed what it was before: the failed push's gradient was not taken in.
+        others = np.setdiff1d(np.arange(8), applied_by_0)
+        np.testing.assert_array_equal(owed[others], owed_before[others])
 
 
 def test_a_bad_gradient_changes_neither_the_residual_nor_the_servers(cluster_factory):
@@ -68,8 +75,11 @@ def test_a_bad_gradient_changes_neither_the_residual_nor_the_servers(cluster_fac
         client.create_variable("w", shape=(4, 2), initializer="zeros", optimizer=SGD(learning_rate=1.0))
         client.push({"w": np.ones((4, 2), np.float32)})
         owed, value = client.gradient_residuals()["w"], client.pull(["w"])["w"]
+        client.create_variable("v", shape=(4, 2), initializer="zeros", optimizer=SGD(learning_rate=1.0))
         with pytest.raises(ValueError, match="shape"):
             client.push({"w": np.ones((4, 3), np.float32)})
+        with pytest.raises(ValueError, match="shape"):  # w's rows were chosen before v was found wrong
+            client.push({"w": np.ones((4, 2), np.float32), "v": np.ones(3, np.float32)})
         with pytest.raises(ValueError, match="both gradients and rows"):
             client.push({"w": np.ones((4, 2), np.float32)},
                         rows={"w": (np.array([0]), np.ones((1, 2), np.float32))})

@@ -22,6 +22,13 @@ def _pushes(draw):
     return ratio, grads
 
 
+def _push(topk: TopKRows, name: str, gradient: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    with topk.pushing():
+        ids, rows = topk.choose(name, gradient)
+        topk.settle(name, gradient, ids)
+    return ids, rows
+
+
 @settings(max_examples=200, deadline=None)
 @given(_pushes())
 def test_the_largest_owed_rows_go_out_and_the_rest_is_owed(case):
@@ -30,7 +37,7 @@ def test_the_largest_owed_rows_go_out_and_the_rest_is_owed(case):
     sent_total = np.zeros_like(grads[0])
     for g in grads:
         before = topk.residuals().get("w", np.zeros_like(g)) + g
-        ids, rows = topk.select("w", g)
+        ids, rows = _push(topk, "w", g)
         k = topk.rows_sent(len(g))
         assert len(ids) == k and np.all(np.diff(ids) > 0)  # k distinct ids, sorted
         np.testing.assert_array_equal(rows, before[ids])
@@ -43,18 +50,34 @@ def test_the_largest_owed_rows_go_out_and_the_rest_is_owed(case):
     np.testing.assert_array_equal(sent_total + topk.residuals()["w"], np.sum(grads, axis=0))
 
 
-def test_restore_owes_the_rows_again():
+def test_a_failed_push_takes_nothing_in_but_what_was_applied():
     topk = TopKRows(0.5)
-    g = np.arange(12, dtype=np.float32).reshape(4, 3)
-    ids, rows = topk.select("w", g)
-    np.testing.assert_array_equal(ids, [2, 3])
-    topk.restore("w", ids, rows)
-    np.testing.assert_array_equal(topk.residuals()["w"], g)
+    first = np.arange(12, dtype=np.float32).reshape(4, 3)
+    _push(topk, "w", first)  # rows 2 and 3 sent; rows 0 and 1 owed
+    owed = topk.residuals()["w"]
+    np.testing.assert_array_equal(owed, [[0, 1, 2], [3, 4, 5], [0, 0, 0], [0, 0, 0]])
+    second = np.full((4, 3), 10, np.float32)
+    with topk.pushing():
+        ids, rows = topk.choose("w", second)
+        np.testing.assert_array_equal(ids, [0, 1])
+        assert np.array_equal(topk._owed["w"], owed)  # choosing changes nothing
+        topk.settle("w", second, ids, applied=np.array([1]))  # only row 1's shard confirmed
+    np.testing.assert_array_equal(topk.residuals()["w"], [[0, 1, 2], [0, 0, 0], [0, 0, 0], [0, 0, 0]])
+
+
+def test_rows_are_ranked_in_blocks_like_all_at_once(monkeypatch):
+    import worker_client.topk as topk_module
+
+    g = np.random.default_rng(3).standard_normal((50, 7)).astype(np.float32)
+    whole = TopKRows(0.2).choose("w", g)
+    monkeypatch.setattr(topk_module, "_BLOCK_BYTES", 3 * 7 * 4)  # 3 rows per block
+    blocks = TopKRows(0.2).choose("w", g)
+    np.testing.assert_array_equal(whole[0], blocks[0])
+    np.testing.assert_array_equal(whole[1], blocks[1])
 
 
 def test_a_1d_gradient_sends_elements_and_keeps_its_shape():
-    topk = TopKRows(0.25)
-    ids, values = topk.select("b", np.array([0.5, -4.0, 1.0, 3.0], np.float32))
+    ids, values = _push(TopKRows(0.25), "b", np.array([0.5, -4.0, 1.0, 3.0], np.float32))
     np.testing.assert_array_equal(ids, [1])
     assert values.shape == (1,) and values[0] == -4.0
 
