@@ -34,3 +34,14 @@ def cluster_factory(tmp_path):
 def cluster2(cluster_factory):
     """A running 2-shard cluster."""
     return cluster_factory(2)
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """``(FakeCuda, module)``: a logging stand-in for CuPy as ``cupy`` (tests/fake_cupy.py; no GPU here)."""
+    from fake_cupy import FakeCuda, fake_cupy_module
+
+    cuda = FakeCuda()
+    module = fake_cupy_module(cuda)
+    monkeypatch.setitem(sys.modules, "cupy", module)
+    return cuda, module

@@ -8,26 +8,15 @@ servers end with the exact values. The last test needs a real GPU.
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
-from fake_cupy import FakeCuda, fake_cupy_module
 
 from worker_client import SGD, PSClient
 from worker_client.gpu import gpu_available
 
 
-@pytest.fixture
-def fake(monkeypatch):
-    cuda = FakeCuda()
-    module = fake_cupy_module(cuda)
-    monkeypatch.setitem(sys.modules, "cupy", module)
-    return cuda, module
-
-
-def test_gpu_gradients_go_out_in_one_batch_and_pulls_come_back_on_the_device(cluster_factory, fake):
-    cuda, cupy = fake
+def test_gpu_gradients_go_out_in_one_batch_and_pulls_come_back_on_the_device(cluster_factory, fake_cupy):
+    cuda, cupy = fake_cupy
     cluster = cluster_factory(2)
     with PSClient(cluster.addresses, worker_id="gpu") as client:
         shapes = {"w": (64, 33), "b": (33,), "h": (5, 7)}
@@ -51,8 +40,8 @@ def test_gpu_gradients_go_out_in_one_batch_and_pulls_come_back_on_the_device(clu
             np.testing.assert_array_equal(pulled[name], np.full(shape, -2 * (i + 1.5), np.float32))
 
 
-def test_a_gpu_gradient_of_the_wrong_shape_changes_nothing(cluster_factory, fake):
-    _, cupy = fake
+def test_a_gpu_gradient_of_the_wrong_shape_changes_nothing(cluster_factory, fake_cupy):
+    _, cupy = fake_cupy
     cluster = cluster_factory(1)
     with PSClient(cluster.addresses) as client:
         client.create_variable("w", shape=(4, 4), initializer=np.ones((4, 4), np.float32),

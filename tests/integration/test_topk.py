@@ -49,7 +49,7 @@ def test_a_push_that_fails_on_one_shard_takes_in_only_the_rows_the_other_applied
         client.push({"w": _grad(1, (8, 3))})
         applied_before = client.pull(["w"])["w"]
         owed_before = client.gradient_residuals()["w"]
-        # Distinct row sizes, the largest half spread over both shards: rows 0, 2 (shard 0) and 4, 6 (shard 1).
+        # Distinct row sizes; the largest half is rows 0, 2 (shard 0) and 4, 6 (shard 1).
         g2 = _grad(2, (8, 3)) + np.array([8, 1, 7, 2, 6, 3, 5, 4], np.float32)[:, None] * 100
         candidate = owed_before + g2
         chosen = np.sort(np.argsort(-np.einsum("ij,ij->i", candidate, candidate))[:4])

@@ -7,25 +7,14 @@ and check the race itself.
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
-from fake_cupy import FakeCuda, fake_cupy_module
 
 from worker_client.gpu import GpuTransfers, gpu_available
 
 
-@pytest.fixture
-def fake(monkeypatch):
-    cuda = FakeCuda()
-    module = fake_cupy_module(cuda)
-    monkeypatch.setitem(sys.modules, "cupy", module)
-    return cuda, module
-
-
-def test_a_download_waits_for_the_callers_stream_then_syncs_once(fake):
-    cuda, cupy = fake
+def test_a_download_waits_for_the_callers_stream_then_syncs_once(fake_cupy):
+    cuda, cupy = fake_cupy
     transfers = GpuTransfers()
     grads = {"a": cupy.array_on(np.arange(6, dtype=np.float32)),
              "b": cupy.array_on(np.ones((2, 3), np.float64))}
@@ -42,8 +31,8 @@ def test_a_download_waits_for_the_callers_stream_then_syncs_once(fake):
     assert np.shares_memory(again["a"], host["a"])
 
 
-def test_an_upload_waits_for_the_callers_stream_then_syncs_once(fake):
-    cuda, _ = fake
+def test_an_upload_waits_for_the_callers_stream_then_syncs_once(fake_cupy):
+    cuda, _ = fake_cupy
     transfers = GpuTransfers()
     host = {"w": np.full((3, 4), 2.5, np.float32), "b": np.arange(4, dtype=np.float32)}
     cuda.log.clear()
@@ -58,8 +47,8 @@ def test_an_upload_waits_for_the_callers_stream_then_syncs_once(fake):
     assert ("sync", "ours:0") not in cuda.log
 
 
-def test_no_wait_is_queued_when_the_caller_already_runs_on_our_stream(fake):
-    cuda, cupy = fake
+def test_no_wait_is_queued_when_the_caller_already_runs_on_our_stream(fake_cupy):
+    cuda, cupy = fake_cupy
     transfers = GpuTransfers()
     with transfers.stream(0):
         cuda.log.clear()
@@ -67,8 +56,8 @@ def test_no_wait_is_queued_when_the_caller_already_runs_on_our_stream(fake):
     assert [entry[0] for entry in cuda.log] == ["d2h", "sync"]
 
 
-def test_arrays_on_two_devices_are_all_queued_before_either_is_waited_for(fake):
-    cuda, cupy = fake
+def test_arrays_on_two_devices_are_all_queued_before_either_is_waited_for(fake_cupy):
+    cuda, cupy = fake_cupy
     transfers = GpuTransfers()
     grads = {"x": cupy.array_on(np.ones(4, np.float32), 0), "y": cupy.array_on(np.full(4, 3, np.float32), 1)}
     cuda.log.clear()
