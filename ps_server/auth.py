@@ -1,9 +1,15 @@
 """Bearer-token authentication for every RPC except health checks.
 
 The token lives in a file (``--auth-token-file``; on Kubernetes a mounted
-Secret). It is re-read when the file changes, so rotating the Secret takes
-effect without a restart once the kubelet has updated the mount. Tokens are
-compared in constant time (``hmac.compare_digest``).
+Secret). It is re-read when the file changes (looked at every
+``_RECHECK_SECONDS``), so rotating the Secret takes effect without a restart
+once the kubelet has updated the mount. Tokens are compared in constant time
+(``hmac.compare_digest``).
+
+A call is checked when it opens, and a call that streams requests (Push,
+Exchange) again before each request message is handed on: a worker's
+Exchange stream lives for minutes, and a rotated token must cut it off
+before its next push is applied, not when it next reconnects.
 """
 
 from __future__ import annotations
@@ -13,10 +19,11 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 
-from wehub_ps.errors import REASON_METADATA_KEY
+from wehub_ps.errors import REASON_METADATA_KEY, Reason
 from wehub_ps.logs import event
 
 __all__ = ["TokenFile", "AuthInterceptor"]
@@ -75,12 +82,17 @@ def _presented_token(metadata) -> bytes:
     return b""
 
 
+def _refuse(context: grpc.ServicerContext, message: str) -> None:
+    """End the call with UNAUTHENTICATED (raises)."""
+    context.set_trailing_metadata(((REASON_METADATA_KEY, Reason.UNAUTHENTICATED.value),))
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+
 def _denying(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same shape as ``handler`` that fails with UNAUTHENTICATED."""
 
     def deny(request_or_iterator, context):
-        context.set_trailing_metadata(((REASON_METADATA_KEY, "UNAUTHENTICATED"),))
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        _refuse(context, message)
 
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(deny)
@@ -91,8 +103,39 @@ def _denying(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
     return grpc.unary_unary_rpc_method_handler(deny)
 
 
+_STALE = ("the bearer token of this stream is no longer valid: --auth-token-file of this ps-server was "
+          "rotated; reconnect with the new token")
+
+
+def _revalidating(handler: grpc.RpcMethodHandler, tokens: TokenFile, presented: bytes) -> grpc.RpcMethodHandler:
+    """``handler`` (request-streaming) with the token checked again before each request message.
+
+    The refusal happens while the service asks for its next message, so that
+    message never reaches it: nothing of it is applied.
+    """
+
+    def checked(requests: Iterator, context: grpc.ServicerContext) -> Iterator:
+        for request in requests:
+            if not tokens.matches(presented):
+                _refuse(context, _STALE)
+            yield request
+
+    if handler.response_streaming:
+        inner = handler.stream_stream
+        return grpc.stream_stream_rpc_method_handler(
+            lambda requests, context: inner(checked(requests, context), context),
+            request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    inner_unary = handler.stream_unary
+    return grpc.stream_unary_rpc_method_handler(
+        lambda requests, context: inner_unary(checked(requests, context), context),
+        request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+
 class AuthInterceptor(grpc.ServerInterceptor):
-    """Refuses every call without the right ``authorization: Bearer <token>``, health excepted."""
+    """Refuses every call without the right ``authorization: Bearer <token>``, health excepted.
+
+    Request-streaming calls are checked again before each message (see the module docstring).
+    """
 
     def __init__(self, tokens: TokenFile) -> None:
         self._tokens = tokens
@@ -107,4 +150,6 @@ class AuthInterceptor(grpc.ServerInterceptor):
                                      "PS_AUTH_TOKEN_FILE to the client")
         if not self._tokens.matches(presented):
             return _denying(handler, "the bearer token is not valid for this ps-server")
+        if handler.request_streaming:
+            return _revalidating(handler, self._tokens, presented)
         return handler

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
@@ -24,6 +25,30 @@ _LOG_LEVELS = ("debug", "info", "warning", "error")
 
 class ConfigError(ValueError):
     """Settings that cannot work together; the message names the flag."""
+
+
+def _check_tls_files(cert: str, key: str, client_ca: str | None) -> None:
+    """Load the PEM files as a TLS server does, so a bad one stops the start naming its flag.
+
+    gRPC reports each of these as "Failed to bind to address".
+    """
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    for flag, path in (("--tls-cert", cert), ("--tls-client-ca", client_ca)):
+        if path:
+            try:
+                context.load_verify_locations(cafile=path)
+            except (ssl.SSLError, OSError) as exc:
+                raise ConfigError(f"{flag} {path!r} holds no PEM certificate ({exc})") from None
+    try:
+        # An encrypted key gets an empty password instead of a prompt on the terminal.
+        context.load_cert_chain(cert, key, password=lambda: b"")
+    except (ssl.SSLError, OSError) as exc:
+        if getattr(exc, "reason", None) == "KEY_VALUES_MISMATCH":  # OpenSSL's code for this check
+            raise ConfigError(f"--tls-key {key!r} is not the private key of the certificate in --tls-cert "
+                              f"{cert!r}: the two do not match; give the key the certificate was issued "
+                              "for") from None
+        raise ConfigError(f"--tls-key {key!r} cannot be loaded as the unencrypted PEM private key of "
+                          f"--tls-cert {cert!r} ({exc})") from None
 
 
 def default_memory_limit() -> int:
@@ -126,6 +151,8 @@ class ServerConfig:
                             ("--tls-client-ca", self.tls_client_ca), ("--auth-token-file", self.auth_token_file)):
             if value and not os.path.isfile(value):
                 raise ConfigError(f"{flag} {value!r} is not a readable file")
+        if self.tls_cert and self.tls_key:
+            _check_tls_files(self.tls_cert, self.tls_key, self.tls_client_ca)
         for flag, value in (("--health-port", self.health_port), ("--metrics-port", self.metrics_port)):
             if not 0 <= value < 65536:
                 raise ConfigError(f"{flag} must be in [0, 65535] (0 = off), got {value}")
@@ -169,8 +196,9 @@ _HELP = {
     "expected_workers": "ssp/sync: hold the first steps until this many workers have registered",
     "tls_cert": "PEM certificate chain: serve gRPC (and metrics) over TLS",
     "tls_key": "PEM private key of --tls-cert",
-    "tls_client_ca": "PEM CA bundle: require client certificates signed by it (mutual TLS)",
-    "auth_token_file": "file holding the bearer token every RPC but health must present (re-read on change)",
+    "tls_client_ca": "PEM CA bundle: require client certificates signed by it (mutual TLS), also for metrics",
+    "auth_token_file": "file holding the bearer token every RPC but health, and every metrics scrape, must "
+                       "present (re-read on change)",
     "health_port": "also serve the gRPC health service alone, plaintext, on this port (for kubelet probes); 0 = off",
     "metrics_port": "serve Prometheus metrics on this port; 0 = off",
     "max_variables": "variables this shard holds at most; more is RESOURCE_EXHAUSTED",

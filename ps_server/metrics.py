@@ -8,11 +8,15 @@ several servers in one process. Label cardinality is bounded: variables by
 from __future__ import annotations
 
 import bisect
+import socket
+import ssl
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
@@ -50,11 +54,34 @@ class Metrics:
         self.checkpoint_seconds.observe(seconds)
         self._last_checkpoint = time.time()
 
-    def serve(self, port: int, host: str, certfile: str | None, keyfile: str | None) -> int:
-        """Serve /metrics (over TLS when a certificate is given); returns the bound port."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry, certfile=certfile,
-                                      keyfile=keyfile)
-        return server.server_port
+    def serve(self, port: int, host: str, certfile: str | None, keyfile: str | None,
+              client_ca: str | None = None, token_matches: Callable[[bytes], bool] | None = None) -> int:
+        """Serve /metrics on a daemon thread; returns the bound port.
+
+        The metrics port guards what the gRPC port guards: over TLS when a
+        certificate is given; with ``client_ca`` (--tls-client-ca) only a
+        client presenting a certificate issued by it completes the
+        handshake; with ``token_matches`` (--auth-token-file) a request
+        without ``Authorization: Bearer <token>`` gets 401 (Prometheus sends
+        one from ``authorization.credentials_file``).
+        """
+        app = make_wsgi_app(self.registry)
+        if token_matches is not None:
+            app = _bearer_protected(app, token_matches)
+        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0]
+        server_class = type("MetricsServer", (_MetricsServer,), {"address_family": family})
+        httpd = make_server(host, port, app, server_class=server_class, handler_class=_QuietHandler)
+        if certfile and keyfile:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(certfile, keyfile)
+            if client_ca:
+                context.load_verify_locations(cafile=client_ca)
+                context.verify_mode = ssl.CERT_REQUIRED
+            # The handshake runs on the request's own thread (first read), so a
+            # client that stalls in it holds that thread only, not the accept loop.
+            httpd.socket = context.wrap_socket(httpd.socket, server_side=True, do_handshake_on_connect=False)
+        threading.Thread(target=httpd.serve_forever, name="ps-metrics", daemon=True).start()
+        return httpd.server_port
 
 
 class VariableOutcomeCounter:
@@ -133,3 +160,40 @@ class CountHistogram:
             cumulative += count
             buckets.append((bound, cumulative))
         yield HistogramMetricFamily(self._name, self._documentation, buckets=buckets, sum_value=total)
+
+
+def _bearer_protected(app: Callable, token_matches: Callable[[bytes], bool]) -> Callable:
+    """``app`` behind a bearer token check (401 without the right one)."""
+
+    def protected(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        raw = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1")
+        presented = raw[7:].strip() if raw[:7].lower() == b"bearer " else b""
+        if not presented or not token_matches(presented):
+            start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
+                                                ("WWW-Authenticate", 'Bearer realm="wehub-ps metrics"')])
+            return [b"this ps-server's metrics need the bearer token of --auth-token-file\n"]
+        return app(environ, start_response)
+
+    return protected
+
+
+class _MetricsServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection (named), for /metrics."""
+
+    daemon_threads = True
+
+    def process_request(self, request, client_address) -> None:
+        threading.Thread(target=self.process_request_thread, args=(request, client_address),
+                         name="ps-metrics-request", daemon=True).start()
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # a client that fails the TLS handshake or hangs up: nothing to do, nothing to log
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log on stderr; a bound on how long one connection may stall."""
+
+    timeout = 30
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass

@@ -96,8 +96,10 @@ class PSServer:
         self._executor = futures.ThreadPoolExecutor(
             max_workers=config.max_concurrent_rpcs, thread_name_prefix=f"ps{config.shard_index}-rpc")
         interceptors = []
-        if config.auth_token_file:
-            interceptors.append(AuthInterceptor(TokenFile(config.auth_token_file)))
+        #: The bearer token (--auth-token-file) that gRPC calls and metrics scrapes must present.
+        self.tokens = TokenFile(config.auth_token_file) if config.auth_token_file else None
+        if self.tokens is not None:
+            interceptors.append(AuthInterceptor(self.tokens))
         self.grpc_server = grpc.server(self._executor, options=options, interceptors=interceptors,
                                        maximum_concurrent_rpcs=config.max_concurrent_rpcs)
         self.grpc_server.add_generic_rpc_handlers((self.service.generic_handler(),))
@@ -138,8 +140,10 @@ class PSServer:
         if self.health_server is not None:
             self.health_server.start()
         if self.config.metrics_port:
-            self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.host,
-                                                   self.config.tls_cert, self.config.tls_key)
+            self.metrics_port = self.metrics.serve(
+                self.config.metrics_port, self.config.host, self.config.tls_cert, self.config.tls_key,
+                client_ca=self.config.tls_client_ca,
+                token_matches=self.tokens.matches if self.tokens is not None else None)
 
     def restore(self) -> None:
         """Load the newest intact checkpoint, if any (CheckpointError if unusable)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 START_TIMEOUT = 60.0
+
+
+def free_port() -> int:
+    """A loopback port free right now, for flags that need a number (--metrics-port, --health-port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:

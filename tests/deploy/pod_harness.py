@@ -918,10 +918,13 @@ def probe_problems(proc: Proc) -> list[str]:
     return problems
 
 
-def scrape(proc: Proc, ca_file: str, server_name: str, timeout: float = 5.0) -> dict[str, float]:
+def scrape(proc: Proc, ca_file: str, server_name: str, timeout: float = 5.0, *, client_cert: str | None = None,
+           client_key: str | None = None, token_file: str | None = None) -> dict[str, float]:
     """Scrape the pod as Prometheus would from its ``prometheus.io/*`` annotations
     (pod IP, annotated port, annotated scheme; TLS verified with ``ca_file`` under
-    ``server_name``). Returns {sample name with labels: value}."""
+    ``server_name``), presenting ``client_cert``/``client_key`` and the bearer token
+    in ``token_file`` as a scrape config's ``tls_config.cert_file``/``key_file`` and
+    ``authorization.credentials_file`` do. Returns {sample name with labels: value}."""
     import socket
     import ssl
 
@@ -941,8 +944,14 @@ def scrape(proc: Proc, ca_file: str, server_name: str, timeout: float = 5.0) -> 
             if scheme == "https":
                 # Verified under server_name, as a scrape config's tls_config.server_name does.
                 context = ssl.create_default_context(cafile=ca_file)
+                if client_cert and client_key:
+                    context.load_cert_chain(client_cert, client_key)
                 sock = context.wrap_socket(raw, server_hostname=server_name)
-            sock.sendall(f"GET {path} HTTP/1.0\r\nHost: {host}:{real_port}\r\n\r\n".encode())
+            authorization = ""
+            if token_file:
+                with open(token_file) as f:
+                    authorization = f"Authorization: Bearer {f.read().strip()}\r\n"
+            sock.sendall(f"GET {path} HTTP/1.0\r\nHost: {host}:{real_port}\r\n{authorization}\r\n".encode())
             chunks = []
             while True:
                 data = sock.recv(65536)

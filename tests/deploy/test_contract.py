@@ -173,10 +173,13 @@ def evaluate(worker: ph.Pod, addresses: list[str]) -> float:
 
 def metrics_problems(servers: list[ph.Proc], worker: ph.Pod) -> list[str]:
     """Each server, scraped as its Prometheus annotations say (verified with the CA under the
-    workers' PS_SERVER_NAME), counts the pushes it applied."""
+    workers' PS_SERVER_NAME; with a client certificate of that CA and the token, which a
+    server with --tls-client-ca and --auth-token-file requires), counts the pushes it applied."""
     problems = []
+    env = worker.env
     for proc in servers:
-        samples = ph.scrape(proc, worker.env["PS_TLS_CA"], worker.env["PS_SERVER_NAME"])
+        samples = ph.scrape(proc, env["PS_TLS_CA"], env["PS_SERVER_NAME"], client_cert=env.get("PS_TLS_CERT"),
+                            client_key=env.get("PS_TLS_KEY"), token_file=env.get("PS_AUTH_TOKEN_FILE"))
         pushes = sum(v for k, v in samples.items()
                      if k.startswith("wehub_ps_pushes_total{") and 'outcome="ok"' in k)
         if pushes <= 0:

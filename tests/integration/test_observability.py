@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -12,21 +11,15 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from ps_testing import ROOT, child_env
+from ps_testing import ROOT, child_env, free_port
 
 from ps_server import ServerConfig, create_server
 from worker_client import SGD, FailedPreconditionError, PSClient
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def server(tmp_path):
-    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=_free_port(), health_port=_free_port(),
+    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=free_port(), health_port=free_port(),
                           checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=0)
     srv = create_server(config)
     srv.start()
