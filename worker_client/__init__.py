@@ -30,9 +30,11 @@ from worker_client.errors import (
     NotInitializedError,
     PSError,
     PSInternalError,
+    PSTLSError,
     PSUnavailableError,
     ResourceExhaustedError,
     ShapeMismatchError,
+    TLSProblem,
     VariableConflictError,
     VariableNotFoundError,
 )
@@ -47,5 +49,5 @@ __all__ = [
     "PSError", "InvalidArgumentError", "ShapeMismatchError", "DTypeMismatchError",
     "VariableNotFoundError", "VariableConflictError", "FailedPreconditionError",
     "ClusterMismatchError", "NotInitializedError", "ResourceExhaustedError",
-    "PSUnavailableError", "PSInternalError", "SpecError", "AuthenticationError",
+    "PSUnavailableError", "PSInternalError", "SpecError", "AuthenticationError", "PSTLSError", "TLSProblem",
 ]

@@ -63,8 +63,9 @@ from wehub_ps.specs import (
 )
 from wehub_ps.v1 import ps_pb2
 from worker_client.arrays import is_gpu_array, parse_device, to_device, to_host
-from worker_client.credentials import channel_credentials, read_token
+from worker_client.credentials import BearerToken, tls_material
 from worker_client.errors import (
+    AuthenticationError,
     ClusterMismatchError,
     DTypeMismatchError,
     InvalidArgumentError,
@@ -75,6 +76,7 @@ from worker_client.errors import (
 )
 from worker_client.fanout import ShardCall, run_shard_calls
 from worker_client.gpu import GpuTransfers
+from worker_client.handshake import diagnose
 from worker_client.pulls import PullItem, PullReceiver, pull_request
 from worker_client.retry import RetryPolicy, call_with_retry
 from worker_client.step import Step
@@ -87,6 +89,8 @@ log = logging.getLogger("worker_client")
 
 _WIRE_DTYPES = (np.dtype("float16"), BFLOAT16)
 _INITIALIZER_TYPES = (Zeros, Constant, Uniform, Normal, GlorotUniform)
+# At most this long to name a TLS mismatch after a failed connect attempt (two handshakes).
+_TLS_CHECK_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -260,6 +264,18 @@ class PSClient:
     Connecting checks that server ``i`` of ``addresses`` really is shard
     ``i`` of ``len(addresses)``, and raises :class:`ClusterMismatchError`
     otherwise, so a mis-ordered address list can never mis-route data.
+    When a connect attempt fails, the client checks the TLS handshake
+    itself (worker_client.handshake) and raises :class:`PSTLSError`, naming
+    the mismatch, instead of retrying a set-up that cannot work.
+
+    Tokens: a token given as ``auth_token`` is used as is. One read from
+    ``auth_token_file`` is read again whenever a server refuses it; calls
+    and streams opened afterwards carry what the file holds then. After
+    connecting, a refused token from a file is retried like an unavailable
+    server (up to ``retry_timeout``), re-reading the file each time, so a
+    worker outlives a rotation whichever of its mount and the servers'
+    is updated first. When connecting, a refusal is retried only if the
+    file changed: a wrong token fails at once with AuthenticationError.
 
     Delivery: :meth:`push` returns once every shard involved has applied the
     gradient; each push carries (worker_id, incarnation, sequence) so the
@@ -338,9 +354,11 @@ class PSClient:
         self._control_timeout = control_timeout
         self._data_timeout = data_timeout
         self._retry = RetryPolicy(timeout=retry_timeout)
-        credentials = channel_credentials(tls_ca, tls_cert, tls_key)
-        token = read_token(auth_token, auth_token_file)
-        self._shards = [ShardChannel(i, a, credentials=credentials, server_name=server_name, token=token)
+        self._tls = tls_material(tls_ca, tls_cert, tls_key)
+        self._server_name = server_name
+        self._token = BearerToken(auth_token, auth_token_file)
+        credentials = self._tls.channel_credentials() if self._tls is not None else None
+        self._shards = [ShardChannel(i, a, credentials=credentials, server_name=server_name, token=self._token)
                         for i, a in enumerate(self.addresses)]
         self._executor = futures.ThreadPoolExecutor(
             max_workers=max(2, 2 * len(self._shards)), thread_name_prefix=f"ps-client-{worker_id}")
@@ -418,7 +436,8 @@ class PSClient:
         """Check the cluster's identity; returns the shortest worker lease of the servers."""
         connect_policy = RetryPolicy(timeout=timeout, warn_after=min(10.0, timeout / 2))
         infos = self._on_shards(range(len(self._shards)), lambda s: call_with_retry(
-            lambda: self._describe_once(s, self._control_timeout), connect_policy, "connect", s.address))
+            lambda: self._connect_once(s, timeout), connect_policy, "connect", s.address,
+            also_retry=lambda error: isinstance(error, AuthenticationError) and self._token.reread()))
         wrong = [f"{info.address} says it is shard {info.shard_index} of {info.num_shards}"
                  for i, info in infos.items()
                  if (info.shard_index, info.num_shards) != (i, len(self._shards))]
@@ -437,6 +456,16 @@ class PSClient:
         self.consistency = modes.pop()
         leases = [info.worker_lease_seconds for info in infos.values() if info.worker_lease_seconds > 0]
         return min(leases) if leases else 30.0
+
+    def _connect_once(self, shard: ShardChannel, timeout: float) -> ShardInfo:
+        """One Describe; when it fails as unavailable, PSTLSError if the TLS set-up is the cause."""
+        try:
+            return self._describe_once(shard, self._control_timeout)
+        except PSUnavailableError as error:
+            mismatch = diagnose(shard.address, self._tls, self._server_name, min(_TLS_CHECK_SECONDS, timeout))
+            if mismatch is not None:
+                raise mismatch from error
+            raise
 
     def _describe_shard(self, shard: ShardChannel) -> ShardInfo:
         return self._call(shard, "describe", lambda: self._describe_once(shard, self._control_timeout))
@@ -1015,7 +1044,15 @@ class PSClient:
         def counted() -> None:
             with self._lock:
                 self._stats["retries"] += 1
-        return call_with_retry(call, self._retry, what, shard.address, on_retry=counted)
+        return call_with_retry(call, self._retry, what, shard.address, on_retry=counted,
+                               also_retry=self._token_may_be_rotated)
+
+    def _token_may_be_rotated(self, error: PSError) -> bool:
+        """A refused token from a file: re-read the file and retry (see the class docstring)."""
+        if not isinstance(error, AuthenticationError) or not self._token.from_file:
+            return False
+        self._token.reread()
+        return True
 
     def _take_ticket(self) -> int:
         with self._lock:
@@ -1085,6 +1122,8 @@ class PSClient:
             try:
                 return ps_pb2.HeartbeatResponse.FromString(shard.heartbeat(request, timeout)).cluster_step
             except PSError as error:  # the next beat, or a retried RPC, will tell more
+                if isinstance(error, AuthenticationError):
+                    self._token.reread()  # a rotated token file: the next beat carries the new token
                 log.debug("heartbeat failed", extra={"fields": {"address": shard.address, "error": str(error)}})
                 return 0
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import ssl
+import tempfile
+import threading
+from dataclasses import dataclass
+
 import grpc
 
-__all__ = ["channel_credentials", "read_token"]
+__all__ = ["BearerToken", "TlsMaterial", "tls_material"]
 
 
 def _pem(value: str | bytes | None, argument: str) -> bytes | None:
@@ -18,24 +24,115 @@ def _pem(value: str | bytes | None, argument: str) -> bytes | None:
         raise ValueError(f"{argument}: cannot read {value!r}: {exc}") from None
 
 
-def channel_credentials(ca, cert, key) -> grpc.ChannelCredentials | None:
+@dataclass(frozen=True)
+class TlsMaterial:
+    """The client's TLS settings as PEM bytes, read once when the client is built.
+
+    ``ca`` None: the system's roots verify the server. ``cert`` and ``key``
+    (together or neither): the client certificate for mutual TLS.
+    ``context``: the same settings for Python's ssl module (checking the
+    handshake, worker_client.handshake), verifying as gRPC does.
+    """
+
+    ca: bytes | None
+    cert: bytes | None
+    key: bytes | None
+    context: ssl.SSLContext
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+
+def tls_material(ca, cert, key) -> TlsMaterial | None:
+    """TLS settings from bytes or file paths; None for a plaintext client.
+
+    ValueError naming the argument when a file is unreadable, holds no PEM
+    certificate or key, or the key is not the certificate's.
+    """
     if ca is None and cert is None and key is None:
         return None
     if (cert is None) != (key is None):
         raise ValueError("tls_cert and tls_key go together (a client certificate for mutual TLS)")
-    return grpc.ssl_channel_credentials(root_certificates=_pem(ca, "tls_ca"), private_key=_pem(key, "tls_key"),
-                                        certificate_chain=_pem(cert, "tls_cert"))
+    ca_pem, cert_pem, key_pem = _pem(ca, "tls_ca"), _pem(cert, "tls_cert"), _pem(key, "tls_key")
+    return TlsMaterial(ca_pem, cert_pem, key_pem, _ssl_context(ca_pem, cert_pem, key_pem))
 
 
-def read_token(token: str | None, path: str | None) -> str | None:
-    if token is not None and path is not None:
-        raise ValueError("give auth_token or auth_token_file, not both")
-    if path is not None:
+def _ssl_context(ca: bytes | None, cert: bytes | None, key: bytes | None) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the chain and the name, as gRPC does
+    if ca is not None:
         try:
-            with open(path) as f:
+            context.load_verify_locations(cadata=ca.decode("ascii"))
+        except (ssl.SSLError, UnicodeDecodeError) as exc:
+            raise ValueError(f"tls_ca holds no PEM certificate ({exc})") from None
+    else:
+        context.load_default_certs(ssl.Purpose.SERVER_AUTH)
+    if cert is not None and key is not None:
+        # ssl loads a certificate chain from files only: a private directory, gone right after.
+        with tempfile.TemporaryDirectory(prefix="ps-client-tls-") as directory:
+            paths = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+            for path, data in zip(paths, (cert, key)):
+                with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                    f.write(data)
+            try:
+                context.load_cert_chain(*paths, password=lambda: b"")  # never a terminal prompt
+            except ssl.SSLError as exc:
+                raise ValueError(f"tls_cert and tls_key: not a PEM certificate and the unencrypted private "
+                                 f"key it was issued for ({exc})") from None
+    context.set_alpn_protocols(["h2"])
+    return context
+
+
+class BearerToken:
+    """The bearer token every call presents: given, or read from a file.
+
+    A token from a file is read when the client is built and again by
+    :meth:`reread`, which the client calls when a server refuses the token
+    (a rotated ``--auth-token-file``): calls and streams opened afterwards
+    present what the file holds then. Thread-safe.
+    """
+
+    def __init__(self, token: str | None, path: str | None) -> None:
+        if token is not None and path is not None:
+            raise ValueError("give auth_token or auth_token_file, not both")
+        self.path = path
+        # Guards _token.
+        self._lock = threading.Lock()
+        self._token = self._read() if path is not None else token
+
+    def _read(self) -> str:
+        assert self.path is not None
+        try:
+            with open(self.path) as f:
                 token = f.read().strip()
         except OSError as exc:
-            raise ValueError(f"auth_token_file: cannot read {path!r}: {exc}") from None
+            raise ValueError(f"auth_token_file: cannot read {self.path!r}: {exc}") from None
         if not token:
-            raise ValueError(f"auth_token_file {path!r} is empty")
-    return token
+            raise ValueError(f"auth_token_file {self.path!r} is empty")
+        return token
+
+    @property
+    def from_file(self) -> bool:
+        return self.path is not None
+
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        """The call metadata carrying the current token (None without a token)."""
+        with self._lock:
+            token = self._token
+        return (("authorization", f"Bearer {token}"),) if token else None
+
+    def reread(self) -> bool:
+        """Read the file again; True when it now holds a different token.
+
+        False for a token given directly, and when the file is unreadable or
+        empty (mid-rewrite): the last token read is kept.
+        """
+        if self.path is None:
+            return False
+        try:
+            token = self._read()
+        except ValueError:
+            return False
+        with self._lock:
+            changed, self._token = token != self._token, token
+        return changed

@@ -8,6 +8,8 @@ escapes to training code.
 
 from __future__ import annotations
 
+import enum
+
 import grpc
 
 from wehub_ps.errors import REASON_METADATA_KEY, Reason
@@ -25,6 +27,8 @@ __all__ = [
     "ResourceExhaustedError",
     "PSUnavailableError",
     "AuthenticationError",
+    "PSTLSError",
+    "TLSProblem",
     "PSInternalError",
     "translate_rpc_error",
     "error_for",
@@ -88,6 +92,32 @@ class PSUnavailableError(PSError):
 
 class AuthenticationError(PSError):
     """The server wants a bearer token, or a different one (UNAUTHENTICATED)."""
+
+
+class TLSProblem(str, enum.Enum):
+    """What a TLS handshake check found wrong between the client's settings and a ps-server."""
+
+    SERVER_USES_TLS = "SERVER_USES_TLS"  # a plaintext client, a server with --tls-cert
+    SERVER_PLAINTEXT = "SERVER_PLAINTEXT"  # a TLS client, a server without --tls-cert
+    SERVER_CERTIFICATE_UNTRUSTED = "SERVER_CERTIFICATE_UNTRUSTED"  # not signed by tls_ca, expired, ...
+    SERVER_NAME_MISMATCH = "SERVER_NAME_MISMATCH"  # the certificate is not for the address / server_name
+    CLIENT_CERTIFICATE_REQUIRED = "CLIENT_CERTIFICATE_REQUIRED"  # mutual TLS, no tls_cert given
+    CLIENT_CERTIFICATE_REFUSED = "CLIENT_CERTIFICATE_REFUSED"  # mutual TLS, tls_cert not from its client CA
+    HANDSHAKE_REFUSED = "HANDSHAKE_REFUSED"  # the server answered the handshake with a TLS alert
+
+
+class PSTLSError(PSError):
+    """The client's TLS settings and a ps-server's do not fit; retrying cannot help.
+
+    ``problem`` (a :class:`TLSProblem`, also in ``reason``) says which side
+    to fix; the message says how. Raised when connecting, in place of the
+    unavailability a failed handshake looks like to gRPC.
+    """
+
+    def __init__(self, message: str, *, address: str | None = None, reason: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message, address=address, reason=reason, code=code)
+        self.problem = TLSProblem(reason)
 
 
 class PSInternalError(PSError):

@@ -7,7 +7,9 @@ DEADLINE_EXCEEDED (a server restarting, a connection cut) the client backs
 off exponentially with full jitter and tries again, up to ``timeout``
 seconds in total: a restarting ps-server makes workers wait, not crash.
 Waiting is never silent: past ``warn_after`` seconds each retry logs which
-server it waits for and why, at most every ``warn_every`` seconds.
+server it waits for and why, at most every ``warn_every`` seconds. A caller
+may name other errors worth waiting out the same way (``also_retry``: the
+client's refused bearer token while its token file may still be rotated).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from worker_client.errors import PSUnavailableError
+from worker_client.errors import PSError, PSUnavailableError
 
 __all__ = ["RetryPolicy", "call_with_retry"]
 
@@ -45,8 +47,13 @@ class RetryPolicy:
 
 def call_with_retry(call: Callable[[], T], policy: RetryPolicy, what: str, address: str,
                     on_retry: Callable[[], None] | None = None,
-                    sleep: Callable[[float], None] = time.sleep) -> T:
-    """``call()``, retried on PSUnavailableError until ``policy.timeout`` has passed."""
+                    sleep: Callable[[float], None] = time.sleep,
+                    also_retry: Callable[[PSError], bool] | None = None) -> T:
+    """``call()``, retried on PSUnavailableError until ``policy.timeout`` has passed.
+
+    ``also_retry(error)`` True: retry that error too (same backoff and
+    timeout); when time runs out it is raised as its own type.
+    """
     started = time.monotonic()
     backoff = policy.initial_backoff
     attempts = 0
@@ -55,10 +62,12 @@ def call_with_retry(call: Callable[[], T], policy: RetryPolicy, what: str, addre
         attempts += 1
         try:
             return call()
-        except PSUnavailableError as error:
+        except PSError as error:
+            if not isinstance(error, PSUnavailableError) and not (also_retry is not None and also_retry(error)):
+                raise
             waited = time.monotonic() - started
             if waited >= policy.timeout:
-                raise PSUnavailableError(
+                raise type(error)(
                     f"{error} — gave up after {attempts} attempts over {waited:.1f}s "
                     f"(retry_timeout {policy.timeout:g}s)", address=error.address, reason=error.reason,
                     code=error.code) from error

@@ -14,6 +14,7 @@ from typing import TypeVar
 import grpc
 
 from wehub_ps.rpc import MAX_MESSAGE_BYTES, SERVICE_NAME, method_path
+from worker_client.credentials import BearerToken
 from worker_client.errors import PSError, translate_rpc_error
 from worker_client.lane import ExchangeLane
 
@@ -27,11 +28,11 @@ class ShardChannel:
 
     def __init__(self, index: int, address: str, *, max_message_bytes: int = MAX_MESSAGE_BYTES,
                  credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None,
-                 token: str | None = None) -> None:
+                 token: BearerToken | None = None) -> None:
         self.index = index
         self.address = address
-        # Every call carries the bearer token (when there is one) as metadata.
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        # Every call (and every stream when it opens) carries the token's current value as metadata.
+        self._token = token if token is not None else BearerToken(None, None)
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -62,6 +63,10 @@ class ShardChannel:
         exchange = self._channel.stream_stream(method_path("Exchange"))
         self.lane = ExchangeLane(lambda requests, timeout: exchange(requests, timeout=timeout,
                                                                     metadata=self._metadata), address)
+
+    @property
+    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return self._token.metadata()
 
     def describe(self, request: bytes, timeout: float) -> bytes:
         return self._guard("describe", lambda: self._describe(request, timeout=timeout, metadata=self._metadata))

@@ -8,6 +8,7 @@ import pytest
 
 from wehub_ps.errors import REASON_METADATA_KEY, Reason
 from worker_client.arrays import parse_device, to_device, to_host
+from worker_client.credentials import BearerToken
 from worker_client.errors import (
     AuthenticationError,
     ClusterMismatchError,
@@ -155,3 +156,20 @@ def test_parse_device_refuses(device):
 def test_to_device_on_host_is_identity():
     a = np.ones(3)
     assert to_device(a, None) is a
+
+
+def test_a_token_file_is_read_again_on_request(tmp_path):
+    path = tmp_path / "token"
+    path.write_text("first\n")
+    token = BearerToken(None, str(path))
+    assert token.metadata() == (("authorization", "Bearer first"),)
+    assert token.reread() is False  # unchanged
+    path.write_text("")  # mid-rewrite: the last token read is kept
+    assert token.reread() is False and token.metadata() == (("authorization", "Bearer first"),)
+    path.write_text("second\n")
+    assert token.reread() is True and token.metadata() == (("authorization", "Bearer second"),)
+    fixed = BearerToken("given", None)
+    assert fixed.reread() is False and not fixed.from_file
+    assert BearerToken(None, None).metadata() is None
+    with pytest.raises(ValueError, match="not both"):
+        BearerToken("given", str(path))

@@ -17,7 +17,12 @@ import ps_server.membership as membership_module
 import worker_client.retry as retry_module
 from ps_server.gate import ApplyGate
 from ps_server.membership import Membership
-from worker_client.errors import InvalidArgumentError, PSUnavailableError, VariableNotFoundError
+from worker_client.errors import (
+    AuthenticationError,
+    InvalidArgumentError,
+    PSUnavailableError,
+    VariableNotFoundError,
+)
 from worker_client.retry import RetryPolicy, call_with_retry
 
 WAIT = 5.0  # generous bound for things that must happen
@@ -491,3 +496,25 @@ def test_policy_rejects_negative_values(field):
         RetryPolicy(**{field: -1.0})
     with pytest.raises(ValueError, match=field):
         RetryPolicy(**{field: "1"})
+
+
+def test_also_retry_waits_out_the_errors_it_names_and_gives_up_as_their_type(fake_time, full_backoff):
+    call, calls = _failing(10**6, error=AuthenticationError("token refused", address="ps-0:5000",
+                                                            reason="UNAUTHENTICATED", code="UNAUTHENTICATED"))
+    asked = []
+
+    def also_retry(error):
+        asked.append(error)
+        return isinstance(error, AuthenticationError)
+
+    with pytest.raises(AuthenticationError, match="gave up after") as info:
+        call_with_retry(call, RetryPolicy(timeout=2.0, initial_backoff=0.5, max_backoff=0.5), "push",
+                        "ps-0:5000", sleep=fake_time.sleep, also_retry=also_retry)
+    assert len(calls) == 5 and len(asked) == 5
+    assert (info.value.address, info.value.reason) == ("ps-0:5000", "UNAUTHENTICATED")
+    # Errors it does not name still surface at once.
+    call, calls = _failing(1, error=InvalidArgumentError("bad", address="ps-0:5000"))
+    with pytest.raises(InvalidArgumentError):
+        call_with_retry(call, RetryPolicy(timeout=60.0), "push", "ps-0:5000", sleep=fake_time.sleep,
+                        also_retry=also_retry)
+    assert len(calls) == 1
