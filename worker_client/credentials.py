@@ -96,9 +96,15 @@ class BearerToken:
         if token is not None and path is not None:
             raise ValueError("give auth_token or auth_token_file, not both")
         self.path = path
-        # Guards _token.
+        # Serialises rereads (writes of _token and _metadata); every call reads
+        # _metadata, one attribute read of an immutable tuple, without it.
         self._lock = threading.Lock()
         self._token = self._read() if path is not None else token
+        self._metadata = self._metadata_of(self._token)
+
+    @staticmethod
+    def _metadata_of(token: str | None) -> tuple[tuple[str, str], ...] | None:
+        return (("authorization", f"Bearer {token}"),) if token else None
 
     def _read(self) -> str:
         assert self.path is not None
@@ -117,9 +123,7 @@ class BearerToken:
 
     def metadata(self) -> tuple[tuple[str, str], ...] | None:
         """The call metadata carrying the current token (None without a token)."""
-        with self._lock:
-            token = self._token
-        return (("authorization", f"Bearer {token}"),) if token else None
+        return self._metadata
 
     def reread(self) -> bool:
         """Read the file again; True when it now holds a different token.
@@ -134,5 +138,6 @@ class BearerToken:
         except ValueError:
             return False
         with self._lock:
-            changed, self._token = token != self._token, token
+            changed = token != self._token
+            self._token, self._metadata = token, self._metadata_of(token)
         return changed
