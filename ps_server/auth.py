@@ -107,7 +107,8 @@ _STALE = ("the bearer token of this stream is no longer valid: --auth-token-file
           "rotated; reconnect with the new token")
 
 
-def _revalidating(handler: grpc.RpcMethodHandler, tokens: TokenFile, presented: bytes) -> grpc.RpcMethodHandler:
+def _revalidating(handler: grpc.RpcMethodHandler, tokens: TokenFile,
+                  presented: bytes) -> grpc.RpcMethodHandler:
     """``handler`` (request-streaming) with the token checked again before each request message.
 
     The refusal happens while the service asks for its next message, so that
@@ -124,7 +125,8 @@ def _revalidating(handler: grpc.RpcMethodHandler, tokens: TokenFile, presented: 
         inner = handler.stream_stream
         return grpc.stream_stream_rpc_method_handler(
             lambda requests, context: inner(checked(requests, context), context),
-            request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
     inner_unary = handler.stream_unary
     return grpc.stream_unary_rpc_method_handler(
         lambda requests, context: inner_unary(checked(requests, context), context),

@@ -63,7 +63,8 @@ def call_with_retry(call: Callable[[], T], policy: RetryPolicy, what: str, addre
         try:
             return call()
         except PSError as error:
-            if not isinstance(error, PSUnavailableError) and not (also_retry is not None and also_retry(error)):
+            retryable = isinstance(error, PSUnavailableError) or (also_retry is not None and also_retry(error))
+            if not retryable:
                 raise
             waited = time.monotonic() - started
             if waited >= policy.timeout:

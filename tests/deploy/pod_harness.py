@@ -918,8 +918,9 @@ def probe_problems(proc: Proc) -> list[str]:
     return problems
 
 
-def scrape(proc: Proc, ca_file: str, server_name: str, timeout: float = 5.0, *, client_cert: str | None = None,
-           client_key: str | None = None, token_file: str | None = None) -> dict[str, float]:
+def scrape(proc: Proc, ca_file: str, server_name: str, timeout: float = 5.0, *,
+           client_cert: str | None = None, client_key: str | None = None,
+           token_file: str | None = None) -> dict[str, float]:
     """Scrape the pod as Prometheus would from its ``prometheus.io/*`` annotations
     (pod IP, annotated port, annotated scheme; TLS verified with ``ca_file`` under
     ``server_name``), presenting ``client_cert``/``client_key`` and the bearer token

@@ -89,8 +89,8 @@ def test_tls_server_with_token(cluster_factory, tls, token_file):
     _tls_refusal(address, TLSProblem.SERVER_USES_TLS, auth_token="s3cret-token")
     _tls_refusal(address, TLSProblem.SERVER_CERTIFICATE_UNTRUSTED, tls_ca=str(tls.other_ca.cert),
                  auth_token="s3cret-token")
-    _tls_refusal(address, TLSProblem.SERVER_NAME_MISMATCH, tls_ca=str(tls.ca.cert), server_name="not-ps.example",
-                 auth_token="s3cret-token")
+    _tls_refusal(address, TLSProblem.SERVER_NAME_MISMATCH, tls_ca=str(tls.ca.cert),
+                 server_name="not-ps.example", auth_token="s3cret-token")
     with pytest.raises(AuthenticationError, match="bearer token"):
         PSClient([address], tls_ca=str(tls.ca.cert), **QUICK)
     with pytest.raises(AuthenticationError, match="not valid"):
