@@ -1,9 +1,13 @@
 """Accepting work, and draining it on shutdown.
 
-SIGTERM must never lose a push that has started: the server stops taking
-new requests, lets every push in flight run to its end, and only then stops
-the gRPC server. This object counts pushes in flight and answers "are we
-still accepting"; it knows nothing about gRPC.
+A ps-server is ``starting`` (transport up, checkpoint being restored),
+then ``accepting``, then ``draining`` (after SIGTERM or finish()). While
+starting, every RPC but health is refused: the state they would read or
+change is not there yet. While draining, new work is refused and the pushes
+in flight get until the drain timeout to finish; those still open then are
+cut off by the store's apply gate, sealed with the final checkpoint (see
+:class:`ps_server.gate.ApplyGate`). This object counts pushes in flight and
+answers "are we ready / still accepting"; it knows nothing about gRPC.
 """
 
 from __future__ import annotations
@@ -43,8 +47,18 @@ class Lifecycle:
         with self._cond:
             return self._accepting
 
+    def check_ready(self) -> None:
+        """Raise SHUTTING_DOWN (UNAVAILABLE) while the checkpoint is being restored.
+
+        For calls that only read state (Describe): they are answered while
+        draining, where the state is real, but never before it is restored.
+        """
+        with self._cond:
+            if self._state == "starting":
+                raise _refusal(self._state)
+
     def check_accepting(self) -> None:
-        """Raise SHUTTING_DOWN once draining started."""
+        """Raise SHUTTING_DOWN (UNAVAILABLE) while restoring and once draining started."""
         with self._cond:
             if not self._accepting:
                 raise _refusal(self._state)
@@ -84,6 +98,6 @@ class Lifecycle:
 def _refusal(state: str) -> RequestError:
     if state == "starting":
         return RequestError(Reason.SHUTTING_DOWN,
-                            "this ps-server is starting (restoring its checkpoint); retry shortly")
+                            "this ps-server is restoring its checkpoint and not ready yet; retry shortly")
     return RequestError(Reason.SHUTTING_DOWN,
                         "this ps-server is shutting down; retry against its replacement")

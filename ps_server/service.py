@@ -153,6 +153,7 @@ class ParameterServerService:
     @_unary
     def describe(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         _parse(ps_pb2.DescribeRequest, request)
+        self._lifecycle.check_ready()  # never report a store that is still being restored
         membership = self._membership
         response = ps_pb2.DescribeResponse(
             shard_index=self._store.shard_index, num_shards=self._store.num_shards,
@@ -188,6 +189,10 @@ class ParameterServerService:
         if checkpointer is None:
             raise RequestError(Reason.CHECKPOINTS_DISABLED,
                                "this ps-server has no --checkpoint-dir; start it with one to take checkpoints")
+        # Restoring: a checkpoint now would be of a store not yet restored, the
+        # newest on disk, and would push real ones out. Draining: the final
+        # checkpoint is the server's own.
+        self._lifecycle.check_accepting()
         record = checkpointer.checkpoint("request")
         assert record is not None
         return ps_pb2.CheckpointResponse(checkpoint=_checkpoint_proto(record)).SerializeToString()
@@ -199,6 +204,10 @@ class ParameterServerService:
             raise RequestError(Reason.FINISH_NOT_ALLOWED,
                                "this ps-server is a long-lived service; start it with --allow-finish "
                                "for run-to-completion jobs")
+        if not self._context.finish_requested.is_set():
+            # Restoring, or draining after SIGTERM: the retry reaches the server
+            # that comes next. A repeated finish while finishing is acknowledged.
+            self._lifecycle.check_accepting()
         log.info("finish requested", extra={"fields": {"worker_id": msg.worker_id}})
         self._context.finish_requested.set()
         return ps_pb2.FinishResponse().SerializeToString()
@@ -207,6 +216,8 @@ class ParameterServerService:
     def heartbeat(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         msg = _parse(ps_pb2.HeartbeatRequest, request)
         _check_worker(msg.worker_id, msg.incarnation)
+        # No lease or step clock before the restore or after the drain began.
+        self._lifecycle.check_accepting()
         if msg.leaving:
             self._membership.leave(msg.worker_id, msg.incarnation)
             return ps_pb2.HeartbeatResponse(lease_seconds=self._membership.lease_seconds,
