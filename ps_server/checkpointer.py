@@ -70,11 +70,17 @@ class Checkpointer:
         with self._lock:
             self._last_generation = self._store.generation
 
-    def checkpoint(self, reason: str, only_if_changed: bool = False) -> CheckpointRecord | None:
-        """Snapshot and write; blocks until the checkpoint is durable. None if skipped."""
+    def checkpoint(self, reason: str, only_if_changed: bool = False,
+                   final: bool = False) -> CheckpointRecord | None:
+        """Snapshot and write; blocks until the checkpoint is durable. None if skipped.
+
+        ``final`` (shutdown): the snapshot also seals the store's apply gate,
+        so nothing is applied after the instant this checkpoint holds.
+        RequestError(SHUTTING_DOWN) once the final checkpoint was taken.
+        """
         with self._lock:
             paused = time.perf_counter()
-            with self._store.gate.exclusive():
+            with self._store.gate.exclusive(seal=final):
                 generation = self._store.generation
                 if only_if_changed and generation == self._last_generation:
                     return None

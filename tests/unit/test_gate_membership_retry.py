@@ -15,8 +15,10 @@ import pytest
 
 import ps_server.membership as membership_module
 import worker_client.retry as retry_module
+from ps_server.errors import RequestError
 from ps_server.gate import ApplyGate
 from ps_server.membership import Membership
+from wehub_ps.errors import Reason
 from worker_client.errors import (
     AuthenticationError,
     InvalidArgumentError,
@@ -182,6 +184,54 @@ def test_gate_is_released_when_the_body_raises():
 
     _thread(both)
     assert entered.wait(WAIT)
+
+
+def test_a_sealed_gate_refuses_every_later_entry_once_its_holders_left():
+    gate = ApplyGate()
+    holding, release = threading.Event(), threading.Event()
+    late_outcome = []
+
+    def holder():
+        with gate.shared():
+            holding.set()
+            release.wait(WAIT)
+
+    def late_entrant():
+        try:
+            with gate.shared():
+                late_outcome.append("entered")
+        except RequestError as error:
+            late_outcome.append(error.reason)
+
+    _thread(holder)
+    assert holding.wait(WAIT)
+    sealer = _thread(gate.seal)
+    assert _wait_until(lambda: gate._waiting == 1), "the seal should wait for the holder"
+    late = _thread(late_entrant)  # blocked behind the waiting seal
+    sealer.join(BRIEF)
+    assert sealer.is_alive() and not late_outcome and not gate.sealed
+    release.set()
+    sealer.join(WAIT)
+    late.join(WAIT)
+    assert gate.sealed and late_outcome == [Reason.SHUTTING_DOWN]
+    for entry in (gate.shared, gate.exclusive):
+        with pytest.raises(RequestError) as info:
+            with entry():
+                pass
+        assert info.value.reason == Reason.SHUTTING_DOWN
+    gate.seal()  # idempotent
+    assert (gate._shared, gate._exclusive, gate._waiting) == (0, False, 0)
+
+
+def test_a_final_snapshot_that_fails_still_seals_the_gate():
+    gate = ApplyGate()
+    with pytest.raises(RuntimeError):
+        with gate.exclusive(seal=True):
+            raise RuntimeError("snapshot failed")
+    assert gate.sealed
+    with pytest.raises(RequestError):
+        with gate.shared():
+            pass
 
 
 # ---- Membership ---------------------------------------------------------------------------------------
