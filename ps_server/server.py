@@ -7,7 +7,9 @@ the restore is done and again from the moment shutdown begins, so probes
 and load balancers never send work to a server that cannot take it.
 
 Shutdown (SIGTERM): health NOT_SERVING, refuse new work, let pushes in
-flight finish, write the final checkpoint, stop the gRPC server.
+flight finish (up to the drain timeout), write the final checkpoint and
+seal the store with it (a push still open is cut off unacknowledged), stop
+the gRPC server.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ps_server.membership import Membership
 from ps_server.metrics import Metrics
 from ps_server.push_ledger import PushLedger
 from ps_server.service import ParameterServerService
+from ps_server.standard_services import HealthServicer, add_reflection
 from ps_server.store import VariableStore
 from wehub_ps.logs import event
 from wehub_ps.rpc import SERVICE_NAME
@@ -43,6 +46,10 @@ from wehub_ps.rpc import SERVICE_NAME
 __all__ = ["PSServer", "create_server"]
 
 log = logging.getLogger("ps_server")
+
+# How long stop() waits, past the grace period in which calls still open are
+# cancelled, for gRPC to release them before it gives up on a clean stop.
+_STOP_MARGIN_SECONDS = 10.0
 
 
 class PSServer:
@@ -73,7 +80,7 @@ class PSServer:
         #: Set by a client's finish() (with --allow-finish): the daemon then shuts down.
         self.finish_requested = threading.Event()
         self.context.finish_requested = self.finish_requested
-        self.health = health.HealthServicer(experimental_non_blocking=True)
+        self.health = HealthServicer()
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.service = ParameterServerService(self.context)
         options = [
@@ -104,8 +111,7 @@ class PSServer:
                                        maximum_concurrent_rpcs=config.max_concurrent_rpcs)
         self.grpc_server.add_generic_rpc_handlers((self.service.generic_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server)
+        add_reflection(self.grpc_server, (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME))
         address = f"{config.host}:{config.port}"
         self.port = _bind(self.grpc_server, address, server_credentials(config))
         # kubelet's native gRPC probes cannot speak TLS: health alone, plaintext, on its own port.
@@ -201,6 +207,10 @@ class PSServer:
     def stop(self, grace: float = 5.0) -> bool:
         """Health NOT_SERVING, refuse new work, finish pushes in flight, final checkpoint, stop.
 
+        The final checkpoint seals the store's apply gate in the same instant
+        as its snapshot: a push still open after the drain timeout is cut off
+        at its next chunk (UNAVAILABLE) or after ``grace`` seconds (CANCELLED),
+        never acknowledged, and its retry completes it on the restarted server.
         Returns True when every push in flight finished within the drain timeout.
         """
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -211,13 +221,20 @@ class PSServer:
             event(log, logging.WARNING, "drain timed out", pushes_in_flight=self.lifecycle.in_flight,
                   drain_timeout=self.config.drain_timeout)
         self._stop_reaper.set()
+        if self._reaper is not None:
+            self._reaper.join()  # a lease expiry may apply a sync step: before the seal, not after
         if self.checkpointer is not None:
             self.checkpointer.stop_periodic()
             try:
-                self.checkpointer.checkpoint("shutdown")
+                self.checkpointer.checkpoint("shutdown", final=True)
             except Exception:
                 log.exception("final checkpoint failed")
-        self.grpc_server.stop(grace).wait()
+        self.store.gate.seal()  # without a checkpoint dir, or when the final checkpoint failed
+        if not self.grpc_server.stop(grace).wait(grace + _STOP_MARGIN_SECONDS):
+            # SIGTERM must end the process: the final checkpoint is written, and
+            # a call gRPC never releases must not keep the pod alive.
+            event(log, logging.WARNING, "gRPC server did not stop; exiting anyway",
+                  waited_seconds=grace + _STOP_MARGIN_SECONDS)
         if self.health_server is not None:
             self.health_server.stop(0)
         self._executor.shutdown(wait=False)
