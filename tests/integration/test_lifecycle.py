@@ -262,6 +262,22 @@ def _wait_for_log(server, fragment: str, timeout: float = 60) -> None:
         time.sleep(0.01)
 
 
+def _kill_and_relaunch_restoring(server) -> None:
+    """SIGKILL, start again on the same port, return once the transport is up (and the restore runs)."""
+    server.signal(signal.SIGKILL)
+    server.wait(30)
+    server.launch(port=server.port)
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline and server.popen.poll() is None, server.log_text()[-3000:]
+        try:
+            status = server.health()
+            break
+        except grpc.RpcError:
+            time.sleep(0.005)
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
 # Big enough that restoring it takes far longer than one call of every RPC (2.3 s measured on the
 # 2-core test machine; the calls take milliseconds), small enough for a test: 256 MB.
 _BIG_ELEMENTS = 64 << 20
@@ -284,19 +300,8 @@ def test_every_rpc_during_restore_is_refused_and_the_checkpoints_survive(cluster
     before = _checkpoints_on_disk(root)
     assert len(before) == 2
 
-    server.signal(signal.SIGKILL)
-    server.wait(30)
-    server.launch(port=server.port)
-    # The transport is up (health answers) before the restore is done: call every RPC then.
-    deadline = time.monotonic() + 60
-    while True:
-        assert time.monotonic() < deadline and server.popen.poll() is None, server.log_text()[-3000:]
-        try:
-            status = server.health()
-            break
-        except grpc.RpcError:
-            time.sleep(0.005)
-    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    _kill_and_relaunch_restoring(server)
+    # The transport is up (health answers) before the restore is done: call every RPC now.
     rounds = [_every_rpc(server.address, sequence=1) for _ in range(3)]  # 3 checkpoints > --keep-checkpoints
     health_list = _health_list(server.address)
     # The log is the witness that every call above was answered while the restore was in progress.
@@ -323,6 +328,21 @@ def test_every_rpc_during_restore_is_refused_and_the_checkpoints_survive(cluster
     assert set(info.variables) == {"big", "small"}
     assert "probe" not in info.workers
     assert server.popen.poll() is None
+
+    # A worker's checkpoint() that lands during a restore is retried until the server is ready,
+    # then writes the restored state: a crash right after it restarts with every value.
+    with PSClient(cluster.addresses, register=False, retry_timeout=120) as worker:
+        _kill_and_relaunch_restoring(server)
+        worker.checkpoint()
+        assert worker.stats()["retries"] > 0  # refused at least once while restoring
+    after = _checkpoints_on_disk(root)
+    newest = max(before)
+    assert len(after) == 2 and newest in after and after[newest] == before[newest]
+    _kill_and_relaunch_restoring(server)
+    server.wait_ready()
+    values = _values(server.address, ["big", "small"])
+    np.testing.assert_array_equal(values["small"], -2 * small)
+    assert values["big"].min() == values["big"].max() == -1
 
 
 class _StalledPush:
