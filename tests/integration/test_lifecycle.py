@@ -416,6 +416,7 @@ def test_every_rpc_during_the_drain_answers_as_documented(cluster_factory):
     assert server.wait(60) == 0
     log = server.log_text()
     assert '"reason": "shutdown"' in log and '"drained": true' in log
+    assert len(_checkpoints_on_disk(root)) == 1  # the final one; the refused Checkpoint wrote none
     server.start(port=server.port)
     # The final checkpoint holds the acknowledged push whole, and nothing the refused calls carried.
     values = _values(server.address, ["small", "slow"])
