@@ -20,8 +20,12 @@ sequences above it. Bounds, so a misbehaving client cannot grow it forever:
 ``max_open_pushes`` unfinished pushes per incarnation (beyond it the oldest
 is written off as abandoned),
 ``max_done_window`` sequences above the contiguous mark (beyond it the mark
-jumps, treating ancient gaps as abandoned pushes), and ``max_incarnations``
-remembered incarnations (least recently used forgotten first).
+jumps, writing off ancient gaps as abandoned pushes), ``max_written_off_ranges``
+ranges of written-off sequences per incarnation (beyond it the oldest is
+forgotten, and every sequence below it counts as written off), and
+``max_incarnations`` remembered incarnations (least recently used forgotten
+first). A written-off push may be partly applied: a retry of it is refused
+with PUSH_WRITTEN_OFF, never answered as a duplicate.
 
 Pure Python, no gRPC; thread-safe.
 """
@@ -173,41 +177,111 @@ class PushSession:
 
 @dataclass
 class _IncarnationState:
-    """Invariant: every sequence < done_below is done (or abandoned); done_above
-    holds the done sequences >= done_below; open holds unfinished ones >= done_below."""
+    """One worker incarnation's pushes.
+
+    Invariant: every sequence below ``done_below`` is resolved: completed,
+    or written off (in a range of ``written_off``, or below
+    ``forgotten_below``, where the ledger no longer knows which). At and
+    above ``done_below``: ``done_above`` holds the completed sequences,
+    ``off_above`` the written-off ones, ``open`` the unfinished ones.
+    A written-off push may be partly applied; it is never answered as a
+    duplicate, only a completed one is.
+    """
 
     done_below: int = 1
     done_above: set[int] = field(default_factory=set)
     open: dict[int, PushSession] = field(default_factory=dict)
+    off_above: set[int] = field(default_factory=set)
+    #: Sorted, disjoint [start, end) ranges of written-off sequences below done_below.
+    written_off: list[list[int]] = field(default_factory=list)
+    forgotten_below: int = 0
+
+    def completed(self, sequence: int) -> bool:
+        if sequence >= self.done_below:
+            return sequence in self.done_above
+        return not self.is_written_off(sequence)
+
+    def is_written_off(self, sequence: int) -> bool:
+        if sequence >= self.done_below:
+            return sequence in self.off_above
+        if sequence < self.forgotten_below:
+            return True
+        i = bisect.bisect_right(self.written_off, [sequence, float("inf")]) - 1
+        return i >= 0 and self.written_off[i][0] <= sequence < self.written_off[i][1]
 
     def mark_done(self, sequence: int) -> None:
-        if sequence >= self.done_below:
-            self.done_above.add(sequence)
+        """A push completed (also one written off before, whose stream finished it after all)."""
         self.open.pop(sequence, None)
+        if sequence >= self.done_below:
+            self.off_above.discard(sequence)
+            self.done_above.add(sequence)
+            self._advance()
+        elif sequence >= self.forgotten_below:
+            self._unmark_off(sequence)
+
+    def write_off(self, sequence: int) -> None:
+        """Give up an unfinished push (at or above done_below)."""
+        self.open.pop(sequence, None)
+        self.off_above.add(sequence)
         self._advance()
 
     def write_off_below(self, mark: int) -> None:
-        """Treat every sequence below ``mark`` as done: gaps there were abandoned."""
+        """Resolve every sequence below ``mark``: those not completed were abandoned."""
         if mark > self.done_below:
+            self._add_off(self.done_below, mark)
             self.done_below = mark
             self.done_above = {s for s in self.done_above if s >= mark}
+            self.off_above = {s for s in self.off_above if s >= mark}
             self.open = {s: p for s, p in self.open.items() if s >= mark}
         self._advance()
 
+    def bound(self, max_window: int, max_ranges: int) -> None:
+        """Keep the resolved sequences above the mark, and the written-off ranges, bounded."""
+        if len(self.done_above) + len(self.off_above) > max_window:
+            # A gap this old belongs to a push that was abandoned.
+            self.write_off_below(min(self.done_above | self.off_above))
+        while len(self.written_off) > max_ranges:
+            # The oldest range is forgotten, and with it what completed below it:
+            # a retry down there is answered as written off, never as a duplicate.
+            self.forgotten_below = self.written_off.pop(0)[1]
+
     def _advance(self) -> None:
-        while self.done_below in self.done_above:
-            self.done_above.discard(self.done_below)
-            self.done_below += 1
+        while True:
+            mark = self.done_below
+            if mark in self.done_above:
+                self.done_above.discard(mark)
+            elif mark in self.off_above:
+                self.off_above.discard(mark)
+                self._add_off(mark, mark + 1)
+            else:
+                return
+            self.done_below = mark + 1
+
+    def _add_off(self, start: int, end: int) -> None:
+        """Append [start, end) (at or above every range) to written_off."""
+        if self.written_off and self.written_off[-1][1] >= start:
+            self.written_off[-1][1] = max(self.written_off[-1][1], end)
+        else:
+            self.written_off.append([start, end])
+
+    def _unmark_off(self, sequence: int) -> None:
+        i = bisect.bisect_right(self.written_off, [sequence, float("inf")]) - 1
+        if i < 0 or not self.written_off[i][0] <= sequence < self.written_off[i][1]:
+            return
+        start, end = self.written_off[i]
+        pieces = [r for r in ([start, sequence], [sequence + 1, end]) if r[1] > r[0]]
+        self.written_off[i:i + 1] = pieces
 
 
 class PushLedger:
     """Which pushes were applied, per (worker, incarnation); thread-safe."""
 
     def __init__(self, max_open_pushes: int = 64, max_done_window: int = 4096,
-                 max_incarnations: int = 100_000) -> None:
+                 max_incarnations: int = 100_000, max_written_off_ranges: int = 64) -> None:
         self._max_open = max_open_pushes
         self._max_window = max_done_window
         self._max_incarnations = max_incarnations
+        self._max_ranges = max_written_off_ranges
         # Guards _states (and the _IncarnationState objects in it).
         self._lock = threading.Lock()
         self._states: OrderedDict[tuple[str, str], _IncarnationState] = OrderedDict()
@@ -217,12 +291,14 @@ class PushLedger:
         """The session for this push, or None when it was applied completely before.
 
         At most ``max_open_pushes`` pushes per incarnation stay open: beyond
-        that the oldest is written off as abandoned (a later retry of it is
-        answered as a duplicate, so it is applied at most once, never twice).
+        that the oldest is written off as abandoned. A push that was written
+        off is refused (:meth:`check`), never answered as a duplicate: it
+        may be partly applied, and only its sender can decide what to do.
         """
         with self._lock:
             state = self._state(worker_id, incarnation)
-            if sequence < state.done_below or sequence in state.done_above:
+            self._check(state, worker_id, incarnation, sequence)
+            if state.completed(sequence):
                 return None
             session = state.open.get(sequence)
             if session is not None:
@@ -234,7 +310,8 @@ class PushLedger:
                     )
                 return session
             while len(state.open) >= self._max_open:
-                state.mark_done(min(state.open))
+                state.write_off(min(state.open))
+            state.bound(self._max_window, self._max_ranges)
             session = PushSession((worker_id, incarnation, sequence), total_elements)
             state.open[sequence] = session
             return session
@@ -245,9 +322,32 @@ class PushLedger:
         with self._lock:
             state = self._state(worker_id, incarnation)
             state.mark_done(sequence)
-            if len(state.done_above) > self._max_window:
-                # A gap this old belongs to a push that was abandoned.
-                state.write_off_below(min(state.done_above))
+            state.bound(self._max_window, self._max_ranges)
+
+    def check(self, worker_id: str, incarnation: str, sequence: int) -> bool:
+        """True when this push was applied completely before; False when not (yet).
+
+        Raises RequestError(PUSH_WRITTEN_OFF) for a push the ledger wrote
+        off: its chunks that arrived may have been applied, the rest never
+        will be.
+        """
+        with self._lock:
+            state = self._states.get((worker_id, incarnation))
+            if state is None:
+                return False
+            self._check(state, worker_id, incarnation, sequence)
+            return state.completed(sequence)
+
+    def _check(self, state: _IncarnationState, worker_id: str, incarnation: str, sequence: int) -> None:
+        if state.is_written_off(sequence):
+            raise RequestError(
+                Reason.PUSH_WRITTEN_OFF,
+                f"push {sequence} of worker {worker_id!r} (incarnation {incarnation}) was written off: "
+                f"this ps-server keeps at most {self._max_open} unfinished pushes per worker process and "
+                f"{self._max_window} finished ones past its oldest unfinished one. The push may be partly "
+                "applied (chunks that arrived before stay applied, the rest never will be); do not send it "
+                "again: pull the current values and go on with a fresh gradient",
+            )
 
     def snapshot(self, include_open: bool = True) -> list[dict]:
         """A JSON-able copy of the whole ledger, least recently used first.
@@ -260,7 +360,10 @@ class PushLedger:
             return [{"worker_id": w, "incarnation": i, "done_below": st.done_below,
                      "done_above": sorted(st.done_above),
                      "open": {str(seq): session.to_json() for seq, session in st.open.items()}
-                     if include_open else {}}
+                     if include_open else {},
+                     "off_above": sorted(st.off_above),
+                     "written_off": [list(r) for r in st.written_off],
+                     "forgotten_below": st.forgotten_below}
                     for (w, i), st in self._states.items()]
 
     def restore(self, entries: list[dict]) -> None:
@@ -270,14 +373,18 @@ class PushLedger:
             key = (entry["worker_id"], entry["incarnation"])
             states[key] = _IncarnationState(
                 int(entry["done_below"]), {int(s) for s in entry["done_above"]},
-                {int(seq): PushSession.from_json((*key, int(seq)), data) for seq, data in entry["open"].items()})
+                {int(seq): PushSession.from_json((*key, int(seq)), data) for seq, data in entry["open"].items()},
+                {int(s) for s in entry.get("off_above", ())},
+                [[int(a), int(b)] for a, b in entry.get("written_off", ())],
+                int(entry.get("forgotten_below", 0)))
         with self._lock:
             self._states = states
 
     def is_done(self, worker_id: str, incarnation: str, sequence: int) -> bool:
+        """True only for a push known to be applied completely (never for one written off)."""
         with self._lock:
             state = self._states.get((worker_id, incarnation))
-            return state is not None and (sequence < state.done_below or sequence in state.done_above)
+            return state is not None and state.completed(sequence)
 
     def _state(self, worker_id: str, incarnation: str) -> _IncarnationState:
         key = (worker_id, incarnation)

@@ -259,8 +259,9 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
         raise RequestError(Reason.INVALID_REQUEST, "a push must declare at least one variable")
     assign = begin.kind == ps_pb2.ASSIGN
     # A retry of a push that completed before is answered as a duplicate,
-    # even when its effect (an initial value) now makes it look invalid.
-    already_done = ledger.is_done(begin.worker_id, begin.incarnation, begin.sequence)
+    # even when its effect (an initial value) now makes it look invalid; one
+    # the ledger wrote off is refused (PUSH_WRITTEN_OFF) before anything else.
+    already_done = ledger.check(begin.worker_id, begin.incarnation, begin.sequence)
     items: dict[str, _Item] = {}
     staleness: list[int] = []
     for declared in begin.items:

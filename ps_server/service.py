@@ -67,6 +67,8 @@ STATUS_BY_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.CLUSTER_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.NOT_INITIALIZED: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.PUSH_INCOMPLETE: grpc.StatusCode.FAILED_PRECONDITION,
+    # ABORTED: a sequencer check failed; the client must not retry the same push.
+    Reason.PUSH_WRITTEN_OFF: grpc.StatusCode.ABORTED,
     Reason.MEMORY_LIMIT: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
     Reason.CHECKPOINTS_DISABLED: grpc.StatusCode.FAILED_PRECONDITION,

@@ -34,3 +34,4 @@ class Reason(str, enum.Enum):
     STEP_TIMEOUT = "STEP_TIMEOUT"  # ssp/sync: a pull waited its whole deadline for other workers
     FINISH_NOT_ALLOWED = "FINISH_NOT_ALLOWED"  # finish() on a server without --allow-finish
     UNAUTHENTICATED = "UNAUTHENTICATED"  # no or a wrong bearer token (set by the auth interceptor)
+    PUSH_WRITTEN_OFF = "PUSH_WRITTEN_OFF"  # a retried push the ledger gave up on: it may be partly applied

@@ -32,6 +32,7 @@ from worker_client.errors import (
     PSInternalError,
     PSTLSError,
     PSUnavailableError,
+    PushWrittenOffError,
     ResourceExhaustedError,
     ShapeMismatchError,
     TLSProblem,
@@ -50,4 +51,5 @@ __all__ = [
     "VariableNotFoundError", "VariableConflictError", "FailedPreconditionError",
     "ClusterMismatchError", "NotInitializedError", "ResourceExhaustedError",
     "PSUnavailableError", "PSInternalError", "SpecError", "AuthenticationError", "PSTLSError", "TLSProblem",
+    "PushWrittenOffError",
 ]

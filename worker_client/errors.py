@@ -25,6 +25,7 @@ __all__ = [
     "FailedPreconditionError",
     "NotInitializedError",
     "ResourceExhaustedError",
+    "PushWrittenOffError",
     "PSUnavailableError",
     "AuthenticationError",
     "PSTLSError",
@@ -86,6 +87,19 @@ class ResourceExhaustedError(PSError):
     """A server limit (memory, message size, concurrent requests) was hit."""
 
 
+class PushWrittenOffError(PSError):
+    """A retried push that the server's ledger had given up on (ABORTED, PUSH_WRITTEN_OFF).
+
+    The server keeps a bounded number of unfinished pushes per worker
+    process; past that it writes the oldest off. Such a push may be partly
+    applied: the chunks that reached the server before stay applied, the
+    rest never will be. It is not retried (that could apply a part twice):
+    pull the current values and continue with a fresh gradient. Seeing it
+    means this worker had very many pushes to one server unfinished at once
+    (threads pushing concurrently, or a long outage).
+    """
+
+
 class PSUnavailableError(PSError):
     """A ps-server could not be reached in time, or is shutting down."""
 
@@ -131,6 +145,7 @@ _BY_REASON: dict[str, type[PSError]] = {
     Reason.SPEC_CONFLICT.value: VariableConflictError,
     Reason.CLUSTER_MISMATCH.value: ClusterMismatchError,
     Reason.NOT_INITIALIZED.value: NotInitializedError,
+    Reason.PUSH_WRITTEN_OFF.value: PushWrittenOffError,
 }
 
 _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {

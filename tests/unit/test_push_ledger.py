@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -109,8 +110,8 @@ def test_done_window_is_bounded():
     for seq in range(2, 11):
         _complete(ledger, "w", "i", seq)
         assert len(ledger._states[("w", "i")].done_above) <= 3
-    # The ancient gap was given up: push 1 now counts as done (abandoned).
-    assert ledger.is_done("w", "i", 1)
+    # The ancient gap was given up: push 1 is written off, not done.
+    _assert_written_off(ledger, 1)
     assert all(ledger.is_done("w", "i", s) for s in range(2, 11))
     assert not ledger.is_done("w", "i", 11)
 
@@ -137,12 +138,14 @@ def test_window_jump_never_forgets_completed_pushes():
     slow = ledger.begin("w", "i", 1, 4)  # still streaming
     for seq in (2, 3, 4):
         _complete(ledger, "w", "i", seq)
-    # The window overflowed: everything up to 4 counts as done.
-    assert all(ledger.is_done("w", "i", s) for s in (1, 2, 3, 4))
-    # The slow push finishes after all.
+    # The window overflowed: push 1 is written off, 2 to 4 are done.
+    _assert_written_off(ledger, 1)
+    assert all(ledger.is_done("w", "i", s) for s in (2, 3, 4))
+    # The slow push finishes after all: the ledger now knows it is complete.
     assert slow.claim("v", 0, 4) == ClaimResult.APPLY
     assert slow.done("v", 0)
     ledger.finish(slow)
+    assert ledger.is_done("w", "i", 1) and ledger.begin("w", "i", 1, 4) is None
     _complete(ledger, "w", "i", 6)
     _complete(ledger, "w", "i", 7)  # overflows the window again
     for seq in (1, 2, 3, 4, 6, 7):
@@ -163,7 +166,7 @@ def test_written_off_pushes_do_not_count_as_unfinished():
     ledger.begin("w", "i", 1, 4)  # cut off, never retried
     for seq in (2, 3, 4):
         _complete(ledger, "w", "i", seq)
-    assert ledger.is_done("w", "i", 1), "the window wrote push 1 off"
+    _assert_written_off(ledger, 1)  # the window wrote push 1 off
     ledger.begin("w", "i", 5, 4)  # really unfinished: one open push
     assert ledger.begin("w", "i", 6, 4) is not None
 
@@ -176,187 +179,64 @@ def test_open_pushes_are_bounded_by_writing_off_the_oldest():
     assert third is not None
     state = ledger._states[("w", "i")]
     assert sorted(state.open) == [2, 3]
-    # The oldest was written off as abandoned: a retry of it is a duplicate
-    # (applied at most once), never applied a second time.
-    assert ledger.is_done("w", "i", 1)
-    assert ledger.begin("w", "i", 1, 4) is None
+    # The oldest was written off as abandoned: a retry of it is refused with
+    # a reason of its own (it may be partly applied), neither applied a second
+    # time nor answered as a duplicate.
+    _assert_written_off(ledger, 1)
     # Rejoining a push that is still open returns the same session.
     assert ledger.begin("w", "i", 2, 4) is second
     assert ledger.begin("w", "j", 1, 4) is not None  # other incarnations are independent
-    # The written-off session may still finish on its own stream: harmless.
+    # The written-off session may still finish on its own stream: then it is known complete.
     first.claim("v", 0, 4)
     first.done("v", 0)
     ledger.finish(first)
     assert sorted(state.open) == [2, 3] and ledger.is_done("w", "i", 1)
+    assert ledger.begin("w", "i", 1, 4) is None
 
 
-def test_incarnations_are_forgotten_least_recently_used_first():
-    ledger = PushLedger(max_incarnations=2)
-    _complete(ledger, "w", "a", 1)
-    _complete(ledger, "w", "b", 1)
-    _complete(ledger, "w", "a", 2)  # touches a: b is now the oldest
-    _complete(ledger, "w", "c", 1)
-    assert ledger.is_done("w", "a", 1) and ledger.is_done("w", "c", 1)
-    assert not ledger.is_done("w", "b", 1)
-    assert len(ledger._states) == 2
+def _assert_written_off(ledger: PushLedger, sequence: int, worker: str = "w", incarnation: str = "i") -> None:
+    assert not ledger.is_done(worker, incarnation, sequence)
+    for call in (lambda: ledger.check(worker, incarnation, sequence),
+                 lambda: ledger.begin(worker, incarnation, sequence, 4)):
+        with pytest.raises(RequestError) as info:
+            call()
+        assert info.value.reason == Reason.PUSH_WRITTEN_OFF
+        assert f"push {sequence} of worker {worker!r}" in info.value.message
+        assert "partly applied" in info.value.message
 
 
-# ---- sessions: chunk claims ---------------------------------------------------------------------
+def test_written_off_pushes_stay_written_off_past_the_mark_and_through_a_snapshot():
+    ledger = PushLedger(max_open_pushes=2)
+    for seq in (1, 2, 3, 4):
+        ledger.begin("w", "i", seq, 4)  # 1 and 2 are written off by 3 and 4
+    for seq in (3, 4, 5):
+        _complete(ledger, "w", "i", seq)
+    state = ledger._states[("w", "i")]
+    assert state.done_below == 6 and state.written_off == [[1, 3]]
+    _assert_written_off(ledger, 1)
+    _assert_written_off(ledger, 2)
+    assert ledger.check("w", "i", 3) is True and ledger.begin("w", "i", 5, 4) is None
+    restored = PushLedger(max_open_pushes=2)
+    restored.restore(json.loads(json.dumps(ledger.snapshot())))
+    _assert_written_off(restored, 1)
+    _assert_written_off(restored, 2)
+    assert restored.is_done("w", "i", 4) and not restored.is_done("w", "i", 6)
 
 
-def _session(total=100):
-    return PushSession(("w", "i", 1), total)
-
-
-def test_claim_and_done():
-    s = _session(30)
-    assert s.claim("v", 0, 10) == ClaimResult.APPLY
-    assert not s.complete
-    assert s.done("v", 0) is False
-    assert s.claim("v", 0, 10) == ClaimResult.ALREADY_APPLIED
-    assert s.claim("v", 20, 10) == ClaimResult.APPLY
-    assert s.claim("v", 10, 10) == ClaimResult.APPLY  # fills the gap exactly
-    assert s.done("v", 20) is False
-    assert s.done("v", 10) is True, "the last chunk completes the push"
-    assert s.complete and s.finalized
-    assert s.applied_elements == 30
-    assert s.claim("v", 10, 10) == ClaimResult.ALREADY_APPLIED
-
-
-def test_done_reports_completion_once():
-    s = _session(5)
-    s.claim("v", 0, 5)
-    assert s.done("v", 0) is True
-    assert s.finalized
-
-
-def test_chunks_of_different_variables_do_not_overlap():
-    s = _session(20)
-    assert s.claim("v", 0, 10) == ClaimResult.APPLY
-    assert s.claim("u", 0, 10) == ClaimResult.APPLY
-    s.done("v", 0)
-    assert s.done("u", 0) is True
-
-
-@pytest.mark.parametrize("offset, count", [
-    (10, 5),  # same start, shorter
-    (10, 20),  # same start, longer
-    (5, 10),  # starts inside, ends after
-    (15, 10),  # starts inside, ends inside
-    (12, 3),  # strictly inside
-    (5, 30),  # covers it
-    (19, 1),  # last element
-    (5, 6),  # ends on the first element
-])
-def test_overlapping_chunk_with_different_bounds_is_refused(offset, count):
-    s = _session()
-    assert s.claim("v", 10, 10) == ClaimResult.APPLY
-    s.done("v", 10)
-    with pytest.raises(RequestError) as info:
-        s.claim("v", offset, count)
-    assert info.value.reason == Reason.INVALID_CHUNK
-    assert "'v'" in info.value.message
-    # The refused chunk left no trace: adjacent chunks are still accepted.
-    assert s.claim("v", 0, 10) == ClaimResult.APPLY
-    assert s.claim("v", 20, 10) == ClaimResult.APPLY
-
-
-def test_overlap_with_a_chunk_being_applied_is_refused_too():
-    s = _session()
-    assert s.claim("v", 10, 10) == ClaimResult.APPLY  # not done yet
-    with pytest.raises(RequestError) as info:
-        s.claim("v", 15, 10)
-    assert info.value.reason == Reason.INVALID_CHUNK
-
-
-def test_second_stream_waits_for_the_first_and_gets_already_applied():
-    s = _session(10)
-    assert s.claim("v", 0, 10) == ClaimResult.APPLY
-    results = []
-    started = threading.Event()
-
-    def retry():
-        started.set()
-        results.append(s.claim("v", 0, 10))
-
-    thread = threading.Thread(target=retry, daemon=True)
-    thread.start()
-    assert started.wait(5)
-    thread.join(0.2)
-    assert thread.is_alive(), "the retry must wait while the chunk is being applied"
-    assert results == []
-    assert s.done("v", 0) is True
-    thread.join(5)
-    assert not thread.is_alive()
-    assert results == [ClaimResult.ALREADY_APPLIED]
-    assert s.applied_elements == 10, "the chunk was counted once"
-
-
-def test_racing_streams_apply_each_chunk_exactly_once():
-    total, chunk = 400, 10
-    s = PushSession(("w", "i", 1), total)
-    applied = [0] * (total // chunk)
-    completions = []
-    lock = threading.Lock()
-    barrier = threading.Barrier(4)
-
-    def stream():
-        barrier.wait()
-        for offset in range(0, total, chunk):
-            if s.claim("v", offset, chunk) == ClaimResult.APPLY:
-                with lock:
-                    applied[offset // chunk] += 1
-                if s.done("v", offset):
-                    completions.append(offset)
-
-    threads = [threading.Thread(target=stream, daemon=True) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert not any(t.is_alive() for t in threads)
-    assert applied == [1] * (total // chunk)
-    assert len(completions) == 1
-    assert s.complete and s.applied_elements == total
-
-
-def test_claim_with_step_reserves_once_and_nothing_for_an_applied_chunk():
-    s = _session(20)
-    calls = []
-
-    def reserve():
-        calls.append(1)
-        return 70 + len(calls)
-
-    assert s.claim_with_step("v", 0, 10, reserve) == 71
-    assert s.done("v", 0) is False
-    assert s.claim_with_step("v", 0, 10, reserve) is None, "applied before: nothing to do"
-    assert s.claim_with_step("v", 10, 10, reserve) == 71, "the variable's next chunk reuses its step"
-    assert s.done("v", 10) is True
-    assert len(calls) == 1 and s.steps == {"v": 71}
-    with pytest.raises(RequestError) as err:
-        s.claim_with_step("v", 5, 10, reserve)
-    assert err.value.reason == Reason.INVALID_CHUNK
-    assert len(calls) == 1, "a refused chunk reserves no step"
-
-
-def test_a_released_chunk_wakes_the_waiting_retry_which_applies_it():
-    s = _session(10)
-    assert s.claim_with_step("v", 0, 10, lambda: 1) == 1
-    results = []
-    started = threading.Event()
-
-    def retry():
-        started.set()
-        results.append(s.claim_with_step("v", 0, 10, lambda: 2))
-
-    thread = threading.Thread(target=retry, daemon=True)
-    thread.start()
-    assert started.wait(5)
-    thread.join(0.2)
-    assert thread.is_alive(), "the retry waits while the first stream applies the chunk"
-    s.release("v", 0)  # the first stream failed to apply it
-    thread.join(5)
-    assert not thread.is_alive()
-    assert results == [1], "the retry claims the chunk, with the step reserved before"
-    assert s.done("v", 0) is True
+def test_written_off_ranges_are_bounded_and_what_is_forgotten_counts_as_written_off():
+    ledger = PushLedger(max_open_pushes=1, max_written_off_ranges=2)
+    _complete(ledger, "w", "i", 1)
+    # Pushes 2, 4, 6 are cut and written off by 3, 5, 7, which complete.
+    for seq in range(2, 8):
+        session = ledger.begin("w", "i", seq, 4)
+        if seq % 2:
+            session.claim("v", 0, 4)
+            session.done("v", 0)
+            ledger.finish(session)
+    state = ledger._states[("w", "i")]
+    assert state.written_off == [[4, 5], [6, 7]] and state.forgotten_below == 3
+    # Forgotten: push 1 completed, but the ledger no longer knows it, so it never says duplicate.
+    _assert_written_off(ledger, 1)
+    _assert_written_off(ledger, 2)
+    _assert_written_off(ledger, 4)
+    assert all(ledger.is_done("w", "i", s) for s in (3, 5, 7))
