@@ -83,6 +83,7 @@ class ServerConfig:
     keep_freed_bytes: int = DEFAULT_TRIM_THRESHOLD
     malloc_arenas: int = DEFAULT_ARENA_MAX
     max_concurrent_rpcs: int = 256
+    max_exchange_streams: int = 1024
     drain_timeout: float = 30.0
     checkpoint_interval: float = 300.0
     keep_checkpoints: int = 3
@@ -131,6 +132,9 @@ class ServerConfig:
                               f"got {self.malloc_arenas}")
         if self.max_concurrent_rpcs < 4:
             raise ConfigError(f"--max-concurrent-rpcs must be at least 4, got {self.max_concurrent_rpcs}")
+        if not 0 <= self.max_exchange_streams <= 100_000:
+            raise ConfigError(f"--max-exchange-streams must be in [0, 100000] (0: clients use ordinary calls "
+                              f"only), got {self.max_exchange_streams}")
         for flag, value in (("--drain-timeout", self.drain_timeout),
                             ("--checkpoint-interval", self.checkpoint_interval)):
             if not math.isfinite(value) or value < 0:
@@ -184,7 +188,10 @@ _HELP = {
                         "(glibc; saves a page fault per 4 KiB of every message); 0 = malloc's own thresholds",
     "malloc_arenas": "malloc arenas at most (glibc), so what --keep-freed-bytes keeps per arena does not "
                      "grow with the cores; 0 = glibc's own (8 per core); MALLOC_ARENA_MAX in the environment wins",
-    "max_concurrent_rpcs": "RPCs served at once; more get RESOURCE_EXHAUSTED",
+    "max_concurrent_rpcs": "calls (pulls, pushes, control calls) served at once, Exchange streams apart; "
+                           "more get RESOURCE_EXHAUSTED (the client retries)",
+    "max_exchange_streams": "long-lived Exchange streams (one per worker process) held at once, at most 2 "
+                            "per worker process; more are refused and those clients use ordinary calls",
     "drain_timeout": "seconds to let pushes in flight finish on SIGTERM",
     "checkpoint_interval": "seconds between periodic checkpoints (with --checkpoint-dir); 0 = only on request and SIGTERM",
     "keep_checkpoints": "checkpoints of this shard to keep",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from ps_server.admission import Admission
 from ps_server.checkpointer import Checkpointer
 from ps_server.consistency import ConsistencyController
 from ps_server.lifecycle import Lifecycle
@@ -39,3 +40,5 @@ class ShardContext:
     metrics: Metrics | None = None
     finish_requested: threading.Event | None = None
     allow_finish: bool = False
+    #: Bounds on ordinary calls and Exchange streams in progress (ps_server.admission).
+    admission: Admission = field(default_factory=lambda: Admission(256, 1024))

@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ps_server.admission import Admission
 from ps_server.auth import AuthInterceptor, TokenFile
 from ps_server.checkpoint import find_restore_plan, load_parts
 from ps_server.checkpointer import Checkpointer
@@ -77,6 +78,7 @@ class PSServer:
             default_chunk_bytes=config.chunk_bytes, max_chunk_bytes=config.max_message_bytes // 2,
             checkpointer=checkpointer, allow_finish=config.allow_finish)
         self.context.metrics = self.metrics
+        self.context.admission = Admission(config.max_concurrent_rpcs, config.max_exchange_streams)
         #: Set by a client's finish() (with --allow-finish): the daemon then shuts down.
         self.finish_requested = threading.Event()
         self.context.finish_requested = self.finish_requested
@@ -100,15 +102,19 @@ class PSServer:
             options += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", config.stream_window_bytes)]
         # One thread per concurrent RPC: streams block their thread while
         # waiting for the network, and the RPC bound makes the pool the cap.
+        # Ordinary calls and Exchange streams have bounds of their own (see
+        # ps_server.admission); gRPC's covers both, so idle streams never
+        # take an ordinary call's thread.
+        slots = self.context.admission.transport_slots
         self._executor = futures.ThreadPoolExecutor(
-            max_workers=config.max_concurrent_rpcs, thread_name_prefix=f"ps{config.shard_index}-rpc")
+            max_workers=slots, thread_name_prefix=f"ps{config.shard_index}-rpc")
         interceptors = []
         #: The bearer token (--auth-token-file) that gRPC calls and metrics scrapes must present.
         self.tokens = TokenFile(config.auth_token_file) if config.auth_token_file else None
         if self.tokens is not None:
             interceptors.append(AuthInterceptor(self.tokens))
         self.grpc_server = grpc.server(self._executor, options=options, interceptors=interceptors,
-                                       maximum_concurrent_rpcs=config.max_concurrent_rpcs)
+                                       maximum_concurrent_rpcs=slots)
         self.grpc_server.add_generic_rpc_handlers((self.service.generic_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         add_reflection(self.grpc_server, (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME))

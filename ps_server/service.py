@@ -47,7 +47,7 @@ from wehub_ps.codec import (
 )
 from wehub_ps.dtypes import BFLOAT16, VARIABLE_DTYPES, dtype_name, to_numpy_dtype, to_wire_dtype
 from wehub_ps.errors import REASON_METADATA_KEY, Reason
-from wehub_ps.rpc import SERVICE_NAME
+from wehub_ps.rpc import INCARNATION_METADATA_KEY, SERVICE_NAME
 from wehub_ps.specs import SpecError, VariableSpec
 from wehub_ps.v1 import ps_pb2
 
@@ -69,6 +69,8 @@ STATUS_BY_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.PUSH_INCOMPLETE: grpc.StatusCode.FAILED_PRECONDITION,
     # ABORTED: a sequencer check failed; the client must not retry the same push.
     Reason.PUSH_WRITTEN_OFF: grpc.StatusCode.ABORTED,
+    Reason.TOO_MANY_RPCS: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.EXCHANGE_STREAMS: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.MEMORY_LIMIT: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
     Reason.CHECKPOINTS_DISABLED: grpc.StatusCode.FAILED_PRECONDITION,
@@ -136,19 +138,76 @@ class ParameterServerService:
         self._server_id = context.server_id
         self._default_chunk_bytes = context.default_chunk_bytes
         self._max_chunk_bytes = context.max_chunk_bytes
+        self._admission = context.admission
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
-        """Handlers with raw-bytes (de)serialisation, named as in the proto."""
+        """Handlers with raw-bytes (de)serialisation, named as in the proto.
+
+        Each holds a slot of its bound while it runs (ps_server.admission):
+        Exchange streams one of theirs, every other call an ordinary one.
+        """
+        bounded, streaming = self._in_call_slot, self._in_call_slot_streaming
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-            "Describe": grpc.unary_unary_rpc_method_handler(self.describe),
-            "CreateVariable": grpc.unary_unary_rpc_method_handler(self.create_variable),
-            "Pull": grpc.unary_stream_rpc_method_handler(self.pull),
-            "Push": grpc.stream_unary_rpc_method_handler(self.push),
-            "Checkpoint": grpc.unary_unary_rpc_method_handler(self.checkpoint),
-            "Heartbeat": grpc.unary_unary_rpc_method_handler(self.heartbeat),
-            "Exchange": grpc.stream_stream_rpc_method_handler(self.exchange),
-            "Finish": grpc.unary_unary_rpc_method_handler(self.finish),
+            "Describe": grpc.unary_unary_rpc_method_handler(bounded(self.describe)),
+            "CreateVariable": grpc.unary_unary_rpc_method_handler(bounded(self.create_variable)),
+            "Pull": grpc.unary_stream_rpc_method_handler(streaming(self.pull)),
+            "Push": grpc.stream_unary_rpc_method_handler(bounded(self.push)),
+            "Checkpoint": grpc.unary_unary_rpc_method_handler(bounded(self.checkpoint)),
+            "Heartbeat": grpc.unary_unary_rpc_method_handler(bounded(self.heartbeat)),
+            "Exchange": grpc.stream_stream_rpc_method_handler(self._admitted_exchange),
+            "Finish": grpc.unary_unary_rpc_method_handler(bounded(self.finish)),
         })
+
+    def _in_call_slot(self, method: Callable) -> Callable:
+        """``method`` (one answer) holding an ordinary call's slot; TOO_MANY_RPCS when none is free."""
+        admission = self._admission
+
+        def handler(request, context):
+            try:
+                admission.enter_call()
+            except RequestError as error:
+                _abort(context, error)
+            try:
+                return method(request, context)
+            finally:
+                admission.exit_call()
+        return functools.wraps(method)(handler)
+
+    def _in_call_slot_streaming(self, method: Callable) -> Callable:
+        """``method`` (a stream of answers) holding an ordinary call's slot until its last answer."""
+        admission = self._admission
+
+        def handler(request, context):
+            try:
+                admission.enter_call()
+            except RequestError as error:
+                _abort(context, error)
+                return
+            try:
+                yield from method(request, context)
+            finally:
+                admission.exit_call()
+        return functools.wraps(method)(handler)
+
+    def _admitted_exchange(self, request_iterator: Iterable[bytes],
+                           context: grpc.ServicerContext) -> Iterator[bytes]:
+        """:meth:`exchange` holding an Exchange stream's slot; refused at once (EXCHANGE_STREAMS) over a bound."""
+        incarnation = ""
+        for key, value in context.invocation_metadata() or ():
+            if key == INCARNATION_METADATA_KEY:
+                incarnation = value if isinstance(value, str) else value.decode("utf-8", "replace")
+        try:
+            if len(incarnation) > MAX_WORKER_ID_LENGTH:
+                raise RequestError(Reason.INVALID_REQUEST,
+                                   f"{INCARNATION_METADATA_KEY} must be at most {MAX_WORKER_ID_LENGTH} characters")
+            self._admission.enter_stream(incarnation)
+        except RequestError as error:
+            _abort(context, error)
+            return
+        try:
+            yield from self.exchange(request_iterator, context)
+        finally:
+            self._admission.exit_stream(incarnation)
 
     # ---- control ----
 

@@ -35,3 +35,5 @@ class Reason(str, enum.Enum):
     FINISH_NOT_ALLOWED = "FINISH_NOT_ALLOWED"  # finish() on a server without --allow-finish
     UNAUTHENTICATED = "UNAUTHENTICATED"  # no or a wrong bearer token (set by the auth interceptor)
     PUSH_WRITTEN_OFF = "PUSH_WRITTEN_OFF"  # a retried push the ledger gave up on: it may be partly applied
+    TOO_MANY_RPCS = "TOO_MANY_RPCS"  # --max-concurrent-rpcs ordinary calls are in progress
+    EXCHANGE_STREAMS = "EXCHANGE_STREAMS"  # --max-exchange-streams (or one incarnation's share) are open

@@ -34,6 +34,7 @@ from worker_client.errors import (
     PSUnavailableError,
     PushWrittenOffError,
     ResourceExhaustedError,
+    ServerBusyError,
     ShapeMismatchError,
     TLSProblem,
     VariableConflictError,
@@ -51,5 +52,5 @@ __all__ = [
     "VariableNotFoundError", "VariableConflictError", "FailedPreconditionError",
     "ClusterMismatchError", "NotInitializedError", "ResourceExhaustedError",
     "PSUnavailableError", "PSInternalError", "SpecError", "AuthenticationError", "PSTLSError", "TLSProblem",
-    "PushWrittenOffError",
+    "PushWrittenOffError", "ServerBusyError",
 ]

@@ -26,6 +26,7 @@ __all__ = [
     "NotInitializedError",
     "ResourceExhaustedError",
     "PushWrittenOffError",
+    "ServerBusyError",
     "PSUnavailableError",
     "AuthenticationError",
     "PSTLSError",
@@ -104,6 +105,13 @@ class PSUnavailableError(PSError):
     """A ps-server could not be reached in time, or is shutting down."""
 
 
+class ServerBusyError(ResourceExhaustedError, PSUnavailableError):
+    """The server serves as many calls at once as it may (``--max-concurrent-rpcs``).
+
+    Nothing was done; like unavailability it is retried until ``retry_timeout``.
+    """
+
+
 class AuthenticationError(PSError):
     """The server wants a bearer token, or a different one (UNAUTHENTICATED)."""
 
@@ -146,6 +154,7 @@ _BY_REASON: dict[str, type[PSError]] = {
     Reason.CLUSTER_MISMATCH.value: ClusterMismatchError,
     Reason.NOT_INITIALIZED.value: NotInitializedError,
     Reason.PUSH_WRITTEN_OFF.value: PushWrittenOffError,
+    Reason.TOO_MANY_RPCS.value: ServerBusyError,
 }
 
 _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {

@@ -17,6 +17,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
+from worker_client.lane import LaneRefused
 from worker_client.transport import PendingExchange, ShardChannel
 
 __all__ = ["ShardCall", "run_shard_calls"]
@@ -42,9 +43,12 @@ class ShardCall:
     attempts: int = 0
 
     def attempt(self) -> Any:
-        """One whole attempt: over the lane when it is free, else the ordinary call."""
+        """One whole attempt: over the lane when it is free (and the server takes it), else the ordinary call."""
         if self.lane_payload is not None:
-            answer = self.shard.exchange(self.lane_field, self.lane_payload(), self.what)
+            try:
+                answer = self.shard.exchange(self.lane_field, self.lane_payload(), self.what)
+            except LaneRefused:
+                answer = None  # the stream was refused before it read the request
             if answer is not None:
                 return self.on_lane_answer(answer)
         return self.ordinary()
@@ -58,7 +62,10 @@ class ShardCall:
             self.attempts += 1
             pending, first[0] = first[0], None
             if pending is not None:
-                return self.on_lane_answer(pending.result())
+                try:
+                    return self.on_lane_answer(pending.result())
+                except LaneRefused:
+                    pass  # the stream was refused before it read the request: send it otherwise
             return self.attempt()
 
         return self.finish(call(self.shard, self.what, attempt))

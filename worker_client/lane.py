@@ -11,6 +11,14 @@ ordinary calls instead, so nothing ever queues behind a slow request.
 Errors: a failed request comes back as an ExchangeError and is raised as
 the same typed exception the ordinary call would raise; a broken stream is
 raised as a gRPC error (translated) and reopened by the next request.
+
+A server bounds its Exchange streams apart from its other calls
+(``--max-exchange-streams``, ps_server.admission). A stream it refuses
+(RESOURCE_EXHAUSTED, reason EXCHANGE_STREAMS) was refused before it read
+a request: :class:`LaneRefused` tells the caller to send the same request
+as an ordinary call, and the lane stays closed for
+:data:`_REFUSED_SECONDS` (its callers use ordinary calls meanwhile) before
+it tries to open a stream again.
 """
 
 from __future__ import annotations
@@ -24,13 +32,21 @@ import grpc
 
 from wehub_ps.codec import EXCHANGE_ERROR, decode_envelope, encode_envelope
 from wehub_ps.v1 import ps_pb2
-from worker_client.errors import error_for, translate_rpc_error
+from wehub_ps.errors import Reason
+from worker_client.errors import PSUnavailableError, error_for, translate_rpc_error
 
-__all__ = ["ExchangeLane"]
+__all__ = ["ExchangeLane", "LaneRefused"]
 
 _CLOSE = object()
 # A stream is replaced after this long, so no call deadline ever runs out mid-request.
 _LIFETIME_SECONDS = 600.0
+# After the server refused a stream: ordinary calls only, for this long (streams
+# are freed as other workers leave; asking at every request would cost a round trip each).
+_REFUSED_SECONDS = 30.0
+
+
+class LaneRefused(PSUnavailableError):
+    """The server refused to open the Exchange stream; the request was not read. Send it as an ordinary call."""
 
 
 class ExchangeLane:
@@ -43,6 +59,13 @@ class ExchangeLane:
         self._responses: Any = None
         self._opened_at = 0.0
         self._next_id = 1
+        # Until then the server refuses this lane's stream (a float read and written whole: no lock).
+        self._refused_until = 0.0
+
+    @property
+    def refused(self) -> bool:
+        """True while the server's refusal of a stream stands: use ordinary calls."""
+        return time.monotonic() < self._refused_until
 
     def try_acquire(self) -> bool:
         return self._busy.acquire(blocking=False)
@@ -69,7 +92,12 @@ class ExchangeLane:
             message = next(self._responses)
         except grpc.RpcError as error:
             self.close()
-            raise translate_rpc_error(error, self._address, what) from error
+            translated = translate_rpc_error(error, self._address, what)
+            if translated.reason == Reason.EXCHANGE_STREAMS.value:
+                self._refused_until = time.monotonic() + _REFUSED_SECONDS
+                raise LaneRefused(str(translated), address=self._address, reason=translated.reason,
+                                  code=translated.code) from error
+            raise translated from error
         except StopIteration:
             self.close()
             raise error_for(grpc.StatusCode.UNAVAILABLE, None, "the exchange stream ended", self._address,

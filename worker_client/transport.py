@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import grpc
 
-from wehub_ps.rpc import MAX_MESSAGE_BYTES, SERVICE_NAME, method_path
+from wehub_ps.rpc import INCARNATION_METADATA_KEY, MAX_MESSAGE_BYTES, SERVICE_NAME, method_path
 from worker_client.credentials import BearerToken
 from worker_client.errors import PSError, translate_rpc_error
 from worker_client.lane import ExchangeLane
@@ -28,7 +28,7 @@ class ShardChannel:
 
     def __init__(self, index: int, address: str, *, max_message_bytes: int = MAX_MESSAGE_BYTES,
                  credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None,
-                 token: BearerToken | None = None) -> None:
+                 token: BearerToken | None = None, incarnation: str | None = None) -> None:
         self.index = index
         self.address = address
         # Every call (and every stream when it opens) carries the token's current value as metadata.
@@ -61,12 +61,21 @@ class ShardChannel:
         #: The long-lived stream for small requests (see worker_client.lane).
         self._finish = self._channel.unary_unary(method_path("Finish"))
         exchange = self._channel.stream_stream(method_path("Exchange"))
+        # The server bounds the Exchange streams of each worker process (incarnation).
+        self._incarnation = incarnation
         self.lane = ExchangeLane(lambda requests, timeout: exchange(requests, timeout=timeout,
-                                                                    metadata=self._metadata), address)
+                                                                    metadata=self._lane_metadata()), address)
 
     @property
     def _metadata(self) -> tuple[tuple[str, str], ...] | None:
         return self._token.metadata()
+
+    def _lane_metadata(self) -> tuple[tuple[str, str], ...] | None:
+        """The token's current value, and the incarnation the server bounds this stream under."""
+        metadata = tuple(self._metadata or ())
+        if self._incarnation:
+            metadata += ((INCARNATION_METADATA_KEY, self._incarnation),)
+        return metadata or None
 
     def describe(self, request: bytes, timeout: float) -> bytes:
         return self._guard("describe", lambda: self._describe(request, timeout=timeout, metadata=self._metadata))
@@ -120,7 +129,7 @@ class ShardChannel:
         """
         if self._closed:
             raise PSError(f"{what}: the client was closed", address=self.address)
-        if not self.lane.try_acquire():
+        if self.lane.refused or not self.lane.try_acquire():
             return None
         try:
             request_id = self.lane.send(field, payload)
