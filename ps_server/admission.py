@@ -75,8 +75,9 @@ class Admission:
             if self._streams >= self.max_streams:
                 raise RequestError(
                     Reason.EXCHANGE_STREAMS,
-                    f"this ps-server holds {self._streams} exchange streams, its limit (--max-exchange-streams "
-                    f"{self.max_streams}); use ordinary calls (the worker client does so by itself)")
+                    f"this ps-server holds {self._streams} exchange streams, its limit "
+                    f"(--max-exchange-streams {self.max_streams}); use ordinary calls (the worker client "
+                    "does so by itself)")
             held = self._by_incarnation.get(incarnation, 0)
             if incarnation and held >= self._per_incarnation:
                 raise RequestError(

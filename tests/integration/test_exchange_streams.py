@@ -10,6 +10,8 @@ EXCHANGE_STREAMS, and the client sends the request as an ordinary call.
 
 from __future__ import annotations
 
+import queue
+
 import grpc
 import numpy as np
 import pytest
@@ -25,9 +27,7 @@ MAX_STREAMS = 3
 
 
 def _open_stream(channel: grpc.Channel, incarnation: str | None):
-    """An Exchange stream that has answered one pull (so the server holds it); (stream, requests to close it)."""
-    import queue
-
+    """A stream that has answered one pull (so the server holds it), and the queue that ends it."""
     requests: queue.SimpleQueue = queue.SimpleQueue()
     metadata = ((INCARNATION_METADATA_KEY, incarnation),) if incarnation else None
     stream = channel.stream_stream(method_path("Exchange"))(iter(requests.get, None), timeout=60,
@@ -49,7 +49,8 @@ def _expect_refused(channel: grpc.Channel, incarnation: str | None, fragment: st
 
 
 def test_idle_clients_beyond_both_bounds_lock_out_nobody(cluster_factory, tmp_path):
-    cluster = cluster_factory(1, "--max-concurrent-rpcs", str(MAX_RPCS), "--max-exchange-streams", str(MAX_STREAMS),
+    cluster = cluster_factory(1, "--max-concurrent-rpcs", str(MAX_RPCS),
+                              "--max-exchange-streams", str(MAX_STREAMS),
                               "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-interval", "3600")
     clients: list[PSClient] = []
     try:
@@ -76,7 +77,8 @@ def test_idle_clients_beyond_both_bounds_lock_out_nobody(cluster_factory, tmp_pa
             for client in clients:
                 np.testing.assert_array_equal(client.pull(["w"])["w"], np.full(4, -(len(clients) + 1.0)))
             workers = late.describe()[0].workers
-        assert {w for w, record in workers.items() if record["live"]} == {c.worker_id for c in clients} | {"late"}
+        live = {w for w, record in workers.items() if record["live"]}
+        assert live == {c.worker_id for c in clients} | {"late"}
     finally:
         for client in clients:
             client.close()

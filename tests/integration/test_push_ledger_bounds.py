@@ -46,7 +46,8 @@ def _chunk(offset: int, values: np.ndarray) -> OutgoingChunk:
 ONES = np.ones(4, np.float32)
 
 
-def _push(channel: grpc.Channel, worker: str, incarnation: str, sequence: int, halves: int) -> ps_pb2.PushResponse:
+def _push(channel: grpc.Channel, worker: str, incarnation: str, sequence: int,
+          halves: int) -> ps_pb2.PushResponse:
     """Push 1 to each of w's 8 elements in two chunks of 4; send only the first ``halves`` of them."""
     messages = [encode_push_request(_begin(worker, incarnation, sequence), [_chunk(0, ONES)]),
                 encode_push_request(None, [_chunk(4, ONES)])][:halves]
