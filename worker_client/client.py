@@ -71,6 +71,7 @@ from worker_client.errors import (
     InvalidArgumentError,
     PSError,
     PSUnavailableError,
+    PushWrittenOffError,
     ShapeMismatchError,
     VariableNotFoundError,
 )
@@ -183,6 +184,51 @@ class _PushItem:
     values: np.ndarray | RowGather
     row_ids: bytes = b""
     row_elements: int = 1
+
+
+@dataclass
+class _ShardPush:
+    """One shard's part of a push as it is sent: every retry sends exactly this again."""
+
+    shard_index: int
+    items: list[_PushItem]
+    kind: int
+    sequence: int
+    base_versions: dict[str, int]
+    step: int
+    pull_after: bytes | None = None
+    #: Where the values pull_after asks for go.
+    after: list[PullItem] | None = None
+
+    def detached(self) -> _ShardPush:
+        """The same push with its own copy of the values (the caller's arrays may change), no pull_after."""
+        items = [_PushItem(i.name, RowGather(i.values.gather(), np.arange(len(i.values.rows)))
+                           if isinstance(i.values, RowGather) else i.values.copy(), i.row_ids, i.row_elements)
+                 for i in self.items]
+        return _ShardPush(self.shard_index, items, self.kind, self.sequence, self.base_versions, self.step)
+
+
+@dataclass
+class _PushOutcome:
+    """What became of each shard's push of one push() call."""
+
+    sent: dict[int, _ShardPush] = field(default_factory=dict)
+    delivered: set[int] = field(default_factory=set)
+    failed: dict[int, BaseException] = field(default_factory=dict)
+
+
+def _may_complete_later(error: BaseException | None) -> bool:
+    """Whether the same push, sent again, can still complete: the shard did not answer (or was cut off)."""
+    return not isinstance(error, PSError) or isinstance(error, PSUnavailableError)
+
+
+def _refused_whole(error: BaseException | None) -> bool:
+    """Whether the shard refused the push, so none of it was applied.
+
+    A server refuses a push before it applies anything. A push written off
+    by the shard's ledger may be partly applied and is not counted here.
+    """
+    return error is not None and not _may_complete_later(error) and not isinstance(error, PushWrittenOffError)
 
 
 _conversion = threading.local()
@@ -382,6 +428,9 @@ class PSClient:
         #: no push started after its own (so every push is seen by the next step).
         self._push_generation = 0
         self._prefetched: dict[int, _Prefetch] = {}
+        #: Top-k: per shard, the push it did not confirm, sent again before the next one
+        #: (guarded by the compressor's pushing(); see _push_topk).
+        self._unfinished: dict[int, _ShardPush] = {}
         #: The servers' --consistency: "async", "ssp" or "sync" (read on connect).
         self.consistency = "async"
         self._closed = False
@@ -767,6 +816,11 @@ class PSClient:
         goes to each shard as one push, which synchronous mode requires of a
         step. Each server runs the optimizers as the chunks arrive. Returns
         the shards pushed to.
+
+        With ``topk_ratio``, the gradients are taken into the residual even
+        when this raises PSUnavailableError: a shard's push that was not
+        confirmed is sent again, unchanged, at the start of the next push
+        (see :meth:`_push_topk`), so do not push the same gradients again.
         """
         return self._push(gradients, rows, None)
 
@@ -782,29 +836,80 @@ class PSClient:
         # Top-k: rows chosen from dense gradients, and the gradients they came from.
         selected: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         chosen_from: dict[str, np.ndarray] = {}
-        delivered: set[int] = set()
         with self._topk.pushing() if self._topk is not None else contextlib.nullcontext():
-            try:
-                self._add_dense(gradients, variables, rows, by_shard, selected, chosen_from)
-                for name, pair in rows.items():
-                    if not isinstance(pair, tuple) or len(pair) != 2:
-                        raise TypeError(f"rows[{name!r}] must be a tuple (ids, gradients), "
-                                        f"got {type(pair).__name__}")
-                for name, pair in [*rows.items(), *selected.items()]:
-                    for shard, item in self._row_items(variables[name], *pair).items():
-                        by_shard.setdefault(shard, []).append(item)
-                shards = self._send_push(by_shard, ps_pb2.GRADIENT, self._prefetch_plan(by_shard, next_pull),
-                                         delivered)
-            except BaseException:
-                for name, (ids, _) in selected.items():
-                    # Rows a shard confirmed were applied; the rest of the push did not happen.
-                    applied = [ids[at] for shard, at in self._rows_by_shard(variables[name], ids).items()
-                               if shard in delivered]
-                    self._topk.settle(name, chosen_from[name], ids, np.concatenate([ids[:0], *applied]))
-                raise
-            for name, (ids, _) in selected.items():
-                self._topk.settle(name, chosen_from[name], ids)
+            # Everything is checked (and the rows chosen) before anything is sent or settled:
+            # a bad argument changes neither the residual nor the servers.
+            self._add_dense(gradients, variables, rows, by_shard, selected, chosen_from)
+            for name, pair in rows.items():
+                if not isinstance(pair, tuple) or len(pair) != 2:
+                    raise TypeError(f"rows[{name!r}] must be a tuple (ids, gradients), "
+                                    f"got {type(pair).__name__}")
+            for name, pair in [*rows.items(), *selected.items()]:
+                for shard, item in self._row_items(variables[name], *pair).items():
+                    by_shard.setdefault(shard, []).append(item)
+            if self._topk is None:
+                return self._send_push(by_shard, ps_pb2.GRADIENT, self._prefetch_plan(by_shard, next_pull))
+            return self._push_topk(by_shard, variables, selected, chosen_from, next_pull)
+
+    def _push_topk(self, by_shard: dict[int, list[_PushItem]], variables: dict[str, Variable],
+                   selected: dict[str, tuple[np.ndarray, np.ndarray]], chosen_from: dict[str, np.ndarray],
+                   next_pull: _NextPull | None) -> set[int]:
+        """Send a top-k push (the caller holds ``self._topk.pushing()``) and settle the residual.
+
+        Every gradient given to push() is taken into the residual; the rows
+        sent are owed nothing once the shard that holds them applied them.
+        A shard that did not answer (PSUnavailableError) may have applied
+        part of its push: that push is kept, with its sequence, and the next
+        push first sends it again, so the shard's ledger completes exactly
+        what is missing (never a row twice, never a row lost). A shard that
+        refused its push applied none of it: its rows are owed again.
+        """
+        topk = self._topk
+        nothing = np.empty(0, dtype=np.int64)
+        try:
+            self._finish_unfinished_pushes()
+        except BaseException:
+            for name in selected:  # nothing of this push was sent: its gradient is owed whole
+                topk.settle(name, chosen_from[name], nothing)
+            raise
+        outcome = _PushOutcome()
+        try:
+            shards = self._send_push(by_shard, ps_pb2.GRADIENT, self._prefetch_plan(by_shard, next_pull),
+                                     outcome)
+        except BaseException:
+            refused = {shard for shard in by_shard
+                       if shard not in outcome.sent or _refused_whole(outcome.failed.get(shard))}
+            pending = {shard for shard in by_shard if shard not in outcome.delivered and shard not in refused
+                       and _may_complete_later(outcome.failed.get(shard))}
+            for name, (ids, sent_rows) in selected.items():
+                back = [at for shard, at in self._rows_by_shard(variables[name], ids).items()
+                        if shard in refused]
+                owed_again = np.concatenate([np.arange(len(ids))[at] for at in back]) if back else nothing
+                topk.settle(name, chosen_from[name], ids, ids[owed_again], sent_rows[owed_again])
+            for shard in pending:
+                if any(item.name in selected for item in by_shard[shard]):
+                    self._unfinished[shard] = outcome.sent[shard].detached()
+            raise
+        for name, (ids, _) in selected.items():
+            topk.settle(name, chosen_from[name], ids)
         return shards
+
+    def _finish_unfinished_pushes(self) -> None:
+        """Send again, unchanged, the top-k pushes a shard did not confirm (see :meth:`_push_topk`).
+
+        Raises like a push when one still fails; a shard that refuses one, or
+        whose ledger wrote it off, will never complete it: it is dropped.
+        """
+        if not self._unfinished:
+            return
+        outcome = _PushOutcome()
+        try:
+            self._run_pushes(dict(self._unfinished), None, outcome)
+        finally:
+            for shard in list(self._unfinished):
+                error = outcome.failed.get(shard)
+                if shard in outcome.delivered or (error is not None and not _may_complete_later(error)):
+                    del self._unfinished[shard]
 
     def _add_dense(self, gradients: Mapping[str, Any], variables: dict[str, Variable],
                    rows: Mapping[str, Any], by_shard: dict[int, list[_PushItem]],
@@ -1012,6 +1117,10 @@ class PSClient:
         if self._closed:
             return
         self._closed = True
+        if self._unfinished:  # top-k pushes no later push completed (see _push_topk)
+            log.warning("top-k push left unfinished", extra={"fields": {
+                "shards": sorted(self._unfinished),
+                "meaning": "the client was closed before a push completed them; they may be partly applied"}})
         self._stop_heartbeat.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join()
@@ -1178,42 +1287,55 @@ class PSClient:
         return [known[name] for name in dict.fromkeys(names)]
 
     def _send_push(self, by_shard: dict[int, list[_PushItem]], kind: int,
-                   prefetch: _Prefetch | None = None, delivered: set[int] | None = None) -> set[int]:
+                   prefetch: _Prefetch | None = None, outcome: _PushOutcome | None = None) -> set[int]:
         """Push to every shard in ``by_shard`` at once; returns the shards pushed to.
 
         With ``prefetch``, each shard also answers the values it lists
         (PushBegin.pull_after); they are kept for this thread's next step.
-        ``delivered`` collects the shards that confirmed the push, also when
-        another one fails.
+        ``outcome`` records each shard's push as sent, and which shards
+        confirmed it or failed, also when one fails.
         """
+        pushes = {i: self._new_shard_push(i, by_shard[i], kind,
+                                          prefetch.by_shard.get(i) if prefetch else None)
+                  for i in sorted(by_shard)}
+        self._run_pushes(pushes, prefetch, outcome)
+        return set(by_shard)
+
+    def _new_shard_push(self, shard_index: int, items: list[_PushItem], kind: int,
+                        after: list[PullItem] | None) -> _ShardPush:
+        # The sequence is taken once: every retry resends the same push,
+        # chunked the same way, so the server applies it exactly once.
+        with self._lock:
+            sequence = next(self._sequences[shard_index])
+            base_versions = {i.name: self._versions.get(i.name, {}).get(shard_index, 0) for i in items}
+            step = self._step
+        pull_after = self._pull_request(self._shards[shard_index], after, step_ahead=1) if after else None
+        return _ShardPush(shard_index, items, kind, sequence, base_versions, step, pull_after, after)
+
+    def _run_pushes(self, pushes: dict[int, _ShardPush], prefetch: _Prefetch | None,
+                    outcome: _PushOutcome | None) -> None:
+        """Send ``pushes`` (one per shard) at once, each retried as one push (see _push_call)."""
         with self._lock:
             self._push_generation += 1
             generation = self._push_generation
-
-        results = self._run_calls(
-            self._push_call(self._shards[i], by_shard[i], kind, prefetch.by_shard.get(i) if prefetch else None,
-                            delivered)
-            for i in sorted(by_shard))
+        if outcome is not None:
+            outcome.sent.update(pushes)
+        results = run_shard_calls((self._push_call(push, outcome) for push in pushes.values()),
+                                  self._executor, self._call, outcome.failed if outcome is not None else None)
         if prefetch is not None and all(results.get(s, False) for s in prefetch.by_shard):
             prefetch.generation = generation
             prefetch.fetched_at = time.monotonic()
             with self._lock:
                 self._prefetched[threading.get_ident()] = prefetch
-        return set(by_shard)
 
-    def _push_call(self, shard: ShardChannel, items: list[_PushItem], kind: int,
-                   after: list[PullItem] | None, delivered: set[int] | None = None) -> ShardCall:
-        """One shard's push; its result is True when it also brought back ``after``'s values."""
-        # The sequence is taken once: every retry resends the same push,
-        # chunked the same way, so the server applies it exactly once.
-        with self._lock:
-            sequence = next(self._sequences[shard.index])
-            base_versions = {i.name: self._versions.get(i.name, {}).get(shard.index, 0) for i in items}
-            step = self._step
+    def _push_call(self, push: _ShardPush, outcome: _PushOutcome | None = None) -> ShardCall:
+        """One shard's push; its result is True when it also brought back ``push.after``'s values."""
+        shard = self._shards[push.shard_index]
+        items = push.items
         ticket = self._take_ticket()
-        receiver = PullReceiver(shard.address, after) if after else None
-        pull_after = self._pull_request(shard, after, step_ahead=1) if after else None
-        message = (shard.index, items, kind, sequence, base_versions, step, pull_after)
+        receiver = PullReceiver(shard.address, push.after) if push.after else None
+        message = (push.shard_index, items, push.kind, push.sequence, push.base_versions, push.step,
+                   push.pull_after)
 
         def ordinary() -> bytes:
             # Each message is joined before the generator converts the next chunk.
@@ -1222,8 +1344,8 @@ class PSClient:
 
         def finish(answer: bytes | memoryview) -> bool:
             response, pulled = split_push_response(answer)
-            if delivered is not None:
-                delivered.add(shard.index)  # applied, whatever happens to the values riding back
+            if outcome is not None:
+                outcome.delivered.add(shard.index)  # applied, whatever happens to the values riding back
             if response.duplicate and call.attempts > 1:
                 with self._lock:
                     self._stats["duplicate_acks"] += 1

@@ -72,8 +72,12 @@ class ShardCall:
 
 
 def run_shard_calls(calls: Iterable[ShardCall], executor: Executor,
-                    call: Callable[[ShardChannel, str, Callable[[], Any]], Any]) -> dict[int, Any]:
-    """Run every call at once; {shard index: result}. Raises the first error by shard order."""
+                    call: Callable[[ShardChannel, str, Callable[[], Any]], Any],
+                    errors: dict[int, BaseException] | None = None) -> dict[int, Any]:
+    """Run every call at once; {shard index: result}. Raises the first error by shard order.
+
+    ``errors``, when given, receives every shard's error (not just the one raised).
+    """
     calls = list(calls)
     sent: dict[int, PendingExchange] = {}
     for c in calls:
@@ -89,7 +93,7 @@ def run_shard_calls(calls: Iterable[ShardCall], executor: Executor,
     inline = others[0] if others and not sent else None
     futures = {c.shard.index: executor.submit(c.run, call) for c in others if c is not inline}
     results: dict[int, Any] = {}
-    errors: dict[int, BaseException] = {}
+    errors = {} if errors is None else errors
     # Every sent request is read here, even after an error: each holds its shard's lane.
     for c in calls:
         index = c.shard.index

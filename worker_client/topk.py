@@ -9,11 +9,14 @@ servers already update sparsely (``push_rows`` on a dense variable), so
 the ids travel once per row instead of once per element, and the servers
 need nothing new. A 1-D variable's rows are its elements.
 
-A push is two-phase, so that one that fails changes nothing it should
-not: :meth:`TopKRows.choose` picks the rows of ``owed + gradient`` without
-changing what is owed, and :meth:`TopKRows.settle` records the outcome.
-After a push that raised, the gradient is not taken in; only the rows a
-shard confirmed are owed nothing (they were applied).
+A push is two-phase: :meth:`TopKRows.choose` picks the rows of
+``owed + gradient`` without changing what is owed (a push refused for a
+bad argument changes nothing), and :meth:`TopKRows.settle` records what
+was sent. Every gradient settled is taken in; the rows sent are owed
+nothing, except rows a shard refused whole, which are owed again. Rows
+sent to a shard that did not answer stay sent: the client sends that same
+push again (same sequence, so the shard's ledger applies exactly what it
+is missing) before its next one (worker_client.client, ``_push_topk``).
 
 The residual is one copy of each variable the worker pushes: the memory
 price of error feedback.
@@ -73,20 +76,20 @@ class TopKRows:
         sent = owed[ids] + rows[ids]
         return ids, sent.reshape((k, *gradient.shape[1:]))
 
-    def settle(self, name: str, gradient: np.ndarray, ids: np.ndarray, applied: np.ndarray | None = None) -> None:
-        """Record a push of rows ``ids`` chosen for ``gradient``.
+    def settle(self, name: str, gradient: np.ndarray, ids: np.ndarray, back_ids: np.ndarray | None = None,
+               back_rows: np.ndarray | None = None) -> None:
+        """Take ``gradient`` in and record that rows ``ids`` (chosen for it) were sent.
 
-        ``applied=None``: it was delivered, so the gradient is taken in and
-        the rows sent are owed nothing. Otherwise it failed: the gradient is
-        not taken in, and only the rows ``applied`` (those a shard
-        confirmed) are owed nothing.
+        The rows sent are owed nothing, except ``back_ids``: rows that were
+        not applied after all (a shard refused them), owed again as
+        ``back_rows`` (what :meth:`choose` returned for them). Empty ``ids``:
+        nothing was sent, the whole gradient is owed.
         """
         owed = self._owed[name]
-        if applied is None:
-            owed += gradient.reshape(owed.shape)
-            owed[ids] = 0
-        else:
-            owed[applied] = 0
+        owed += gradient.reshape(owed.shape)
+        owed[ids] = 0
+        if back_ids is not None and len(back_ids):
+            owed[back_ids] = back_rows.reshape(len(back_ids), -1)
 
     def residuals(self) -> dict[str, np.ndarray]:
         """Copies of what each variable is still owed, one row per row of the variable."""

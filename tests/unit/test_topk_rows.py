@@ -50,7 +50,7 @@ def test_the_largest_owed_rows_go_out_and_the_rest_is_owed(case):
     np.testing.assert_array_equal(sent_total + topk.residuals()["w"], np.sum(grads, axis=0))
 
 
-def test_a_failed_push_takes_nothing_in_but_what_was_applied():
+def test_settle_takes_the_gradient_in_and_owes_refused_rows_again():
     topk = TopKRows(0.5)
     first = np.arange(12, dtype=np.float32).reshape(4, 3)
     _push(topk, "w", first)  # rows 2 and 3 sent; rows 0 and 1 owed
@@ -61,8 +61,14 @@ def test_a_failed_push_takes_nothing_in_but_what_was_applied():
         ids, rows = topk.choose("w", second)
         np.testing.assert_array_equal(ids, [0, 1])
         assert np.array_equal(topk._owed["w"], owed)  # choosing changes nothing
-        topk.settle("w", second, ids, applied=np.array([1]))  # only row 1's shard confirmed
-    np.testing.assert_array_equal(topk.residuals()["w"], [[0, 1, 2], [0, 0, 0], [0, 0, 0], [0, 0, 0]])
+        topk.settle("w", second, ids, ids[1:], rows[1:])  # row 1's shard refused its push
+    np.testing.assert_array_equal(topk.residuals()["w"],
+                                  [[0, 0, 0], [13, 14, 15], [10, 10, 10], [10, 10, 10]])
+    with topk.pushing():
+        topk.choose("w", second)
+        topk.settle("w", second, np.empty(0, np.int64))  # nothing sent: the whole gradient is owed
+    np.testing.assert_array_equal(topk.residuals()["w"],
+                                  [[10, 10, 10], [23, 24, 25], [20, 20, 20], [20, 20, 20]])
 
 
 def test_rows_are_ranked_in_blocks_like_all_at_once(monkeypatch):
