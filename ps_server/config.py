@@ -83,7 +83,9 @@ class ServerConfig:
     keep_freed_bytes: int = DEFAULT_TRIM_THRESHOLD
     malloc_arenas: int = DEFAULT_ARENA_MAX
     max_concurrent_rpcs: int = 256
-    max_exchange_streams: int = 1024
+    # One idle stream per worker process: room for 256 workers, each replacing its
+    # stream; each holds a thread and up to --stream-window-bytes of receive window.
+    max_exchange_streams: int = 512
     drain_timeout: float = 30.0
     checkpoint_interval: float = 300.0
     keep_checkpoints: int = 3

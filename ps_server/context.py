@@ -41,4 +41,4 @@ class ShardContext:
     finish_requested: threading.Event | None = None
     allow_finish: bool = False
     #: Bounds on ordinary calls and Exchange streams in progress (ps_server.admission).
-    admission: Admission = field(default_factory=lambda: Admission(256, 1024))
+    admission: Admission = field(default_factory=lambda: Admission(256, 512))
