@@ -353,7 +353,9 @@ class VariableStore:
         #: (Unlocked increments may collapse under races, but never to "unchanged".)
         self.generation = 0
         # Guards _parts, _filling and _reserved. Lock order: this lock, then a part's.
-        self._lock = threading.Lock()
+        # Reentrant: a staged upload gives its bytes back when it is garbage
+        # (InitialUpload), which may happen in a thread that holds this lock.
+        self._lock = threading.RLock()
         self._parts: dict[str, VariablePart | HashTablePart] = {}
         #: Variables being created (filled outside the gate): set when installed or given up.
         self._filling: dict[str, threading.Event] = {}

@@ -4,6 +4,7 @@ pushes, and durable the moment it returns."""
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import signal
 import threading
@@ -25,20 +26,26 @@ def _ckpt_args(root, interval: float = 300) -> tuple[str, ...]:
     return ("--checkpoint-dir", str(root), "--checkpoint-interval", str(interval))
 
 
-_INITIAL = """
-def _initial(name, size):
-    \"\"\"A variable's explicit initial value; every creator builds the same one from the name.\"\"\"
+def _size(name: str) -> int:
+    """Small variables (one chunk, one shard) race most: an upload completes between another
+    creator's create and its upload; "large" is split over both shards and uploaded in many
+    chunks, so its uploads overlap."""
+    return 120_000 if name == "large" else 2000
+
+
+def _initial(name: str, size: int) -> np.ndarray:
+    """A variable's explicit initial value; every creator builds the same one from the name."""
     seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
     return np.random.default_rng(seed).standard_normal(size).astype(np.float32)
-"""
-exec(_INITIAL)
 
+
+# A creator process: connects, says "ready", waits for the start file, creates every variable.
 _CREATOR = """
 import hashlib, json, os, sys, time
 import numpy as np
 from worker_client import PSClient
-""" + _INITIAL + """
-addresses, names, size, go = sys.argv[1].split(","), sys.argv[2].split(","), int(sys.argv[3]), sys.argv[4]
+""" + inspect.getsource(_size) + inspect.getsource(_initial) + """
+addresses, names, go = sys.argv[1].split(","), sys.argv[2].split(","), sys.argv[3]
 outcomes = {}
 with PSClient(addresses, chunk_bytes=8192) as client:
     client.describe()  # connected
@@ -48,7 +55,7 @@ with PSClient(addresses, chunk_bytes=8192) as client:
         time.sleep(0.005)
     for name in names:
         try:
-            client.create_variable(name, shape=(size,), initializer=_initial(name, size))
+            client.create_variable(name, shape=(_size(name),), initializer=_initial(name, _size(name)))
             outcomes[name] = "ok"
         except Exception as exc:
             outcomes[name] = f"{type(exc).__name__}: {exc}"
@@ -59,11 +66,10 @@ print(json.dumps(outcomes), flush=True)
 def test_concurrent_creates_from_equal_arrays_all_succeed(cluster_factory, tmp_path):
     """Threads and processes create the same variables from their own equal arrays at once."""
     cluster = cluster_factory(2, *_ckpt_args(tmp_path / "ckpt"))
-    names = [f"w{i}" for i in range(6)]
-    size = 120_000  # ~470 KB: split over both shards, many 8 KB chunks per upload
+    names = [f"w{i}" for i in range(10)] + ["large"]
     go = tmp_path / "go"
-    processes = [cluster_factory.python(_CREATOR, ",".join(cluster.addresses), ",".join(names), str(size),
-                                        str(go)) for _ in range(3)]
+    processes = [cluster_factory.python(_CREATOR, ",".join(cluster.addresses), ",".join(names), str(go))
+                 for _ in range(3)]
     outcomes: list[dict[str, str]] = []
     lock = threading.Lock()
     barrier = threading.Barrier(5)
@@ -74,7 +80,8 @@ def test_concurrent_creates_from_equal_arrays_all_succeed(cluster_factory, tmp_p
             barrier.wait(HANG)
             for name in names:
                 try:
-                    client.create_variable(name, shape=(size,), initializer=_initial(name, size))
+                    client.create_variable(name, shape=(_size(name),),
+                                           initializer=_initial(name, _size(name)))
                     result[name] = "ok"
                 except Exception as exc:  # recorded, asserted below
                     result[name] = f"{type(exc).__name__}: {exc}"
@@ -100,10 +107,10 @@ def test_concurrent_creates_from_equal_arrays_all_succeed(cluster_factory, tmp_p
     with PSClient(cluster.addresses) as client:
         values = client.pull(names)
         for name in names:
-            np.testing.assert_array_equal(values[name], _initial(name, size))
+            np.testing.assert_array_equal(values[name], _initial(name, _size(name)))
         infos = client.describe()
         # Every staging buffer was given back: only the variables themselves are stored.
-        assert sum(info.stored_bytes for info in infos) == len(names) * size * 4
+        assert sum(info.stored_bytes for info in infos) == sum(_size(name) * 4 for name in names)
 
 
 def test_a_late_slow_upload_never_overwrites_trained_values(cluster_factory):
@@ -112,7 +119,8 @@ def test_a_late_slow_upload_never_overwrites_trained_values(cluster_factory):
     address = cluster.addresses[0]
     size, quarter = 4000, 1000
     value = _initial("v", size)
-    spec = VariableSpec("v", (size,), "float32", initializer=Explicit(hashlib.sha256(value.tobytes()).digest()),
+    digest = hashlib.sha256(value.tobytes()).digest()
+    spec = VariableSpec("v", (size,), "float32", initializer=Explicit(digest),
                         optimizer=SGD(learning_rate=1.0))
     release = threading.Event()
     answers: list[ps_pb2.PushResponse | grpc.RpcError] = []
@@ -122,9 +130,9 @@ def test_a_late_slow_upload_never_overwrites_trained_values(cluster_factory):
         return OutgoingChunk(header, byte_view(as_wire_array(value[offset:offset + quarter])))
 
     def messages():
-        begin = ps_pb2.PushBegin(worker_id="slow", incarnation="slow-1", sequence=1, shard_index=0, num_shards=1,
-                                 kind=ps_pb2.ASSIGN,
-                                 items=[ps_pb2.PushItem(variable="v", elements=size, wire_dtype=ps_pb2.FLOAT32)])
+        item = ps_pb2.PushItem(variable="v", elements=size, wire_dtype=ps_pb2.FLOAT32)
+        begin = ps_pb2.PushBegin(worker_id="slow", incarnation="slow-1", sequence=1, shard_index=0,
+                                 num_shards=1, kind=ps_pb2.ASSIGN, items=[item])
         yield encode_push_request(begin, [chunk(0)])
         assert release.wait(HANG)
         for offset in range(quarter, size, quarter):
