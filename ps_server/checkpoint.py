@@ -188,6 +188,12 @@ def _existing_ids(directory: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in directory.iterdir() if (m := _CKPT.fullmatch(p.name)))
 
 
+def oldest_checkpoint(directory: Path) -> Path | None:
+    """The oldest checkpoint kept in a shard directory (None if there is none)."""
+    ids = _existing_ids(directory)
+    return directory / f"ckpt-{ids[0]:010d}" if ids else None
+
+
 def clean_temporaries(directory: Path) -> None:
     """Remove half-written checkpoints left by a crash (call before writing)."""
     if directory.is_dir():

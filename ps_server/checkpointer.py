@@ -88,6 +88,8 @@ class Checkpointer:
                                          self._store.snapshot(), {"entries": self._ledger.snapshot(self._persist_open_pushes)})
             pause = time.perf_counter() - paused
             written = write_checkpoint(self._directory, snapshot, self._keep)
+            if self._store.spec_log is not None:
+                self._store.spec_log.prune()  # what every kept checkpoint holds needs no record
             record = CheckpointRecord(written, pause)
             with self._last_lock:
                 self._last = record

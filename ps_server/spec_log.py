@@ -21,6 +21,10 @@ Every record carries a SHA-256 of itself, every value file's record the
 file's SHA-256: a torn last line (a crash during the append) or a damaged
 file is skipped with a log line, never loaded.
 
+After each checkpoint, the records of variables that the oldest kept
+checkpoint holds (with their values) are dropped: every checkpoint a
+restore could fall back to has them.
+
 On restore the log is replayed after the checkpoint: a variable the
 checkpoint does not hold is recreated with its initial value, and one the
 checkpoint holds still waiting for its value gets the value if the log has
@@ -53,6 +57,8 @@ from ps_server.checkpoint import (
     LoadedPart,
     RestorePlan,
     fsync_path,
+    oldest_checkpoint,
+    read_manifest,
     sha256_file,
     shard_dir,
     spec_from_json,
@@ -104,6 +110,10 @@ class SpecLog:
         self._path = self._directory / SPEC_LOG_FILE
         # Serialises appends, so records never interleave; guards nothing else.
         self._lock = threading.Lock()
+        values_dir = self._directory / VALUES_DIR
+        if values_dir.is_dir():  # value files half written when a server died
+            for path in values_dir.glob(".tmp-*"):
+                path.unlink(missing_ok=True)
 
     def record_spec(self, spec: VariableSpec) -> None:
         """Make ``spec`` durable (a variable this shard created)."""
@@ -124,6 +134,37 @@ class SpecLog:
                       "row_end": row_end, "file": f"{VALUES_DIR}/{name}",
                       "file_sha256": sha256_file(values_dir / name), "created_unix": time.time()})
 
+    def prune(self) -> None:
+        """Drop the records (and value files) of variables the oldest kept checkpoint holds.
+
+        Called after a checkpoint is written: any checkpoint a restore could
+        fall back to then holds those variables (with their values), so the
+        log only keeps what was created since and stays small.
+        """
+        oldest = oldest_checkpoint(self._directory)
+        if oldest is None:
+            return
+        try:
+            manifest = read_manifest(oldest)
+        except CheckpointError:
+            return  # damaged: keep everything; the next checkpoint tries again
+        held = {entry["spec"]["name"] for entry in manifest["variables"] if entry["initialized"]}
+        with self._lock:
+            records = _read_records(self._directory)
+            kept = [r for r in records if _variable(r) not in held]
+            if len(kept) == len(records):
+                return
+            tmp = self._directory / f".tmp-{SPEC_LOG_FILE}"
+            tmp.write_text("".join(_sealed({k: v for k, v in r.items() if k != "directory"}) + "\n"
+                                   for r in kept))
+            fsync_path(tmp)
+            os.rename(tmp, self._path)
+            fsync_path(self._directory, directory=True)
+            still_used = {r["file"] for r in kept if r["kind"] == "initial_value"}
+            for record in records:
+                if record["kind"] == "initial_value" and record["file"] not in still_used:
+                    (self._directory / record["file"]).unlink(missing_ok=True)
+
     def _append(self, record: dict[str, Any]) -> None:
         line = (_sealed(record) + "\n").encode()
         with self._lock:
@@ -137,6 +178,10 @@ class SpecLog:
                 os.close(fd)
             if new:
                 fsync_path(self._directory, directory=True)
+
+
+def _variable(record: dict[str, Any]) -> str:
+    return record["spec"]["name"] if record["kind"] == "spec" else record["variable"]
 
 
 def _read_records(directory: Path) -> list[dict[str, Any]]:

@@ -20,6 +20,8 @@ from ps_server.checkpoint import (
     shard_dir,
     write_checkpoint,
 )
+from ps_server.checkpointer import Checkpointer
+from ps_server.push_ledger import PushLedger
 from ps_server.spec_log import VALUES_DIR, SpecLog, replay_spec_logs
 from ps_server.store import VariableStore
 from wehub_ps.placement import FixedShardsPartitioner
@@ -118,3 +120,23 @@ def test_a_layout_with_checkpoints_on_some_shards_and_only_logs_on_others_is_not
     assert find_restore_plan(tmp_path, 0, 3) is None
     own = find_restore_plan(tmp_path, 1, 2)
     assert own is not None and own.checkpoints == {} and list(own.spec_logs) == [1]
+
+
+def test_records_of_what_every_kept_checkpoint_holds_are_pruned(tmp_path):
+    store = _created(tmp_path, 0, 1)
+    directory = shard_dir(tmp_path, 0, 1)
+    checkpointer = Checkpointer(store, PushLedger(), str(tmp_path), "s", keep=2, interval=0)
+    checkpointer.checkpoint("test")  # the oldest kept checkpoint holds all three: no record left
+    assert (directory / SPEC_LOG_FILE).read_text() == ""
+    assert list((directory / VALUES_DIR).iterdir()) == []
+    later = VariableSpec("later", (3,), "float32", initializer=Normal(seed=1))
+    store.create(later)
+    part = store.get("normal")
+    part.apply_gradient(0, np.ones(part.elements, np.float32), part.reserve_step())
+    store.generation += 1
+    checkpointer.checkpoint("test")  # the oldest kept one (the first) lacks "later": it stays
+    assert "later" in (directory / SPEC_LOG_FILE).read_text()
+    restored = _restored(tmp_path, 0, 1)
+    assert sorted(p.spec.name for p in restored.parts()) == ["later", "normal", "table", "uploaded"]
+    np.testing.assert_array_equal(restored.get("normal").value, part.value)
+    np.testing.assert_array_equal(restored.get("uploaded").value.reshape(20, 2), VALUE)
