@@ -338,6 +338,11 @@ def find_restore_plan(root: str | os.PathLike, shard_index: int, num_shards: int
     newest intact checkpoint of every old shard. Raises CheckpointError when
     the chosen checkpoints exist but none is usable: starting empty would
     silently throw the job's state away.
+
+    A shard directory holding only a spec log (variables created before its
+    first checkpoint; ps_server.spec_log) counts as state too, as recent as
+    the log's last record; the plan names the spec logs of the chosen layout
+    (``spec_logs``), replayed after its checkpoints.
     """
     root = Path(root)
     layouts = _layouts(root)

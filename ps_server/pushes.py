@@ -231,12 +231,14 @@ class ActivePush:
         versions = self._versions or {
             name: item.part.info().version for name, item in self._items.items()
         }
+        applied = self._applied_here
         if self._assign:  # an upload that did not become the value changed nothing
             duplicate = not self._installed
+            applied = applied if self._installed else 0
         else:
-            duplicate = session is None or (self._applied_here == 0 and session.total_elements > 0)
+            duplicate = session is None or (applied == 0 and session.total_elements > 0)
         cluster_step = self._consistency.cluster_step() if self._consistency is not None else 0
-        return PushResult(versions, duplicate, self._applied_here, self._dropped, cluster_step)
+        return PushResult(versions, duplicate, applied, self._dropped, cluster_step)
 
     def _install(self, session: PushSession) -> None:
         """A complete ASSIGN push: install each staged value unless its part has one already.
