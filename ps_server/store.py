@@ -470,19 +470,18 @@ class VariableStore:
         crash. Returns True when this upload became the value.
         """
         part = upload.part
-        if part.initialized:  # a bool read: no lock needed
+        buffer = upload.buffer  # read once: another upload's install may drop this one meanwhile
+        if part.initialized or buffer is None:  # (a bool read: no lock needed)
             upload.drop()
             return False
-        if self.spec_log is not None and upload.buffer is not None:
-            self.spec_log.record_initial_value(part.spec, part.row_start, part.row_end, upload.buffer)
+        if self.spec_log is not None:
+            self.spec_log.record_initial_value(part.spec, part.row_start, part.row_end, buffer)
         with self.gate.shared():
             with part.lock:
-                if part.initialized or upload.buffer is None:
-                    installed = False
-                else:
-                    part.value = upload.buffer
+                installed = not part.initialized  # (an install drops the others only after this)
+                if installed:
+                    part.value = buffer
                     part.initialized = True
-                    installed = True
                 others = list(part.uploads)
             if installed:
                 self.generation += 1
