@@ -92,7 +92,8 @@ class Checkpointer:
                 try:  # what every kept checkpoint holds needs no record
                     self._store.spec_log.prune()
                 except OSError:  # the checkpoint is written; a log kept longer harms nothing
-                    log.exception("pruning the spec log failed", extra={"fields": {"directory": self._directory}})
+                    log.exception("pruning the spec log failed",
+                                  extra={"fields": {"directory": self._directory}})
             record = CheckpointRecord(written, pause)
             with self._last_lock:
                 self._last = record
