@@ -394,19 +394,22 @@ class VariableStore:
         try:
             if isinstance(new, VariablePart):
                 new.allocate_and_fill()
-        except MemoryError:
+            with self.gate.shared():  # a checkpoint sees the variable either whole or not at all
+                with self._lock:
+                    self._parts[spec.name] = new
+                    del self._filling[spec.name]
+                self.generation += 1
+        except BaseException as exc:  # out of memory, or the gate sealed by a shutdown: nothing stays
             with self._lock:
-                self._reserved -= new.nbytes
-                del self._filling[spec.name]
-            filling.set()
-            raise RequestError(Reason.MEMORY_LIMIT,
-                               f"out of memory allocating {new.nbytes} bytes for {spec.name!r}") from None
-        with self.gate.shared():  # a checkpoint sees the variable either whole or not at all
-            with self._lock:
-                self._parts[spec.name] = new
-                del self._filling[spec.name]
-            self.generation += 1
-        filling.set()
+                if self._filling.get(spec.name) is filling:
+                    del self._filling[spec.name]
+                    self._reserved -= new.nbytes
+            if isinstance(exc, MemoryError):
+                raise RequestError(Reason.MEMORY_LIMIT,
+                                   f"out of memory allocating {new.nbytes} bytes for {spec.name!r}") from None
+            raise
+        finally:
+            filling.set()  # waiting creates of this name go on: with the part, or to try again
         self._make_durable(new)
         return new.info(), True
 

@@ -529,6 +529,16 @@ def test_create_fills_outside_the_apply_gate(monkeypatch):
     assert store.get("big").initialized
 
 
+def test_a_create_refused_by_a_sealed_gate_leaves_nothing_and_wakes_the_waiters():
+    store = VariableStore(0, 1, LIMIT)
+    store.gate.seal()  # the final checkpoint of a shutdown was taken
+    for _ in range(2):  # the second attempt would hang if the first had left its placeholder
+        with pytest.raises(RequestError) as info:
+            store.create(_spec("late", (10, 4), initializer=Normal()))
+        assert info.value.reason == Reason.SHUTTING_DOWN
+    assert store.parts() == [] and store.reserved_bytes == 0
+
+
 def test_empty_variable_push_completes_at_once():
     store, ledger = VariableStore(0, 1, LIMIT), PushLedger()
     store.create(_spec("z", (0, 3)))
