@@ -517,15 +517,25 @@ def test_create_fills_outside_the_apply_gate(monkeypatch):
         original(*args)
 
     monkeypatch.setattr(store_module, "fill_initial_values", slow_fill)
-    creator = threading.Thread(target=store.create, args=(_spec("big", (100, 4), initializer=Normal()),))
+    snapshotted: list[list[str]] = []
+
+    def checkpoint() -> None:
+        with store.gate.exclusive():  # waits for the create if the fill holds the gate
+            snapshotted.append([p.spec.name for p in store.parts()])
+
+    creator = threading.Thread(target=store.create, args=(_spec("big", (100, 4), initializer=Normal()),),
+                               name="creator")
+    checkpointer = threading.Thread(target=checkpoint, name="checkpointer")
     creator.start()
     try:
         assert filling.wait(30)
-        with store.gate.exclusive():  # would wait for the create if the fill held the gate
-            assert [p.spec.name for p in store.parts()] == [], "a part is visible only when filled"
+        checkpointer.start()
+        checkpointer.join(30)  # a bound that only detects the wait
+        assert snapshotted == [[]], "the checkpoint waited for the fill (or saw a part not yet filled)"
     finally:
         release.set()
         creator.join(30)
+        checkpointer.join(30)
     assert store.get("big").initialized
 
 
