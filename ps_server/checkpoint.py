@@ -8,6 +8,7 @@ Layout under ``--checkpoint-dir`` (one root shared by every shard of a job)::
             manifest.json         specs, row ranges, versions, optimizer steps,
                                   the exactly-once ledger, file checksums
         ckpt-0000000008/ ...
+        spec-log.jsonl            variables created since (see ps_server.spec_log)
 
 A checkpoint is written into a temporary directory, every file and the
 directory are fsynced, and only then is it renamed into place; the manifest
@@ -68,6 +69,7 @@ FORMAT = "wehub-ps-checkpoint"
 FORMAT_VERSION = 1
 TENSORS_FILE = "tensors.safetensors"
 MANIFEST_FILE = "manifest.json"
+SPEC_LOG_FILE = "spec-log.jsonl"
 _CKPT = re.compile(r"ckpt-(\d{10})")
 _SHARD_DIR = re.compile(r"shard-(\d+)-of-(\d+)")
 _SLOT_SEPARATOR = "@"  # variable names never contain it (see wehub_ps.specs)
@@ -131,8 +133,10 @@ class RestorePlan:
     """Which checkpoints to load: one per old shard of the chosen layout."""
 
     num_shards: int  # of the checkpoints (the old layout)
-    checkpoints: dict[int, Path]  # old shard index -> checkpoint directory
+    checkpoints: dict[int, Path]  # old shard index -> checkpoint directory (none before the first)
     manifests: dict[int, dict[str, Any]]
+    #: old shard index -> shard directory whose spec log to replay (ps_server.spec_log)
+    spec_logs: dict[int, Path] = field(default_factory=dict)
 
 
 def shard_dir(root: str | os.PathLike, shard_index: int, num_shards: int) -> Path:
@@ -171,10 +175,23 @@ def _spec_from_json(data: dict[str, Any]) -> VariableSpec:
     return VariableSpec.from_proto(json_format.ParseDict(data, ps_pb2.VariableSpec()))
 
 
+# Shared with ps_server.spec_log, which keeps its records next to the checkpoints.
+fsync_path = _fsync_path
+sha256_file = _sha256_file
+spec_to_json = _spec_to_json
+spec_from_json = _spec_from_json
+
+
 def _existing_ids(directory: Path) -> list[int]:
     if not directory.is_dir():
         return []
     return sorted(int(m.group(1)) for p in directory.iterdir() if (m := _CKPT.fullmatch(p.name)))
+
+
+def oldest_checkpoint(directory: Path) -> Path | None:
+    """The oldest checkpoint kept in a shard directory (None if there is none)."""
+    ids = _existing_ids(directory)
+    return directory / f"ckpt-{ids[0]:010d}" if ids else None
 
 
 def clean_temporaries(directory: Path) -> None:
@@ -285,23 +302,27 @@ def _newest_intact(directory: Path) -> tuple[Path, dict[str, Any]] | None:
 
 
 def _layouts(root: Path) -> dict[int, dict[int, Path]]:
+    """Shard directories holding state (checkpoints or a spec log), by shard count and index."""
     layouts: dict[int, dict[int, Path]] = {}
     if root.is_dir():
         for path in root.iterdir():
             m = _SHARD_DIR.fullmatch(path.name)
-            if m and path.is_dir() and _existing_ids(path):
+            if m and path.is_dir() and (_existing_ids(path) or (path / SPEC_LOG_FILE).exists()):
                 layouts.setdefault(int(m.group(2)), {})[int(m.group(1))] = path
     return layouts
 
 
 def _newest_time(directory: Path) -> float:
-    """When the newest checkpoint with a valid manifest in ``directory`` was taken (0 if none)."""
+    """When ``directory`` last changed: its newest valid checkpoint or spec log record (0 if none)."""
+    newest = 0.0
+    with contextlib.suppress(OSError):
+        newest = (directory / SPEC_LOG_FILE).stat().st_mtime
     for checkpoint_id in reversed(_existing_ids(directory)):
         try:
-            return float(read_manifest(directory / f"ckpt-{checkpoint_id:010d}")["created_unix"])
+            return max(newest, float(read_manifest(directory / f"ckpt-{checkpoint_id:010d}")["created_unix"]))
         except (CheckpointError, KeyError, TypeError, ValueError):
             continue
-    return 0.0
+    return newest
 
 
 def find_restore_plan(root: str | os.PathLike, shard_index: int, num_shards: int) -> RestorePlan | None:
@@ -317,10 +338,17 @@ def find_restore_plan(root: str | os.PathLike, shard_index: int, num_shards: int
     newest intact checkpoint of every old shard. Raises CheckpointError when
     the chosen checkpoints exist but none is usable: starting empty would
     silently throw the job's state away.
+
+    A shard directory holding only a spec log (variables created before its
+    first checkpoint; ps_server.spec_log) counts as state too, as recent as
+    the log's last record; the plan names the spec logs of the chosen layout
+    (``spec_logs``), replayed after its checkpoints.
     """
     root = Path(root)
     layouts = _layouts(root)
-    candidates = {m for m, dirs in layouts.items() if set(dirs) == set(range(m))}
+    # Another layout is used whole: every old shard checkpointed, or none did yet (spec logs only).
+    candidates = {m for m, dirs in layouts.items() if set(dirs) == set(range(m))
+                  and len({bool(_existing_ids(d)) for d in dirs.values()}) == 1}
     if shard_index in layouts.get(num_shards, {}):
         candidates.add(num_shards)
     if not candidates:
@@ -337,18 +365,22 @@ def find_restore_plan(root: str | os.PathLike, shard_index: int, num_shards: int
     directories = layouts[chosen]
     if chosen == num_shards:
         own = directories[shard_index]
+        if not _existing_ids(own):  # created variables, crashed before the first checkpoint
+            return RestorePlan(chosen, {}, {}, {shard_index: own})
         found = _newest_intact(own)
         if found is None:
             raise CheckpointError(f"every checkpoint in {own} is damaged; move the directory away to "
                                   "start from scratch, or restore a backup")
-        return RestorePlan(chosen, {shard_index: found[0]}, {shard_index: found[1]})
+        return RestorePlan(chosen, {shard_index: found[0]}, {shard_index: found[1]}, {shard_index: own})
     checkpoints, manifests = {}, {}
     for old_index, directory in sorted(directories.items()):
+        if not _existing_ids(directory):
+            continue  # spec logs only (see the candidates)
         found = _newest_intact(directory)
         if found is None:
             raise CheckpointError(f"every checkpoint of old shard {old_index} in {directory} is damaged")
         checkpoints[old_index], manifests[old_index] = found
-    return RestorePlan(chosen, checkpoints, manifests)
+    return RestorePlan(chosen, checkpoints, manifests, dict(directories))
 
 
 # ---- loading -----------------------------------------------------------------------------

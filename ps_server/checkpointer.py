@@ -88,6 +88,12 @@ class Checkpointer:
                                          self._store.snapshot(), {"entries": self._ledger.snapshot(self._persist_open_pushes)})
             pause = time.perf_counter() - paused
             written = write_checkpoint(self._directory, snapshot, self._keep)
+            if self._store.spec_log is not None:
+                try:  # what every kept checkpoint holds needs no record
+                    self._store.spec_log.prune()
+                except OSError:  # the checkpoint is written; a log kept longer harms nothing
+                    log.exception("pruning the spec log failed",
+                                  extra={"fields": {"directory": self._directory}})
             record = CheckpointRecord(written, pause)
             with self._last_lock:
                 self._last = record

@@ -1,11 +1,12 @@
 """Applies run together; a checkpoint snapshot runs alone.
 
 Every mutation of the store (a chunk applied, a push finalised, a variable
-created) holds the gate shared; a snapshot holds it exclusive, so the copy
-it takes of values, optimizer slots, versions and the exactly-once ledger
-is one consistent instant. A waiting snapshot stops new mutations from
-starting, so it cannot be starved, and the pause it causes is exactly the
-time of the in-memory copy.
+or an initial value installed) holds the gate shared, briefly: a new
+variable's values are generated before, outside the gate. A snapshot holds
+it exclusive, so the copy it takes of values, optimizer slots, versions and
+the exactly-once ledger is one consistent instant. A waiting snapshot stops
+new mutations from starting, so it cannot be starved, and the pause it
+causes is exactly the time of the in-memory copy.
 
 The final checkpoint of a shutdown seals the gate in the same exclusive
 hold as its snapshot: from then on every entry raises SHUTTING_DOWN, so

@@ -66,6 +66,9 @@ class PushSession:
     #: Synchronous mode: this push's gradients per variable until the push is whole
     #: (never checkpointed; see PushLedger.snapshot).
     staging: dict = field(default_factory=dict)
+    #: An ASSIGN push: its staged initial value per variable (store.InitialUpload) until it is
+    #: installed. Such a push lives in memory only: checkpoints leave it out (see snapshot).
+    uploads: dict = field(default_factory=dict)
     # Guards every field below and above. Taken directly (``with self._lock``),
     # not through the condition: a step of a small model takes it a few times
     # per variable, and Condition's own __enter__/__exit__ are Python calls.
@@ -354,12 +357,14 @@ class PushLedger:
 
         ``include_open=False`` leaves out unfinished pushes: in synchronous
         mode their effect lives in memory only (staged, not applied), so after
-        a restart they must be sent again in full.
+        a restart they must be sent again in full. Unfinished uploads of
+        initial values (``uploads``) are always left out, for the same reason.
         """
         with self._lock:
             return [{"worker_id": w, "incarnation": i, "done_below": st.done_below,
                      "done_above": sorted(st.done_above),
-                     "open": {str(seq): session.to_json() for seq, session in st.open.items()}
+                     "open": {str(seq): session.to_json() for seq, session in st.open.items()
+                              if not session.uploads}
                      if include_open else {},
                      "off_above": sorted(st.off_above),
                      "written_off": [list(r) for r in st.written_off],

@@ -90,6 +90,8 @@ class ActivePush:
         self._versions: dict[str, int] = {}
         self._dropped = decision == PushDecision.DROP
         self._metrics = metrics
+        #: An ASSIGN push: whether its upload became a variable's initial value.
+        self._installed = False
 
     def apply(self, chunk: DecodedChunk) -> None:
         """Check one chunk and apply it unless this push applied it before."""
@@ -188,7 +190,9 @@ class ActivePush:
                 else:
                     part.apply_rows(item.row_ids[first:end], grads)
             else:
-                part.assign(offset, values)
+                upload = session.uploads.get(name)
+                if upload is not None:  # staged; installed whole when the push completes
+                    upload.write(offset, values)
         except BaseException:
             session.release(name, offset)
             raise
@@ -222,12 +226,31 @@ class ActivePush:
                 f"push stream ended after {session.applied_elements} of {session.total_elements} "
                 "elements; the applied chunks are recorded, retry the same push to complete it",
             )
+        if self._assign and session is not None:
+            self._install(session)
         versions = self._versions or {
             name: item.part.info().version for name, item in self._items.items()
         }
-        duplicate = session is None or (self._applied_here == 0 and session.total_elements > 0)
+        applied = self._applied_here
+        if self._assign:  # an upload that did not become the value changed nothing
+            duplicate = not self._installed
+            applied = applied if self._installed else 0
+        else:
+            duplicate = session is None or (applied == 0 and session.total_elements > 0)
         cluster_step = self._consistency.cluster_step() if self._consistency is not None else 0
-        return PushResult(versions, duplicate, self._applied_here, self._dropped, cluster_step)
+        return PushResult(versions, duplicate, applied, self._dropped, cluster_step)
+
+    def _install(self, session: PushSession) -> None:
+        """A complete ASSIGN push: install each staged value unless its part has one already.
+
+        Runs at the end of every stream of the push (also a retry's, should
+        the first stream have broken after the last chunk), so it is never
+        left half done; installing is idempotent.
+        """
+        for upload in list(session.uploads.values()):
+            if self._store.install_upload(upload):
+                self._installed = True
+        self._ledger.finish(session)
 
     def _finalize(self) -> None:
         if self._decision == PushDecision.ACCUMULATE:
@@ -236,9 +259,11 @@ class ActivePush:
                 if not item.part.merge_staged(self._step, staging):
                     self._dropped = True  # the step was applied while this push streamed
                 self._versions[name] = item.part.info().version
+        elif self._assign:
+            return  # recorded as finished once installed (finish)
         elif self._decision == PushDecision.APPLY:
             for name, item in self._items.items():
-                self._versions[name] = item.part.finish_push(self._assign)
+                self._versions[name] = item.part.finish_push()
         self._ledger.finish(self._session)
 
 
@@ -308,9 +333,6 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
                                f"unknown wire dtype {declared.wire_dtype} for {declared.variable!r}") from None
         check_dtype_allowed(part, wire, assign)
         initialized = part.initialized  # a bool read: no lock needed
-        if assign and initialized and not already_done:
-            raise RequestError(Reason.INVALID_REQUEST,
-                               f"variable {declared.variable!r} already has its initial value")
         if not assign and not initialized:
             raise RequestError(
                 Reason.NOT_INITIALIZED,
@@ -325,7 +347,10 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
     decision = PushDecision.APPLY
     if consistency is not None and not assign and not already_done:
         decision = consistency.push_decision(begin.step)
-    session = ledger.begin(begin.worker_id, begin.incarnation, begin.sequence, total)
+    if assign:
+        session = _begin_upload(store, ledger, begin, items, total)
+    else:
+        session = ledger.begin(begin.worker_id, begin.incarnation, begin.sequence, total)
     push = ActivePush(store, ledger, begin, items, session, consistency, decision, metrics)
     if session is not None and total == 0 and not session.finalized:
         session.finalized = True
@@ -334,3 +359,34 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
             store.generation += 1
         push._after_complete()
     return push
+
+
+def _begin_upload(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin,
+                  items: dict[str, _Item], total: int) -> PushSession | None:
+    """The session of an ASSIGN push, with a staging buffer for each part still waiting for its value.
+
+    None (the push is a duplicate) when every part has its value already:
+    creating from an array is idempotent, the first complete upload wins.
+    Buffers are booked before the ledger is touched, so a refusal
+    (MEMORY_LIMIT) changes nothing.
+    """
+    waiting = [name for name, item in items.items() if not item.part.initialized]
+    if not waiting:
+        return None
+    staged = {}
+    try:
+        for name in waiting:
+            staged[name] = store.stage_upload(items[name].part)
+        session = ledger.begin(begin.worker_id, begin.incarnation, begin.sequence, total)
+    except BaseException:
+        for upload in staged.values():
+            upload.drop()
+        raise
+    if session is not None:
+        with session.cond:  # two streams of one push (an impatient retry) must share one buffer
+            if not session.uploads:
+                session.uploads.update(staged)
+                staged = {}
+    for upload in staged.values():  # done before, or a retry: the first buffers stay
+        upload.drop()
+    return session

@@ -39,6 +39,7 @@ from ps_server.membership import Membership
 from ps_server.metrics import Metrics
 from ps_server.push_ledger import PushLedger
 from ps_server.service import ParameterServerService
+from ps_server.spec_log import SpecLog, replay_spec_logs
 from ps_server.standard_services import HealthServicer, add_reflection
 from ps_server.store import VariableStore
 from wehub_ps.logs import event
@@ -69,6 +70,7 @@ class PSServer:
         self.metrics = Metrics()
         checkpointer = None
         if config.checkpoint_dir:
+            self.store.spec_log = SpecLog(config.checkpoint_dir, config.shard_index, config.num_shards)
             checkpointer = Checkpointer(self.store, self.ledger, config.checkpoint_dir, self.server_id,
                                         keep=config.keep_checkpoints, interval=config.checkpoint_interval,
                                         persist_open_pushes=config.consistency != "sync",
@@ -167,16 +169,18 @@ class PSServer:
         if plan is None:
             event(log, logging.INFO, "no checkpoint to restore", checkpoint_dir=config.checkpoint_dir)
             return
-        self.store.restore(load_parts(plan, config.shard_index, config.num_shards))
+        self.store.restore(replay_spec_logs(plan, load_parts(plan, config.shard_index, config.num_shards),
+                                            config.shard_index, config.num_shards))
         for part in self.store.parts():
             self.metrics.restored_version.labels(part.spec.name).set(part.version)
         resharded = plan.num_shards != config.num_shards
-        if not resharded:
+        if not resharded and plan.manifests:
             self.ledger.restore(next(iter(plan.manifests.values()))["ledger"]["entries"])
-        newest = max(plan.manifests.values(), key=lambda m: m["created_unix"])
-        self.context.restored_from = RestoredFrom(
-            {i: m["checkpoint_id"] for i, m in plan.manifests.items()},
-            ",".join(str(p) for p in plan.checkpoints.values()), newest["created_unix"], plan.num_shards)
+        if plan.manifests:  # (else only spec logs: variables created before the first checkpoint)
+            newest = max(plan.manifests.values(), key=lambda m: m["created_unix"])
+            self.context.restored_from = RestoredFrom(
+                {i: m["checkpoint_id"] for i, m in plan.manifests.items()},
+                ",".join(str(p) for p in plan.checkpoints.values()), newest["created_unix"], plan.num_shards)
         event(log, logging.INFO, "restored", from_num_shards=plan.num_shards, resharded=resharded,
               checkpoints={i: str(p) for i, p in plan.checkpoints.items()},
               variables={p.spec.name: p.version for p in self.store.parts()},

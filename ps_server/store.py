@@ -15,6 +15,7 @@ to one variable serialise per chunk, so none is ever lost.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Callable, TypeVar
 
 import numpy as np
@@ -26,6 +27,7 @@ from ps_server.gate import ApplyGate
 from ps_server.info import VariableInfo
 from ps_server.initializers import fill_initial_values
 from ps_server.optimizers import make_kernel
+from ps_server.spec_log import SpecLog
 from ps_server.tables import HashTablePart
 from wehub_ps.codec import RowGather
 from wehub_ps.convert import cast_into
@@ -35,7 +37,7 @@ from wehub_ps.placement import rows_of
 from wehub_ps.rowops import put_rows, take_rows
 from wehub_ps.specs import Explicit, VariableSpec
 
-__all__ = ["VariableInfo", "VariablePart", "VariableStore", "check_dtype_allowed"]
+__all__ = ["InitialUpload", "VariableInfo", "VariablePart", "VariableStore", "check_dtype_allowed"]
 
 T = TypeVar("T")
 
@@ -86,6 +88,10 @@ class VariablePart:
         self.row_steps: np.ndarray | None = None
         #: Synchronous mode: the current step's sum (None until the first push).
         self.accumulator: StepAccumulator | None = None
+        #: True once the spec is in the spec log (or came from a checkpoint or the log).
+        self.durable = False
+        #: Uploads of the explicit initial value in progress (guarded by ``lock``).
+        self.uploads: weakref.WeakSet[InitialUpload] = weakref.WeakSet()
 
     @property
     def nbytes(self) -> int:
@@ -94,7 +100,7 @@ class VariablePart:
                                 + self.compute_dtype.itemsize * len(self.kernel.slot_names))
 
     def allocate_and_fill(self) -> None:
-        """Allocate values and slots and write the initial values (lock held by caller)."""
+        """Allocate values and slots and write the initial values (before the part is visible)."""
         dtype = self.spec.dtype
         self.value = np.zeros(self.elements, dtype=dtype)
         first = self.row_start * rows_of(self.spec.shape)[1]
@@ -285,19 +291,41 @@ class VariablePart:
                 self.kernel.apply(weights, grad, slots, step, scratch)
                 np.copyto(stored, weights, casting="unsafe")
 
-    def assign(self, offset: int, values: np.ndarray) -> None:
-        """Overwrite elements [offset, offset + values.size) (explicit initial value)."""
-        with self.lock:
-            np.copyto(self.value[offset : offset + values.size], values, casting="unsafe")
-
-    def finish_push(self, assigned: bool) -> int:
+    def finish_push(self) -> int:
         """Count a completed push; return the new version."""
         with self.lock:
-            if assigned:
-                self.initialized = True
-            else:
-                self.version += 1
+            self.version += 1
             return self.version
+
+
+class InitialUpload:
+    """One upload of a part's explicit initial value, kept apart until it is complete.
+
+    Chunks land in the upload's own buffer, never in the part, so an upload
+    that loses the race (another one completed first) or arrives after
+    training started changes nothing. Its bytes count against the memory
+    limit until :meth:`drop` (or until nothing refers to it any more).
+    """
+
+    def __init__(self, part: VariablePart, nbytes: int, release: Callable[[int], None]) -> None:
+        self.part = part
+        # Guards buffer: chunk writes against the drop.
+        self.lock = threading.Lock()
+        self.buffer: np.ndarray | None = np.empty(part.elements, dtype=part.spec.dtype)
+        # Gives the reservation back exactly once: at drop, or when the upload is garbage.
+        self._release = weakref.finalize(self, release, nbytes)
+
+    def write(self, offset: int, values: np.ndarray) -> None:
+        """Stage elements [offset, offset + values.size); nothing once dropped."""
+        with self.lock:
+            if self.buffer is not None:
+                np.copyto(self.buffer[offset : offset + values.size], values, casting="unsafe")
+
+    def drop(self) -> None:
+        """Forget the staged bytes (the part has its value) and give back their memory."""
+        with self.lock:
+            self.buffer = None
+        self._release()
 
 
 class VariableStore:
@@ -324,10 +352,16 @@ class VariableStore:
         #: Bumped on every mutation; a checkpoint is skipped when it did not move.
         #: (Unlocked increments may collapse under races, but never to "unchanged".)
         self.generation = 0
-        # Guards _parts and _reserved. Lock order: this lock, then a part's.
-        self._lock = threading.Lock()
-        self._parts: dict[str, VariablePart] = {}
+        # Guards _parts, _filling and _reserved. Lock order: this lock, then a part's.
+        # Reentrant: a staged upload gives its bytes back when it is garbage
+        # (InitialUpload), which may happen in a thread that holds this lock.
+        self._lock = threading.RLock()
+        self._parts: dict[str, VariablePart | HashTablePart] = {}
+        #: Variables being created (filled outside the gate): set when installed or given up.
+        self._filling: dict[str, threading.Event] = {}
         self._reserved = 0
+        #: Where specs and uploaded initial values are made durable (None: no --checkpoint-dir).
+        self.spec_log: SpecLog | None = None
 
     @property
     def reserved_bytes(self) -> int:
@@ -337,11 +371,126 @@ class VariableStore:
     def create(self, spec: VariableSpec) -> tuple[VariableInfo, bool]:
         """Create the variable (this shard's part of it); idempotent for the same spec.
 
-        Returns (info, created). Blocks while another thread is still filling
-        the same variable's initial values.
+        Returns (info, created). The initial values are generated outside the
+        apply gate, so pushes and checkpoints carry on while a big variable
+        fills; the part is installed under the gate in one step. A second
+        create of the same variable blocks until the first one is installed
+        (and recorded in the spec log). With a spec log, the spec is durable
+        when this returns.
         """
+        while True:
+            with self._lock:
+                existing = self._parts.get(spec.name)
+                filling = self._filling.get(spec.name) if existing is None else None
+                if existing is None and filling is None:
+                    new = self._reserve_new(spec)
+                    filling = self._filling[spec.name] = threading.Event()
+                    break
+            if existing is not None:
+                self._check_same(existing, spec)
+                self._make_durable(existing)
+                return existing.info(), False
+            filling.wait()  # another create of this name: use its part (or retry if it failed)
+        try:
+            if isinstance(new, VariablePart):
+                new.allocate_and_fill()
+            with self.gate.shared():  # a checkpoint sees the variable either whole or not at all
+                with self._lock:
+                    self._parts[spec.name] = new
+                    del self._filling[spec.name]
+                self.generation += 1
+        except BaseException as exc:  # out of memory, or the gate sealed by a shutdown: nothing stays
+            with self._lock:
+                if self._filling.get(spec.name) is filling:
+                    del self._filling[spec.name]
+                    self._reserved -= new.nbytes
+            if isinstance(exc, MemoryError):
+                raise RequestError(Reason.MEMORY_LIMIT,
+                                   f"out of memory allocating {new.nbytes} bytes for {spec.name!r}") from None
+            raise
+        finally:
+            filling.set()  # waiting creates of this name go on: with the part, or to try again
+        self._make_durable(new)
+        return new.info(), True
+
+    def _reserve_new(self, spec: VariableSpec) -> VariablePart | HashTablePart:
+        """A new, empty part for ``spec`` with its memory booked (called with _lock held)."""
+        self._check_count()
+        if spec.hash_table:
+            return HashTablePart(spec, self._table_limit(spec), self._reserve_bytes)
+        part = spec.placement(self.num_shards).part_on(self.shard_index)
+        row_start, row_end = (part.row_start, part.row_end) if part else (0, 0)
+        new = VariablePart(spec, row_start, row_end, part is not None)
+        if self._reserved + new.nbytes > self.memory_limit:
+            raise RequestError(
+                Reason.MEMORY_LIMIT,
+                f"variable {spec.name!r} needs {new.nbytes} bytes on shard "
+                f"{self.shard_index} (values and optimizer slots); {self._reserved} of "
+                f"the {self.memory_limit}-byte limit are in use (--max-memory-bytes)",
+            )
+        self._reserved += new.nbytes
+        return new
+
+    def _make_durable(self, part: VariablePart | HashTablePart) -> None:
+        """Record the part's spec in the spec log unless it is there already (or there is no log)."""
+        if self.spec_log is None or part.durable:
+            return
+        self.spec_log.record_spec(part.spec)
+        part.durable = True
+
+    # ---- explicit initial values ----
+
+    def stage_upload(self, part: VariablePart) -> "InitialUpload":
+        """A private buffer for one upload of ``part``'s initial value; MEMORY_LIMIT if it does not fit.
+
+        The buffer counts against the memory limit until the upload is
+        installed, the part is initialised by another upload, or the upload
+        is dropped (its ledger session forgotten).
+        """
+        nbytes = part.elements * part.spec.dtype.itemsize
+        with self._lock:
+            if self._reserved + nbytes > self.memory_limit:
+                raise RequestError(
+                    Reason.MEMORY_LIMIT,
+                    f"uploading the initial value of {part.spec.name!r} needs a {nbytes}-byte buffer on "
+                    f"shard {self.shard_index}; {self._reserved} of the {self.memory_limit}-byte limit "
+                    "are in use (--max-memory-bytes)")
+            self._reserved += nbytes
+        upload = InitialUpload(part, nbytes, self._release)
+        with part.lock:
+            part.uploads.add(upload)
+        return upload
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self._reserved -= nbytes
+
+    def install_upload(self, upload: "InitialUpload") -> bool:
+        """Make a complete upload the part's initial value, unless the part has one already.
+
+        The value is written to the spec log first (when there is one), so
+        that whoever sees the part initialised may rely on it surviving a
+        crash. Returns True when this upload became the value.
+        """
+        part = upload.part
+        buffer = upload.buffer  # read once: another upload's install may drop this one meanwhile
+        if part.initialized or buffer is None:  # (a bool read: no lock needed)
+            upload.drop()
+            return False
+        if self.spec_log is not None:
+            self.spec_log.record_initial_value(part.spec, part.row_start, part.row_end, buffer)
         with self.gate.shared():
-            return self._create(spec)
+            with part.lock:
+                installed = not part.initialized  # (an install drops the others only after this)
+                if installed:
+                    part.value = buffer
+                    part.initialized = True
+                others = list(part.uploads)
+            if installed:
+                self.generation += 1
+        for other in others:  # every other upload of this part is now a duplicate
+            other.drop()
+        return installed
 
     def _table_limit(self, spec: VariableSpec) -> int:
         limits = [n for n in (spec.max_rows, self.max_rows) if n]
@@ -360,55 +509,10 @@ class VariableStore:
 
     def _check_count(self) -> None:
         """Called with _lock held, before adding a variable."""
-        if len(self._parts) >= self.max_variables:
+        if len(self._parts) + len(self._filling) >= self.max_variables:
             raise RequestError(Reason.MEMORY_LIMIT,
                                f"shard {self.shard_index} already holds {len(self._parts)} variables, its "
                                f"limit (--max-variables); merge small variables or raise the limit")
-
-    def _create(self, spec: VariableSpec) -> tuple[VariableInfo, bool]:
-        if spec.hash_table:
-            with self._lock:
-                existing = self._parts.get(spec.name)
-                if existing is None:
-                    self._check_count()
-                    self._parts[spec.name] = HashTablePart(spec, self._table_limit(spec), self._reserve_bytes)
-            if existing is not None:
-                self._check_same(existing, spec)
-                return existing.info(), False
-            self.generation += 1
-            return self._parts[spec.name].info(), True
-        part = spec.placement(self.num_shards).part_on(self.shard_index)
-        row_start, row_end = (part.row_start, part.row_end) if part else (0, 0)
-        with self._lock:
-            existing = self._parts.get(spec.name)
-            if existing is None:
-                self._check_count()
-                new = VariablePart(spec, row_start, row_end, part is not None)
-                if self._reserved + new.nbytes > self.memory_limit:
-                    raise RequestError(
-                        Reason.MEMORY_LIMIT,
-                        f"variable {spec.name!r} needs {new.nbytes} bytes on shard "
-                        f"{self.shard_index} (values and optimizer slots); {self._reserved} of "
-                        f"the {self.memory_limit}-byte limit are in use (--max-memory-bytes)",
-                    )
-                self._reserved += new.nbytes
-                new.lock.acquire()  # readers wait until the initial values are in
-                self._parts[spec.name] = new
-        if existing is not None:
-            self._check_same(existing, spec)
-            return existing.info(), False
-        try:
-            new.allocate_and_fill()
-        except MemoryError:
-            with self._lock:
-                self._parts.pop(spec.name, None)
-                self._reserved -= new.nbytes
-            raise RequestError(Reason.MEMORY_LIMIT,
-                               f"out of memory allocating {new.nbytes} bytes for {spec.name!r}") from None
-        finally:
-            new.lock.release()
-        self.generation += 1
-        return new.info(), True
 
     @staticmethod
     def _check_same(existing, spec: VariableSpec) -> None:
@@ -480,6 +584,7 @@ class VariableStore:
                 reserve(part.nbytes)
                 parts[item.spec.name] = part
         for part in parts.values():
+            part.durable = True  # from a checkpoint or the spec log: already on disk
             if isinstance(part, HashTablePart):
                 part.reserve = self._reserve_bytes
         with self._lock:

@@ -73,6 +73,8 @@ class HashTablePart:
         self.evicted_rows = 0
         #: Synchronous mode: the current step's sum of row gradients.
         self.accumulator = StepAccumulator()
+        #: True once the spec is in the spec log (or came from a checkpoint or the log).
+        self.durable = False
 
     # ---- sizes ----
 
@@ -145,7 +147,7 @@ class HashTablePart:
             self.optimizer_steps += 1
             return True
 
-    def finish_push(self, assigned: bool) -> int:
+    def finish_push(self) -> int:
         with self.lock:
             self.version += 1
             self.optimizer_steps += 1

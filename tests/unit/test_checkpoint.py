@@ -87,8 +87,9 @@ def _build(shard: int, num_shards: int, specs=SPECS) -> VariableStore:
         store.create(spec)
         part = store.get(spec.name)
         if isinstance(spec.initializer, Explicit) and part.holds_part:
-            part.assign(0, EXPLICIT_VALUE[part.row_start:part.row_end].ravel())
-            part.finish_push(assigned=True)
+            upload = store.stage_upload(part)
+            upload.write(0, EXPLICIT_VALUE[part.row_start:part.row_end].ravel())
+            assert store.install_upload(upload)
     return store
 
 
@@ -104,7 +105,7 @@ def _train(store: VariableStore, k: int) -> None:
             if half:
                 part.apply_gradient(0, grad[:half], step)
             part.apply_gradient(half, grad[half:], step)
-        part.finish_push(assigned=False)
+        part.finish_push()
     store.generation += 1
 
 

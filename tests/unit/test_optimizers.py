@@ -286,8 +286,8 @@ def test_variable_part_read_converts_to_wire_dtype():
 
 def test_finish_push_counts_versions():
     part = _part(SGD())
-    assert part.finish_push(assigned=False) == 1
-    assert part.finish_push(assigned=False) == 2
+    assert part.finish_push() == 1
+    assert part.finish_push() == 2
     assert part.info().version == 2
 
 

@@ -256,8 +256,6 @@ def _assert_unchanged(store, ledger, before):
     (_begin([("a", 40, ps_pb2.FLOAT32), ("b", 7, ps_pb2.FLOAT32)]), Reason.SHAPE_MISMATCH, ["'b'"]),
     (_begin([("a", 40, ps_pb2.FLOAT32), ("zz", 6, ps_pb2.FLOAT32)]), Reason.UNKNOWN_VARIABLE,
      ["'zz'"]),
-    # Assign to a variable that already has its value.
-    (_begin([("a", 40, ps_pb2.FLOAT32)], kind=ps_pb2.ASSIGN), Reason.INVALID_REQUEST, ["'a'"]),
 ])
 def test_begin_push_validation_changes_nothing(setup, begin, reason, words):
     store, ledger = setup
@@ -439,6 +437,116 @@ def test_retried_assign_push_is_a_duplicate():
     for chunk in _chunks("e", value, 4):
         retry.apply(chunk)
     assert retry.finish().duplicate
+
+
+def _upload(store, ledger, name, value, incarnation, chunk_elements):
+    """An ASSIGN push of ``value`` begun by ``incarnation``, and its chunks (not yet applied)."""
+    begin = _begin([(name, value.size, ps_pb2.FLOAT32)], kind=ps_pb2.ASSIGN, incarnation=incarnation)
+    return begin_push(store, ledger, begin), _chunks(name, value, chunk_elements)
+
+
+def test_racing_uploads_of_an_initial_value_the_first_complete_one_wins():
+    store, ledger = VariableStore(0, 1, LIMIT), PushLedger()
+    value = np.arange(12, dtype=np.float32)
+    store.create(_spec("e", (12,), initializer=Explicit(hashlib.sha256(value.tobytes()).digest())))
+    part = store.get("e")
+    slow, slow_chunks = _upload(store, ledger, "e", value, "slow", 4)
+    fast, fast_chunks = _upload(store, ledger, "e", value, "fast", 6)
+    assert store.reserved_bytes == 3 * 12 * 4, "each upload stages in its own buffer"
+    slow.apply(slow_chunks[0])
+    assert not part.initialized and not part.value.any(), "a staged chunk is not in the part"
+    for chunk in fast_chunks:
+        fast.apply(chunk)
+    assert not fast.finish().duplicate
+    np.testing.assert_array_equal(part.value, value)
+    # Training starts; the slow upload's later chunks must never land.
+    train = begin_push(store, ledger, _begin([("e", 12, ps_pb2.FLOAT32)], incarnation="trainer"))
+    for chunk in _chunks("e", np.ones(12, np.float32), 12):
+        train.apply(chunk)
+    train.finish()
+    trained = part.value.copy()
+    for chunk in slow_chunks[1:]:
+        slow.apply(chunk)
+    assert slow.finish().duplicate
+    np.testing.assert_array_equal(part.value, trained)
+    # A late creator's upload that begins now is a duplicate at once.
+    late, late_chunks = _upload(store, ledger, "e", value, "late", 12)
+    for chunk in late_chunks:
+        late.apply(chunk)
+    assert late.finish().duplicate
+    np.testing.assert_array_equal(part.value, trained)
+    assert store.reserved_bytes == 12 * 4, "the staging buffers were given back"
+
+
+def test_an_upload_that_does_not_fit_the_memory_limit_changes_nothing():
+    store, ledger = VariableStore(0, 1, 12 * 4 + 10), PushLedger()
+    value = np.arange(12, dtype=np.float32)
+    store.create(_spec("e", (12,), initializer=Explicit(hashlib.sha256(value.tobytes()).digest())))
+    with pytest.raises(RequestError) as info:
+        _upload(store, ledger, "e", value, "inc-1", 12)
+    assert info.value.reason == Reason.MEMORY_LIMIT and "'e'" in info.value.message
+    assert store.reserved_bytes == 12 * 4 and not store.get("e").initialized
+    assert ledger._states.get(("worker-0", "inc-1")) is None
+
+
+def test_an_abandoned_upload_gives_its_buffer_back_when_the_ledger_forgets_it():
+    store, ledger = VariableStore(0, 1, LIMIT), PushLedger(max_open_pushes=1)
+    value = np.arange(12, dtype=np.float32)
+    store.create(_spec("e", (12,), initializer=Explicit(hashlib.sha256(value.tobytes()).digest())))
+    abandoned, chunks = _upload(store, ledger, "e", value, "inc-1", 4)
+    abandoned.apply(chunks[0])
+    del abandoned, chunks
+    assert store.reserved_bytes == 2 * 12 * 4
+    # The next push of this incarnation writes the open one off (max_open_pushes=1).
+    begin_push(store, ledger, _begin([("e", 12, ps_pb2.FLOAT32)], kind=ps_pb2.ASSIGN, sequence=2,
+                                     incarnation="inc-1"))
+    assert store.reserved_bytes == 2 * 12 * 4, "the written-off buffer went, the new one came"
+
+
+def test_create_fills_outside_the_apply_gate(monkeypatch):
+    """A checkpoint (the gate exclusive) completes while a create is still filling its values."""
+    import ps_server.store as store_module
+
+    store = VariableStore(0, 1, LIMIT)
+    filling, release = threading.Event(), threading.Event()
+    original = store_module.fill_initial_values
+
+    def slow_fill(*args):
+        filling.set()
+        assert release.wait(30)
+        original(*args)
+
+    monkeypatch.setattr(store_module, "fill_initial_values", slow_fill)
+    snapshotted: list[list[str]] = []
+
+    def checkpoint() -> None:
+        with store.gate.exclusive():  # waits for the create if the fill holds the gate
+            snapshotted.append([p.spec.name for p in store.parts()])
+
+    creator = threading.Thread(target=store.create, args=(_spec("big", (100, 4), initializer=Normal()),),
+                               name="creator")
+    checkpointer = threading.Thread(target=checkpoint, name="checkpointer")
+    creator.start()
+    try:
+        assert filling.wait(30)
+        checkpointer.start()
+        checkpointer.join(30)  # a bound that only detects the wait
+        assert snapshotted == [[]], "the checkpoint waited for the fill (or saw a part not yet filled)"
+    finally:
+        release.set()
+        creator.join(30)
+        checkpointer.join(30)
+    assert store.get("big").initialized
+
+
+def test_a_create_refused_by_a_sealed_gate_leaves_nothing_and_wakes_the_waiters():
+    store = VariableStore(0, 1, LIMIT)
+    store.gate.seal()  # the final checkpoint of a shutdown was taken
+    for _ in range(2):  # the second attempt would hang if the first had left its placeholder
+        with pytest.raises(RequestError) as info:
+            store.create(_spec("late", (10, 4), initializer=Normal()))
+        assert info.value.reason == Reason.SHUTTING_DOWN
+    assert store.parts() == [] and store.reserved_bytes == 0
 
 
 def test_empty_variable_push_completes_at_once():

@@ -408,7 +408,7 @@ def _trained_table(**kwargs) -> HashTablePart:
         ids = np.unique(rng.integers(-50, 50, size=12))
         table.apply_rows(ids, rng.standard_normal((len(ids), 4)).astype(np.float32))
         table.read_rows(np.unique(rng.integers(-60, 60, size=5)))
-    table.finish_push(False)
+    table.finish_push()
     return table
 
 
