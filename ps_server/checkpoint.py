@@ -35,7 +35,7 @@ import re
 import shutil
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from google.protobuf import json_format
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from ps_server.accumulator import AccumulatorSnapshot
 from wehub_ps.logs import event
 from wehub_ps.placement import hash_shards, rows_of
 from wehub_ps.specs import Explicit, VariableSpec
@@ -97,6 +98,8 @@ class PartSnapshot:
     #: Hash tables: ids, value, slot:<name>, row_steps, last_access of the live rows.
     rows: dict[str, np.ndarray] | None = None
     evicted_rows: int = 0
+    #: Synchronous mode: the open step's sum of gradients (None when empty).
+    accumulator: AccumulatorSnapshot | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,8 @@ class ShardSnapshot:
     parts: list[PartSnapshot]
     ledger: dict[str, Any]
     created_unix: float = field(default_factory=time.time)
+    #: ssp / sync: step, clocks and workers of the consistency controller (see consistency.py).
+    consistency: dict[str, Any] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -229,6 +234,8 @@ def write_checkpoint(root: str | os.PathLike, snapshot: ShardSnapshot, keep: int
                 tensors[f"{part.spec.name}{_SLOT_SEPARATOR}{slot}"] = values
             if part.row_steps is not None:
                 tensors[f"{part.spec.name}{_SLOT_SEPARATOR}row_steps"] = part.row_steps
+        if part.accumulator is not None:
+            entry["accumulator"] = _save_accumulator(part.spec.name, part.accumulator, tensors)
         variables.append(entry)
     tensors_path = tmp / TENSORS_FILE
     save_file(tensors, str(tensors_path), metadata={"format": FORMAT, "checkpoint_id": checkpoint_id})
@@ -238,6 +245,7 @@ def write_checkpoint(root: str | os.PathLike, snapshot: ShardSnapshot, keep: int
         "shard_index": snapshot.shard_index, "num_shards": snapshot.num_shards,
         "server_id": snapshot.server_id, "created_unix": snapshot.created_unix,
         "variables": variables, "ledger": snapshot.ledger,
+        **({"consistency": snapshot.consistency} if snapshot.consistency is not None else {}),
         "files": {TENSORS_FILE: {"sha256": _sha256_file(tensors_path),
                                  "bytes": tensors_path.stat().st_size}},
     })
@@ -253,6 +261,29 @@ def write_checkpoint(root: str | os.PathLike, snapshot: ShardSnapshot, keep: int
     return WrittenCheckpoint(checkpoint_id, final, snapshot.created_unix,
                              manifest["files"][TENSORS_FILE]["bytes"],
                              time.perf_counter() - started, snapshot.num_shards)
+
+
+def _save_accumulator(name: str, acc: AccumulatorSnapshot, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Add a part's step sum to ``tensors``; its manifest entry."""
+    prefix = f"{name}{_SLOT_SEPARATOR}acc:"
+    if acc.dense is not None:
+        tensors[prefix + "dense"] = acc.dense
+    if acc.row_ids is not None:
+        tensors[prefix + "row_ids"] = acc.row_ids
+        tensors[prefix + "row_grads"] = acc.row_grads
+    return {"step": acc.step, "dense_count": acc.dense_count, "row_count": acc.row_count}
+
+
+def _load_accumulator(name: str, entry: dict[str, Any], handle) -> AccumulatorSnapshot | None:
+    saved = entry.get("accumulator")
+    if saved is None:
+        return None
+    prefix = f"{name}{_SLOT_SEPARATOR}acc:"
+    rows = saved["row_count"] > 0
+    return AccumulatorSnapshot(
+        int(saved["step"]), handle.get_tensor(prefix + "dense") if saved["dense_count"] else None,
+        int(saved["dense_count"]), handle.get_tensor(prefix + "row_ids") if rows else None,
+        handle.get_tensor(prefix + "row_grads") if rows else None, int(saved["row_count"]))
 
 
 # ---- verifying and choosing ------------------------------------------------------------
@@ -387,7 +418,11 @@ def find_restore_plan(root: str | os.PathLike, shard_index: int, num_shards: int
 
 
 def load_parts(plan: RestorePlan, shard_index: int, num_shards: int) -> list[LoadedPart]:
-    """This shard's parts under ``num_shards``, read from the plan's checkpoints."""
+    """This shard's parts under ``num_shards``, read from the plan's checkpoints.
+
+    Synchronous mode's step sums come back only with the same shard count
+    (like the ledger): assembled from other layouts, a part starts its step empty.
+    """
     specs: dict[str, VariableSpec] = {}
     entries: dict[str, list[tuple[int, dict[str, Any]]]] = {}  # name -> (old shard, manifest entry)
     for old_index, manifest in plan.manifests.items():
@@ -401,8 +436,13 @@ def load_parts(plan: RestorePlan, shard_index: int, num_shards: int) -> list[Loa
     with contextlib.ExitStack() as stack:
         handles = {i: stack.enter_context(safe_open(str(path / TENSORS_FILE), framework="numpy"))
                    for i, path in plan.checkpoints.items()}
-        return [_load_variable(spec, entries[spec.name], handles, shard_index, num_shards)
-                for spec in specs.values()]
+        parts = [_load_variable(spec, entries[spec.name], handles, shard_index, num_shards)
+                 for spec in specs.values()]
+        if plan.num_shards == num_shards:
+            own = handles[shard_index]
+            parts = [replace(p, accumulator=_load_accumulator(p.spec.name, entries[p.spec.name][0][1], own))
+                     for p in parts]
+        return parts
 
 
 def _load_variable(spec: VariableSpec, sources, handles, shard_index: int, num_shards: int) -> LoadedPart:

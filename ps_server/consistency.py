@@ -17,7 +17,19 @@ expired never blocks anyone. With ``expected_workers`` N, nothing moves
 (no sync step is applied, no ssp pull waits less) until N workers have
 registered, so the first steps are not taken by whoever started first. A worker that joins or restarts continues at
 the cluster's step (its heartbeat answer says which). Pulls wait at most
-their RPC deadline. No gRPC here; thread-safe.
+their RPC deadline; so does a sync push for a step this shard has not
+reached yet (the shard lost steps in a crash, or the step waits for other
+workers). Clocks are kept for live workers only.
+
+Locks: the store's apply gate, then this controller's condition, then the
+parts' and the membership's locks. A sync push merges into the step and
+records its worker's clock under the gate held shared; a step is applied
+under the gate held exclusive, so a push is in every variable's sum of a
+step or in none, and a checkpoint (which also holds it exclusive) sees
+values, ledger, sums, clocks and workers of one instant
+(:meth:`ConsistencyController.snapshot`).
+
+No gRPC here; thread-safe.
 """
 
 from __future__ import annotations
@@ -25,7 +37,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ps_server.errors import RequestError
 from ps_server.membership import Membership
@@ -42,6 +56,7 @@ class PushDecision:
     APPLY = "apply"  # async / ssp: run the optimizer now
     ACCUMULATE = "accumulate"  # sync: add to the step's sum
     DROP = "drop"  # sync: the step was applied already
+    WAIT = "wait"  # sync: the step is ahead of this shard (see wait_for_step)
 
 
 @dataclass(frozen=True)
@@ -71,10 +86,11 @@ class ConsistencyController:
         self._store = store
         # Guards every field below; notified when a clock, the step or the live set changes.
         self._cond = threading.Condition()
-        self._clocks: dict[str, int] = {}
+        self._clocks: dict[str, int] = {}  # live workers only (see _on_membership_change)
+        self._high_clock = 0  # ssp: the highest clock seen, the cluster's clock when nobody is live
         self._step = 0  # sync: the step being accumulated
         self._finished: set[str] = set()  # sync: workers done with the current step
-        self._accumulating = False  # sync: some gradient of the current step arrived
+        self._accumulating = False  # sync: some push of the current step began
         self._closed = False
         self._pulls = self._pulls_blocked = self._dropped = self._steps_applied = 0
         self._blocked_seconds = 0.0
@@ -99,6 +115,11 @@ class ConsistencyController:
                 return self._min_live_clock()
             return 0
 
+    def clock_count(self) -> int:
+        """How many worker clocks are kept (bounded by the live workers)."""
+        with self._cond:
+            return len(self._clocks)
+
     # ---- events ----
 
     def on_heartbeat(self, worker_id: str, clock: int) -> int:
@@ -107,16 +128,17 @@ class ConsistencyController:
             return 0
         with self._cond:
             if worker_id not in self._clocks:  # a new or restarted worker joins at the cluster's step
-                others = self._min_live_clock(exclude=worker_id)
-                self._clocks[worker_id] = max(clock, others if self.mode == "ssp" else self._step)
+                self._clocks[worker_id] = max(clock, self._joining_clock(worker_id))
             self._advance_clock(worker_id, clock)
-            return self._clocks[worker_id] if self.mode == "ssp" else max(self._step, clock)
+            answer = self._clocks[worker_id] if self.mode == "ssp" else max(self._step, clock)
+        self.apply_ready_steps()
+        return answer
 
     def forget(self, worker_id: str) -> None:
         """A worker restarted (new incarnation): its clock starts again from the cluster's."""
         with self._cond:
-            self._clocks.pop(worker_id, None)
             self._finished.discard(worker_id)
+            self._clocks[worker_id] = self._joining_clock(worker_id)
 
     def before_pull(self, worker_id: str, step: int, timeout: float | None) -> None:
         """Block until a pull at ``step`` is allowed; RequestError after ``timeout`` s."""
@@ -141,53 +163,177 @@ class ConsistencyController:
                 self._max_staleness = max(self._max_staleness, step - self._min_live_clock())
 
     def push_decision(self, step: int) -> str:
-        """What to do with a gradient of ``step`` (decided when the push begins)."""
+        """What to do with a gradient of ``step`` (decided when the push begins).
+
+        Sync mode: the caller holds the store's gate shared, so the step
+        cannot be applied between this decision and whatever the caller
+        does under it. WAIT: the step is ahead of this shard, which holds
+        a step of its own; call :meth:`wait_for_step`, then decide again.
+        """
         if self.mode != "sync":
             return PushDecision.APPLY
         with self._cond:
             if step > self._step and not self._accumulating and not self._finished:
-                self._jump_to(step)  # e.g. after a restart: follow the workers
+                self._jump_to(step)  # e.g. after a restart without step state: follow the workers
             if step < self._step:
                 return PushDecision.DROP
             if step > self._step:
-                raise RequestError(Reason.INVALID_REQUEST,
-                                   f"push for step {step}, but this shard is at step {self._step}; pull "
-                                   "first (a synchronous step starts with a pull)")
+                return PushDecision.WAIT
             self._accumulating = True
             return PushDecision.ACCUMULATE
 
-    def on_push_complete(self, worker_id: str, step: int, decision: str) -> None:
-        """A push of ``step`` was applied, accumulated or dropped completely (called once)."""
-        if self.mode == "async":
+    def wait_for_step(self, worker_id: str, step: int, timeout: float | None) -> None:
+        """Sync: a push of ``step`` waits (no locks held) until this shard reaches that step.
+
+        A worker at ``step`` has finished every step before it, so its clock
+        moves there first: if the shard lost steps in a crash, the steps
+        the workers have all left behind are applied (with the gradients
+        the shard still has) and skipped. RequestError STEP_TIMEOUT after
+        ``timeout`` s (the client retries), SHUTTING_DOWN on shutdown.
+        """
+        if self.mode != "sync":
             return
+        if timeout is None:
+            timeout = self._membership.lease_seconds  # never hold a thread longer unseen
         with self._cond:
-            if decision == PushDecision.DROP:
+            if worker_id not in self._clocks:
+                self._clocks[worker_id] = self._joining_clock(worker_id)
+            self._advance_clock(worker_id, step)
+        self.apply_ready_steps()
+        started = time.monotonic()
+        with self._cond:
+            while not self._closed and self._step < step:
+                remaining = timeout - (time.monotonic() - started)
+                if remaining <= 0:
+                    raise RequestError(Reason.STEP_TIMEOUT,
+                                       f"push for step {step} waited for this shard to finish step "
+                                       f"{self._step} (other workers have not); retry")
+                self._cond.wait(remaining)
+            if self._closed:
+                raise RequestError(Reason.SHUTTING_DOWN, "this ps-server is shutting down; retry shortly")
+
+    def complete_push(self, worker_id: str, step: int, decision: str,
+                      merge: Callable[[], None] | None = None) -> bool:
+        """A push of ``step`` arrived whole; the caller holds the store's gate shared.
+
+        Sync, ACCUMULATE: ``merge()`` adds it to every part's sum if its step
+        is still the open one (the gate keeps it open until this returns),
+        else it is dropped whole. The worker's clock moves past ``step``. No
+        step is applied here: call :meth:`apply_ready_steps` once the gate is
+        released. Returns False when the push was dropped.
+        """
+        if self.mode == "async":
+            return True
+        with self._cond:
+            counted = decision != PushDecision.DROP and (self.mode != "sync" or step == self._step)
+        if counted and decision == PushDecision.ACCUMULATE and merge is not None:
+            merge()
+        with self._cond:
+            if not counted:
                 self._dropped += 1
                 event(log, logging.DEBUG, "late gradient dropped", worker_id=worker_id, step=step,
                       current_step=self._step)
+            if worker_id not in self._clocks:
+                self._clocks[worker_id] = self._joining_clock(worker_id)
             self._advance_clock(worker_id, step + 1)
+        return counted
+
+    def on_push_complete(self, worker_id: str, step: int, decision: str) -> None:
+        """:meth:`complete_push` of a push with nothing to merge, then :meth:`apply_ready_steps`."""
+        with self._store.gate.shared():
+            self.complete_push(worker_id, step, decision)
+        self.apply_ready_steps()
+
+    def apply_ready_steps(self) -> None:
+        """Sync: apply the open step once all live workers but K finished it (call with no locks held).
+
+        The step is applied with the gate held exclusive: no push merges
+        into it meanwhile, and no checkpoint sees it half applied.
+        """
+        if self.mode != "sync":
+            return
+        while True:
+            with self._cond:
+                if not self._ready():
+                    return
+            with self._store.gate.exclusive():
+                with self._cond:
+                    if not self._ready():
+                        return
+                    step = self._step
+                    applied = self._store.apply_accumulated(step)
+                    event(log, logging.DEBUG, "sync step applied", step=step, workers=len(self._finished),
+                          variables=applied)
+                    self._steps_applied += 1
+                    self._jump_to(self._first_unfinished_step(step + 1))
 
     def close(self) -> None:
-        """Release every waiting pull (shutdown)."""
+        """Release every waiting pull and push (shutdown)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
 
+    # ---- checkpoints ----
+
+    def snapshot(self) -> dict[str, Any]:
+        """Step, clocks and workers, JSON-able; call with the store's gate held exclusive."""
+        with self._cond:
+            state: dict[str, Any] = {"mode": self.mode}
+            if self.mode == "async":
+                return state
+            state.update(step=self._step, clocks=dict(self._clocks), finished=sorted(self._finished),
+                         accumulating=self._accumulating, high_clock=self._high_clock,
+                         steps_applied=self._steps_applied, dropped=self._dropped,
+                         workers=self._membership.snapshot())
+            return state
+
+    def restore(self, state: dict[str, Any] | None) -> bool:
+        """Continue from a :meth:`snapshot` (before serving); False when it does not fit this mode.
+
+        Then the step's sums restored with the parts are discarded too:
+        another mode never applies them.
+        """
+        if state is None or state.get("mode") != self.mode or self.mode == "async":
+            self._store.start_step(-1)  # no step is -1: every restored sum goes
+            return False
+        self._membership.restore(state["workers"])
+        with self._cond:
+            self._step = int(state["step"])
+            self._clocks = {str(w): int(c) for w, c in state["clocks"].items()}
+            self._finished = set(state["finished"])
+            self._accumulating = bool(state["accumulating"])
+            self._high_clock = int(state["high_clock"])
+            self._steps_applied = int(state["steps_applied"])
+            self._dropped = int(state["dropped"])
+            if self.mode == "sync":
+                self._store.start_step(self._step)  # a sum of another step is stale
+            self._cond.notify_all()
+        return True
+
     # ---- internals (lock held) ----
+
+    def _joining_clock(self, worker_id: str) -> int:
+        """Where a worker without a clock (new, restarted, back after its lease ran out) starts."""
+        return self._min_live_clock(exclude=worker_id) if self.mode == "ssp" else self._step
 
     def _advance_clock(self, worker_id: str, clock: int) -> None:
         if clock > self._clocks.get(worker_id, 0):
             self._clocks[worker_id] = clock
+            self._high_clock = max(self._high_clock, clock)
             self._cond.notify_all()
         if self.mode == "sync" and clock > self._step:
             self._finished.add(worker_id)
-            self._maybe_apply()
 
     def _on_membership_change(self) -> None:
+        """Keep clocks for live workers only; a worker (back) without one starts at the cluster's."""
         with self._cond:
+            live = self._membership.live_ids()  # under the condition: a clock set later is a live worker's
+            for worker_id in [w for w in self._clocks if w not in live]:
+                del self._clocks[worker_id]  # lease expired or replaced: bounded by the live set
+            for worker_id in live - self._clocks.keys():
+                self._clocks[worker_id] = self._joining_clock(worker_id)
             self._cond.notify_all()
-            if self.mode == "sync":
-                self._maybe_apply()
+        self.apply_ready_steps()
 
     def _started(self) -> bool:
         """The startup barrier: every expected worker has registered once."""
@@ -203,21 +349,31 @@ class ConsistencyController:
     def _min_live_clock(self, exclude: str | None = None) -> int:
         live = [w for w in self._membership.live_ids() if w != exclude]
         if not live:
-            return max(self._clocks.values(), default=0) if self.mode == "ssp" else self._step
+            return self._high_clock if self.mode == "ssp" else self._step
         return min(self._clocks.get(w, 0) for w in live)
 
-    def _maybe_apply(self) -> None:
+    def _ready(self) -> bool:
+        """All live workers but K have finished the open step (a worker that finished and then
+        left counts for its gradient, never for someone else's)."""
         if not self._started():
-            return
-        # All live workers but K have finished (a worker that finished and then
-        # left counts for its gradient, never for someone else's).
+            return False
         waiting_for = self._membership.live_ids() - self._finished
-        if self._finished and len(waiting_for) <= self.backup_workers:
-            applied = self._store.apply_accumulated(self._step)
-            event(log, logging.DEBUG, "sync step applied", step=self._step, workers=len(self._finished),
-                  variables=applied)
-            self._steps_applied += 1
-            self._jump_to(self._step + 1)
+        return bool(self._finished) and len(waiting_for) <= self.backup_workers
+
+    def _first_unfinished_step(self, after: int) -> int:
+        """The first step from ``after`` on that the workers' clocks alone do not finish.
+
+        Steps the live workers have all (but K) left behind hold no gradient
+        here (pushes only ever join the open step); they are skipped at once
+        instead of one per heartbeat.
+        """
+        if not self._clocks:
+            return after
+        bound = max(self._clocks.values())  # no worker has finished a step beyond it
+        live_clocks = sorted(self._clocks.get(w, 0) for w in self._membership.live_ids())
+        if len(live_clocks) > self.backup_workers:
+            bound = min(bound, live_clocks[self.backup_workers])
+        return max(after, bound)
 
     def _jump_to(self, step: int) -> None:
         self._step = step

@@ -7,6 +7,13 @@ back with a new incarnation and replaces its old record. The consistency
 modes (sync, SSP) block on live workers only, so a dead worker never blocks
 anyone; they subscribe to changes through :meth:`Membership.subscribe`.
 
+The records are kept in the order they were last seen (least recent
+first), so forgetting the least recently seen worker at the bound and
+listing the live ones never scan the whole table. The table is part of the
+shard's checkpointed state in ssp and sync modes (:meth:`Membership.snapshot`):
+a restarted server waits for the workers that were live, not for whoever
+reconnects first.
+
 No gRPC; thread-safe; the clock is injectable for tests.
 """
 
@@ -15,8 +22,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from wehub_ps.logs import event
 
@@ -48,7 +57,8 @@ class Membership:
         self._clock = clock
         # Guards _workers and _listeners.
         self._lock = threading.Lock()
-        self._workers: dict[str, WorkerRecord] = {}
+        # Least recently seen first: every renewal moves a record to the end.
+        self._workers: OrderedDict[str, WorkerRecord] = OrderedDict()
         self._listeners: list[Callable[[], None]] = []
 
     def subscribe(self, listener: Callable[[], None]) -> None:
@@ -72,8 +82,7 @@ class Membership:
                 record = WorkerRecord(worker_id, incarnation, time.time(), now, step or 0, 0, True)
                 changed = joined = True
                 if new_worker and len(self._workers) >= MAX_WORKERS:
-                    oldest = min(self._workers.values(), key=lambda r: r.last_seen)
-                    del self._workers[oldest.worker_id]
+                    self._workers.popitem(last=False)  # the least recently seen
             elif not self._is_live(record, now):
                 event(log, logging.INFO, "worker back", worker_id=worker_id)
                 changed = True
@@ -83,6 +92,7 @@ class Membership:
                 worker_id, incarnation, record.registered_unix, now,
                 max(record.step, step) if step is not None else record.step,
                 record.pushes + (1 if pushed else 0), True)
+            self._workers.move_to_end(worker_id)
         if changed:
             self._notify()
         return joined
@@ -94,6 +104,7 @@ class Membership:
             if record is None or record.incarnation != incarnation or not record.live:
                 return
             self._workers[worker_id] = replace(record, live=False, last_seen=self._clock() - self.lease_seconds - 1)
+            self._workers.move_to_end(worker_id, last=False)  # its last_seen is now the oldest
         event(log, logging.INFO, "worker left", worker_id=worker_id)
         self._notify()
 
@@ -120,7 +131,43 @@ class Membership:
             return [replace(r, live=self._is_live(r, now)) for r in self._workers.values()]
 
     def live_ids(self) -> set[str]:
-        return {r.worker_id for r in self.workers() if r.live}
+        """The workers whose lease runs; reads only those (the most recently seen records)."""
+        now = self._clock()
+        live = set()
+        with self._lock:
+            for record in reversed(self._workers.values()):
+                if not self._is_live(record, now):
+                    break  # every record before it was seen earlier
+                live.add(record.worker_id)
+        return live
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The records, least recently seen first, for a checkpoint (JSON-able)."""
+        now = self._clock()
+        with self._lock:
+            return [{"worker_id": r.worker_id, "incarnation": r.incarnation,
+                     "registered_unix": r.registered_unix, "step": r.step, "pushes": r.pushes,
+                     "live": self._is_live(r, now)} for r in self._workers.values()]
+
+    def restore(self, records: list[dict[str, Any]]) -> None:
+        """Replace the table with a :meth:`snapshot` (before serving).
+
+        The workers live at the snapshot get a fresh lease from now: a
+        worker that died meanwhile stops counting one lease later, exactly
+        as if it had died now.
+        """
+        now = self._clock()
+        workers: OrderedDict[str, WorkerRecord] = OrderedDict()
+        for r in records[-MAX_WORKERS:]:
+            live = bool(r["live"])
+            workers[r["worker_id"]] = WorkerRecord(
+                r["worker_id"], r["incarnation"], float(r["registered_unix"]),
+                now if live else now - self.lease_seconds - 1, int(r["step"]), int(r["pushes"]), live)
+        # Keep the least-recently-seen order: the expired ones first.
+        ordered = OrderedDict(sorted(workers.items(), key=lambda item: item[1].live))
+        with self._lock:
+            self._workers = ordered
+        self._notify()
 
     def seconds_since_seen(self, record: WorkerRecord) -> float:
         return max(0.0, self._clock() - record.last_seen)

@@ -212,10 +212,9 @@ class ActivePush:
             staging.add_dense(item.elements, dtype, offset, values)
 
     def _after_complete(self) -> None:
-        """Outside the apply gate: tell the consistency controller (it may apply a sync step)."""
+        """Outside the apply gate: this push may have finished a sync step; apply it."""
         if self._consistency is not None and not self._assign:
-            self._consistency.on_push_complete(
-                self._worker_id, self._step, PushDecision.DROP if self._dropped else self._decision)
+            self._consistency.apply_ready_steps()
 
     def finish(self) -> PushResult:
         """The stream ended: the push must be complete by now."""
@@ -253,23 +252,40 @@ class ActivePush:
         self._ledger.finish(session)
 
     def _finalize(self) -> None:
-        if self._decision == PushDecision.ACCUMULATE:
-            for name, item in self._items.items():
-                staging = self._session.staging.pop(name, PushStaging())
-                if not item.part.merge_staged(self._step, staging):
-                    self._dropped = True  # the step was applied while this push streamed
-                self._versions[name] = item.part.info().version
-        elif self._assign:
+        """The push is whole (the caller holds the gate shared): count it, merge it, record it.
+
+        A sync push joins every part's sum of its step, or none when the
+        step was applied while it streamed (dropped whole); the ledger and
+        the worker's clock record it in the same hold of the gate, so a
+        checkpoint holds the push in all of them or in none.
+        """
+        if self._assign:
             return  # recorded as finished once installed (finish)
-        elif self._decision == PushDecision.APPLY:
+        if self._decision == PushDecision.APPLY:
             for name, item in self._items.items():
                 self._versions[name] = item.part.finish_push()
+        staged, self._session.staging = self._session.staging, {}
+        if self._consistency is not None:
+            def merge() -> None:
+                for name, item in self._items.items():
+                    item.part.merge_staged(self._step, staged.get(name, PushStaging()))
+
+            if not self._consistency.complete_push(self._worker_id, self._step, self._decision, merge):
+                self._dropped = True
+        if self._decision != PushDecision.APPLY:
+            for name, item in self._items.items():
+                self._versions[name] = item.part.info().version
         self._ledger.finish(self._session)
 
 
 def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin,
-               consistency: ConsistencyController | None = None, metrics: Metrics | None = None) -> ActivePush:
-    """Validate a PushBegin and open (or rejoin) its session; changes nothing on error."""
+               consistency: ConsistencyController | None = None, metrics: Metrics | None = None,
+               wait_seconds: float | None = None) -> ActivePush:
+    """Validate a PushBegin and open (or rejoin) its session; changes nothing on error.
+
+    A sync push for a step this shard has not reached waits for it, at most
+    ``wait_seconds`` (None: a worker lease), before anything is recorded.
+    """
     check_cluster(store, begin.shard_index, begin.num_shards)
     if not begin.worker_id or len(begin.worker_id) > MAX_WORKER_ID_LENGTH:
         raise RequestError(Reason.INVALID_REQUEST,
@@ -346,7 +362,7 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
     total = sum(item.elements for item in items.values())
     decision = PushDecision.APPLY
     if consistency is not None and not assign and not already_done:
-        decision = consistency.push_decision(begin.step)
+        decision = _decide(store, consistency, begin, items, wait_seconds)
     if assign:
         session = _begin_upload(store, ledger, begin, items, total)
     else:
@@ -390,3 +406,28 @@ def _begin_upload(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBe
     for upload in staged.values():  # done before, or a retry: the first buffers stay
         upload.drop()
     return session
+
+
+def _decide(store: VariableStore, consistency: ConsistencyController, begin: ps_pb2.PushBegin,
+            items: dict[str, _Item], wait_seconds: float | None) -> str:
+    """The push's consistency decision; a sync push's table rows are pinned for its step.
+
+    Deciding and pinning share one hold of the gate, so the step cannot be
+    applied in between (see HashTablePart.pin_rows). A pin that does not
+    fit refuses the push here, before the ledger records any of it.
+    """
+    deadline = None if wait_seconds is None else time.monotonic() + wait_seconds
+    while True:
+        with store.gate.shared():
+            decision = consistency.push_decision(begin.step)
+            if decision == PushDecision.ACCUMULATE:
+                tables = [item for item in items.values()
+                          if isinstance(item.part, HashTablePart) and item.row_ids is not None]
+                for item in tables:  # every table is checked before any row is created
+                    item.part.check_pin(item.row_ids)
+                for item in tables:
+                    item.part.pin_rows(item.row_ids)
+        if decision != PushDecision.WAIT:
+            return decision
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        consistency.wait_for_step(begin.worker_id, begin.step, remaining)

@@ -425,16 +425,19 @@ class ParameterServerService:
 
     def push(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> bytes:
         try:
-            return join_pieces(self._run_push(request_iterator))
+            return join_pieces(self._run_push(request_iterator, context.time_remaining()))
         except RequestError as error:
             _abort(context, error)
             return b""
 
-    def _run_push(self, messages: Iterable[bytes | memoryview]) -> list:
-        """Apply one push from its messages; the PushResponse as pieces (metrics counted here)."""
+    def _run_push(self, messages: Iterable[bytes | memoryview], wait_seconds: float | None = None) -> list:
+        """Apply one push from its messages; the PushResponse as pieces (metrics counted here).
+
+        ``wait_seconds``: how long a sync push may wait for its step (the call's deadline).
+        """
         names: list[str] = []
         try:
-            result, received, pull_plan = self._apply_push(messages, names)
+            result, received, pull_plan = self._apply_push(messages, names, wait_seconds)
         except RequestError as error:
             self._metrics.pushes.add(names or ["-"], error.reason.value)
             raise
@@ -468,7 +471,8 @@ class ParameterServerService:
             raise
         return plan, chunk_bytes, names
 
-    def _apply_push(self, messages: Iterable[bytes | memoryview], names: list[str]):
+    def _apply_push(self, messages: Iterable[bytes | memoryview], names: list[str],
+                    wait_seconds: float | None = None):
         received = 0
         pull_plan = None
         with self._lifecycle.push_in_flight():
@@ -488,7 +492,8 @@ class ParameterServerService:
                     names.extend(item.variable for item in begin.items)
                     if begin.HasField("pull_after"):
                         pull_plan = self._plan_pull_after(begin.pull_after)
-                    active = begin_push(self._store, self._ledger, begin, self._consistency, self._metrics)
+                    active = begin_push(self._store, self._ledger, begin, self._consistency, self._metrics,
+                                        wait_seconds)
                 elif active is None:
                     raise RequestError(Reason.INVALID_REQUEST,
                                        "the first message of a push must carry PushBegin")
@@ -527,7 +532,8 @@ class ParameterServerService:
                     self._count_pulls(names, "ok")
                     self._metrics.bytes_sent.inc(len(reply))
                 elif field == EXCHANGE_PUSH:
-                    reply = encode_envelope(request_id, EXCHANGE_PUSH, self._run_push([payload]))
+                    reply = encode_envelope(request_id, EXCHANGE_PUSH,
+                                            self._run_push([payload], context.time_remaining()))
                 else:
                     raise RequestError(Reason.INVALID_REQUEST, "an ExchangeRequest carries a pull or a push")
             except RequestError as error:

@@ -117,7 +117,8 @@ class VariablePart:
             return PartSnapshot(self.spec, self.row_start, self.row_end, self.holds_part, self.version,
                                 self.optimizer_steps, self.initialized, self.value.copy(),
                                 {name: slot.copy() for name, slot in self.slots.items()},
-                                row_steps=None if self.row_steps is None else self.row_steps.copy())
+                                row_steps=None if self.row_steps is None else self.row_steps.copy(),
+                                accumulator=None if self.accumulator is None else self.accumulator.snapshot())
 
     @classmethod
     def from_checkpoint(cls, loaded: "LoadedPart") -> "VariablePart":
@@ -136,6 +137,8 @@ class VariablePart:
         part.optimizer_steps = loaded.optimizer_steps
         part.initialized = loaded.initialized
         part.row_steps = loaded.row_steps
+        if loaded.accumulator is not None:
+            part.accumulator = StepAccumulator.restore(loaded.accumulator)
         return part
 
     def info(self) -> VariableInfo:
@@ -220,16 +223,16 @@ class VariablePart:
 
     # ---- synchronous mode ----
 
-    def merge_staged(self, step: int, staging: PushStaging) -> bool:
-        """Add one complete push of ``step`` to the step's sum; False if the step is over."""
+    def merge_staged(self, step: int, staging: PushStaging) -> None:
+        """Add one complete push of ``step``, the open step (see StepAccumulator.merge), to its sum."""
         with self.lock:
-            return self._accumulator().merge(step, staging)
+            self._accumulator().merge(step, staging)
 
     def start_step(self, step: int) -> None:
         with self.lock:
             acc = self._accumulator()
             if acc.step != step:
-                acc.take(mean=False)  # a step that never completed (restart, jump): discard
+                acc.clear()  # a step that never completed (restart, jump): discard
                 acc.step = step
 
     def apply_accumulated(self, step: int) -> bool:
@@ -237,6 +240,8 @@ class VariablePart:
         with self.lock:
             acc = self._accumulator()
             if acc.step != step:
+                acc.clear()  # a sum of another step is never applied as this one
+                acc.step = step + 1
                 return False
             dense, ids, grads = acc.take(mean=self.spec.aggregation == "mean")
             acc.step = step + 1
@@ -539,13 +544,17 @@ class VariableStore:
         return [part.info() for part in self.parts()]
 
     def apply_accumulated(self, step: int) -> list[str]:
-        """Synchronous mode: apply step ``step`` on every part; returns the variables updated."""
+        """Synchronous mode: apply step ``step`` on every part; returns the variables updated.
+
+        The caller holds the gate exclusive: no push merges into the step
+        while it is applied part by part, so a push is in every part's sum
+        of the step or in none.
+        """
         applied = []
-        with self.gate.shared():
-            for part in self.parts():
-                if part.apply_accumulated(step):
-                    applied.append(part.spec.name)
-            self.generation += 1
+        for part in self.parts():
+            if part.apply_accumulated(step):
+                applied.append(part.spec.name)
+        self.generation += 1
         return applied
 
     def start_step(self, step: int) -> None:
@@ -578,6 +587,7 @@ class VariableStore:
             if item.rows is not None:
                 table = HashTablePart(item.spec, self._table_limit(item.spec), reserve)
                 table.load_rows(item.rows, item.version, item.optimizer_steps, item.evicted_rows)
+                table.restore_accumulator(item.accumulator)
                 parts[item.spec.name] = table
             else:
                 part = VariablePart.from_checkpoint(item)

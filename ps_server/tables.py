@@ -14,6 +14,12 @@ recently used rows (eviction "lru"; an access is a pull or a push of the
 row; rows of the request itself are never evicted). A refusal happens
 before anything of that request changes (a push that spans several chunks
 keeps its earlier chunks, as every push does; see docs/failure-semantics.md).
+
+Synchronous mode applies a step's row gradients when the step ends, after
+its pushes were acknowledged; so a push's rows are created and pinned when
+the push begins (:meth:`HashTablePart.pin_rows`): a push that would not fit
+is refused then, before anything of it is recorded, and LRU eviction never
+takes a pinned row, so applying the step never needs a row it cannot have.
 No gRPC here; all methods are thread-safe.
 """
 
@@ -24,7 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ps_server.accumulator import PushStaging, StepAccumulator
+from ps_server.accumulator import AccumulatorSnapshot, PushStaging, StepAccumulator
 from ps_server.checkpoint import PartSnapshot
 from ps_server.errors import RequestError
 from ps_server.id_index import IdIndex
@@ -75,6 +81,8 @@ class HashTablePart:
         self.accumulator = StepAccumulator()
         #: True once the spec is in the spec log (or came from a checkpoint or the log).
         self.durable = False
+        #: Synchronous mode: sorted ids of the rows the open step's pushes will update (never evicted).
+        self._pinned = np.empty(0, np.int64)
 
     # ---- sizes ----
 
@@ -124,28 +132,69 @@ class HashTablePart:
 
     # ---- synchronous mode ----
 
-    def merge_staged(self, step: int, staging: PushStaging) -> bool:
+    def check_pin(self, ids: np.ndarray) -> None:
+        """MEMORY_LIMIT if :meth:`pin_rows` of unique ``ids`` cannot fit in ``max_rows``; changes nothing."""
+        if not self.max_rows:
+            return
         with self.lock:
-            return self.accumulator.merge(step, staging)
+            new = int(np.count_nonzero(self._index.lookup(ids) < 0))
+            if self.spec.eviction == "lru":
+                rows = len(np.union1d(self._pinned, ids))
+                if rows <= self.max_rows:
+                    return
+                what = (f"the open synchronous step would update {rows} rows (its pushes' rows with "
+                        "this one's); eviction never takes them before the step is applied")
+            else:
+                if self.num_rows + new <= self.max_rows:
+                    return
+                what = f"it holds {self.num_rows} rows on this shard and this push adds {new}"
+            raise RequestError(Reason.MEMORY_LIMIT,
+                               f"hash table {self.spec.name!r}: {what}, more than its limit of "
+                               f"{self.max_rows} (max_rows / --max-rows); push fewer rows per step, "
+                               "raise the limit or add shards")
+
+    def pin_rows(self, ids: np.ndarray) -> None:
+        """Synchronous mode, at a push's begin: create rows ``ids`` (unique) and keep them until the
+        open step is applied or discarded. Refuses (MEMORY_LIMIT) before changing anything."""
+        self.check_pin(ids)
+        with self.lock:
+            self._slots_for(ids)
+            self._pinned = np.union1d(self._pinned, ids)
+
+    def merge_staged(self, step: int, staging: PushStaging) -> None:
+        with self.lock:
+            self.accumulator.merge(step, staging)
 
     def start_step(self, step: int) -> None:
         with self.lock:
             if self.accumulator.step != step:
-                self.accumulator.take(mean=False)
+                self.accumulator.clear()
                 self.accumulator.step = step
+                self._pinned = np.empty(0, np.int64)
 
     def apply_accumulated(self, step: int) -> bool:
         with self.lock:
             if self.accumulator.step != step:
-                return False
-            _, ids, grads = self.accumulator.take(mean=self.spec.aggregation == "mean")
+                self.accumulator.clear()  # a sum of another step is never applied as this one
+                ids = None
+            else:
+                _, ids, grads = self.accumulator.take(mean=self.spec.aggregation == "mean")
             self.accumulator.step = step + 1
+            if ids is not None:
+                self._apply_rows_locked(ids, grads)  # pinned rows: nothing to create
+            self._pinned = np.empty(0, np.int64)
             if ids is None:
                 return False
-            self._apply_rows_locked(ids, grads)
             self.version += 1
             self.optimizer_steps += 1
             return True
+
+    def restore_accumulator(self, saved: AccumulatorSnapshot | None) -> None:
+        """The open step's sum from a checkpoint; its rows are pinned again (before serving)."""
+        with self.lock:
+            self.accumulator = StepAccumulator.restore(saved)
+            if saved is not None and saved.row_ids is not None:
+                self._pinned = np.unique(saved.row_ids)
 
     def finish_push(self) -> int:
         with self.lock:
@@ -159,9 +208,10 @@ class HashTablePart:
                                 self.num_rows, self.evicted_rows)
 
     def snapshot(self):
-        return PartSnapshot(self.spec, 0, 0, True, self.version, self.optimizer_steps, True,
-                            np.empty(0, self.spec.dtype), {}, rows=self.rows_snapshot(),
-                            evicted_rows=self.evicted_rows)
+        with self.lock:
+            return PartSnapshot(self.spec, 0, 0, True, self.version, self.optimizer_steps, True,
+                                np.empty(0, self.spec.dtype), {}, rows=self._rows_snapshot_locked(),
+                                evicted_rows=self.evicted_rows, accumulator=self.accumulator.snapshot())
 
     # ---- internals (lock held) ----
 
@@ -179,6 +229,9 @@ class HashTablePart:
     def _create(self, new_ids: np.ndarray, protect: np.ndarray) -> np.ndarray:
         """Rows for unique new ids; every check and allocation happens before any eviction."""
         needed = len(new_ids)
+        if len(self._pinned):  # the open synchronous step's rows stay
+            pinned = self._index.lookup(self._pinned)
+            protect = np.concatenate([protect, pinned[pinned >= 0]])
         evict = 0
         if self.max_rows and self.num_rows + needed > self.max_rows:
             if self.spec.eviction != "lru" or needed > self.max_rows:
@@ -191,7 +244,8 @@ class HashTablePart:
             if self.num_rows - len(np.unique(protect)) < evict:
                 raise RequestError(Reason.MEMORY_LIMIT,
                                    f"hash table {self.spec.name!r}: a single request touches more rows than "
-                                   f"max_rows ({self.max_rows}) allows")
+                                   f"max_rows ({self.max_rows}) allows, with the {len(self._pinned)} rows "
+                                   "pinned by the open synchronous step")
         while len(self._free) + evict < needed:
             self._grow(needed - evict - len(self._free))  # may refuse (memory limit): nothing evicted yet
         if evict:
@@ -245,14 +299,17 @@ class HashTablePart:
     def rows_snapshot(self) -> dict[str, np.ndarray]:
         """Compact copies of the live rows: ids, values, slots, row steps, last access."""
         with self.lock:
-            slots = self._index.live_slots()
-            order = np.argsort(self.ids[slots], kind="stable")
-            slots = slots[order]
-            out = {"ids": self.ids[slots].copy(), "value": self.value[slots].copy(),
-                   "row_steps": self.row_steps[slots].copy(), "last_access": self.last_access[slots].copy()}
-            for name, arr in self.slots.items():
-                out[f"slot:{name}"] = arr[slots].copy()
-            return out
+            return self._rows_snapshot_locked()
+
+    def _rows_snapshot_locked(self) -> dict[str, np.ndarray]:
+        slots = self._index.live_slots()
+        order = np.argsort(self.ids[slots], kind="stable")
+        slots = slots[order]
+        out = {"ids": self.ids[slots].copy(), "value": self.value[slots].copy(),
+               "row_steps": self.row_steps[slots].copy(), "last_access": self.last_access[slots].copy()}
+        for name, arr in self.slots.items():
+            out[f"slot:{name}"] = arr[slots].copy()
+        return out
 
     def load_rows(self, rows: dict[str, np.ndarray], version: int, optimizer_steps: int, evicted: int) -> None:
         """Install rows from a checkpoint (before serving)."""

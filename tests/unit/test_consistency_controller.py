@@ -2,8 +2,9 @@
 clock and a real VariableStore; no servers, no network.
 
 Gradients reach the store the way ps_server.pushes feeds them: decide at the
-push's begin, stage, merge when whole, then ``on_push_complete``. Blocking is
-checked with events and generous timeouts, never with assertions on wall time.
+push's begin (gate shared), stage, merge and record when whole (gate shared),
+then ``apply_ready_steps`` with no lock held. Blocking is checked with events
+and generous timeouts, never with assertions on wall time.
 """
 
 from __future__ import annotations
@@ -66,17 +67,28 @@ class Harness:
         for w in workers:
             self.membership.seen(w, f"inc-{w}")
 
-    def push(self, worker: str, step: int, grad) -> str:
-        """One whole push of ``grad`` for 'w' at ``step``, as pushes.py runs it; the final decision."""
+    def decide(self, worker: str, step: int) -> str:
+        """A push's begin, as pushes.py runs it (WAIT is returned, not waited for)."""
         self.membership.seen(worker, f"inc-{worker}", step, pushed=True)
-        decision = self.ctrl.push_decision(step)
-        if decision == PushDecision.ACCUMULATE:
-            staging = PushStaging()
-            staging.add_dense(ELEMENTS, np.dtype("float32"), 0, np.asarray(grad, dtype=np.float32))
-            if not self.part.merge_staged(step, staging):
-                decision = PushDecision.DROP  # the step was applied while it streamed
-        self.ctrl.on_push_complete(worker, step, decision)
-        return decision
+        with self.store.gate.shared():
+            return self.ctrl.push_decision(step)
+
+    def complete(self, worker: str, step: int, decision: str, grad) -> str:
+        """The push arrived whole: merge and record it (gate shared), then apply a ready step."""
+        staging = PushStaging()
+        staging.add_dense(ELEMENTS, np.dtype("float32"), 0, np.asarray(grad, dtype=np.float32))
+        with self.store.gate.shared():
+            counted = self.ctrl.complete_push(worker, step, decision,
+                                              lambda: self.part.merge_staged(step, staging))
+        self.ctrl.apply_ready_steps()
+        return decision if counted else PushDecision.DROP
+
+    def push(self, worker: str, step: int, grad) -> str:
+        """One whole push of ``grad`` for 'w' at ``step``; the final decision (WAIT: not sent)."""
+        decision = self.decide(worker, step)
+        if decision == PushDecision.WAIT:
+            return decision
+        return self.complete(worker, step, decision, grad)
 
     def value(self) -> np.ndarray:
         return self.part.value.copy()
@@ -180,14 +192,11 @@ def test_sync_push_that_began_before_the_step_was_applied_is_dropped_whole():
     """A push decided ACCUMULATE at its begin, but whose step was applied while it streamed."""
     h = Harness("sync", backup_workers=1)
     h.join("a", "b", "c")
-    h.membership.seen("c", "inc-c", 0, pushed=True)
-    assert h.ctrl.push_decision(0) == PushDecision.ACCUMULATE  # c begins streaming step 0
+    assert h.decide("c", 0) == PushDecision.ACCUMULATE  # c begins streaming step 0
     h.push("a", 0, _vec(2, 2, 2, 2))
     h.push("b", 0, _vec(4, 4, 4, 4))  # step 0 applied meanwhile
-    staging = PushStaging()
-    staging.add_dense(ELEMENTS, np.dtype("float32"), 0, _vec(100, 100, 100, 100))
-    assert not h.part.merge_staged(0, staging)  # c's whole push arrives late
-    h.ctrl.on_push_complete("c", 0, PushDecision.DROP)
+    # c's whole push arrives late: never merged.
+    assert h.complete("c", 0, PushDecision.ACCUMULATE, _vec(100, 100, 100, 100)) == PushDecision.DROP
     np.testing.assert_array_equal(h.value(), -_vec(3, 3, 3, 3))
     assert h.stats().dropped_gradients == 1 and h.stats().step == 1
 
@@ -198,14 +207,21 @@ def test_sync_push_ahead_jumps_only_when_nothing_was_accumulated():
     # E.g. this shard restarted empty while the workers are at step 5: follow them.
     assert h.push("a", 5, _vec(2, 2, 2, 2)) == PushDecision.ACCUMULATE
     assert h.stats().step == 5
-    # Now step 5 has a gradient: a push for step 7 must not throw it away.
+    # Now step 5 has a gradient: a push for step 7 must not throw it away; it waits.
+    assert h.decide("b", 7) == PushDecision.WAIT
     with pytest.raises(RequestError) as info:
-        h.ctrl.push_decision(7)
-    assert info.value.reason == Reason.INVALID_REQUEST
-    assert h.stats().step == 5
-    assert h.push("b", 5, _vec(4, 4, 4, 4)) == PushDecision.ACCUMULATE
-    np.testing.assert_array_equal(h.value(), -_vec(3, 3, 3, 3))
+        h.ctrl.wait_for_step("b", 7, 0.05)
+    assert info.value.reason == Reason.STEP_TIMEOUT  # retried by the client
+    # b is at step 7, so it left steps 5 and 6 behind: step 5 is applied with a's gradient,
+    # and step 6 waits for a.
     assert h.stats().step == 6 and h.stats().steps_applied == 1
+    np.testing.assert_array_equal(h.value(), -_vec(2, 2, 2, 2))
+    assert h.push("a", 6, _vec(4, 4, 4, 4)) == PushDecision.ACCUMULATE
+    assert h.stats().step == 7
+    assert h.push("b", 7, _vec(1, 1, 1, 1)) == PushDecision.ACCUMULATE
+    assert h.push("a", 7, _vec(3, 3, 3, 3)) == PushDecision.ACCUMULATE
+    np.testing.assert_array_equal(h.value(), -_vec(8, 8, 8, 8))
+    assert h.stats().step == 8 and h.stats().steps_applied == 3
 
 
 def test_sync_push_ahead_does_not_jump_over_a_finished_worker():
@@ -213,10 +229,34 @@ def test_sync_push_ahead_does_not_jump_over_a_finished_worker():
     h = Harness("sync")
     h.join("a", "b", "c")
     h.ctrl.on_heartbeat("a", 1)  # a finished step 0 with nothing for this shard
-    with pytest.raises(RequestError) as info:
-        h.ctrl.push_decision(3)
-    assert info.value.reason == Reason.INVALID_REQUEST
+    assert h.decide("b", 3) == PushDecision.WAIT
     assert h.stats().step == 0
+
+
+def test_sync_push_ahead_waits_until_every_live_worker_left_the_open_step_behind():
+    """A shard restored at step 2 (with a's gradient of it) while the workers are at step 5:
+    a push of step 5 waits, not refused; once every live worker is past step 2, step 2 is
+    applied with the gradients the shard has, steps 3 and 4 are skipped at once, and the push
+    joins step 5."""
+    h = Harness("sync")
+    h.join("a", "b")
+    h.push("a", 0, _vec(0, 0, 0, 0))
+    h.push("b", 0, _vec(0, 0, 0, 0))
+    h.push("a", 1, _vec(0, 0, 0, 0))
+    h.push("b", 1, _vec(0, 0, 0, 0))
+    assert h.push("a", 2, _vec(2, 2, 2, 2)) == PushDecision.ACCUMULATE
+    assert h.decide("a", 5) == PushDecision.WAIT
+    done = threading.Event()
+    threading.Thread(target=lambda: (h.ctrl.wait_for_step("a", 5, 30.0), done.set()), daemon=True).start()
+    assert not done.wait(BRIEF), "b has not left step 2 behind yet"
+    h.ctrl.on_heartbeat("b", 5)  # b is at step 5 too
+    assert done.wait(WAIT)
+    s = h.stats()
+    assert (s.step, s.steps_applied) == (5, 3), "steps 3 and 4 skipped in one go"
+    np.testing.assert_array_equal(h.value(), -_vec(2, 2, 2, 2))
+    assert h.push("a", 5, _vec(1, 1, 1, 1)) == PushDecision.ACCUMULATE
+    assert h.push("b", 5, _vec(3, 3, 3, 3)) == PushDecision.ACCUMULATE
+    np.testing.assert_array_equal(h.value(), -_vec(4, 4, 4, 4))
 
 
 def test_sync_startup_barrier_holds_steps_until_expected_workers_registered():

@@ -495,30 +495,30 @@ def _staging(dense=None, ids=None, grads=None, dtype=np.float32) -> PushStaging:
     return staging
 
 
-def test_merge_of_another_step_is_dropped_and_changes_nothing():
+def test_merge_of_a_new_step_discards_the_stale_sum():
+    """The controller says which step is open; a sum of another step is never added to it."""
     acc = StepAccumulator(step=3)
-    assert acc.merge(3, _staging(dense=[1, 2], ids=[1], grads=[[1, 1]]))
-    assert not acc.merge(2, _staging(dense=[10, 10], ids=[1], grads=[[10, 10]]))
-    assert not acc.merge(4, _staging(dense=[10, 10], ids=[2], grads=[[10, 10]]))
-    assert (acc.dense_count, acc.row_count) == (1, 1)
+    acc.merge(3, _staging(dense=[1, 2], ids=[1], grads=[[1, 1]]))
+    acc.merge(4, _staging(dense=[10, 10], ids=[2], grads=[[10, 10]]))
+    assert (acc.step, acc.dense_count, acc.row_count) == (4, 1, 1)
     dense, ids, grads = acc.take(mean=False)
-    np.testing.assert_array_equal(dense, [1, 2])
-    np.testing.assert_array_equal(ids, [1])
-    np.testing.assert_array_equal(grads, [[1, 1]])
+    np.testing.assert_array_equal(dense, [10, 10])
+    np.testing.assert_array_equal(ids, [2])
+    np.testing.assert_array_equal(grads, [[10, 10]])
 
 
 def test_dense_mean_and_sum():
     for mean, expected in ((False, [4, 6, 8]), (True, [2, 3, 4])):
         acc = StepAccumulator(step=0)
-        assert acc.merge(0, _staging(dense=[1, 2, 3]))
-        assert acc.merge(0, _staging(dense=[3, 4, 5]))
+        acc.merge(0, _staging(dense=[1, 2, 3]))
+        acc.merge(0, _staging(dense=[3, 4, 5]))
         dense, ids, grads = acc.take(mean=mean)
         assert ids is None and grads is None
         np.testing.assert_array_equal(dense, expected)
         assert dense.dtype == np.float32
         # Afresh: nothing left for the next step.
         assert acc.take(mean=mean) == (None, None, None)
-        assert acc.merge(0, _staging(dense=[1, 1, 1]))
+        acc.merge(0, _staging(dense=[1, 1, 1]))
         np.testing.assert_array_equal(acc.take(mean=mean)[0], [1, 1, 1])
 
 
@@ -565,10 +565,8 @@ def test_table_applies_the_accumulated_rows_once_per_step():
     ids = _ids(1, 2, 3)
     w0 = table.read_rows(ids).copy()
     table.start_step(4)
-    assert table.merge_staged(4, _staging(ids=[1, 2], grads=np.ones((2, 4))))
-    assert table.merge_staged(4, _staging(ids=[2], grads=np.full((1, 4), 3.0)))
-    assert not table.merge_staged(5, _staging(ids=[3], grads=np.ones((1, 4))))
-    assert not table.apply_accumulated(5)
+    table.merge_staged(4, _staging(ids=[1, 2], grads=np.ones((2, 4))))
+    table.merge_staged(4, _staging(ids=[2], grads=np.full((1, 4), 3.0)))
     assert table.read_rows(ids).tobytes() == w0.tobytes()
     assert table.apply_accumulated(4)
     expected = w0 - np.array([[0.5], [2.0], [0.0]], np.float32)

@@ -1,0 +1,244 @@
+"""Synchronous-mode pushes through the real push path (ps_server.pushes) and the bookkeeping
+of workers and clocks; no servers, no network.
+
+A late push is dropped whole even when it completes while its step is being
+applied variable by variable; a sync push's table rows are pinned for its
+step; the clock table and the worker table stay bounded.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from test_store import _begin, _chunks
+
+import ps_server.membership as membership_module
+from ps_server.consistency import ConsistencyController
+from ps_server.errors import RequestError
+from ps_server.membership import Membership
+from ps_server.push_ledger import PushLedger
+from ps_server.pushes import begin_push
+from ps_server.store import VariableStore
+from ps_server.tables import HashTablePart
+from wehub_ps.errors import Reason
+from wehub_ps.specs import SGD, Constant, VariableSpec, Zeros
+from wehub_ps.v1 import ps_pb2
+
+WAIT = 10.0  # generous bound for things that must happen
+WINDOW = 1.0  # how long the step's application stays paused for a late push to slip in
+LEASE = 10.0
+SIZE = 4
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Shard:
+    """A store with dense variables 'x' and 'y' (SGD lr 1, zeros), a ledger and a sync controller."""
+
+    def __init__(self, backup_workers: int = 0, mode: str = "sync") -> None:
+        self.clock = FakeClock()
+        self.membership = Membership(LEASE, clock=self.clock)
+        self.store = VariableStore(0, 1, 1 << 30)
+        for name in ("x", "y"):
+            self.store.create(VariableSpec(name, (SIZE,), "float32", initializer=Zeros(),
+                                           optimizer=SGD(learning_rate=1.0)))
+        self.ledger = PushLedger()
+        self.ctrl = ConsistencyController(mode, 0, backup_workers, self.membership, self.store)
+        self.sequences: dict[str, int] = {}
+
+    def join(self, *workers: str) -> None:
+        for w in workers:
+            if self.membership.seen(w, f"inc-{w}", 0):
+                self.ctrl.forget(w)
+            self.ctrl.on_heartbeat(w, 0)
+
+    def begin(self, worker: str, step: int):
+        """A push of 'x' and 'y' by ``worker`` at ``step``: its begin (decided, nothing applied)."""
+        self.sequences[worker] = self.sequences.get(worker, 0) + 1
+        begin = _begin([("x", SIZE, ps_pb2.FLOAT32), ("y", SIZE, ps_pb2.FLOAT32)],
+                       sequence=self.sequences[worker], worker_id=worker, incarnation=f"inc-{worker}")
+        begin.step = step
+        self.membership.seen(worker, f"inc-{worker}", step, pushed=True)
+        return begin_push(self.store, self.ledger, begin, self.ctrl)
+
+    @staticmethod
+    def send(push, value: float):
+        """Both variables' chunks in one message, as a small push sends them; the push's result."""
+        grad = np.full(SIZE, value, np.float32)
+        push.apply_many(_chunks("x", grad, SIZE) + _chunks("y", grad, SIZE))
+        return push.finish()
+
+    def value(self, name: str) -> np.ndarray:
+        return self.store.get(name).value.copy()
+
+
+def test_a_push_completing_while_its_step_is_applied_is_dropped_whole():
+    """b's push of step 0 arrives whole while step 0 is being applied, 'x' done and 'y' not yet.
+
+    It must be in neither variable's update (answered dropped) or in both; never in 'y' only.
+    The application is paused between the two variables for WINDOW seconds, long enough for
+    b's push to complete there if nothing keeps it out.
+    """
+    shard = Shard(backup_workers=1)
+    shard.join("a", "b", "c")
+    assert not shard.send(shard.begin("a", 0), 2.0).dropped
+    late = shard.begin("b", 0)  # b's push begins while step 0 is open
+    applying_y = threading.Event()
+    b_finished = threading.Event()
+    y = shard.store.get("y")
+    original = y.apply_accumulated
+
+    def paused(step: int) -> bool:
+        applying_y.set()
+        b_finished.wait(WINDOW)  # b's push may complete here, unless it is kept out
+        return original(step)
+
+    y.apply_accumulated = paused
+    results = {}
+    # c's push completes step 0 (3 live, 1 backup worker): it applies the step, 'x' then 'y'.
+    applier = threading.Thread(target=lambda: results.setdefault("c", shard.send(shard.begin("c", 0), 4.0)),
+                               name="test-applier")
+    applier.start()
+    assert applying_y.wait(WAIT)
+
+    def finish_late() -> None:
+        results["b"] = shard.send(late, 100.0)
+        b_finished.set()
+
+    pusher = threading.Thread(target=finish_late, name="test-late-push")
+    pusher.start()
+    applier.join(WAIT)
+    pusher.join(WAIT)
+    assert not applier.is_alive() and not pusher.is_alive()
+    x, y_value = shard.value("x"), shard.value("y")
+    if results["b"].dropped:
+        expected = -np.full(SIZE, 3.0, np.float32)  # the mean of a's 2 and c's 4
+    else:
+        expected = -np.full(SIZE, (2.0 + 4.0 + 100.0) / 3, np.float32)
+    np.testing.assert_array_equal(x, expected)
+    np.testing.assert_array_equal(y_value, expected)
+    stats = shard.ctrl.stats()
+    assert (stats.steps_applied, stats.dropped_gradients) == (1, 1 if results["b"].dropped else 0)
+
+
+# ---- bounded hash tables in sync mode ------------------------------------------------------------------
+
+
+class Reserve:
+    def __call__(self, delta: int) -> None:
+        pass
+
+
+def _table(max_rows: int, eviction: str) -> HashTablePart:
+    spec = VariableSpec("t", (2,), "float32", initializer=Constant(0.0), optimizer=SGD(learning_rate=1.0),
+                        hash_table=True, max_rows=max_rows, eviction=eviction)
+    return HashTablePart(spec, max_rows, Reserve())
+
+
+def test_lru_table_pins_the_open_steps_rows_and_refuses_a_push_that_would_not_fit():
+    table = _table(100, "lru")
+    table.read_rows(np.arange(1000, 1050, dtype=np.int64))  # 50 rows of earlier steps
+    table.pin_rows(np.arange(0, 80, dtype=np.int64))
+    assert (table.num_rows, table.evicted_rows) == (100, 30)
+    before = table.rows_snapshot()
+    with pytest.raises(RequestError) as info:
+        table.pin_rows(np.arange(80, 160, dtype=np.int64))
+    assert info.value.reason == Reason.MEMORY_LIMIT and "open synchronous step" in info.value.message
+    after = table.rows_snapshot()
+    assert all(np.array_equal(before[k], after[k]) for k in before), "a refused pin changes nothing"
+    # Pulls never evict a pinned row: room comes from the older rows only.
+    table.read_rows(np.arange(2000, 2020, dtype=np.int64))
+    ids = table.rows_snapshot()["ids"]
+    assert np.isin(np.arange(0, 80), ids).all() and table.num_rows == 100
+    with pytest.raises(RequestError):  # 80 pinned + 21 more in one request cannot fit
+        table.read_rows(np.arange(3000, 3021, dtype=np.int64))
+    # Applying (or discarding) the step releases the pins.
+    table.start_step(1)
+    table.read_rows(np.arange(3000, 3100, dtype=np.int64))
+    assert table.num_rows == 100
+
+
+def test_table_without_eviction_refuses_a_pin_beyond_max_rows():
+    table = _table(100, "none")
+    table.pin_rows(np.arange(0, 80, dtype=np.int64))
+    with pytest.raises(RequestError) as info:
+        table.pin_rows(np.arange(80, 160, dtype=np.int64))
+    assert info.value.reason == Reason.MEMORY_LIMIT
+    assert table.num_rows == 80
+    table.pin_rows(np.arange(80, 100, dtype=np.int64))
+    assert table.num_rows == 100
+
+
+# ---- bounded bookkeeping -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["ssp", "sync"])
+def test_clock_table_keeps_live_workers_only(mode):
+    """Workers come and go (a new id per pod): their clocks go with their leases."""
+    shard = Shard(mode=mode)
+    for i in range(200):
+        shard.join(f"w{i}")
+        shard.ctrl.on_heartbeat(f"w{i}", 3)
+        shard.clock.now += LEASE + 1
+        assert shard.membership.expire() == [f"w{i}"]
+        assert shard.ctrl.clock_count() == 0
+    shard.join("late")
+    assert shard.ctrl.clock_count() == 1
+    if mode == "ssp":  # a worker joining when nobody else is live starts at the highest clock seen
+        assert shard.ctrl.cluster_step() == 3
+
+
+def test_a_worker_back_after_its_lease_ran_out_rejoins_at_the_clusters_clock():
+    shard = Shard(mode="ssp")
+    shard.join("a", "b")
+    shard.ctrl.on_heartbeat("a", 5)
+    shard.ctrl.on_heartbeat("b", 5)
+    shard.clock.now += LEASE / 2
+    shard.membership.seen("a", "inc-a")
+    shard.clock.now += LEASE / 2 + 1
+    assert shard.membership.expire() == ["b"]
+    assert shard.ctrl.clock_count() == 1
+    shard.membership.seen("b", "inc-b")  # back (same incarnation), first seen by a pull
+    assert shard.ctrl.clock_count() == 2 and shard.ctrl.cluster_step() == 5
+
+
+def test_worker_table_forgets_the_least_recently_seen_first(monkeypatch):
+    monkeypatch.setattr(membership_module, "MAX_WORKERS", 3)
+    clock = FakeClock()
+    membership = Membership(LEASE, clock=clock)
+    for name in ("a", "b", "c"):
+        membership.seen(name, "1")
+        clock.now += 1
+    membership.seen("a", "1")  # b is now the least recently seen ...
+    membership.leave("c", "1")  # ... unless one left: c goes first
+    clock.now += 5
+    membership.seen("d", "1")
+    assert sorted(r.worker_id for r in membership.workers()) == ["a", "b", "d"]
+    membership.seen("e", "1")
+    assert sorted(r.worker_id for r in membership.workers()) == ["a", "d", "e"]
+    assert membership.live_ids() == {"a", "d", "e"}
+    clock.now += LEASE - 4  # a was seen 5 s before d and e: its lease runs out first
+    assert membership.live_ids() == {"d", "e"}
+
+
+def test_worker_table_round_trips_through_a_snapshot_with_fresh_leases():
+    clock = FakeClock()
+    membership = Membership(LEASE, clock=clock)
+    membership.seen("gone", "1", step=2)
+    clock.now += LEASE + 1
+    membership.seen("live", "7", step=4, pushed=True)
+    saved = membership.snapshot()
+    restored = Membership(LEASE, clock=FakeClock())
+    restored.restore(saved)
+    records = {r.worker_id: r for r in restored.workers()}
+    live = records["live"]
+    assert (live.incarnation, live.step, live.pushes, live.live) == ("7", 4, 1, True)
+    assert not records["gone"].live and restored.live_ids() == {"live"}
