@@ -438,7 +438,7 @@ def load_parts(plan: RestorePlan, shard_index: int, num_shards: int) -> list[Loa
                    for i, path in plan.checkpoints.items()}
         parts = [_load_variable(spec, entries[spec.name], handles, shard_index, num_shards)
                  for spec in specs.values()]
-        if plan.num_shards == num_shards:
+        if plan.num_shards == num_shards and parts:
             own = handles[shard_index]
             parts = [replace(p, accumulator=_load_accumulator(p.spec.name, entries[p.spec.name][0][1], own))
                      for p in parts]

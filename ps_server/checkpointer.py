@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ps_server.checkpoint import (
     ShardSnapshot,
@@ -41,7 +42,12 @@ class CheckpointRecord:
 class Checkpointer:
     def __init__(self, store: VariableStore, ledger: PushLedger, directory: str, server_id: str,
                  keep: int, interval: float, persist_open_pushes: bool = True,
-                 on_written: Callable[[float], None] | None = None) -> None:
+                 on_written: Callable[[float], None] | None = None,
+                 consistency_state: Callable[[], dict[str, Any]] | None = None) -> None:
+        """``persist_open_pushes=False`` (sync mode): an unfinished push's chunks live in its
+        private staging, never checkpointed, so the ledger leaves them out and a retry after
+        a restart sends them again. ``consistency_state()``: the consistency controller's
+        snapshot (step, clocks, workers), taken in the same instant as values and ledger."""
         self._store = store
         self._ledger = ledger
         self._directory = directory
@@ -50,6 +56,7 @@ class Checkpointer:
         self._interval = interval
         self._persist_open_pushes = persist_open_pushes
         self._on_written = on_written
+        self._consistency_state = consistency_state
         # Serialises checkpoints (held during the write) and guards _last_generation.
         self._lock = threading.Lock()
         # Guards _last only, so Describe never waits for a write in progress.
@@ -84,8 +91,10 @@ class Checkpointer:
                 generation = self._store.generation
                 if only_if_changed and generation == self._last_generation:
                     return None
-                snapshot = ShardSnapshot(self._store.shard_index, self._store.num_shards, self._server_id,
-                                         self._store.snapshot(), {"entries": self._ledger.snapshot(self._persist_open_pushes)})
+                snapshot = ShardSnapshot(
+                    self._store.shard_index, self._store.num_shards, self._server_id, self._store.snapshot(),
+                    {"entries": self._ledger.snapshot(self._persist_open_pushes)},
+                    consistency=self._consistency_state() if self._consistency_state is not None else None)
             pause = time.perf_counter() - paused
             written = write_checkpoint(self._directory, snapshot, self._keep)
             if self._store.spec_log is not None:

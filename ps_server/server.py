@@ -74,7 +74,8 @@ class PSServer:
             checkpointer = Checkpointer(self.store, self.ledger, config.checkpoint_dir, self.server_id,
                                         keep=config.keep_checkpoints, interval=config.checkpoint_interval,
                                         persist_open_pushes=config.consistency != "sync",
-                                        on_written=self.metrics.checkpoint_written)
+                                        on_written=self.metrics.checkpoint_written,
+                                        consistency_state=self.consistency.snapshot)
         self.context = ShardContext(
             self.store, self.ledger, self.lifecycle, self.membership, self.consistency, self.server_id,
             default_chunk_bytes=config.chunk_bytes, max_chunk_bytes=config.max_message_bytes // 2,
@@ -175,7 +176,12 @@ class PSServer:
             self.metrics.restored_version.labels(part.spec.name).set(part.version)
         resharded = plan.num_shards != config.num_shards
         if not resharded and plan.manifests:
-            self.ledger.restore(next(iter(plan.manifests.values()))["ledger"]["entries"])
+            manifest = next(iter(plan.manifests.values()))
+            self.ledger.restore(manifest["ledger"]["entries"])
+            # ssp / sync: step, clocks, workers (and, with the parts, the step's sums) of that instant.
+            self.consistency.restore(manifest.get("consistency"))
+        else:  # another layout (or spec logs only): the steps start afresh, like the ledger
+            self.consistency.restore(None)
         if plan.manifests:  # (else only spec logs: variables created before the first checkpoint)
             newest = max(plan.manifests.values(), key=lambda m: m["created_unix"])
             self.context.restored_from = RestoredFrom(
