@@ -337,7 +337,7 @@ class ConsistencyController:
 
     def _started(self) -> bool:
         """The startup barrier: every expected worker has registered once."""
-        return len(self._membership.workers()) >= self.expected_workers
+        return not self.expected_workers or self._membership.count() >= self.expected_workers
 
     def _pull_allowed(self, step: int) -> bool:
         if not self._started():

@@ -130,6 +130,11 @@ class Membership:
         with self._lock:
             return [replace(r, live=self._is_live(r, now)) for r in self._workers.values()]
 
+    def count(self) -> int:
+        """Workers remembered, live or not."""
+        with self._lock:
+            return len(self._workers)
+
     def live_ids(self) -> set[str]:
         """The workers whose lease runs; reads only those (the most recently seen records)."""
         now = self._clock()

@@ -15,6 +15,9 @@ import pytest
 from test_store import _begin, _chunks
 
 import ps_server.membership as membership_module
+from ps_server.accumulator import PushStaging
+from ps_server.checkpoint import find_restore_plan, load_parts
+from ps_server.checkpointer import Checkpointer
 from ps_server.consistency import ConsistencyController
 from ps_server.errors import RequestError
 from ps_server.membership import Membership
@@ -175,6 +178,54 @@ def test_table_without_eviction_refuses_a_pin_beyond_max_rows():
     assert table.num_rows == 80
     table.pin_rows(np.arange(80, 100, dtype=np.int64))
     assert table.num_rows == 100
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------
+
+
+def test_step_sums_clocks_and_workers_travel_in_the_checkpoint(tmp_path):
+    """A checkpoint in the middle of a sync step: after a restore, the step is completed by the
+    missing worker's push alone, with the checkpointed gradients in the mean."""
+    shard = Shard()
+    shard.join("a", "b")
+    table = shard.store.create(VariableSpec("t", (2,), "float32", initializer=Zeros(),
+                                            optimizer=SGD(learning_rate=1.0), hash_table=True))
+    assert table[1]
+    shard.send(shard.begin("a", 0), 1.0)
+    shard.send(shard.begin("b", 0), 3.0)  # step 0 applied: -2
+    shard.send(shard.begin("a", 1), 1.0)  # step 1 open, a's gradient in its sum
+    ids = np.array([5, 9], np.int64)
+    shard.store.get("t").pin_rows(ids)
+    staging = PushStaging()
+    staging.add_rows(ids, np.full((2, 2), 6.0, np.float32), np.dtype(np.float32))
+    shard.store.get("t").merge_staged(1, staging)
+    checkpointer = Checkpointer(shard.store, shard.ledger, str(tmp_path), "srv", keep=2, interval=0,
+                                persist_open_pushes=False, consistency_state=shard.ctrl.snapshot)
+    checkpointer.checkpoint("test")
+
+    restored = Shard()  # a new process: empty store, fresh clock, nobody registered
+    plan = find_restore_plan(tmp_path, 0, 1)
+    restored.store.restore(load_parts(plan, 0, 1))
+    restored.ledger.restore(plan.manifests[0]["ledger"]["entries"])
+    assert restored.ctrl.restore(plan.manifests[0]["consistency"])
+    stats = restored.ctrl.stats()
+    assert (stats.step, stats.steps_applied) == (1, 1)
+    assert restored.membership.live_ids() == {"a", "b"}
+    assert restored.ledger.is_done("a", "inc-a", 2), "a's push is in the ledger and in the sum"
+    restored.sequences = dict(shard.sequences)
+    assert not restored.send(restored.begin("b", 1), 3.0).dropped
+    np.testing.assert_array_equal(restored.value("x"), np.full(SIZE, -4.0, np.float32))
+    np.testing.assert_array_equal(restored.store.get("t").read_rows(ids), np.full((2, 2), -6.0, np.float32))
+    assert restored.ctrl.stats().step == 2
+
+    # Another shard count assembles the values but starts the steps afresh.
+    other = find_restore_plan(tmp_path, 0, 2)
+    assert all(part.accumulator is None for part in load_parts(other, 0, 2))
+    # Another mode keeps nothing of it either.
+    async_shard = Shard(mode="async")
+    async_shard.store.restore(load_parts(plan, 0, 1))
+    assert not async_shard.ctrl.restore(plan.manifests[0]["consistency"])
+    assert async_shard.store.get("x").accumulator.empty
 
 
 # ---- bounded bookkeeping -----------------------------------------------------------------------------
