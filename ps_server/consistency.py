@@ -248,7 +248,9 @@ class ConsistencyController:
         """Sync: apply the open step once all live workers but K finished it (call with no locks held).
 
         The step is applied with the gate held exclusive: no push merges
-        into it meanwhile, and no checkpoint sees it half applied.
+        into it meanwhile, and no checkpoint sees it half applied. Once the
+        final checkpoint sealed the gate, nothing is applied: the step and
+        its sums are in that checkpoint, and the restarted server applies it.
         """
         if self.mode != "sync":
             return
@@ -256,16 +258,21 @@ class ConsistencyController:
             with self._cond:
                 if not self._ready():
                     return
-            with self._store.gate.exclusive():
-                with self._cond:
-                    if not self._ready():
-                        return
-                    step = self._step
-                    applied = self._store.apply_accumulated(step)
-                    event(log, logging.DEBUG, "sync step applied", step=step, workers=len(self._finished),
-                          variables=applied)
-                    self._steps_applied += 1
-                    self._jump_to(self._first_unfinished_step(step + 1))
+            try:
+                with self._store.gate.exclusive():
+                    with self._cond:
+                        if not self._ready():
+                            return
+                        step = self._step
+                        applied = self._store.apply_accumulated(step)
+                        event(log, logging.DEBUG, "sync step applied", step=step,
+                              workers=len(self._finished), variables=applied)
+                        self._steps_applied += 1
+                        self._jump_to(self._first_unfinished_step(step + 1))
+            except RequestError as error:
+                if error.reason != Reason.SHUTTING_DOWN:
+                    raise
+                return  # sealed by the final checkpoint
 
     def close(self) -> None:
         """Release every waiting pull and push (shutdown)."""

@@ -293,3 +293,18 @@ def test_worker_table_round_trips_through_a_snapshot_with_fresh_leases():
     live = records["live"]
     assert (live.incarnation, live.step, live.pushes, live.live) == ("7", 4, 1, True)
     assert not records["gone"].live and restored.live_ids() == {"live"}
+
+
+def test_after_the_final_checkpoint_sealed_the_gate_no_step_is_applied():
+    """The final checkpoint holds the open step and its sum; applying it later would be lost."""
+    shard = Shard()
+    shard.join("a", "b")
+    shard.send(shard.begin("a", 0), 2.0)
+    shard.store.gate.seal()
+    assert shard.ctrl.on_heartbeat("b", 1) == 1  # b finished step 0: the step is ready, not applied
+    stats = shard.ctrl.stats()
+    assert (stats.step, stats.steps_applied) == (0, 0)
+    np.testing.assert_array_equal(shard.value("x"), np.zeros(SIZE, np.float32))
+    with pytest.raises(RequestError) as info:
+        shard.begin("b", 0)
+    assert info.value.reason == Reason.SHUTTING_DOWN
