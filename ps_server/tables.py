@@ -242,10 +242,11 @@ class HashTablePart:
                     "raise the limit, add shards, or create it with eviction='lru'")
             evict = self.num_rows + needed - self.max_rows
             if self.num_rows - len(np.unique(protect)) < evict:
+                pinned = (f", with the {len(self._pinned)} rows the open synchronous step keeps"
+                          if len(self._pinned) else "")
                 raise RequestError(Reason.MEMORY_LIMIT,
                                    f"hash table {self.spec.name!r}: a single request touches more rows than "
-                                   f"max_rows ({self.max_rows}) allows, with the {len(self._pinned)} rows "
-                                   "pinned by the open synchronous step")
+                                   f"max_rows ({self.max_rows}) allows{pinned}")
         while len(self._free) + evict < needed:
             self._grow(needed - evict - len(self._free))  # may refuse (memory limit): nothing evicted yet
         if evict:
