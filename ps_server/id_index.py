@@ -9,15 +9,16 @@ few: the table is kept at most half full).
 Buckets hold an id and its slot; a slot of ``_EMPTY`` ends a probe chain,
 ``_DELETED`` (a removed id) does not. Inserts reuse deleted buckets (the
 ids inserted are known to be absent) and the table is rebuilt when live
-plus deleted buckets pass half of it. Not thread-safe: the owning table's
-lock guards it.
+plus deleted buckets pass half of it, never to fewer buckets than it had,
+so its size changes only in :meth:`IdIndex.reserve`, where the owning table
+books the memory first. Not thread-safe: the owning table's lock guards it.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["IdIndex"]
+__all__ = ["IdIndex", "index_bytes_for"]
 
 _EMPTY = -1
 _DELETED = -2
@@ -38,6 +39,16 @@ class IdIndex:
 
     def __len__(self) -> int:
         return self._live
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the two bucket arrays."""
+        return self._ids.nbytes + self._slots.nbytes
+
+    def reserve(self, capacity: int) -> None:
+        """Size the table for ``capacity`` ids now, so no insert up to that many grows it."""
+        if _buckets_for(capacity) > len(self._ids):
+            self._rebuild(capacity)
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """The slot of each id, -1 where absent."""
@@ -132,9 +143,14 @@ class IdIndex:
         """Re-insert the live ids into a table sized for ``live_after`` (drops deleted buckets)."""
         keep = self._slots >= 0
         ids, slots = self._ids[keep], self._slots[keep]
-        self._allocate(_buckets_for(live_after))
+        self._allocate(max(_buckets_for(live_after), len(self._ids)))
         self._live = 0
         self.insert(ids, slots)
+
+
+def index_bytes_for(capacity: int) -> int:
+    """Bytes of an index sized for ``capacity`` ids (:meth:`IdIndex.reserve`)."""
+    return 16 * _buckets_for(capacity)
 
 
 def _buckets_for(live: int) -> int:

@@ -28,7 +28,7 @@ from ps_server.info import VariableInfo
 from ps_server.initializers import fill_initial_values
 from ps_server.optimizers import make_kernel
 from ps_server.spec_log import SpecLog
-from ps_server.tables import HashTablePart
+from ps_server.tables import HashTablePart, read_tables_rows
 from wehub_ps.codec import RowGather
 from wehub_ps.convert import cast_into
 from wehub_ps.dtypes import WIRE_FLOAT_DTYPES, dtype_name
@@ -37,7 +37,8 @@ from wehub_ps.placement import rows_of
 from wehub_ps.rowops import put_rows, take_rows
 from wehub_ps.specs import Explicit, VariableSpec
 
-__all__ = ["InitialUpload", "VariableInfo", "VariablePart", "VariableStore", "check_dtype_allowed"]
+__all__ = ["InitialUpload", "MemoryHold", "VariableInfo", "VariablePart", "VariableStore",
+           "check_dtype_allowed"]
 
 T = TypeVar("T")
 
@@ -357,21 +358,75 @@ class VariableStore:
         #: Bumped on every mutation; a checkpoint is skipped when it did not move.
         #: (Unlocked increments may collapse under races, but never to "unchanged".)
         self.generation = 0
-        # Guards _parts, _filling and _reserved. Lock order: this lock, then a part's.
-        # Reentrant: a staged upload gives its bytes back when it is garbage
+        # Guards _parts, _filling, _reserved and _held. Lock order: this lock, then a part's; it is
+        # also taken inside a hash table's lock (a table books its growth), and no part's lock is
+        # taken under it then. Reentrant: a staged upload gives its bytes back when it is garbage
         # (InitialUpload), which may happen in a thread that holds this lock.
         self._lock = threading.RLock()
         self._parts: dict[str, VariablePart | HashTablePart] = {}
         #: Variables being created (filled outside the gate): set when installed or given up.
         self._filling: dict[str, threading.Event] = {}
+        #: Bytes of variables: values, slots, staged uploads, hash tables' rows and id indexes.
         self._reserved = 0
+        #: Bytes held for requests rather than variables: rows gathered for pulls in flight,
+        #: the ledger's records of unfinished pushes. Counted against the same limit.
+        self._held = 0
         #: Where specs and uploaded initial values are made durable (None: no --checkpoint-dir).
         self.spec_log: SpecLog | None = None
 
     @property
     def reserved_bytes(self) -> int:
+        """Bytes of variables (what Describe reports as stored)."""
         with self._lock:
             return self._reserved
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes held for requests in flight and unfinished pushes (see :meth:`hold`)."""
+        with self._lock:
+            return self._held
+
+    def hold(self, nbytes: int, what: str) -> "MemoryHold":
+        """Book ``nbytes`` a request is about to allocate; MEMORY_LIMIT when they do not fit.
+
+        Stored bytes and held bytes together stay within ``memory_limit``.
+        Call before allocating; release the hold (``with`` or
+        :meth:`MemoryHold.release`) when the bytes are freed.
+        """
+        self.book(nbytes, what)
+        return MemoryHold(self, nbytes)
+
+    def book(self, nbytes: int, what: str) -> None:
+        """:meth:`hold` without the handle: give the bytes back with ``book(-nbytes, what)``."""
+        if nbytes == 0:
+            return
+        with self._lock:
+            if nbytes > 0 and self._reserved + self._held + nbytes > self.memory_limit:
+                raise RequestError(
+                    Reason.MEMORY_LIMIT,
+                    f"{what} needs {nbytes} bytes; shard {self.shard_index} holds {self._reserved} bytes of "
+                    f"variables and {self._held} for requests in flight of its {self.memory_limit}-byte "
+                    "limit (--max-memory-bytes); ask for less at once")
+            self._held += nbytes
+
+    def read_rows(self, reads: list[tuple["VariablePart | HashTablePart", np.ndarray]]) -> list[tuple[np.ndarray, int]]:
+        """(values, version) of rows of several parts, all or nothing.
+
+        Hash tables create missing rows: every table's new rows are checked
+        and booked before any table changes, so a refusal (row limit, memory
+        limit) creates nothing and evicts nothing. Dense parts' rows were
+        checked by the caller (:func:`ps_server.rows.parse_row_ids`).
+        """
+        with self.gate.shared():
+            tables = [(part, ids) for part, ids in reads if isinstance(part, HashTablePart)]
+            table_values = iter(read_tables_rows(tables, self._reserve_bytes) if tables else [])
+            out = []
+            for part, ids in reads:
+                values = next(table_values) if isinstance(part, HashTablePart) else part.read_rows(ids)
+                out.append((values, part.version))
+            if tables:
+                self.generation += 1
+            return out
 
     def create(self, spec: VariableSpec) -> tuple[VariableInfo, bool]:
         """Create the variable (this shard's part of it); idempotent for the same spec.
@@ -422,11 +477,19 @@ class VariableStore:
         """A new, empty part for ``spec`` with its memory booked (called with _lock held)."""
         self._check_count()
         if spec.hash_table:
-            return HashTablePart(spec, self._table_limit(spec), self._reserve_bytes)
+            table = HashTablePart(spec, self._table_limit(spec), self._reserve_bytes)
+            if self._reserved + self._held + table.nbytes > self.memory_limit:
+                raise RequestError(
+                    Reason.MEMORY_LIMIT,
+                    f"hash table {spec.name!r} needs {table.nbytes} bytes for its empty id index on "
+                    f"shard {self.shard_index}; {self._reserved + self._held} of the "
+                    f"{self.memory_limit}-byte limit are in use (--max-memory-bytes)")
+            self._reserved += table.nbytes
+            return table
         part = spec.placement(self.num_shards).part_on(self.shard_index)
         row_start, row_end = (part.row_start, part.row_end) if part else (0, 0)
         new = VariablePart(spec, row_start, row_end, part is not None)
-        if self._reserved + new.nbytes > self.memory_limit:
+        if self._reserved + self._held + new.nbytes > self.memory_limit:
             raise RequestError(
                 Reason.MEMORY_LIMIT,
                 f"variable {spec.name!r} needs {new.nbytes} bytes on shard "
@@ -454,7 +517,7 @@ class VariableStore:
         """
         nbytes = part.elements * part.spec.dtype.itemsize
         with self._lock:
-            if self._reserved + nbytes > self.memory_limit:
+            if self._reserved + self._held + nbytes > self.memory_limit:
                 raise RequestError(
                     Reason.MEMORY_LIMIT,
                     f"uploading the initial value of {part.spec.name!r} needs a {nbytes}-byte buffer on "
@@ -504,12 +567,13 @@ class VariableStore:
     def _reserve_bytes(self, delta: int) -> None:
         """Book memory for a growing hash table (called with the table's lock held)."""
         with self._lock:
-            if self._reserved + delta > self.memory_limit:
+            if delta > 0 and self._reserved + self._held + delta > self.memory_limit:
                 raise RequestError(
                     Reason.MEMORY_LIMIT,
                     f"growing a hash table by {delta} bytes would pass shard {self.shard_index}'s "
-                    f"{self.memory_limit}-byte limit ({self._reserved} in use; --max-memory-bytes); "
-                    "set max_rows with eviction='lru', or add shards")
+                    f"{self.memory_limit}-byte limit ({self._reserved} in use by variables, {self._held} "
+                    "by requests in flight; --max-memory-bytes); set max_rows with eviction='lru', "
+                    "or add shards")
             self._reserved += delta
 
     def _check_count(self) -> None:
@@ -586,6 +650,7 @@ class VariableStore:
         for item in loaded:
             if item.rows is not None:
                 table = HashTablePart(item.spec, self._table_limit(item.spec), reserve)
+                reserve(table.nbytes)
                 table.load_rows(item.rows, item.version, item.optimizer_steps, item.evicted_rows)
                 table.restore_accumulator(item.accumulator)
                 parts[item.spec.name] = table
@@ -600,6 +665,24 @@ class VariableStore:
         with self._lock:
             self._parts = parts
             self._reserved = reserved
+
+class MemoryHold:
+    """Bytes booked with :meth:`VariableStore.hold`, given back once (``release`` or leaving ``with``)."""
+
+    def __init__(self, store: VariableStore, nbytes: int) -> None:
+        self._store = store
+        self.nbytes = nbytes
+
+    def release(self) -> None:
+        nbytes, self.nbytes = self.nbytes, 0
+        self._store.book(-nbytes, "")
+
+    def __enter__(self) -> "MemoryHold":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
 
 def check_dtype_allowed(part: VariablePart, wire_dtype: np.dtype, assign: bool) -> None:
     """A push may send the variable's own dtype, or float16/bfloat16 gradients."""

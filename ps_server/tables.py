@@ -26,14 +26,16 @@ No gRPC here; all methods are thread-safe.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from typing import NamedTuple
 
 import numpy as np
 
 from ps_server.accumulator import AccumulatorSnapshot, PushStaging, StepAccumulator
 from ps_server.checkpoint import PartSnapshot
 from ps_server.errors import RequestError
-from ps_server.id_index import IdIndex
+from ps_server.id_index import IdIndex, index_bytes_for
 from ps_server.info import VariableInfo
 from ps_server.initializers import fill_rows
 from ps_server.optimizers import make_kernel
@@ -41,9 +43,64 @@ from wehub_ps.errors import Reason
 from wehub_ps.rowops import put_rows, take_rows
 from wehub_ps.specs import VariableSpec
 
-__all__ = ["HashTablePart"]
+__all__ = ["HashTablePart", "RowPlan", "read_tables_rows"]
 
 _MIN_CAPACITY = 1024
+
+
+class RowPlan(NamedTuple):
+    """What touching some ids of a table will do (:meth:`HashTablePart.plan`)."""
+
+    ids: np.ndarray
+    #: Slot of each id, -1 where it is new.
+    slots: np.ndarray
+    #: Positions of the new ids in ``ids``.
+    missing: np.ndarray
+    #: The new ids, unique (None when there are none), and each missing position's index in them.
+    new_ids: np.ndarray | None
+    inverse: np.ndarray | None
+    #: Rows to evict (LRU) to make room.
+    evict: int
+    #: Capacity after the read (the current one when it does not grow).
+    capacity: int
+    #: Bytes to book before carrying the plan out: growth, plus ``transient_bytes``.
+    book_bytes: int
+    #: The old arrays while a growth copies them (given back after the growth).
+    transient_bytes: int = 0
+    #: Slots eviction must not take: the request's own rows and a synchronous step's pinned ones.
+    protect: np.ndarray | None = None
+
+
+def read_tables_rows(reads: Sequence[tuple["HashTablePart", np.ndarray]],
+                     reserve: Callable[[int], None]) -> list[np.ndarray]:
+    """Values of rows of several tables, creating missing rows, all or nothing.
+
+    Every table is locked (in name order: one lock order for every caller),
+    every read planned and checked, and the growth of all of them booked with
+    ``reserve`` at once before any table changes: a refusal (a row limit, the
+    memory limit) leaves every table as it was, no row created, none evicted.
+    A table may appear more than once (its reads are planned together).
+    """
+    tables: dict[int, HashTablePart] = {}
+    for table, _ in reads:
+        tables.setdefault(id(table), table)
+    with ExitStack() as stack:
+        for table in sorted(tables.values(), key=lambda t: t.spec.name):
+            stack.enter_context(table.lock)
+        ids_of: dict[int, list[np.ndarray]] = {}
+        for table, ids in reads:
+            ids_of.setdefault(id(table), []).append(ids)
+        plans = {key: tables[key].plan(np.concatenate(chunks) if len(chunks) > 1 else chunks[0])
+                 for key, chunks in ids_of.items()}
+        reserve(sum(plan.book_bytes for plan in plans.values()))
+        slots = {key: tables[key].carry_out(plan) for key, plan in plans.items()}
+        out = []
+        taken: dict[int, int] = {}
+        for table, ids in reads:
+            first = taken.get(id(table), 0)
+            taken[id(table)] = first + len(ids)
+            out.append(take_rows(table.value, slots[id(table)][first:first + len(ids)]))
+        return out
 
 
 class HashTablePart:
@@ -96,12 +153,18 @@ class HashTablePart:
 
     @property
     def row_bytes(self) -> int:
+        """Bytes per row of capacity: value, slots, row step, last access, id, free-stack entry."""
         return (self.row_elements * (self.spec.dtype.itemsize + self.compute_dtype.itemsize * len(self.slots))
-                + 16)  # + row step and last access
+                + 32)
+
+    def nbytes_for(self, capacity: int) -> int:
+        """Bytes booked for ``capacity`` rows: the rows, and the id index counted twice (a
+        rebuild of the index holds the old and the new buckets at once)."""
+        return capacity * self.row_bytes + 2 * index_bytes_for(capacity)
 
     @property
     def nbytes(self) -> int:
-        return self.capacity * self.row_bytes
+        return self.nbytes_for(self.capacity)
 
     # ---- row access ----
 
@@ -216,19 +279,25 @@ class HashTablePart:
     # ---- internals (lock held) ----
 
     def _slots_for(self, ids: np.ndarray) -> np.ndarray:
-        """Slot index of each id, creating rows for new ids (all or nothing)."""
-        self._clock += 1
+        """Slot of each id, creating rows for new ids (all or nothing)."""
+        plan = self.plan(ids)
+        if plan.book_bytes:
+            self.reserve(plan.book_bytes)  # may refuse: nothing changed yet
+        return self.carry_out(plan)
+
+    def plan(self, ids: np.ndarray) -> "RowPlan":
+        """What reading ``ids`` will create, evict and grow, checked against the row limit.
+
+        Changes nothing (the lock must stay held until :meth:`carry_out`);
+        raises MEMORY_LIMIT when the table may not take the new rows.
+        """
         slots = self._index.lookup(ids)
         missing = np.flatnonzero(slots < 0)
-        if missing.size:
-            new_ids, inverse = np.unique(ids[missing], return_inverse=True)  # a repeated new id: one row
-            slots[missing] = self._create(new_ids, protect=slots[slots >= 0])[inverse.reshape(-1)]
-        self.last_access[slots] = self._clock
-        return slots
-
-    def _create(self, new_ids: np.ndarray, protect: np.ndarray) -> np.ndarray:
-        """Rows for unique new ids; every check and allocation happens before any eviction."""
+        if not missing.size:
+            return RowPlan(ids, slots, missing, None, None, 0, self.capacity, 0)
+        new_ids, inverse = np.unique(ids[missing], return_inverse=True)  # a repeated new id: one row
         needed = len(new_ids)
+        protect = slots[slots >= 0]
         if len(self._pinned):  # the open synchronous step's rows stay
             pinned = self._index.lookup(self._pinned)
             protect = np.concatenate([protect, pinned[pinned >= 0]])
@@ -247,8 +316,34 @@ class HashTablePart:
                 raise RequestError(Reason.MEMORY_LIMIT,
                                    f"hash table {self.spec.name!r}: a single request touches more rows than "
                                    f"max_rows ({self.max_rows}) allows{pinned}")
-        while len(self._free) + evict < needed:
-            self._grow(needed - evict - len(self._free))  # may refuse (memory limit): nothing evicted yet
+        capacity = self.capacity
+        if len(self._free) + evict < needed:
+            at_least = needed - evict - len(self._free)
+            capacity = max(_MIN_CAPACITY, 2 * self.capacity, self.capacity + at_least)
+            if self.max_rows:
+                capacity = max(min(capacity, self.max_rows), self.capacity + at_least)
+        # Growing copies every array: the old ones stay alive until the copy is done.
+        transient = self.capacity * self.row_bytes if capacity > self.capacity else 0
+        book = self.nbytes_for(capacity) - self.nbytes + transient
+        return RowPlan(ids, slots, missing, new_ids, inverse.reshape(-1), evict, capacity, book, transient,
+                       protect)
+
+    def carry_out(self, plan: "RowPlan") -> np.ndarray:
+        """Create, evict and grow as planned (``plan.book_bytes`` already booked); the slots of the ids."""
+        self._clock += 1
+        slots = plan.slots
+        if plan.new_ids is not None:
+            if plan.capacity > self.capacity:
+                self._grow(plan.capacity)
+                if plan.transient_bytes:
+                    self.reserve(-plan.transient_bytes)  # the old arrays are gone
+            slots[plan.missing] = self._create(plan.new_ids, plan.evict, plan.protect)[plan.inverse]
+        self.last_access[slots] = self._clock
+        return slots
+
+    def _create(self, new_ids: np.ndarray, evict: int, protect: np.ndarray) -> np.ndarray:
+        """Rows for unique new ids, room made (grown, or ``evict`` rows to drop) by the caller's plan."""
+        needed = len(new_ids)
         if evict:
             self._evict(evict, protect)
         slots = self._free[len(self._free) - needed:][::-1].copy()
@@ -275,11 +370,8 @@ class HashTablePart:
         self._free = np.concatenate([self._free, victims])
         self.evicted_rows += len(victims)
 
-    def _grow(self, at_least: int) -> None:
-        new_capacity = max(_MIN_CAPACITY, 2 * self.capacity, self.capacity + at_least)
-        if self.max_rows:
-            new_capacity = max(min(new_capacity, self.max_rows), self.capacity + at_least)
-        self.reserve((new_capacity - self.capacity) * self.row_bytes)
+    def _grow(self, new_capacity: int) -> None:
+        """Grow every array (and the id index) to ``new_capacity`` rows; the caller booked the bytes."""
         old = self.capacity
 
         def grown(arr: np.ndarray) -> np.ndarray:
@@ -294,6 +386,7 @@ class HashTablePart:
         self.last_access = grown(self.last_access)
         self._free = np.concatenate([self._free, np.arange(new_capacity - 1, old - 1, -1, dtype=np.int64)])
         self.capacity = new_capacity
+        self._index.reserve(new_capacity)
 
     # ---- checkpoints ----
 
@@ -316,7 +409,9 @@ class HashTablePart:
         """Install rows from a checkpoint (before serving)."""
         with self.lock:
             count = len(rows["ids"])
-            self._grow(max(count, 1))
+            capacity = max(_MIN_CAPACITY, count)
+            self.reserve(self.nbytes_for(capacity) - self.nbytes)
+            self._grow(capacity)
             slots = np.arange(count, dtype=np.int64)
             self._free = self._free[self._free >= count]
             self.ids[slots] = rows["ids"]
@@ -326,6 +421,5 @@ class HashTablePart:
             self.row_steps[slots] = rows["row_steps"]
             self.last_access[slots] = rows["last_access"]
             self._clock = int(rows["last_access"].max()) if count else 0
-            self._index = IdIndex(count)
             self._index.insert(rows["ids"], slots)
             self.version, self.optimizer_steps, self.evicted_rows = version, optimizer_steps, evicted

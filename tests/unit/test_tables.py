@@ -337,18 +337,34 @@ def test_lru_keeps_num_rows_bounded_under_many_accesses():
 def test_growth_books_memory_through_the_reserve_callback():
     reserve = Reserve()
     table = _table(reserve=reserve, optimizer=Adam())
-    row_bytes = 4 * (4 + 4 * 2) + 16  # value + m + v, plus row step and last access
+    row_bytes = 4 * (4 + 4 * 2) + 32  # value + m + v, plus row step, last access, id, free-stack entry
     assert table.row_bytes == row_bytes
+    empty = table.nbytes  # booked by the store when it creates the table
     table.read_rows(_ids(1))
-    assert reserve.calls == [1024 * row_bytes] and table.capacity == 1024
+    assert reserve.calls == [table.nbytes - empty] and table.capacity == 1024
     table.read_rows(np.arange(2, 1025, dtype=np.int64))  # exactly full
     assert len(reserve.calls) == 1
     table.read_rows(_ids(5000))
-    assert table.capacity == 2048 and reserve.calls == [1024 * row_bytes, 1024 * row_bytes]
-    assert table.nbytes == reserve.total
+    # The growth books the old arrays too while it copies them, and gives them back after.
+    assert table.capacity == 2048 and reserve.calls[1:] == [
+        table.nbytes_for(2048) - table.nbytes_for(1024) + 1024 * row_bytes, -1024 * row_bytes]
+    assert table.nbytes == reserve.total + empty
     # A large request grows by at least what it needs.
     table.read_rows(np.arange(10_000, 15_000, dtype=np.int64))
-    assert table.capacity >= 1025 + 5000 and table.nbytes == reserve.total
+    assert table.capacity >= 1025 + 5000 and table.nbytes == reserve.total + empty
+    _check_invariants(table)
+
+
+def test_the_id_index_is_booked_and_never_grows_unbooked():
+    """The index of ids is part of a table's bytes (counted twice: a rebuild holds two copies)."""
+    reserve = Reserve()
+    table = _table(reserve=reserve, max_rows=3000, eviction="lru")
+    rng = np.random.default_rng(3)
+    for _ in range(40):  # LRU churn: deleted buckets force rebuilds of the index
+        table.read_rows(np.unique(rng.integers(0, 1 << 40, size=400)))
+        assert 2 * table._index.nbytes + table.capacity * table.row_bytes == table.nbytes
+        assert table.nbytes == reserve.total + table.nbytes_for(0)
+    assert table.evicted_rows > 0
     _check_invariants(table)
 
 
@@ -360,7 +376,8 @@ def test_growth_is_capped_at_max_rows():
 
 
 def test_memory_limit_from_reserve_propagates_and_nothing_changes():
-    reserve = Reserve(limit=1024 * _table().row_bytes)  # room for the first 1024 rows only
+    t = _table()
+    reserve = Reserve(limit=t.nbytes_for(1024) - t.nbytes_for(0))  # room for the first 1024 rows only
     table = _table(reserve=reserve)
     table.read_rows(np.arange(1024, dtype=np.int64))
     table.apply_rows(_ids(0, 1), np.ones((2, 4), np.float32))
@@ -371,7 +388,7 @@ def test_memory_limit_from_reserve_propagates_and_nothing_changes():
     with pytest.raises(RequestError):
         table.apply_rows(_ids(5000), np.ones((1, 4), np.float32))
     assert _state(table) == before
-    assert reserve.total == 1024 * table.row_bytes
+    assert reserve.total == table.nbytes_for(1024) - table.nbytes_for(0)
     # Existing rows still work.
     table.apply_rows(_ids(3), np.ones((1, 4), np.float32))
     _check_invariants(table)
@@ -386,8 +403,8 @@ def test_memory_limit_after_lru_eviction_changes_nothing():
     request was refused. Happens when max_rows is above the current
     capacity (max_rows > 1024 here).
     """
-    row_bytes = _table().row_bytes
-    reserve = Reserve(limit=1024 * row_bytes)
+    t = _table()
+    reserve = Reserve(limit=t.nbytes_for(1024) - t.nbytes_for(0))
     table = _table(reserve=reserve, max_rows=2000, eviction="lru")
     table.read_rows(np.arange(1024, dtype=np.int64))
     before = _state(table)
@@ -432,7 +449,7 @@ def test_rows_snapshot_and_load_rows_round_trip():
     reserve = Reserve()
     copy = HashTablePart(table.spec, table.max_rows, reserve)
     copy.load_rows({k: v.copy() for k, v in snap.items()}, table.version, table.optimizer_steps, 3)
-    assert reserve.total == copy.nbytes > 0
+    assert reserve.total + copy.nbytes_for(0) == copy.nbytes > 0  # (the empty table: booked by the store)
     assert (copy.num_rows, copy.version, copy.optimizer_steps, copy.evicted_rows) == (
         table.num_rows, table.version, table.optimizer_steps, 3)
     restored = copy.rows_snapshot()
