@@ -7,10 +7,12 @@ from typing import NamedTuple
 import numpy as np
 
 from ps_server.errors import RequestError
+from wehub_ps.codec import RowGather
 from wehub_ps.errors import Reason
 from wehub_ps.placement import hash_shards
 
-__all__ = ["parse_row_ids", "ParsedRows", "MAX_ROWS_PER_REQUEST"]
+__all__ = ["parse_row_ids", "ParsedRows", "MAX_ROWS_PER_REQUEST", "unique_ids", "gathered_bytes",
+           "rows_in_order"]
 
 # One request names at most this many rows: 8 MiB of ids, and a bound on the
 # gathered block a single pull or push can make the server build.
@@ -55,3 +57,35 @@ def parse_row_ids(part, raw: bytes, shard_index: int, num_shards: int, *, unique
     if not part.holds_part:
         raise RequestError(Reason.INVALID_REQUEST, f"variable {name!r} has no rows on shard {shard_index}")
     return ParsedRows(ids, part.local_rows(ids))  # raises when a row is outside this shard's range
+
+
+def unique_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """The ids to read, each once, and where each requested id is among them (None: as requested).
+
+    A pull may name an id many times; the rows are read (and held) once per
+    id, and the answer repeats them as it is joined, so the server never
+    holds a copy per repetition.
+    """
+    if len(ids) < 2 or (ids[1:] > ids[:-1]).all():  # sorted, no repeats: what PSClient sends
+        return ids, None
+    unique, inverse = np.unique(ids, return_inverse=True)
+    if len(unique) == len(ids):
+        return ids, None
+    return unique, inverse.reshape(-1)
+
+
+def gathered_bytes(part, rows: int, inverse: np.ndarray | None, wire: np.dtype) -> int:
+    """Bytes that reading ``rows`` rows of ``part`` for a pull allocates (see :func:`rows_in_order`)."""
+    elements = rows * part.spec.row_elements
+    converted = elements * wire.itemsize if inverse is not None and wire != part.spec.dtype else 0
+    return elements * part.spec.dtype.itemsize + converted
+
+
+def rows_in_order(values: np.ndarray, inverse: np.ndarray | None,
+                  wire: np.dtype) -> np.ndarray | RowGather:
+    """Rows read once per id, answered in the requested order (repeats gathered as the message is joined)."""
+    if inverse is None:
+        return values
+    if wire != values.dtype:
+        values = values.astype(wire)
+    return RowGather(values, inverse)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import grpc
 import numpy as np
@@ -22,8 +22,8 @@ from ps_server.context import ShardContext
 from ps_server.errors import RequestError
 from ps_server.metrics import Metrics
 from ps_server.pushes import MAX_WORKER_ID_LENGTH, begin_push, check_cluster
-from ps_server.rows import parse_row_ids
-from ps_server.store import VariableInfo
+from ps_server.rows import gathered_bytes, parse_row_ids, rows_in_order, unique_ids
+from ps_server.store import MemoryHold, VariableInfo
 from wehub_ps import __version__
 from wehub_ps.codec import (
     EXCHANGE_ERROR,
@@ -85,6 +85,14 @@ _PACK_BELOW_BYTES = 64 * 1024
 _MIN_CHUNK_BYTES = 4096
 
 M = TypeVar("M")
+
+
+class _PullPlan(NamedTuple):
+    """A checked pull: what to send, in chunks of ``chunk_bytes``, and the bytes it holds until sent."""
+
+    items: list
+    chunk_bytes: int
+    hold: MemoryHold
 
 
 def _abort(context: grpc.ServicerContext, error: RequestError) -> None:
@@ -316,12 +324,13 @@ class ParameterServerService:
             msg = _parse(ps_pb2.PullRequest, request)
             names = [item.variable for item in msg.items]
             plan = self._plan_pull(msg)
-            # ssp / sync: wait (at most the call's deadline) until this step may read.
-            self._consistency.before_pull(msg.worker_id, msg.step, context.time_remaining())
-            for pieces in self._stream_pull(*plan):
-                message = join_pieces(pieces)
-                self._metrics.bytes_sent.inc(len(message))
-                yield message
+            with plan.hold:
+                # ssp / sync: wait (at most the call's deadline) until this step may read.
+                self._consistency.before_pull(msg.worker_id, msg.step, context.time_remaining())
+                for pieces in self._stream_pull(plan.items, plan.chunk_bytes):
+                    message = join_pieces(pieces)
+                    self._metrics.bytes_sent.inc(len(message))
+                    yield message
         except RequestError as error:
             self._count_pulls(names, error.reason.value)
             _abort(context, error)
@@ -329,10 +338,16 @@ class ParameterServerService:
         self._count_pulls(names, "ok")
 
     def _count_pulls(self, names: list[str], outcome: str) -> None:
-        self._metrics.pulls.add(names or ["-"], outcome)
+        # A refused request may name anything: only this shard's variables become label values.
+        self._metrics.pulls.add(names if outcome == "ok" else self._store.known_names(names), outcome)
 
-    def _plan_pull(self, msg: ps_pb2.PullRequest):
-        """Validate everything before the first byte is sent."""
+    def _plan_pull(self, msg: ps_pb2.PullRequest, whole_reply: bool = False) -> _PullPlan:
+        """Validate everything before the first byte is sent, and book the bytes the pull will hold.
+
+        ``whole_reply``: the answer is built as one message (Exchange,
+        pull_after), so its bytes are booked too; a Pull stream holds one
+        message at a time.
+        """
         self._lifecycle.check_accepting()
         check_cluster(self._store, msg.shard_index, msg.num_shards)
         if msg.worker_id and msg.incarnation:
@@ -352,7 +367,9 @@ class ParameterServerService:
                                    f"variables can be pulled as floating types only, not {dtype_name(requested)}")
         else:
             requested = None
-        plan = []
+        plan: list = []
+        reply_bytes = 0
+        gathers: list[tuple[int, object, np.ndarray, np.ndarray | None, np.dtype]] = []
         for item in msg.items:
             part = self._store.get(item.variable)
             if item.row_ids or part.spec.hash_table:
@@ -361,20 +378,22 @@ class ParameterServerService:
                                        f"{item.variable!r} is a hash table: pull it by rows (pull_rows)")
                 ids, local = parse_row_ids(part, item.row_ids, self._store.shard_index, self._store.num_shards,
                                            unique=False)
+                if not part.initialized:  # a bool read: no lock needed
+                    raise RequestError(Reason.NOT_INITIALIZED, f"variable {item.variable!r} is waiting "
+                                                               "for its explicit initial value")
                 wire = requested or part.spec.dtype
-                if local is not None and part.initialized and wire == part.spec.dtype:
+                reply_bytes += len(ids) * part.spec.row_elements * wire.itemsize
+                if local is not None and wire == part.spec.dtype:
                     # Rows of a dense part stay where they are: each is copied once, from the
                     # table into the message as it is joined (under the part's lock). The
                     # version is read first: it is the rows' or, after a push in between, older.
                     version = part.version  # (one int read: no lock, no VariableInfo)
                     plan.append((part, (part.rows_to_send(local), version), None, wire))
                     continue
-                # Read (and, in a hash table, create) every row before the first byte is
-                # sent, so a refusal leaves nothing behind and the rows are one instant.
-                with self._store.gate.shared():
-                    values = part.read_rows(ids)
-                    version = part.version
-                plan.append((part, (values, version), None, wire))
+                # Gathered below, each id once, with every other item's rows.
+                unique, inverse = unique_ids(ids)
+                gathers.append((len(plan), part, unique, inverse, wire))
+                plan.append(None)
                 continue
             if not part.holds_part:
                 raise RequestError(Reason.INVALID_REQUEST,
@@ -388,8 +407,23 @@ class ParameterServerService:
                     Reason.INVALID_CHUNK,
                     f"pull range [{item.offset}, {end}) of {item.variable!r} is outside this "
                     f"shard's part of {part.elements} elements")
-            plan.append((part, item.offset, end - item.offset, requested or part.spec.dtype))
-        return plan, chunk_bytes
+            wire = requested or part.spec.dtype
+            reply_bytes += (end - item.offset) * wire.itemsize
+            plan.append((part, item.offset, end - item.offset, wire))
+        held = sum(gathered_bytes(part, len(unique), inverse, wire)
+                   for _, part, unique, inverse, wire in gathers)
+        hold = self._store.hold(held + (reply_bytes if whole_reply else 0), "this pull's answer")
+        if gathers:
+            # Every request is checked above: read (and, in a hash table, create) all rows at once,
+            # all or nothing, so a refusal leaves nothing behind and the rows are one instant.
+            try:
+                read = self._store.read_rows([(part, unique) for _, part, unique, _, _ in gathers])
+            except BaseException:
+                hold.release()
+                raise
+            for (index, part, _, inverse, wire), (values, version) in zip(gathers, read):
+                plan[index] = (part, (rows_in_order(values, inverse, wire), version), None, wire)
+        return _PullPlan(plan, chunk_bytes, hold)
 
     def _stream_pull(self, plan, chunk_bytes: int) -> Iterator[list]:
         """The response messages, each as pieces (codec.pull_response_pieces) to be joined once."""
@@ -436,18 +470,24 @@ class ParameterServerService:
         ``wait_seconds``: how long a sync push may wait for its step (the call's deadline).
         """
         names: list[str] = []
+        holds: list[MemoryHold] = []
         try:
-            result, received, pull_plan = self._apply_push(messages, names, wait_seconds)
-        except RequestError as error:
-            self._metrics.pushes.add(names or ["-"], error.reason.value)
+            result, received, pull_plan = self._apply_push(messages, names, holds, wait_seconds)
+        except BaseException as error:
+            for hold in holds:
+                hold.release()
+            if isinstance(error, RequestError):
+                self._metrics.pushes.add(self._store.known_names(names), error.reason.value)
             raise
         outcome = "dropped" if result.dropped else "duplicate" if result.duplicate else "ok"
         self._metrics.pushes.add(names, outcome)
         self._metrics.bytes_received.inc(received)
         pulled = None
         if pull_plan is not None:
-            plan, chunk_bytes, pull_names = pull_plan
-            pulled = [piece for pieces in self._stream_pull(plan, chunk_bytes) for piece in pieces]
+            plan, pull_names = pull_plan
+            with plan.hold:
+                pulled = [piece for pieces in self._stream_pull(plan.items, plan.chunk_bytes)
+                          for piece in pieces]
             self._count_pulls(pull_names, "ok")
             self._metrics.bytes_sent.inc(sum(piece_size(p) for p in pulled))
         response = encode_push_response(result.versions, result.duplicate, result.elements_applied,
@@ -465,14 +505,15 @@ class ParameterServerService:
                                    "other workers, so pull it separately")
             if any(item.row_ids for item in msg.items):
                 raise RequestError(Reason.INVALID_REQUEST, "pull_after reads whole dense variables, not rows")
-            plan, chunk_bytes = self._plan_pull(msg)
+            plan = self._plan_pull(msg, whole_reply=True)
         except RequestError as error:
             self._count_pulls(names, error.reason.value)
             raise
-        return plan, chunk_bytes, names
+        return plan, names
 
-    def _apply_push(self, messages: Iterable[bytes | memoryview], names: list[str],
+    def _apply_push(self, messages: Iterable[bytes | memoryview], names: list[str], holds: list[MemoryHold],
                     wait_seconds: float | None = None):
+        """Apply the push; ``names`` and ``holds`` (of its pull_after answer) are filled as it goes."""
         received = 0
         pull_plan = None
         with self._lifecycle.push_in_flight():
@@ -492,6 +533,7 @@ class ParameterServerService:
                     names.extend(item.variable for item in begin.items)
                     if begin.HasField("pull_after"):
                         pull_plan = self._plan_pull_after(begin.pull_after)
+                        holds.append(pull_plan[0].hold)
                     active = begin_push(self._store, self._ledger, begin, self._consistency, self._metrics,
                                         wait_seconds)
                 elif active is None:
@@ -521,11 +563,13 @@ class ParameterServerService:
                     msg = _parse(ps_pb2.PullRequest, payload)
                     names = [item.variable for item in msg.items]
                     try:
-                        plan = self._plan_pull(msg)
-                        self._consistency.before_pull(msg.worker_id, msg.step, context.time_remaining())
-                        # Concatenated PullResponses are one PullResponse (repeated field).
-                        reply = encode_envelope(request_id, EXCHANGE_PULL,
-                                                [p for pieces in self._stream_pull(*plan) for p in pieces])
+                        plan = self._plan_pull(msg, whole_reply=True)
+                        with plan.hold:
+                            self._consistency.before_pull(msg.worker_id, msg.step, context.time_remaining())
+                            # Concatenated PullResponses are one PullResponse (repeated field).
+                            messages = self._stream_pull(plan.items, plan.chunk_bytes)
+                            reply = encode_envelope(request_id, EXCHANGE_PULL,
+                                                    [p for pieces in messages for p in pieces])
                     except RequestError as error:
                         self._count_pulls(names, error.reason.value)
                         raise

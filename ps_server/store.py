@@ -600,6 +600,16 @@ class VariableStore:
                                f"variable {name!r} does not exist; create it with create_variable first")
         return part
 
+    def known_names(self, names: list[str]) -> list[str]:
+        """The names among ``names`` that are variables here, or ``["-"]`` when none is.
+
+        Metric labels come from it: a request naming unknown variables must
+        not create a label value (and a time series) per name it makes up.
+        """
+        with self._lock:
+            known = [name for name in names if name in self._parts]
+        return known or ["-"]
+
     def parts(self) -> list[VariablePart]:
         with self._lock:
             return list(self._parts.values())

@@ -23,6 +23,7 @@ from wehub_ps.dtypes import BFLOAT16
 from wehub_ps.errors import REASON_METADATA_KEY
 from wehub_ps.placement import hash_shards
 from wehub_ps.rpc import method_path
+from wehub_ps.specs import Explicit, VariableSpec
 from wehub_ps.v1 import ps_pb2
 from worker_client import (
     SGD,
@@ -505,6 +506,75 @@ def test_repeated_new_ids_in_a_raw_pull_count_once(one):
         assert rows.shape == (2, 4) and rows[0].tobytes() == rows[1].tobytes()
         assert _num_rows(client, "repeat") == [1]
         assert client.pull_rows("repeat", [42]).tobytes() == rows[:1].tobytes()
+
+
+def _raw_pull_items(address: str, items: list[tuple[str, np.ndarray]]):
+    """One Pull of several row items (variable, ids) on a one-shard cluster; the decoded chunks."""
+    request = ps_pb2.PullRequest(shard_index=0, num_shards=1, items=[
+        ps_pb2.PullItem(variable=name, row_ids=np.asarray(ids, "<i8").tobytes()) for name, ids in items])
+    with grpc.insecure_channel(address) as channel:
+        messages = list(channel.unary_stream(method_path("Pull"))(request.SerializeToString(), timeout=10))
+    return [chunk for message in messages for chunk in decode_pull_response(message)]
+
+
+@pytest.mark.parametrize("refused_by", ["a second table over its bound", "an unknown variable"])
+def test_a_refused_pull_of_several_tables_changes_no_table(one, refused_by):
+    """A Pull is checked as a whole before any table changes: new rows of its first item are not
+    created, and an LRU table's trained rows are not evicted for them."""
+    suffix = uuid.uuid4().hex[:8]
+    trained, capped = f"trained_{suffix}", f"capped_{suffix}"
+    with PSClient(one.addresses) as client:
+        client.create_embedding(trained, 4, initializer="zeros", max_rows=4, eviction="lru",
+                                optimizer=SGD(learning_rate=1.0))
+        client.create_embedding(capped, 4, max_rows=2)
+        client.push_rows(trained, np.arange(4), -np.ones((4, 4), np.float32))
+        before = _counters(client)
+        second = (capped, np.arange(10, 13)) if refused_by.startswith("a second") else (f"nope_{suffix}", [1])
+        with pytest.raises(grpc.RpcError) as info:
+            _raw_pull_items(one.addresses[0], [(trained, np.arange(100, 104)), second])
+        expected = (StatusCode.RESOURCE_EXHAUSTED if refused_by.startswith("a second")
+                    else StatusCode.NOT_FOUND)
+        assert info.value.code() == expected, info.value.details()
+        assert _counters(client) == before
+        assert client.pull_rows(trained, np.arange(4)).tolist() == [[1.0] * 4] * 4
+        assert _counters(client) == before  # (that pull created nothing either)
+
+
+def test_pull_rows_of_a_variable_waiting_for_its_initial_value_is_refused(one):
+    """Like a whole-variable pull: NOT_INITIALIZED, never the zeros the part was allocated with."""
+    name = f"waiting_{uuid.uuid4().hex[:8]}"
+    spec = VariableSpec(name, (6, 4), "float32", initializer=Explicit(sha256=bytes(32)))
+    request = ps_pb2.CreateVariableRequest(spec=spec.to_proto(), shard_index=0, num_shards=1)
+    with grpc.insecure_channel(one.addresses[0]) as channel:
+        channel.unary_unary(method_path("CreateVariable"))(request.SerializeToString(), timeout=10)
+    for pull in (lambda: _raw_pull(one.addresses[0], 0, 1, name, np.arange(2, dtype="<i8").tobytes()),
+                 lambda: _raw_pull_items(one.addresses[0], [(name, [3, 3, 1])])):
+        with pytest.raises(grpc.RpcError) as info:
+            pull()
+        assert info.value.code() == StatusCode.FAILED_PRECONDITION, info.value.details()
+        assert dict(info.value.trailing_metadata()).get(REASON_METADATA_KEY) == "NOT_INITIALIZED"
+        assert "waiting for its explicit initial value" in info.value.details()
+
+
+def test_repeated_ids_in_a_pull_are_read_once_and_answered_in_order(one):
+    """A Pull naming rows many times reads each once; the answer still repeats them in order."""
+    name = f"repeats_{uuid.uuid4().hex[:8]}"
+    with PSClient(one.addresses) as client:
+        client.create_embedding(name, 3, initializer=Uniform(seed=5), max_rows=3)
+        ids = np.array([9, 4, 9, 9, 2, 4] * 50, np.int64)
+        for wire in (ps_pb2.DATA_TYPE_UNSPECIFIED, ps_pb2.BFLOAT16):
+            request = ps_pb2.PullRequest(shard_index=0, num_shards=1, wire_dtype=wire, chunk_bytes=4096,
+                                         items=[ps_pb2.PullItem(variable=name, row_ids=ids.tobytes())])
+            with grpc.insecure_channel(one.addresses[0]) as channel:
+                pull = channel.unary_stream(method_path("Pull"))
+                messages = list(pull(request.SerializeToString(), timeout=10))
+            chunks = [chunk for message in messages for chunk in decode_pull_response(message)]
+            rows = np.concatenate([c.array().astype(np.float32) for c in chunks]).reshape(-1, 3)
+            expected = client.pull_rows(name, ids)
+            if wire == ps_pb2.BFLOAT16:
+                expected = expected.astype(BFLOAT16).astype(np.float32)
+            assert rows.tobytes() == expected.tobytes()
+        assert _num_rows(client, name) == [3]
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------

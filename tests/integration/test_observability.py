@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from ps_testing import ROOT, child_env, free_port
 
 from ps_server import ServerConfig, create_server
+from wehub_ps.v1 import ps_pb2
 from worker_client import SGD, FailedPreconditionError, PSClient
 
 
@@ -63,18 +64,27 @@ def test_metrics_count_what_happened(server):
 
 
 def test_errors_are_counted_by_reason(server):
+    """Refusals count by reason; names that are no variable here never become label values
+    (a client making up names would otherwise add a time series per name)."""
     address = f"127.0.0.1:{server.port}"
     with grpc.insecure_channel(address) as channel:
-        request = ps_pull_request("nope")
+        for i in range(20):
+            request = ps_pull_request(f"nope-{i}")
+            with pytest.raises(grpc.RpcError):
+                list(channel.unary_stream("/wehub_ps.v1.ParameterServer/Pull")(request, timeout=5))
+        begin = ps_pb2.PushBegin(worker_id="w", incarnation="i", sequence=1, shard_index=0, num_shards=1,
+                                 kind=ps_pb2.GRADIENT,
+                                 items=[ps_pb2.PushItem(variable="made-up", elements=1)])
         with pytest.raises(grpc.RpcError):
-            list(channel.unary_stream("/wehub_ps.v1.ParameterServer/Pull")(request, timeout=5))
+            channel.stream_unary("/wehub_ps.v1.ParameterServer/Push")(
+                iter([ps_pb2.PushRequest(begin=begin).SerializeToString()]), timeout=5)
     text = _scrape(server.metrics_port)
-    assert _value(text, 'wehub_ps_pulls_total{outcome="UNKNOWN_VARIABLE",variable="nope"}') == 1
+    assert _value(text, 'wehub_ps_pulls_total{outcome="UNKNOWN_VARIABLE",variable="-"}') == 20
+    assert _value(text, 'wehub_ps_pushes_total{outcome="UNKNOWN_VARIABLE",variable="-"}') == 1
+    assert "nope" not in text and "made-up" not in text
 
 
 def ps_pull_request(name: str) -> bytes:
-    from wehub_ps.v1 import ps_pb2
-
     return ps_pb2.PullRequest(shard_index=0, num_shards=1, items=[ps_pb2.PullItem(variable=name)]).SerializeToString()
 
 
