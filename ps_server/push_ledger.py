@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -41,7 +42,15 @@ from typing import Callable
 from ps_server.errors import RequestError
 from wehub_ps.errors import Reason
 
-__all__ = ["PushLedger", "PushSession", "ClaimResult"]
+__all__ = ["PushLedger", "PushSession", "ClaimResult", "SESSION_BYTES", "RECORD_BYTES"]
+
+#: Memory booked for an open push and for each chunk it recorded: measured with tracemalloc
+#: (about 2.6 KiB per session with its share of the incarnation's state, 150 bytes per
+#: chunk record), rounded up; the checkpoint's copy of a record (about 40 bytes of JSON) fits too.
+SESSION_BYTES = 4096
+RECORD_BYTES = 256
+# Records booked at once, so that a push of many chunks books memory once per block, not per chunk.
+_RECORD_BLOCK = 64
 
 
 class ClaimResult:
@@ -80,9 +89,60 @@ class PushSession:
     # per variable: sorted chunk offsets, and offset -> (count, applied?)
     _offsets: dict[str, list[int]] = field(default_factory=dict)
     _chunks: dict[str, dict[int, tuple[int, bool]]] = field(default_factory=dict)
+    # Chunk records held (claimed or applied), at most _max_records once bound() was called.
+    _records: int = 0
+    _max_records: int = 0
+    # Books memory with the store (see bound()); None: unbounded (tests, tools).
+    _book: Callable[[int], None] | None = None
+    # Bytes booked, in a cell the finalizer reads when the session is freed.
+    _booked: list[int] = field(default_factory=lambda: [0])
 
     def __post_init__(self) -> None:
         self.cond = threading.Condition(self._lock)
+
+    def bound(self, max_records: int, book: Callable[[int], None],
+              give_back: Callable[[list[int]], None]) -> None:
+        """Bound the chunks this push may record, and book the memory it holds with ``book``.
+
+        ``book(nbytes)`` raises (MEMORY_LIMIT) when the bytes do not fit; the
+        session books :data:`SESSION_BYTES` now and :data:`RECORD_BYTES` per
+        chunk record as records are added, and ``give_back(cell)`` returns
+        ``cell[0]`` bytes when the session is freed (from a finalizer: it must
+        take no lock). A push past ``max_records`` records is refused before
+        the chunk is recorded. Called at every (re)join of the push.
+        """
+        with self._lock:
+            self._max_records = max_records
+            if self._book is None:
+                self._book_to(book, self._records)
+                self._book = book
+                weakref.finalize(self, give_back, self._booked)
+
+    def make_room(self, chunks: int) -> None:
+        """Refuse a message of ``chunks`` chunks that would pass this push's bound, and book their
+        records, before any of them is applied (a retried chunk counts too: conservative)."""
+        with self._lock:
+            if self._book is not None:
+                if self._records + chunks > self._max_records:
+                    self._refuse(chunks)
+                self._book_to(self._book, self._records + chunks)
+
+    def _refuse(self, chunks: int) -> None:
+        worker_id, incarnation, sequence = self.key
+        raise RequestError(
+            Reason.MEMORY_LIMIT,
+            f"push {sequence} of {worker_id}/{incarnation} has recorded {self._records} chunks; {chunks} "
+            f"more would pass the {self._max_records} a push of {self.total_elements} elements may have; "
+            "send larger chunks (PSClient sends at most one per chunk_bytes)")
+
+    def _book_to(self, book: Callable[[int], None], records: int) -> None:
+        """Book enough for ``records`` chunk records, a block at a time (lock held); raises before
+        changing anything."""
+        blocks = -(-records // _RECORD_BLOCK)
+        needed = SESSION_BYTES + RECORD_BYTES * _RECORD_BLOCK * blocks
+        if needed > self._booked[0]:
+            book(needed - self._booked[0])
+            self._booked[0] = needed
 
     def claim(self, variable: str, offset: int, count: int) -> str:
         """Reserve a chunk for applying; blocks while another stream applies it."""
@@ -130,14 +190,20 @@ class PushSession:
                     "the same push with different bounds; a retried push must be chunked "
                     "exactly like the original",
                 )
+            if self._book is not None:
+                if self._records >= self._max_records:
+                    self._refuse(1)
+                self._book_to(self._book, self._records + 1)
             offsets.insert(i, offset)
             chunks[offset] = (count, False)
+            self._records += 1
             return ClaimResult.APPLY
 
     def release(self, variable: str, offset: int) -> None:
         """Give back a claimed chunk that could not be applied, so a retry can apply it."""
         with self._lock:
-            self._chunks[variable].pop(offset, None)
+            if self._chunks[variable].pop(offset, None) is not None:
+                self._records -= 1
             offsets = self._offsets[variable]
             offsets.pop(bisect.bisect_left(offsets, offset))
             if self._waiting:
@@ -175,6 +241,7 @@ class PushSession:
             session._offsets[var] = [int(off) for off, _ in chunks]
             session._chunks[var] = {int(off): (int(n), True) for off, n in chunks}
             session.applied_elements += sum(int(n) for _, n in chunks)
+            session._records += len(chunks)
         return session
 
 

@@ -32,7 +32,7 @@ from wehub_ps.dtypes import dtype_name, to_numpy_dtype
 from wehub_ps.errors import Reason
 from wehub_ps.v1 import ps_pb2
 
-__all__ = ["PushResult", "ActivePush", "begin_push", "check_cluster"]
+__all__ = ["PushResult", "ActivePush", "begin_push", "check_cluster", "max_chunk_records"]
 
 MAX_WORKER_ID_LENGTH = 256
 
@@ -110,6 +110,7 @@ class ActivePush:
         checked = [self._check(chunk) for chunk in chunks]
         if self._session is None or not checked:
             return  # the whole push is a duplicate, or nothing came
+        self._session.make_room(len(checked))  # a message past the push's bound is refused whole
         started = time.perf_counter()
         completed = False
         # Claim, apply and record under the shared gate, so that a checkpoint
@@ -278,6 +279,12 @@ class ActivePush:
         self._ledger.finish(self._session)
 
 
+def max_chunk_records(variables: int, elements: int) -> int:
+    """Chunks one push may record: a chunk per variable, one per 256 elements (PSClient's chunks of a
+    float64 row just over half of the smallest chunk_bytes), and some slack for tiny pushes."""
+    return 1024 + variables + elements // 256
+
+
 def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin,
                consistency: ConsistencyController | None = None, metrics: Metrics | None = None,
                wait_seconds: float | None = None) -> ActivePush:
@@ -367,6 +374,11 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
         session = _begin_upload(store, ledger, begin, items, total)
     else:
         session = ledger.begin(begin.worker_id, begin.incarnation, begin.sequence, total)
+    if session is not None:
+        session.bound(max_chunk_records(len(items), total),
+                      lambda nbytes: store.book(nbytes, f"the ledger's record of push {begin.sequence} of "
+                                                        f"{begin.worker_id}/{begin.incarnation}"),
+                      store.give_back)
     push = ActivePush(store, ledger, begin, items, session, consistency, decision, metrics)
     if session is not None and total == 0 and not session.finalized:
         session.finalized = True

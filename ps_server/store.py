@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from typing import Callable, TypeVar
 
 import numpy as np
@@ -371,6 +372,9 @@ class VariableStore:
         #: Bytes held for requests rather than variables: rows gathered for pulls in flight,
         #: the ledger's records of unfinished pushes. Counted against the same limit.
         self._held = 0
+        # Bytes given back by finalizers (any thread, any moment, so they take no lock; a deque's
+        # append is atomic): subtracted from _held under _lock the next time it is read.
+        self._given_back: deque[int] = deque()
         #: Where specs and uploaded initial values are made durable (None: no --checkpoint-dir).
         self.spec_log: SpecLog | None = None
 
@@ -384,7 +388,17 @@ class VariableStore:
     def held_bytes(self) -> int:
         """Bytes held for requests in flight and unfinished pushes (see :meth:`hold`)."""
         with self._lock:
+            self._collect_given_back()
             return self._held
+
+    def give_back(self, cell: list[int]) -> None:
+        """Give back ``cell[0]`` booked bytes; safe in a finalizer (takes no lock)."""
+        self._given_back.append(cell[0])
+
+    def _collect_given_back(self) -> None:
+        """(_lock held)"""
+        while self._given_back:
+            self._held -= self._given_back.popleft()
 
     def hold(self, nbytes: int, what: str) -> "MemoryHold":
         """Book ``nbytes`` a request is about to allocate; MEMORY_LIMIT when they do not fit.
@@ -401,6 +415,7 @@ class VariableStore:
         if nbytes == 0:
             return
         with self._lock:
+            self._collect_given_back()
             if nbytes > 0 and self._reserved + self._held + nbytes > self.memory_limit:
                 raise RequestError(
                     Reason.MEMORY_LIMIT,
@@ -478,6 +493,7 @@ class VariableStore:
         self._check_count()
         if spec.hash_table:
             table = HashTablePart(spec, self._table_limit(spec), self._reserve_bytes)
+            self._collect_given_back()
             if self._reserved + self._held + table.nbytes > self.memory_limit:
                 raise RequestError(
                     Reason.MEMORY_LIMIT,
@@ -489,6 +505,7 @@ class VariableStore:
         part = spec.placement(self.num_shards).part_on(self.shard_index)
         row_start, row_end = (part.row_start, part.row_end) if part else (0, 0)
         new = VariablePart(spec, row_start, row_end, part is not None)
+        self._collect_given_back()
         if self._reserved + self._held + new.nbytes > self.memory_limit:
             raise RequestError(
                 Reason.MEMORY_LIMIT,
@@ -517,6 +534,7 @@ class VariableStore:
         """
         nbytes = part.elements * part.spec.dtype.itemsize
         with self._lock:
+            self._collect_given_back()
             if self._reserved + self._held + nbytes > self.memory_limit:
                 raise RequestError(
                     Reason.MEMORY_LIMIT,
@@ -567,6 +585,7 @@ class VariableStore:
     def _reserve_bytes(self, delta: int) -> None:
         """Book memory for a growing hash table (called with the table's lock held)."""
         with self._lock:
+            self._collect_given_back()
             if delta > 0 and self._reserved + self._held + delta > self.memory_limit:
                 raise RequestError(
                     Reason.MEMORY_LIMIT,

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ps_server.errors import RequestError
-from ps_server.push_ledger import ClaimResult, PushLedger, PushSession
+from ps_server.push_ledger import RECORD_BYTES, SESSION_BYTES, ClaimResult, PushLedger, PushSession
 from wehub_ps.errors import Reason
 
 
@@ -240,3 +240,68 @@ def test_written_off_ranges_are_bounded_and_what_is_forgotten_counts_as_written_
     _assert_written_off(ledger, 2)
     _assert_written_off(ledger, 4)
     assert all(ledger.is_done("w", "i", s) for s in (3, 5, 7))
+
+
+# ---- memory bounds -----------------------------------------------------------------------------
+
+
+class _Budget:
+    """A store's booking, reduced to a counter with a limit."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def book(self, nbytes: int) -> None:
+        if self.held + nbytes > self.limit:
+            raise RequestError(Reason.MEMORY_LIMIT, f"{nbytes} bytes do not fit")
+        self.held += nbytes
+
+    def give_back(self, cell: list[int]) -> None:
+        self.held -= cell[0]
+
+
+def test_a_push_records_at_most_its_bound_of_chunks():
+    budget = _Budget(1 << 30)
+    session = PushLedger().begin("w", "i", 1, 10_000)
+    session.bound(5, budget.book, budget.give_back)
+    for offset in range(5):
+        assert session.claim("v", offset, 1) == ClaimResult.APPLY
+        session.done("v", offset)
+    with pytest.raises(RequestError) as info:
+        session.claim("v", 5, 1)
+    assert info.value.reason == Reason.MEMORY_LIMIT and "send larger chunks" in info.value.message
+    assert session.to_json()["chunks"] == {"v": [[i, 1] for i in range(5)]}  # nothing recorded
+    assert session.claim("v", 0, 1) == ClaimResult.ALREADY_APPLIED  # a retry still works
+    with pytest.raises(RequestError):
+        session.make_room(1)
+
+
+def test_a_message_of_too_many_chunks_is_refused_before_any_is_recorded():
+    budget = _Budget(1 << 30)
+    session = PushLedger().begin("w", "i", 1, 10_000)
+    session.bound(100, budget.book, budget.give_back)
+    session.make_room(100)
+    with pytest.raises(RequestError) as info:
+        session.make_room(101)
+    assert info.value.reason == Reason.MEMORY_LIMIT and "101 more would pass the 100" in info.value.message
+    assert session.to_json()["chunks"] == {}
+
+
+def test_records_are_booked_before_they_are_made_and_given_back_when_the_push_is_gone():
+    budget = _Budget(SESSION_BYTES + 100 * RECORD_BYTES)
+    ledger = PushLedger(max_open_pushes=1)
+    session = ledger.begin("w", "i", 1, 10_000)
+    session.bound(10_000, budget.book, budget.give_back)
+    assert budget.held == SESSION_BYTES
+    for offset in range(64):
+        session.claim("v", offset, 1)
+        session.done("v", offset)
+    assert budget.held == SESSION_BYTES + 64 * RECORD_BYTES  # one block
+    with pytest.raises(RequestError) as info:  # the next block does not fit
+        session.claim("v", 64, 1)
+    assert info.value.reason == Reason.MEMORY_LIMIT
+    assert len(session.to_json()["chunks"]["v"]) == 64
+    del session, info  # (the traceback holds the session too)
+    ledger.begin("w", "i", 2, 4)  # writes push 1 off: the ledger drops it
+    assert budget.held == 0
