@@ -32,7 +32,8 @@ from wehub_ps.dtypes import dtype_name, to_numpy_dtype
 from wehub_ps.errors import Reason
 from wehub_ps.v1 import ps_pb2
 
-__all__ = ["PushResult", "ActivePush", "begin_push", "check_cluster", "max_chunk_records"]
+__all__ = ["PushResult", "ActivePush", "begin_push", "check_cluster", "max_chunk_records",
+           "max_chunks_per_message"]
 
 MAX_WORKER_ID_LENGTH = 256
 
@@ -277,6 +278,12 @@ class ActivePush:
             for name, item in self._items.items():
                 self._versions[name] = item.part.info().version
         self._ledger.finish(self._session)
+
+
+def max_chunks_per_message(store: VariableStore) -> int:
+    """Chunks one push message may carry: PSClient packs at most one per variable and a few of one
+    large variable (each near chunk_bytes) into a message; decoding a chunk costs about 1 KiB."""
+    return store.max_variables + 1024
 
 
 def max_chunk_records(variables: int, elements: int) -> int:

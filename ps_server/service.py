@@ -21,7 +21,7 @@ from ps_server.checkpointer import CheckpointRecord
 from ps_server.context import ShardContext
 from ps_server.errors import RequestError
 from ps_server.metrics import Metrics
-from ps_server.pushes import MAX_WORKER_ID_LENGTH, begin_push, check_cluster
+from ps_server.pushes import MAX_WORKER_ID_LENGTH, begin_push, check_cluster, max_chunks_per_message
 from ps_server.rows import gathered_bytes, parse_row_ids, rows_in_order, unique_ids
 from ps_server.store import MemoryHold, VariableInfo
 from wehub_ps import __version__
@@ -31,6 +31,7 @@ from wehub_ps.codec import (
     EXCHANGE_PUSH,
     CodecError,
     OutgoingChunk,
+    TooManyChunks,
     RowGather,
     byte_view,
     chunk_ranges,
@@ -521,7 +522,12 @@ class ParameterServerService:
             for raw in messages:
                 received += len(raw) if isinstance(raw, bytes) else raw.nbytes
                 try:
-                    begin, chunks = decode_push_request(raw)
+                    begin, chunks = decode_push_request(raw, max_chunks_per_message(self._store))
+                except TooManyChunks as exc:
+                    raise RequestError(Reason.MEMORY_LIMIT,
+                                       f"push message refused: {exc} (one per variable of the push, "
+                                       f"at most {max_chunks_per_message(self._store)}); send larger chunks"
+                                       ) from None
                 except CodecError as exc:
                     raise RequestError(Reason.MALFORMED_MESSAGE,
                                        f"request is not a valid wehub_ps.v1.PushRequest: {exc}") from None

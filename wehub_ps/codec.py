@@ -44,6 +44,7 @@ from wehub_ps.v1 import ps_pb2
 
 __all__ = [
     "CodecError",
+    "TooManyChunks",
     "DecodedChunk",
     "OutgoingChunk",
     "RowGather",
@@ -93,6 +94,10 @@ BATCH_BELOW_BYTES = 64 * 1024
 
 class CodecError(ValueError):
     """The bytes are not a valid message of the expected type."""
+
+
+class TooManyChunks(CodecError):
+    """A message carries more chunks than the reader accepts (decoding stopped there)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -512,10 +517,13 @@ def _decode_chunk(buf: memoryview, start: int, stop: int) -> DecodedChunk:
     return DecodedChunk(header, data)
 
 
-def _decode_batch(buf: memoryview, start: int, stop: int, chunks: list[DecodedChunk]) -> None:
+def _decode_batch(buf: memoryview, start: int, stop: int, chunks: list[DecodedChunk],
+                  max_chunks: int = 0) -> None:
     """Append the chunks of one ChunkBatch, each a view of its slice of the data."""
     headers = ps_pb2.ChunkHeaders()
     data = _header_and_data(buf, start, stop, headers, ("ChunkBatch.headers", "ChunkBatch.data"))
+    if max_chunks and len(chunks) + len(headers.items) > max_chunks:
+        raise TooManyChunks(f"more than {max_chunks} chunks in one message")
     position = 0
     for header in headers.items:
         try:
@@ -546,9 +554,14 @@ def decode_pull_response(message: bytes) -> list[DecodedChunk]:
 
 
 def decode_push_request(
-    message: bytes,
+    message: bytes, max_chunks: int = 0,
 ) -> tuple[ps_pb2.PushBegin | None, list[DecodedChunk]]:
-    """Parse a serialised ``PushRequest``; chunk data are views of ``message``."""
+    """Parse a serialised ``PushRequest``; chunk data are views of ``message``.
+
+    ``max_chunks`` (0: any number): raise :class:`TooManyChunks` as soon as
+    more are found, before their headers are decoded (a decoded chunk costs
+    about 1 KiB, so a message of tiny chunks would cost far more than its size).
+    """
     buf = memoryview(message)
     begin = None
     chunks: list[DecodedChunk] = []
@@ -558,9 +571,11 @@ def decode_push_request(
         if field == _PUSH_REQUEST_BEGIN:
             begin = _merge(begin if begin is not None else ps_pb2.PushBegin(), buf[start:stop])
         elif field == _PUSH_REQUEST_CHUNKS:
+            if max_chunks and len(chunks) >= max_chunks:
+                raise TooManyChunks(f"more than {max_chunks} chunks in one message")
             chunks.append(_decode_chunk(buf, start, stop))
         elif field == _PUSH_REQUEST_BATCHES:
-            _decode_batch(buf, start, stop, chunks)
+            _decode_batch(buf, start, stop, chunks, max_chunks)
     return begin, chunks
 
 

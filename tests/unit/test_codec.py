@@ -16,6 +16,7 @@ from wehub_ps.codec import (
     CodecError,
     DecodedChunk,
     OutgoingChunk,
+    TooManyChunks,
     as_wire_array,
     byte_view,
     chunk_ranges,
@@ -220,6 +221,16 @@ def test_push_request_with_begin_and_no_chunks():
     assert chunks == []
     assert decode_push_request(encode_push_request(None, [])) == (None, [])
     assert decode_pull_response(encode_pull_response([])) == []
+
+
+@pytest.mark.parametrize("size", [4, 40_000])  # small chunks travel in batches, large ones alone
+def test_push_request_with_more_chunks_than_allowed_is_refused_before_decoding_them(size):
+    data = byte_view(np.zeros(size, np.float32))
+    chunks = [OutgoingChunk(encode_chunk_header(f"v{i}", 0, size, ps_pb2.FLOAT32), data) for i in range(10)]
+    message = encode_push_request(None, chunks)
+    assert len(decode_push_request(message, max_chunks=10)[1]) == 10
+    with pytest.raises(TooManyChunks, match="more than 9 chunks"):
+        decode_push_request(message, max_chunks=9)
 
 
 # ---- as_wire_array ---------------------------------------------------------------

@@ -1,0 +1,370 @@
+"""Hostile request patterns against a real ps-server with --max-memory-bytes: memory stays bounded.
+
+Each pattern speaks raw gRPC (what PSClient never sends) to one server and
+checks three things: the answer is a precise refusal, the store is as it
+was (values pulled before and after, Describe), and the server's peak RSS
+(``VmHWM`` of /proc/<pid>/status, reset before each pattern) stays below
+``LIMIT + OVERHEAD``. OVERHEAD is the bound docs/failure-semantics.md
+states: the process itself (interpreter, gRPC, NumPy, and numba's compiled
+loops, loaded here before the first pattern), what malloc keeps for reuse
+(``--keep-freed-bytes`` per arena, two arenas), and a request message being
+received and decoded. The figures are printed per pattern (``pytest -s``).
+
+The patterns run in order against one server; the abandoned pushes come
+last, because the ledger keeps holding their bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import urllib.request
+import uuid
+
+import grpc
+import numpy as np
+import pytest
+
+from wehub_ps.codec import (
+    EXCHANGE_ERROR,
+    EXCHANGE_PULL,
+    OutgoingChunk,
+    byte_view,
+    decode_envelope,
+    decode_pull_response,
+    encode_chunk_header,
+    encode_envelope,
+    encode_pull_item,
+    encode_pull_request,
+    encode_push_begin,
+    encode_push_item,
+    encode_push_request,
+)
+from wehub_ps.errors import REASON_METADATA_KEY
+from wehub_ps.placement import hash_shards
+from wehub_ps.rpc import method_path
+from wehub_ps.v1 import ps_pb2
+from worker_client import SGD, PSClient, ResourceExhaustedError, Uniform
+
+MiB = 1 << 20
+LIMIT = 64 * MiB
+KEEP_FREED = 4 * MiB
+MAX_MESSAGE = 16 * MiB
+MAX_VARIABLES = 1000
+# The process at rest with numba's loops loaded (~200 MiB measured), 2 arenas x --keep-freed-bytes,
+# and one request message being received and decoded: its bytes, the arrays of its ids (3 x
+# --max-message-bytes) and its decoded chunk headers (~1 KiB each, at most --max-variables + 1,024).
+OVERHEAD = 224 * MiB + 2 * KEEP_FREED + 3 * MAX_MESSAGE + (MAX_VARIABLES + 1024) * 1024
+StatusCode = grpc.StatusCode
+
+
+def _status(pid: int) -> dict[str, int]:
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM")}
+
+
+def _reset_peak(pid: int) -> None:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); the peak then belongs to one pattern."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    def __init__(self, process, metrics_port: int) -> None:
+        self.process = process
+        self.address = process.address
+        self.pid = process.popen.pid
+        self.metrics_port = metrics_port
+        self.channel = grpc.insecure_channel(self.address, options=[
+            ("grpc.max_receive_message_length", 256 * MiB), ("grpc.max_send_message_length", 256 * MiB)])
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as response:
+            return response.read().decode()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from ps_testing import ClusterFactory
+
+    factory = ClusterFactory(tmp_path_factory.mktemp("memory-bounds"))
+    metrics_port = _free_port()
+    try:
+        cluster = factory(1, "--max-memory-bytes", str(LIMIT), "--keep-freed-bytes", str(KEEP_FREED),
+                          "--max-message-bytes", str(MAX_MESSAGE), "--metrics-port", str(metrics_port),
+                          "--max-variables", str(MAX_VARIABLES))
+        with PSClient(cluster.addresses) as client:
+            client.create_variable("dense", shape=(2048, 256), initializer=Uniform(seed=1),
+                                   optimizer=SGD(learning_rate=1.0))
+            client.create_variable("narrow", shape=(4096, 4), initializer=Uniform(seed=2),
+                                   optimizer=SGD(learning_rate=1.0))
+            client.create_embedding("emb", 256, initializer=Uniform(seed=3), optimizer=SGD(learning_rate=1.0))
+            client.pull_rows("emb", np.arange(8000))
+            client.push_rows("emb", [8000], np.zeros((1, 256), np.float32))  # loads the compiled loops
+        srv = _Server(cluster.servers[0], metrics_port)
+        yield srv
+        srv.channel.close()
+    finally:
+        factory.stop_all()
+
+
+@pytest.fixture(scope="module")
+def figures():
+    rows: list[str] = []
+    yield rows
+    print("\nserver RSS per hostile pattern (MiB; limit %d + overhead bound %d = %d):"
+          % (LIMIT // MiB, OVERHEAD // MiB, (LIMIT + OVERHEAD) // MiB))
+    for row in rows:
+        print("  " + row)
+
+
+def _state(server: _Server, table_rows: bool = True) -> tuple:
+    """Values of every variable (the table's existing rows: a pull that creates none) and Describe.
+
+    ``table_rows=False``: the table's rows are not read (reading them books memory for the answer).
+    """
+    with PSClient([server.address]) as client:
+        values = client.pull(["dense", "narrow"])
+        rows = client.pull_rows("emb", np.arange(8001)).tobytes() if table_rows else None
+        info = client.describe()[0]
+    return ({k: v.tobytes() for k, v in values.items()}, rows,
+            {k: (v["version"], v["optimizer_steps"], v["num_rows"], v["evicted_rows"])
+             for k, v in info.variables.items()}, info.stored_bytes)
+
+
+@pytest.fixture
+def pattern(server, figures, request):
+    """Runs one pattern: state and RSS before, state unchanged and RSS bounded after."""
+    before = _state(server)
+    rss_before = _status(server.pid)["VmRSS"]
+    _reset_peak(server.pid)
+    yield
+    now = _status(server.pid)
+    name = request.node.name.removeprefix("test_")
+    figures.append(f"{name:<40} before {rss_before / MiB:6.1f}  after {now['VmRSS'] / MiB:6.1f}  "
+                   f"peak {now['VmHWM'] / MiB:6.1f}")
+    assert now["VmHWM"] <= LIMIT + OVERHEAD, f"{name}: peak RSS {now['VmHWM'] / MiB:.1f} MiB"
+    if name == "abandoned_pushes":  # the ledger now fills the limit: the table's rows cannot be read
+        assert _state(server, table_rows=False) == (*before[:1], None, *before[2:])
+    else:
+        assert _state(server) == before
+
+
+def _expect(call, code: StatusCode, reason: str) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    error = info.value
+    assert error.code() == code, error.details()
+    assert dict(error.trailing_metadata() or ()).get(REASON_METADATA_KEY) == reason, error.details()
+    return error
+
+
+def _pull(server: _Server, items: list[bytes], **kw) -> list:
+    request = encode_pull_request(0, 1, items, **kw)
+    return list(server.channel.unary_stream(method_path("Pull"))(request, timeout=60))
+
+
+def _push(server: _Server, begin: bytes, chunks: list[OutgoingChunk]):
+    return server.channel.stream_unary(method_path("Push"))(iter([encode_push_request(begin, chunks)]),
+                                                             timeout=60)
+
+
+def _begin(items: list[bytes], incarnation: str | None = None, sequence: int = 1) -> bytes:
+    return encode_push_begin("hostile", incarnation or uuid.uuid4().hex, sequence, 0, 1, ps_pb2.GRADIENT, items)
+
+
+def _ids(*values) -> bytes:
+    return np.asarray(values, "<i8").tobytes()
+
+
+# ---- the patterns ------------------------------------------------------------------------------
+
+
+def test_repeated_ids(server, pattern):
+    """One id a million times (8 MB of ids; 1 KiB rows would answer 1 GiB): read once, never gathered
+    per repetition. Over Exchange the answer is one message: refused, it would not fit the limit;
+    a Pull stream answers every repetition, one message at a time."""
+    repeated = np.full(1 << 20, 7, "<i8").tobytes()
+    exchange = server.channel.stream_stream(method_path("Exchange"))
+    request = encode_envelope(1, EXCHANGE_PULL, encode_pull_request(0, 1, [encode_pull_item("emb", repeated)]))
+    (reply,) = list(exchange(iter([request]), timeout=60))
+    _, field, payload = decode_envelope(reply)
+    assert field == EXCHANGE_ERROR
+    error = ps_pb2.ExchangeError.FromString(bytes(payload))
+    assert (error.code, error.reason) == (StatusCode.RESOURCE_EXHAUSTED.value[0], "MEMORY_LIMIT"), error.message
+    # A Pull stream of 200,000 repetitions (200 MiB answered) holds one row and one message at a time.
+    ids = np.tile(np.array([7, 3, 7, 5], "<i8"), 50_000)
+    received = 0
+    first = None
+    for message in server.channel.unary_stream(method_path("Pull"))(
+            encode_pull_request(0, 1, [encode_pull_item("emb", ids.tobytes())]), timeout=120):
+        received += len(message)
+        if first is None:
+            first = decode_pull_response(message)[0].array()[:256 * 4].copy()
+    assert received >= len(ids) * 1024
+    with PSClient([server.address]) as client:
+        assert first.tobytes() == client.pull_rows("emb", [7, 3, 7, 5]).tobytes()
+
+
+def test_tiny_chunks(server, pattern):
+    """One message of 200,000 one-element chunks: refused before its chunks are decoded. A push
+    whose messages each pass but together record more chunks than a push of its size may: the
+    message that would pass that is refused whole (the first one's chunks add zeros)."""
+    begin = _begin([encode_push_item("dense", 2048 * 256, ps_pb2.FLOAT32)])
+    zero = byte_view(np.zeros(1, np.float32))
+    chunks = [OutgoingChunk(encode_chunk_header("dense", offset, 1, ps_pb2.FLOAT32), zero)
+              for offset in range(0, 400_000, 2)]
+    error = _expect(lambda: _push(server, begin, chunks), StatusCode.RESOURCE_EXHAUSTED, "MEMORY_LIMIT")
+    assert "send larger chunks" in error.details()
+    # 4,096 rows of 4 elements may be pushed in 1,024 + 1 + 64 chunks: two messages of 1,000 rows.
+    rows = np.arange(4096, dtype="<i8")
+    zero_row = byte_view(np.zeros(4, np.float32))
+    messages = [encode_push_request(
+        _begin([encode_push_item("narrow", 4 * 4096, ps_pb2.FLOAT32, row_ids=rows.tobytes())]) if m == 0 else None,
+        [OutgoingChunk(encode_chunk_header("narrow", 4 * r, 4, ps_pb2.FLOAT32), zero_row)
+         for r in range(1000 * m, 1000 * (m + 1))]) for m in range(2)]
+    error = _expect(lambda: server.channel.stream_unary(method_path("Push"))(iter(messages), timeout=60),
+                    StatusCode.RESOURCE_EXHAUSTED, "MEMORY_LIMIT")
+    assert "1000 more would pass the 1089" in error.details()
+
+
+def test_unknown_names(server, pattern):
+    """Thousands of made-up variable names: NOT_FOUND, and not one of them becomes a metric label."""
+    series_before = {line.rsplit(" ", 1)[0] for line in server.metrics().splitlines() if not line.startswith("#")}
+    for round_ in range(4):
+        names = [f"made-up-{round_}-{i}-{uuid.uuid4().hex}" for i in range(5000)]
+        _expect(lambda: _pull(server, [encode_pull_item(name) for name in names]),
+                StatusCode.NOT_FOUND, "UNKNOWN_VARIABLE")
+        begin = _begin([encode_push_item(name, 1, ps_pb2.FLOAT32) for name in names])
+        _expect(lambda: _push(server, begin, []), StatusCode.NOT_FOUND, "UNKNOWN_VARIABLE")
+    text = server.metrics()
+    assert "made-up" not in text
+    series_after = {line.rsplit(" ", 1)[0] for line in text.splitlines() if not line.startswith("#")}
+    assert {s for s in series_after - series_before if "_created" not in s} <= {
+        'wehub_ps_pulls_total{outcome="UNKNOWN_VARIABLE",variable="-"}',
+        'wehub_ps_pushes_total{outcome="UNKNOWN_VARIABLE",variable="-"}'}
+
+
+def test_huge_declared_sizes(server, pattern):
+    """Sizes far beyond the limit, declared in a few bytes: refused before anything is allocated."""
+    create = server.channel.unary_unary(method_path("CreateVariable"))
+    huge = ps_pb2.VariableSpec(name="huge", shape=[1 << 40], dtype=ps_pb2.FLOAT32)
+    huge.initializer.zeros.SetInParent()
+    huge.optimizer.sgd.learning_rate = 0.1
+    _expect(lambda: create(ps_pb2.CreateVariableRequest(spec=huge, shard_index=0, num_shards=1)
+                           .SerializeToString(), timeout=30), StatusCode.RESOURCE_EXHAUSTED, "MEMORY_LIMIT")
+    # 100,000 new rows of 1 KiB in one pull: the table's growth does not fit.
+    _expect(lambda: _pull(server, [encode_pull_item("emb", np.arange(10**6, 10**6 + 100_000).astype("<i8")
+                                                    .tobytes())]),
+            StatusCode.RESOURCE_EXHAUSTED, "MEMORY_LIMIT")
+    # A push declaring 2^60 elements of a variable, and a pull of a range far outside it.
+    _expect(lambda: _push(server, _begin([encode_push_item("dense", 1 << 60, ps_pb2.FLOAT32)]), []),
+            StatusCode.INVALID_ARGUMENT, "SHAPE_MISMATCH")
+    pull = ps_pb2.PullRequest(shard_index=0, num_shards=1,
+                              items=[ps_pb2.PullItem(variable="dense", offset=1 << 62, count=1 << 62)])
+    _expect(lambda: list(server.channel.unary_stream(method_path("Pull"))(pull.SerializeToString(), timeout=30)),
+            StatusCode.INVALID_ARGUMENT, "INVALID_CHUNK")
+
+
+def test_many_streams(server, pattern):
+    """24 Pull streams of the table's 8,000 rows (8 MiB gathered each) left unread: the rows they
+    hold together stay within the limit; the streams past it are refused."""
+    ids = np.arange(8000, dtype="<i8")
+    order = np.random.default_rng(0).permutation(ids)  # unsorted: each stream gathers its rows
+    request = encode_pull_request(0, 1, [encode_pull_item("emb", order.tobytes())])
+    calls = [server.channel.unary_stream(method_path("Pull"))(request, timeout=60) for _ in range(24)]
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def first_message(call) -> None:
+        try:
+            next(call)
+            outcome = "holding"
+        except grpc.RpcError as error:
+            outcome = error.code().name
+        with lock:
+            outcomes.append(outcome)
+
+    threads = [threading.Thread(target=first_message, args=(call,), name=f"stream-{i}")
+               for i, call in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    peak_while_held = _status(server.pid)["VmHWM"]
+    for call in calls:
+        call.cancel()
+    assert outcomes.count("holding") >= 1 and outcomes.count("RESOURCE_EXHAUSTED") >= 1, outcomes
+    assert set(outcomes) <= {"holding", "RESOURCE_EXHAUSTED"}, outcomes
+    assert peak_while_held <= LIMIT + OVERHEAD
+
+
+def test_abandoned_pushes(server, pattern):
+    """Pushes of many small chunks that never finish: the ledger's records of them are booked,
+    and once they fill the limit the next one is refused (the pushes add zeros: values stay)."""
+    rows = np.arange(1000, dtype="<i8")
+    zero_row = byte_view(np.zeros(4, np.float32))
+    incarnation = uuid.uuid4().hex
+    refused = None
+    for n in range(2000):
+        if n % 60 == 0:  # (an incarnation keeps 64 unfinished pushes)
+            incarnation = uuid.uuid4().hex
+        begin = _begin([encode_push_item("narrow", 4000, ps_pb2.FLOAT32, row_ids=rows.tobytes())],
+                       incarnation, sequence=n % 60 + 1)
+        chunks = [OutgoingChunk(encode_chunk_header("narrow", 4 * r, 4, ps_pb2.FLOAT32), zero_row)
+                  for r in range(999)]  # one row short: the push stays open
+        try:
+            _push(server, begin, chunks)
+        except grpc.RpcError as error:
+            if error.code() == StatusCode.FAILED_PRECONDITION:  # PUSH_INCOMPLETE: abandoned
+                continue
+            refused = (n, error)
+            break
+    assert refused is not None, "2,000 abandoned pushes were all accepted"
+    n, error = refused
+    assert error.code() == StatusCode.RESOURCE_EXHAUSTED, error.details()
+    assert n > 50  # ~250 KiB each: the limit's free room, not a smaller bound
+    # Reading the table's rows needs memory for the answer: refused now, until the ledger drops
+    # these pushes (written off by later pushes of their incarnations, or forgotten with them).
+    _expect(lambda: _pull(server, [encode_pull_item("emb", _ids(*range(8000)))]),
+            StatusCode.RESOURCE_EXHAUSTED, "MEMORY_LIMIT")
+
+
+def test_a_hash_table_filling_the_limit(cluster_factory, figures):
+    """New rows of a narrow table until the limit: every byte a row costs is booked (its id index
+    among them), so RESOURCE_EXHAUSTED comes before the limit is passed, and it changes nothing.
+    Its own server, with a larger limit: the rows' bytes, not the process, dominate its RSS."""
+    limit = 256 * MiB
+    cluster = cluster_factory(1, "--max-memory-bytes", str(limit), "--keep-freed-bytes", str(KEEP_FREED),
+                              "--max-message-bytes", str(MAX_MESSAGE), "--max-variables", str(MAX_VARIABLES))
+    pid = cluster.servers[0].popen.pid
+    with PSClient(cluster.addresses) as client:
+        client.create_embedding("narrow_table", 4, initializer="zeros")
+        rss_before = _status(pid)["VmRSS"]
+        _reset_peak(pid)
+        batch = 100_000
+        for start in range(0, 100 * batch, batch):
+            try:
+                client.pull_rows("narrow_table", np.arange(start, start + batch))
+            except ResourceExhaustedError as error:
+                assert error.reason == "MEMORY_LIMIT"
+                break
+        else:
+            pytest.fail(f"{100 * batch} rows of 16 bytes fitted a {limit}-byte limit")
+        info = client.describe()[0]
+        assert info.variables["narrow_table"]["num_rows"] == start  # the refused pull created none
+        assert info.stored_bytes <= limit
+    now = _status(pid)
+    figures.append(f"{'a_hash_table_filling_the_limit (256 MiB)':<40} before {rss_before / MiB:6.1f}  "
+                   f"after {now['VmRSS'] / MiB:6.1f}  peak {now['VmHWM'] / MiB:6.1f}  ({start} rows)")
+    assert now["VmHWM"] <= limit + OVERHEAD
+    # What the table added, over the process at rest: the limit, and malloc's and a message's share.
+    assert now["VmHWM"] - rss_before <= limit + 2 * KEEP_FREED + 3 * MAX_MESSAGE
