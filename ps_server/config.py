@@ -181,7 +181,8 @@ _HELP = {
     "checkpoint_dir": "directory (shared by all shards) for checkpoints",
     "log_level": "one of " + ", ".join(_LOG_LEVELS),
     "port_file": "write the bound port to this file once serving",
-    "max_memory_bytes": "bytes of variables plus optimizer slots this shard may hold; 0 = 80%% of RAM",
+    "max_memory_bytes": "bytes this shard may hold for clients (variables, optimizer slots, hash-table "
+                        "indexes, rows of pulls in flight, records of unfinished pushes); 0 = 80%% of RAM",
     "chunk_bytes": "default tensor bytes per pull message",
     "max_message_bytes": "largest gRPC message accepted or sent",
     "stream_window_bytes": "HTTP/2 receive window per stream: bounds what each push in flight buffers; "
