@@ -118,6 +118,14 @@ class PushSession:
                 self._book = book
                 weakref.finalize(self, give_back, self._booked)
 
+    def book_bytes(self, nbytes: int) -> None:
+        """Book ``nbytes`` more that this push holds until it is freed (synchronous mode's staged
+        gradients); raises (MEMORY_LIMIT) before anything is held. Nothing to do when unbound."""
+        with self._lock:
+            if self._book is not None and nbytes:
+                self._book(nbytes)
+                self._booked[0] += nbytes
+
     def make_room(self, chunks: int) -> None:
         """Refuse a message of ``chunks`` chunks that would pass this push's bound, and book their
         records, before any of them is applied (a retried chunk counts too: conservative)."""

@@ -206,11 +206,15 @@ class ActivePush:
         """Synchronous mode: keep the chunk in the push's own staging until the push is whole."""
         staging = self._session.staging.setdefault(item.part.spec.name, PushStaging())
         dtype = item.part.compute_dtype
+        # Staged bytes are booked first (an abandoned push keeps them until the ledger drops it).
         if item.row_ids is not None:
             width = item.part.spec.row_elements
             rows = item.row_ids[offset // width:(offset + values.size) // width]
+            self._session.book_bytes(rows.nbytes + values.size * dtype.itemsize)
             staging.add_rows(rows, values.reshape(len(rows), width), dtype)
         else:
+            if staging.dense is None:
+                self._session.book_bytes(item.elements * dtype.itemsize)
             staging.add_dense(item.elements, dtype, offset, values)
 
     def _after_complete(self) -> None:

@@ -368,3 +368,41 @@ def test_a_hash_table_filling_the_limit(cluster_factory, figures):
     assert now["VmHWM"] <= limit + OVERHEAD
     # What the table added, over the process at rest: the limit, and malloc's and a message's share.
     assert now["VmHWM"] - rss_before <= limit + 2 * KEEP_FREED + 3 * MAX_MESSAGE
+
+
+def test_abandoned_synchronous_pushes(cluster_factory, figures):
+    """In sync mode a push stages its gradient until it is whole: an abandoned one keeps a copy of
+    the variable, booked against the limit, so the next one that does not fit is refused."""
+    cluster = cluster_factory(1, "--max-memory-bytes", str(LIMIT), "--keep-freed-bytes", str(KEEP_FREED),
+                              "--max-message-bytes", str(MAX_MESSAGE), "--consistency", "sync")
+    pid = cluster.servers[0].popen.pid
+    with PSClient(cluster.addresses) as client:
+        client.create_variable("big", shape=(2048, 1024), initializer=Uniform(seed=4),  # 8 MiB
+                               optimizer=SGD(learning_rate=1.0))
+        before = client.pull(["big"])["big"].tobytes(), client.describe()[0].variables["big"]
+    rss_before = _status(pid)["VmRSS"]
+    _reset_peak(pid)
+    zeros = byte_view(np.zeros(1024, np.float32))
+    refused = None
+    with grpc.insecure_channel(cluster.addresses[0]) as channel:
+        for n in range(20):
+            begin = encode_push_begin("hostile", uuid.uuid4().hex, 1, 0, 1, ps_pb2.GRADIENT,
+                                      [encode_push_item("big", 2048 * 1024, ps_pb2.FLOAT32)], step=0)
+            message = encode_push_request(begin, [OutgoingChunk(
+                encode_chunk_header("big", 0, 1024, ps_pb2.FLOAT32), zeros)])
+            try:
+                channel.stream_unary(method_path("Push"))(iter([message]), timeout=60)
+            except grpc.RpcError as error:
+                if error.code() == StatusCode.FAILED_PRECONDITION:  # PUSH_INCOMPLETE: abandoned
+                    continue
+                refused = (n, error)
+                break
+    assert refused is not None, "20 abandoned pushes, each staging 8 MiB, fitted a 64 MiB limit"
+    n, error = refused
+    assert error.code() == StatusCode.RESOURCE_EXHAUSTED and n >= 3, (n, error.details())
+    with PSClient(cluster.addresses) as client:
+        assert (client.pull(["big"])["big"].tobytes(), client.describe()[0].variables["big"]) == before
+    now = _status(pid)
+    figures.append(f"{'abandoned_synchronous_pushes':<40} before {rss_before / MiB:6.1f}  "
+                   f"after {now['VmRSS'] / MiB:6.1f}  peak {now['VmHWM'] / MiB:6.1f}  (refused at {n})")
+    assert now["VmHWM"] <= LIMIT + OVERHEAD

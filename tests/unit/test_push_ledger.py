@@ -305,3 +305,17 @@ def test_records_are_booked_before_they_are_made_and_given_back_when_the_push_is
     del session, info  # (the traceback holds the session too)
     ledger.begin("w", "i", 2, 4)  # writes push 1 off: the ledger drops it
     assert budget.held == 0
+
+
+def test_staged_bytes_are_booked_and_given_back_with_the_push():
+    budget = _Budget(SESSION_BYTES + 1000)
+    ledger = PushLedger(max_open_pushes=1)
+    session = ledger.begin("w", "i", 1, 10)
+    session.bound(100, budget.book, budget.give_back)
+    session.book_bytes(600)
+    with pytest.raises(RequestError) as info:
+        session.book_bytes(401)
+    assert info.value.reason == Reason.MEMORY_LIMIT and budget.held == SESSION_BYTES + 600
+    del session, info
+    ledger.begin("w", "i", 2, 4)  # writes push 1 off
+    assert budget.held == 0
