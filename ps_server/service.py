@@ -31,8 +31,8 @@ from wehub_ps.codec import (
     EXCHANGE_PUSH,
     CodecError,
     OutgoingChunk,
-    TooManyChunks,
     RowGather,
+    TooManyChunks,
     byte_view,
     chunk_ranges,
     decode_envelope,
@@ -512,8 +512,8 @@ class ParameterServerService:
             raise
         return plan, names
 
-    def _apply_push(self, messages: Iterable[bytes | memoryview], names: list[str], holds: list[MemoryHold],
-                    wait_seconds: float | None = None):
+    def _apply_push(self, messages: Iterable[bytes | memoryview], names: list[str],
+                    holds: list[MemoryHold], wait_seconds: float | None = None):
         """Apply the push; ``names`` and ``holds`` (of its pull_after answer) are filled as it goes."""
         received = 0
         pull_plan = None

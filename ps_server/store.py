@@ -424,7 +424,8 @@ class VariableStore:
                     "limit (--max-memory-bytes); ask for less at once")
             self._held += nbytes
 
-    def read_rows(self, reads: list[tuple["VariablePart | HashTablePart", np.ndarray]]) -> list[tuple[np.ndarray, int]]:
+    def read_rows(self, reads: list[tuple[VariablePart | HashTablePart, np.ndarray]]
+                  ) -> list[tuple[np.ndarray, int]]:
         """(values, version) of rows of several parts, all or nothing.
 
         Hash tables create missing rows: every table's new rows are checked

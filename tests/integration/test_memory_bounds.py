@@ -178,7 +178,8 @@ def _push(server: _Server, begin: bytes, chunks: list[OutgoingChunk]):
 
 
 def _begin(items: list[bytes], incarnation: str | None = None, sequence: int = 1) -> bytes:
-    return encode_push_begin("hostile", incarnation or uuid.uuid4().hex, sequence, 0, 1, ps_pb2.GRADIENT, items)
+    return encode_push_begin("hostile", incarnation or uuid.uuid4().hex, sequence, 0, 1, ps_pb2.GRADIENT,
+                             items)
 
 
 def _ids(*values) -> bytes:
@@ -194,12 +195,14 @@ def test_repeated_ids(server, pattern):
     a Pull stream answers every repetition, one message at a time."""
     repeated = np.full(1 << 20, 7, "<i8").tobytes()
     exchange = server.channel.stream_stream(method_path("Exchange"))
-    request = encode_envelope(1, EXCHANGE_PULL, encode_pull_request(0, 1, [encode_pull_item("emb", repeated)]))
+    request = encode_envelope(1, EXCHANGE_PULL,
+                              encode_pull_request(0, 1, [encode_pull_item("emb", repeated)]))
     (reply,) = list(exchange(iter([request]), timeout=60))
     _, field, payload = decode_envelope(reply)
     assert field == EXCHANGE_ERROR
     error = ps_pb2.ExchangeError.FromString(bytes(payload))
-    assert (error.code, error.reason) == (StatusCode.RESOURCE_EXHAUSTED.value[0], "MEMORY_LIMIT"), error.message
+    assert (error.code, error.reason) == (StatusCode.RESOURCE_EXHAUSTED.value[0], "MEMORY_LIMIT"), \
+        error.message
     # A Pull stream of 200,000 repetitions (200 MiB answered) holds one row and one message at a time.
     ids = np.tile(np.array([7, 3, 7, 5], "<i8"), 50_000)
     received = 0
@@ -227,8 +230,9 @@ def test_tiny_chunks(server, pattern):
     # 4,096 rows of 4 elements may be pushed in 1,024 + 1 + 64 chunks: two messages of 1,000 rows.
     rows = np.arange(4096, dtype="<i8")
     zero_row = byte_view(np.zeros(4, np.float32))
+    begin = _begin([encode_push_item("narrow", 4 * 4096, ps_pb2.FLOAT32, row_ids=rows.tobytes())])
     messages = [encode_push_request(
-        _begin([encode_push_item("narrow", 4 * 4096, ps_pb2.FLOAT32, row_ids=rows.tobytes())]) if m == 0 else None,
+        begin if m == 0 else None,
         [OutgoingChunk(encode_chunk_header("narrow", 4 * r, 4, ps_pb2.FLOAT32), zero_row)
          for r in range(1000 * m, 1000 * (m + 1))]) for m in range(2)]
     error = _expect(lambda: server.channel.stream_unary(method_path("Push"))(iter(messages), timeout=60),
@@ -238,7 +242,8 @@ def test_tiny_chunks(server, pattern):
 
 def test_unknown_names(server, pattern):
     """Thousands of made-up variable names: NOT_FOUND, and not one of them becomes a metric label."""
-    series_before = {line.rsplit(" ", 1)[0] for line in server.metrics().splitlines() if not line.startswith("#")}
+    series_before = {line.rsplit(" ", 1)[0] for line in server.metrics().splitlines()
+                     if not line.startswith("#")}
     for round_ in range(4):
         names = [f"made-up-{round_}-{i}-{uuid.uuid4().hex}" for i in range(5000)]
         _expect(lambda: _pull(server, [encode_pull_item(name) for name in names]),
@@ -270,7 +275,8 @@ def test_huge_declared_sizes(server, pattern):
             StatusCode.INVALID_ARGUMENT, "SHAPE_MISMATCH")
     pull = ps_pb2.PullRequest(shard_index=0, num_shards=1,
                               items=[ps_pb2.PullItem(variable="dense", offset=1 << 62, count=1 << 62)])
-    _expect(lambda: list(server.channel.unary_stream(method_path("Pull"))(pull.SerializeToString(), timeout=30)),
+    call = server.channel.unary_stream(method_path("Pull"))
+    _expect(lambda: list(call(pull.SerializeToString(), timeout=30)),
             StatusCode.INVALID_ARGUMENT, "INVALID_CHUNK")
 
 

@@ -27,6 +27,7 @@ from wehub_ps.specs import (
     Normal,
     Uniform,
     VariableSpec,
+    Zeros,
 )
 from wehub_ps.v1 import ps_pb2
 
@@ -630,3 +631,31 @@ def test_local_rows_refuse_every_row_outside_the_part(shard):
         ids = np.array([start, bad, end - 1], dtype=np.int64)
         with pytest.raises(RequestError, match=f"row {bad} of 'table' is not on this shard"):
             part.local_rows(ids)
+
+
+# ---- bytes held for requests -------------------------------------------------------------------
+
+
+def test_held_bytes_share_the_limit_with_variables_and_are_given_back():
+    store = VariableStore(0, 1, memory_limit=10_000)
+    store.create(VariableSpec("v", (1000,), "float32", initializer=Zeros(), optimizer=SGD(learning_rate=0.1)))
+    with store.hold(6000, "a pull's rows"):
+        assert store.held_bytes == 6000 and store.reserved_bytes == 4000
+        with pytest.raises(RequestError) as info:
+            store.hold(1, "another pull")
+        assert info.value.reason == Reason.MEMORY_LIMIT and "another pull needs 1 bytes" in info.value.message
+        with pytest.raises(RequestError):  # variables too
+            store.create(VariableSpec("w", (1,), "float32", initializer=Zeros(),
+                                      optimizer=SGD(learning_rate=0.1)))
+    assert store.held_bytes == 0
+    cell = [3000]
+    store.book(3000, "a push's records")
+    store.give_back(cell)  # (from a finalizer: counted at the next look)
+    assert store.held_bytes == 0
+
+
+def test_known_names_keeps_only_variables_of_the_shard():
+    store = VariableStore(0, 1, memory_limit=1 << 20)
+    store.create(VariableSpec("v", (4,), "float32", initializer=Zeros(), optimizer=SGD(learning_rate=0.1)))
+    assert store.known_names(["x", "v", "y"]) == ["v"]
+    assert store.known_names(["x"]) == store.known_names([]) == ["-"]
