@@ -319,3 +319,175 @@ def test_staged_bytes_are_booked_and_given_back_with_the_push():
     del session, info
     ledger.begin("w", "i", 2, 4)  # writes push 1 off
     assert budget.held == 0
+
+
+def test_incarnations_are_forgotten_least_recently_used_first():
+    ledger = PushLedger(max_incarnations=2)
+    _complete(ledger, "w", "a", 1)
+    _complete(ledger, "w", "b", 1)
+    _complete(ledger, "w", "a", 2)  # touches a: b is now the oldest
+    _complete(ledger, "w", "c", 1)
+    assert ledger.is_done("w", "a", 1) and ledger.is_done("w", "c", 1)
+    assert not ledger.is_done("w", "b", 1)
+    assert len(ledger._states) == 2
+
+
+# ---- sessions: chunk claims ---------------------------------------------------------------------
+
+
+def _session(total=100):
+    return PushSession(("w", "i", 1), total)
+
+
+def test_claim_and_done():
+    s = _session(30)
+    assert s.claim("v", 0, 10) == ClaimResult.APPLY
+    assert not s.complete
+    assert s.done("v", 0) is False
+    assert s.claim("v", 0, 10) == ClaimResult.ALREADY_APPLIED
+    assert s.claim("v", 20, 10) == ClaimResult.APPLY
+    assert s.claim("v", 10, 10) == ClaimResult.APPLY  # fills the gap exactly
+    assert s.done("v", 20) is False
+    assert s.done("v", 10) is True, "the last chunk completes the push"
+    assert s.complete and s.finalized
+    assert s.applied_elements == 30
+    assert s.claim("v", 10, 10) == ClaimResult.ALREADY_APPLIED
+
+
+def test_done_reports_completion_once():
+    s = _session(5)
+    s.claim("v", 0, 5)
+    assert s.done("v", 0) is True
+    assert s.finalized
+
+
+def test_chunks_of_different_variables_do_not_overlap():
+    s = _session(20)
+    assert s.claim("v", 0, 10) == ClaimResult.APPLY
+    assert s.claim("u", 0, 10) == ClaimResult.APPLY
+    s.done("v", 0)
+    assert s.done("u", 0) is True
+
+
+@pytest.mark.parametrize("offset, count", [
+    (10, 5),  # same start, shorter
+    (10, 20),  # same start, longer
+    (5, 10),  # starts inside, ends after
+    (15, 10),  # starts inside, ends inside
+    (12, 3),  # strictly inside
+    (5, 30),  # covers it
+    (19, 1),  # last element
+    (5, 6),  # ends on the first element
+])
+def test_overlapping_chunk_with_different_bounds_is_refused(offset, count):
+    s = _session()
+    assert s.claim("v", 10, 10) == ClaimResult.APPLY
+    s.done("v", 10)
+    with pytest.raises(RequestError) as info:
+        s.claim("v", offset, count)
+    assert info.value.reason == Reason.INVALID_CHUNK
+    assert "'v'" in info.value.message
+    # The refused chunk left no trace: adjacent chunks are still accepted.
+    assert s.claim("v", 0, 10) == ClaimResult.APPLY
+    assert s.claim("v", 20, 10) == ClaimResult.APPLY
+
+
+def test_overlap_with_a_chunk_being_applied_is_refused_too():
+    s = _session()
+    assert s.claim("v", 10, 10) == ClaimResult.APPLY  # not done yet
+    with pytest.raises(RequestError) as info:
+        s.claim("v", 15, 10)
+    assert info.value.reason == Reason.INVALID_CHUNK
+
+
+def test_second_stream_waits_for_the_first_and_gets_already_applied():
+    s = _session(10)
+    assert s.claim("v", 0, 10) == ClaimResult.APPLY
+    results = []
+    started = threading.Event()
+
+    def retry():
+        started.set()
+        results.append(s.claim("v", 0, 10))
+
+    thread = threading.Thread(target=retry, daemon=True)
+    thread.start()
+    assert started.wait(5)
+    thread.join(0.2)
+    assert thread.is_alive(), "the retry must wait while the chunk is being applied"
+    assert results == []
+    assert s.done("v", 0) is True
+    thread.join(5)
+    assert not thread.is_alive()
+    assert results == [ClaimResult.ALREADY_APPLIED]
+    assert s.applied_elements == 10, "the chunk was counted once"
+
+
+def test_racing_streams_apply_each_chunk_exactly_once():
+    total, chunk = 400, 10
+    s = PushSession(("w", "i", 1), total)
+    applied = [0] * (total // chunk)
+    completions = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(4)
+
+    def stream():
+        barrier.wait()
+        for offset in range(0, total, chunk):
+            if s.claim("v", offset, chunk) == ClaimResult.APPLY:
+                with lock:
+                    applied[offset // chunk] += 1
+                if s.done("v", offset):
+                    completions.append(offset)
+
+    threads = [threading.Thread(target=stream, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    assert applied == [1] * (total // chunk)
+    assert len(completions) == 1
+    assert s.complete and s.applied_elements == total
+
+
+def test_claim_with_step_reserves_once_and_nothing_for_an_applied_chunk():
+    s = _session(20)
+    calls = []
+
+    def reserve():
+        calls.append(1)
+        return 70 + len(calls)
+
+    assert s.claim_with_step("v", 0, 10, reserve) == 71
+    assert s.done("v", 0) is False
+    assert s.claim_with_step("v", 0, 10, reserve) is None, "applied before: nothing to do"
+    assert s.claim_with_step("v", 10, 10, reserve) == 71, "the variable's next chunk reuses its step"
+    assert s.done("v", 10) is True
+    assert len(calls) == 1 and s.steps == {"v": 71}
+    with pytest.raises(RequestError) as err:
+        s.claim_with_step("v", 5, 10, reserve)
+    assert err.value.reason == Reason.INVALID_CHUNK
+    assert len(calls) == 1, "a refused chunk reserves no step"
+
+
+def test_a_released_chunk_wakes_the_waiting_retry_which_applies_it():
+    s = _session(10)
+    assert s.claim_with_step("v", 0, 10, lambda: 1) == 1
+    results = []
+    started = threading.Event()
+
+    def retry():
+        started.set()
+        results.append(s.claim_with_step("v", 0, 10, lambda: 2))
+
+    thread = threading.Thread(target=retry, daemon=True)
+    thread.start()
+    assert started.wait(5)
+    thread.join(0.2)
+    assert thread.is_alive(), "the retry waits while the first stream applies the chunk"
+    s.release("v", 0)  # the first stream failed to apply it
+    thread.join(5)
+    assert not thread.is_alive()
+    assert results == [1], "the retry claims the chunk, with the step reserved before"
+    assert s.done("v", 0) is True
