@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import threading
 
 import numpy as np
@@ -95,6 +96,34 @@ def test_mis_ordered_or_short_address_list_is_refused(cluster_factory):
         PSClient(list(reversed(cluster.addresses)))
     with pytest.raises(ClusterMismatchError, match="of 3"):
         PSClient(cluster.addresses[:2])
+
+
+def test_servers_swapped_behind_the_addresses_are_refused_by_every_call(cluster_factory):
+    """Every request repeats the caller's view: servers restarted on each other's port are caught."""
+    cluster = cluster_factory(2)
+    first, second = cluster.servers
+    with PSClient(cluster.addresses, retry_timeout=20) as client:
+        client.create_variable("w", shape=(100,), initializer="zeros")
+        client.create_variable("big", shape=(200_000,), initializer="zeros")  # a part on each shard
+        ports = first.port, second.port
+        for server in cluster.servers:
+            server.signal(signal.SIGKILL)
+            server.wait(30)
+        first.launch(ports[1])  # shard 0 now answers at shard 1's address, and the reverse
+        second.launch(ports[0])
+        first.wait_ready()
+        second.wait_ready()
+        calls = {"pull": lambda: client.pull(["big"]),
+                 "push": lambda: client.push({"big": np.ones(200_000, np.float32)}),
+                 "create_variable": lambda: client.create_variable("x", shape=(3,)),
+                 "pull_rows": lambda: client.pull_rows("big", [0, 199_999]),
+                 "step": lambda: client.step(["w"]).__enter__()}
+        for what, call in calls.items():
+            with pytest.raises(ClusterMismatchError, match="this server is shard"):
+                call()
+    # Nothing was created or applied on the swapped servers.
+    with PSClient([first.address, second.address]) as fresh:  # the servers in their new places
+        assert fresh.variables() == {}
 
 
 def test_client_side_checks_raise_typed_errors(cluster2):

@@ -119,6 +119,33 @@ def test_damaged_newest_checkpoint_is_skipped(cluster_factory, tmp_path, damage)
         assert client.describe()[0].variables["w"]["version"] == 1
 
 
+def test_a_server_whose_every_checkpoint_is_damaged_refuses_to_start(cluster_factory, tmp_path):
+    """Damaged checkpoints are skipped loudly; with none intact the server exits 1 instead of starting empty."""
+    root = tmp_path / "ckpt"
+    cluster = cluster_factory(1, *_ckpt_args(root))
+    server = cluster.servers[0]
+    with PSClient(cluster.addresses) as client:
+        client.create_variable("w", shape=(100,), initializer="zeros", optimizer=SGD(learning_rate=1.0))
+        for _ in range(2):
+            client.push({"w": np.ones(100, np.float32)})
+            client.checkpoint()
+    server.signal(signal.SIGKILL)
+    server.wait(30)
+    checkpoints = sorted((root / "shard-0-of-1").glob("ckpt-*"))
+    assert len(checkpoints) == 2
+    for path in checkpoints:
+        tensors = path / "tensors.safetensors"
+        data = bytearray(tensors.read_bytes())
+        data[-10] ^= 0xFF
+        tensors.write_bytes(bytes(data))
+    server.launch(server.port)
+    assert server.wait(60) == 1
+    log = server.log_text()
+    assert log.count("CHECKPOINT SKIPPED") == 2 and "every checkpoint" in log
+    assert not server.port_file.exists()  # it never served
+    assert sorted((root / "shard-0-of-1").glob("ckpt-*")) == checkpoints  # and removed nothing
+
+
 def test_sigterm_during_pushes_checkpoints_them_and_exits_zero(cluster_factory, tmp_path):
     cluster = cluster_factory(1, *_ckpt_args(tmp_path / "ckpt"))
     server = cluster.servers[0]
