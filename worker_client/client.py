@@ -405,7 +405,8 @@ class PSClient:
         self._token = BearerToken(auth_token, auth_token_file)
         credentials = self._tls.channel_credentials() if self._tls is not None else None
         self._shards = [ShardChannel(i, a, credentials=credentials, server_name=server_name,
-                                     token=self._token, incarnation=self.incarnation)
+                                     token=self._token, incarnation=self.incarnation,
+                                     request_timeout=data_timeout)
                         for i, a in enumerate(self.addresses)]
         self._executor = futures.ThreadPoolExecutor(
             max_workers=max(2, 2 * len(self._shards)), thread_name_prefix=f"ps-client-{worker_id}")

@@ -19,6 +19,15 @@ a request: :class:`LaneRefused` tells the caller to send the same request
 as an ordinary call, and the lane stays closed for
 :data:`_REFUSED_SECONDS` (its callers use ordinary calls meanwhile) before
 it tries to open a stream again.
+
+Deadlines: the stream lives for minutes, so it cannot carry a request's
+deadline. Each request gets its own (``request_timeout``, the client's
+``data_timeout``, like the ordinary call it replaces): a watchdog thread
+cancels the stream when an answer is late, and the wait ends with
+``DEADLINE_EXCEEDED``, which the client retries like any other attempt.
+A server that stopped answering (hung, or stopped) would otherwise hold
+the request until the connection's keepalive or the stream's lifetime ran
+out.
 """
 
 from __future__ import annotations
@@ -50,10 +59,11 @@ class LaneRefused(PSUnavailableError):
 
 
 class ExchangeLane:
-    def __init__(self, open_stream, address: str) -> None:
+    def __init__(self, open_stream, address: str, request_timeout: float = 300.0) -> None:
         self._open_stream = open_stream
         self._address = address
-        # Held by the one request using the lane; guards every field below.
+        self._request_timeout = request_timeout
+        # Held by the one request using the lane; guards every field below but those of _watch.
         self._busy = threading.Lock()
         self._requests: queue.SimpleQueue | None = None
         self._responses: Any = None
@@ -61,6 +71,16 @@ class ExchangeLane:
         self._next_id = 1
         # Until then the server refuses this lane's stream (a float read and written whole: no lock).
         self._refused_until = 0.0
+        # Guards the deadline of the request waiting for its answer (_deadline,
+        # monotonic, None when none waits), _expired (the watchdog cancelled
+        # the stream for it), _watched (the stream it would cancel), _watchdog
+        # and _shut; notified when a deadline is set and at shutdown.
+        self._watch = threading.Condition(threading.Lock())
+        self._deadline: float | None = None
+        self._expired = False
+        self._watched: Any = None
+        self._watchdog: threading.Thread | None = None
+        self._shut = False
 
     @property
     def refused(self) -> bool:
@@ -83,6 +103,15 @@ class ExchangeLane:
             self._reopen()
         request_id = self._next_id
         self._next_id += 1
+        with self._watch:
+            self._deadline = time.monotonic() + self._request_timeout
+            self._expired = False
+            self._watched = self._responses
+            if self._watchdog is None and not self._shut:
+                self._watchdog = threading.Thread(target=self._watch_deadlines, daemon=True,
+                                                  name=f"ps-lane-deadline-{self._address}")
+                self._watchdog.start()
+            self._watch.notify()
         self._requests.put(encode_envelope(request_id, field, payload))
         return request_id
 
@@ -91,7 +120,12 @@ class ExchangeLane:
         try:
             message = next(self._responses)
         except grpc.RpcError as error:
+            expired = self._disarm()
             self.close()
+            if expired:
+                raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED, None,
+                                f"no answer over the exchange stream within {self._request_timeout:g}s "
+                                "(data_timeout)", self._address, what) from None
             translated = translate_rpc_error(error, self._address, what)
             if translated.reason == Reason.EXCHANGE_STREAMS.value:
                 self._refused_until = time.monotonic() + _REFUSED_SECONDS
@@ -99,14 +133,19 @@ class ExchangeLane:
                                   code=translated.code) from error
             raise translated from error
         except StopIteration:
+            self._disarm()
             self.close()
             raise error_for(grpc.StatusCode.UNAVAILABLE, None, "the exchange stream ended", self._address,
                             what) from None
         except BaseException:
             # Interrupted while waiting (KeyboardInterrupt): the answer still
             # on its way would be read as the next request's. Start afresh.
+            self._disarm()
             self.close()
             raise
+        if self._disarm():
+            # The answer came as the watchdog cancelled the stream: it is good, the stream is not.
+            self.close()
         answer_id, answer_field, answer = decode_envelope(message)
         if answer_id != request_id:
             self.close()
@@ -123,6 +162,39 @@ class ExchangeLane:
         if self._responses is not None:
             self._responses.cancel()
         self._requests = self._responses = None
+
+    def shutdown(self) -> None:
+        """Stop the watchdog thread (the channel is closing); the lane is not used again."""
+        with self._watch:
+            self._shut = True
+            self._watch.notify()
+            watchdog = self._watchdog
+        if watchdog is not None and watchdog is not threading.current_thread():
+            watchdog.join(5)
+
+    def _disarm(self) -> bool:
+        """The waiting request has its answer (or error): no deadline now. Whether it had expired."""
+        with self._watch:
+            self._deadline = None
+            self._watched = None
+            expired, self._expired = self._expired, False
+        return expired
+
+    def _watch_deadlines(self) -> None:
+        """Cancel the stream when the request waiting on it is past its deadline."""
+        with self._watch:
+            while not self._shut:
+                if self._deadline is None:
+                    self._watch.wait()
+                    continue
+                remaining = self._deadline - time.monotonic()
+                if remaining > 0:
+                    self._watch.wait(remaining)
+                    continue
+                self._deadline = None
+                self._expired = True
+                if self._watched is not None:
+                    self._watched.cancel()  # the waiting next() raises CANCELLED at once
 
     def _reopen(self) -> None:
         self.close()

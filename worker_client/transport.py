@@ -28,7 +28,8 @@ class ShardChannel:
 
     def __init__(self, index: int, address: str, *, max_message_bytes: int = MAX_MESSAGE_BYTES,
                  credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None,
-                 token: BearerToken | None = None, incarnation: str | None = None) -> None:
+                 token: BearerToken | None = None, incarnation: str | None = None,
+                 request_timeout: float = 300.0) -> None:
         self.index = index
         self.address = address
         # Every call (and every stream when it opens) carries the token's current value as metadata.
@@ -64,7 +65,8 @@ class ShardChannel:
         # The server bounds the Exchange streams of each worker process (incarnation).
         self._incarnation = incarnation
         self.lane = ExchangeLane(lambda requests, timeout: exchange(requests, timeout=timeout,
-                                                                    metadata=self._lane_metadata()), address)
+                                                                    metadata=self._lane_metadata()), address,
+                                 request_timeout)
 
     @property
     def _metadata(self) -> tuple[tuple[str, str], ...] | None:
@@ -143,6 +145,7 @@ class ShardChannel:
         if self.lane.try_acquire():
             self.lane.close()
             self.lane.release()
+        self.lane.shutdown()
         self._channel.close()
 
     def _guard(self, what: str, call: Callable[[], T]) -> T:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 from wehub_ps.codec import EXCHANGE_PULL, decode_pull_response
 from wehub_ps.v1 import ps_pb2
-from worker_client import PSClient
+from worker_client import SGD, PSClient, PSUnavailableError
 from worker_client.errors import InvalidArgumentError, VariableNotFoundError
 from worker_client.fanout import ShardCall, run_shard_calls
 from worker_client.transport import ShardChannel
@@ -122,3 +125,30 @@ def test_a_lane_interrupted_while_waiting_starts_afresh(channels):
     finally:
         lane.release()
     assert decode_pull_response(answer)[0].header.variable == name
+
+
+def test_a_lane_request_to_a_server_that_stopped_answering_ends_at_its_deadline(cluster_factory):
+    """A small pull rides the long-lived lane; it still has data_timeout per attempt and gives up at retry_timeout.
+
+    The server is stopped (SIGSTOP), so its connection stays open and only
+    the keepalive (tens of seconds) or the stream's lifetime would end the
+    wait otherwise.
+    """
+    cluster = cluster_factory(1)
+    server = cluster.servers[0]
+    with PSClient(cluster.addresses, data_timeout=1, retry_timeout=3, heartbeat=False) as client:
+        client.create_variable("v", shape=(8,), initializer="zeros", optimizer=SGD(learning_rate=1.0))
+        client.push({"v": np.ones(8, np.float32)})  # the lane is open and in use
+        server.signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(PSUnavailableError, match="DEADLINE_EXCEEDED") as info:
+                client.pull(["v"])
+            waited = time.monotonic() - started
+            assert "attempts" in str(info.value) and "gave up after 1 attempts" not in str(info.value)
+            assert waited < 25, f"a request over the lane waited {waited:.1f}s for a stopped server"
+        finally:
+            server.signal(signal.SIGCONT)
+        # The lane starts afresh: the next requests are answered.
+        client.push({"v": np.ones(8, np.float32)})
+        np.testing.assert_array_equal(client.pull(["v"])["v"], np.full(8, -2, np.float32))
