@@ -268,6 +268,29 @@ def test_restore_onto_a_different_number_of_shards(cluster_factory, tmp_path):
         resharded.stop()
 
 
+def test_a_resharded_server_checkpoints_its_new_layout_before_serving(cluster_factory, tmp_path):
+    """Restored onto another --num-shards, each server writes the new layout's checkpoint at once.
+
+    So a SIGKILL right after the start restores from the new layout, not by resharding again.
+    """
+    root = tmp_path / "ckpt"
+    one = cluster_factory(1, *_ckpt_args(root))
+    with PSClient(one.addresses) as client:
+        client.create_variable("w", shape=(200_000,), initializer="uniform", optimizer=SGD(learning_rate=1.0))
+        client.push({"w": np.ones(200_000, np.float32)})
+        trained = client.pull(["w"])["w"]
+    one.stop()
+    two = cluster_factory(2, *_ckpt_args(root))
+    for i in range(2):  # written before the port file, so before any client could connect
+        assert len(list((root / f"shard-{i}-of-2").glob("ckpt-*"))) == 1
+    for server in two.servers:
+        _kill_and_restart(server)
+    with PSClient(two.addresses) as client:
+        assert [info.restored_from["num_shards"] for info in client.describe()] == [2, 2]
+        assert client.pull(["w"])["w"].tobytes() == trained.tobytes()
+        assert len(client.variables()["w"].placement.parts) == 2
+
+
 def test_a_killed_worker_drops_out_and_rejoins(cluster_factory):
     cluster = cluster_factory(2, "--worker-lease", "1")
     code = """
