@@ -504,6 +504,15 @@ class PSClient:
         if len(modes) > 1:
             raise ClusterMismatchError(f"the servers run different consistency modes {sorted(modes)}; "
                                        "start every ps-server with the same --consistency")
+        # The mode's bound too: shards with different ones would hold the same step differently.
+        bound = {"ssp": ("staleness", "--staleness"), "sync": ("backup_workers", "--backup-workers")}
+        for key, flag in [bound[mode] for mode in modes if mode in bound]:
+            values = {info.address: info.consistency.get(key, 0) for info in infos.values()}
+            if len(set(values.values())) > 1:
+                raise ClusterMismatchError(
+                    f"the servers run with different {flag} ("
+                    + ", ".join(f"{address}: {value}" for address, value in values.items())
+                    + f"); start every ps-server with the same {flag}")
         self.consistency = modes.pop()
         leases = [info.worker_lease_seconds for info in infos.values() if info.worker_lease_seconds > 0]
         return min(leases) if leases else 30.0

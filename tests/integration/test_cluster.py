@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+from ps_testing import Cluster, ServerProcess
 
 from worker_client import (
     SGD,
@@ -124,6 +125,23 @@ def test_servers_swapped_behind_the_addresses_are_refused_by_every_call(cluster_
     # Nothing was created or applied on the swapped servers.
     with PSClient([first.address, second.address]) as fresh:  # the servers in their new places
         assert fresh.variables() == {}
+
+
+@pytest.mark.parametrize("flags, words", [
+    ((("--consistency", "sync"), ("--consistency", "async")), "different consistency modes"),
+    ((("--consistency", "ssp", "--staleness", "1"), ("--consistency", "ssp", "--staleness", "3")),
+     "different --staleness"),
+    ((("--consistency", "sync", "--backup-workers", "1"), ("--consistency", "sync")),
+     "different --backup-workers"),
+])
+def test_servers_with_different_consistency_settings_are_refused(cluster_factory, tmp_path, flags, words):
+    """All servers of a cluster run the same mode with the same bound; the client checks on connect."""
+    servers = [ServerProcess(i, 2, tmp_path, args) for i, args in enumerate(flags)]
+    cluster_factory.clusters.append(Cluster(servers))  # stopped at teardown
+    for server in servers:
+        server.start()
+    with pytest.raises(ClusterMismatchError, match=words):
+        PSClient([s.address for s in servers])
 
 
 def test_client_side_checks_raise_typed_errors(cluster2):
