@@ -8,6 +8,8 @@ they are what a pull would return.
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import numpy as np
 import pytest
@@ -177,3 +179,17 @@ def test_values_older_than_the_limit_or_for_other_names_are_not_used(cluster, mo
     with PSClient(cluster.addresses, worker_id="w1", prefetch=False) as client:
         _train(client, 3, ["b"])
         assert client.stats()["prefetched_steps"] == 0
+
+
+def test_values_brought_back_on_one_thread_are_not_used_by_another(cluster):
+    """A step uses prefetched values only on the thread whose push brought them back."""
+    with PSClient(cluster.addresses, worker_id="w0") as client:
+        _train(client, 1, ["b"])  # this thread's push brought values back
+        other = threading.Thread(target=_train, args=(client, 1, ["b"]), name="other-trainer")
+        other.start()
+        other.join(60)
+        assert client.stats()["prefetched_steps"] == 0  # the other thread pulled
+        _train(client, 1, ["b"])  # and its push invalidated what this thread holds
+        assert client.stats()["prefetched_steps"] == 0
+        _train(client, 1, ["b"])
+        assert client.stats()["prefetched_steps"] == 1
