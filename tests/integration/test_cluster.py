@@ -144,6 +144,23 @@ def test_servers_with_different_consistency_settings_are_refused(cluster_factory
         PSClient([s.address for s in servers])
 
 
+def test_pull_into_the_callers_arrays(cluster2):
+    """pull(out=params) fills and returns the given arrays; arrays that do not fit are refused."""
+    with PSClient(cluster2.addresses) as client:
+        client.create_variable("big", shape=(300_000,), initializer="uniform")  # a part on each shard
+        client.create_variable("small", shape=(3, 4), initializer="uniform")
+        expected = client.pull()
+        params = {name: np.zeros_like(value) for name, value in expected.items()}
+        pulled = client.pull(out=params)
+        assert all(pulled[name] is params[name] for name in expected)
+        assert all(params[name].tobytes() == expected[name].tobytes() for name in expected)
+        for bad, error in [(np.zeros((4, 3), np.float32), ShapeMismatchError),
+                           (np.zeros((3, 4), np.float64), DTypeMismatchError),
+                           (np.zeros((3, 8), np.float32)[:, ::2], TypeError)]:
+            with pytest.raises(error, match="out\\['small'\\]"):
+                client.pull(["small"], out={"small": bad})
+
+
 def test_client_side_checks_raise_typed_errors(cluster2):
     with PSClient(cluster2.addresses) as client:
         client.create_variable("v", shape=(5, 3))
