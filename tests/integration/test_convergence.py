@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from ps_testing import ROOT, child_env
@@ -42,3 +46,53 @@ def test_ps_local_fails_loudly_when_the_target_is_missed():
                             capture_output=True, text=True, cwd=str(ROOT), env=child_env(), timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "NOT reached" in result.stdout
+
+
+def _children(pid: int) -> list[int]:
+    """Live child processes of ``pid`` (from /proc)."""
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc").is_dir(), reason="reads processes from /proc")
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL])
+def test_ps_local_stops_every_process_it_started_on_ctrl_c_and_when_killed(signum):
+    launcher = subprocess.Popen([sys.executable, "-m", "ps_local", "--num-ps", "2", "--num-workers", "2",
+                                 "--epochs", "1000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                cwd=str(ROOT), env=child_env())
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(started) < 4:  # 2 servers and 2 workers
+            assert launcher.poll() is None and time.monotonic() < deadline, "ps-local did not start its processes"
+            time.sleep(0.2)
+            started = _children(launcher.pid)
+        launcher.send_signal(signum)
+        launcher.wait(60)
+        deadline = time.monotonic() + 30
+        while [pid for pid in started if _alive(pid)]:
+            assert time.monotonic() < deadline, f"left running: {[pid for pid in started if _alive(pid)]}"
+            time.sleep(0.2)
+    finally:
+        for pid in started:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
