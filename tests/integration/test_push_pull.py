@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 
 import worker_client.client as client_module
-from wehub_ps.codec import OutgoingChunk, byte_view, encode_push_request, split_push_response
+from wehub_ps.codec import (
+    OutgoingChunk,
+    byte_view,
+    decode_pull_response,
+    encode_push_request,
+    split_push_response,
+)
 from wehub_ps.errors import REASON_METADATA_KEY
 from wehub_ps.rpc import method_path
 from wehub_ps.v1 import ps_pb2
@@ -193,3 +199,19 @@ def test_values_brought_back_on_one_thread_are_not_used_by_another(cluster):
         assert client.stats()["prefetched_steps"] == 0
         _train(client, 1, ["b"])
         assert client.stats()["prefetched_steps"] == 1
+
+
+def test_chunk_bytes_flag_sizes_the_pull_messages_of_a_request_that_names_none(cluster_factory):
+    """--chunk-bytes is the default per pull message; a request's own chunk_bytes wins."""
+    cluster = cluster_factory(1, "--chunk-bytes", str(64 << 10))
+    with PSClient(cluster.addresses) as client:
+        client.create_variable("w", shape=(250_000,), initializer="uniform")
+        expected = client.pull(["w"])["w"]
+    for asked, most in [(0, 64 << 10), (8 << 10, 8 << 10), (1 << 20, 1_000_000)]:
+        request = ps_pb2.PullRequest(shard_index=0, num_shards=1, chunk_bytes=asked,
+                                     items=[ps_pb2.PullItem(variable="w")])
+        with grpc.insecure_channel(cluster.addresses[0]) as channel:
+            messages = list(channel.unary_stream(method_path("Pull"))(request.SerializeToString(), timeout=30))
+        chunks = [decode_pull_response(message) for message in messages]
+        assert max(sum(c.data.nbytes for c in message) for message in chunks) == most, asked
+        assert b"".join(bytes(c.data) for message in chunks for c in message) == expected.tobytes()
