@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import urllib.request
@@ -15,7 +16,7 @@ from ps_testing import ROOT, child_env, free_port
 
 from ps_server import ServerConfig, create_server
 from wehub_ps.v1 import ps_pb2
-from worker_client import SGD, FailedPreconditionError, PSClient
+from worker_client import SGD, FailedPreconditionError, PSClient, PSError
 
 
 @pytest.fixture
@@ -144,3 +145,23 @@ def test_finish_ends_a_job_and_is_refused_by_a_service(cluster_factory, tmp_path
     for server in job.servers:
         assert server.wait(60) == 0
         assert '"reason": "shutdown"' in server.log_text()
+
+
+def test_server_logs_are_quiet_json_lines(cluster_factory, tmp_path):
+    """Every line a ps-server writes is one JSON event; a short run at info is a handful of lines."""
+    cluster = cluster_factory(1, "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-interval", "0")
+    server = cluster.servers[0]
+    with PSClient(cluster.addresses, worker_id="trainer") as client:
+        client.create_variable("w", shape=(1000,), optimizer=SGD(learning_rate=0.1))
+        for _ in range(50):
+            client.push({"w": np.ones(1000, np.float32)})
+            client.pull(["w"])
+        with pytest.raises(PSError):
+            client.pull(["missing"])  # refused requests are answered, not logged line by line
+    server.stop()
+    assert server.popen.returncode == 0
+    lines = server.log_text().splitlines()
+    events = [json.loads(line) for line in lines]  # raises on any line that is not JSON
+    assert all({"ts", "level", "event"} <= set(e) for e in events), lines
+    assert all(e["level"] in ("info", "warning", "error") for e in events)
+    assert len(events) <= 12, "\n".join(lines)
