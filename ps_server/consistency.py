@@ -162,23 +162,32 @@ class ConsistencyController:
             if self.mode == "ssp":
                 self._max_staleness = max(self._max_staleness, step - self._min_live_clock())
 
-    def push_decision(self, step: int) -> str:
+    def push_decision(self, step: int, accumulate: Callable[[], None] | None = None) -> str:
         """What to do with a gradient of ``step`` (decided when the push begins).
 
         Sync mode: the caller holds the store's gate shared, so the step
         cannot be applied between this decision and whatever the caller
         does under it. WAIT: the step is ahead of this shard, which holds
         a step of its own; call :meth:`wait_for_step`, then decide again.
+        ACCUMULATE: ``accumulate()`` (e.g. pinning the push's table rows)
+        runs first, under this controller's condition; when it raises, the
+        push is refused and the step is not marked as accumulating (a step
+        with no push in it may still be jumped over).
         """
         if self.mode != "sync":
             return PushDecision.APPLY
         with self._cond:
             if step > self._step and not self._accumulating and not self._finished:
-                self._jump_to(step)  # e.g. after a restart without step state: follow the workers
+                # E.g. after a restart without step state: follow the workers. Kept even when the
+                # push is then refused: its worker is at ``step`` (its heartbeats say so too), and
+                # the steps skipped hold no gradient here.
+                self._jump_to(step)
             if step < self._step:
                 return PushDecision.DROP
             if step > self._step:
                 return PushDecision.WAIT
+            if accumulate is not None:
+                accumulate()
             self._accumulating = True
             return PushDecision.ACCUMULATE
 
@@ -198,6 +207,11 @@ class ConsistencyController:
         with self._cond:
             if worker_id not in self._clocks:
                 self._clocks[worker_id] = self._joining_clock(worker_id)
+            # Not undone when the push then fails or is refused, and need not be: a clock of
+            # ``step`` says only that the worker left the steps before it, which its asking to push
+            # ``step`` shows (PSClient moves to a step only once every shard took the previous one,
+            # and its heartbeats report the same clock meanwhile). The push's own step counts as
+            # left only with clock ``step`` + 1, which complete_push alone records.
             self._advance_clock(worker_id, step)
         self.apply_ready_steps()
         started = time.monotonic()

@@ -96,6 +96,8 @@ class PushSession:
     _book: Callable[[int], None] | None = None
     # Bytes booked, in a cell the finalizer reads when the session is freed.
     _booked: list[int] = field(default_factory=lambda: [0])
+    # Of those, the bytes booked for ``staging`` (book_bytes).
+    _staged_bytes: int = 0
 
     def __post_init__(self) -> None:
         self.cond = threading.Condition(self._lock)
@@ -125,6 +127,17 @@ class PushSession:
             if self._book is not None and nbytes:
                 self._book(nbytes)
                 self._booked[0] += nbytes
+                self._staged_bytes += nbytes
+
+    def take_staging(self) -> tuple[dict, int]:
+        """(staging, the bytes booked for it): the caller takes both over (a synchronous push that
+        is whole hands its gradients to the step's sums, see VariableStore.adopt_staged), so the
+        session neither holds nor gives back either any more."""
+        with self._lock:
+            staging, self.staging = self.staging, {}
+            nbytes, self._staged_bytes = self._staged_bytes, 0
+            self._booked[0] -= nbytes
+            return staging, nbytes
 
     def make_room(self, chunks: int) -> None:
         """Refuse a message of ``chunks`` chunks that would pass this push's bound, and book their

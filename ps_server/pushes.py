@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ps_server.accumulator import PushStaging
+from ps_server.accumulator import PushStaging, staged_rows_bytes
 from ps_server.consistency import ConsistencyController, PushDecision
 from ps_server.errors import RequestError
 from ps_server.metrics import Metrics
@@ -206,11 +206,12 @@ class ActivePush:
         """Synchronous mode: keep the chunk in the push's own staging until the push is whole."""
         staging = self._session.staging.setdefault(item.part.spec.name, PushStaging())
         dtype = item.part.compute_dtype
-        # Staged bytes are booked first (an abandoned push keeps them until the ledger drops it).
+        # Staged bytes are booked first (an abandoned push keeps them until the ledger drops it; a
+        # whole push hands them to the step's sum, which keeps them until the step is applied).
         if item.row_ids is not None:
             width = item.part.spec.row_elements
             rows = item.row_ids[offset // width:(offset + values.size) // width]
-            self._session.book_bytes(rows.nbytes + values.size * dtype.itemsize)
+            self._session.book_bytes(staged_rows_bytes(rows, values.size, dtype))
             staging.add_rows(rows, values.reshape(len(rows), width), dtype)
         else:
             if staging.dense is None:
@@ -263,21 +264,28 @@ class ActivePush:
         A sync push joins every part's sum of its step, or none when the
         step was applied while it streamed (dropped whole); the ledger and
         the worker's clock record it in the same hold of the gate, so a
-        checkpoint holds the push in all of them or in none.
+        checkpoint holds the push in all of them or in none. The memory
+        booked for its staging moves to the sums (what they took over) or is
+        given back: the sums grow only by bytes booked before they were
+        allocated.
         """
         if self._assign:
             return  # recorded as finished once installed (finish)
         if self._decision == PushDecision.APPLY:
             for name, item in self._items.items():
                 self._versions[name] = item.part.finish_push()
-        staged, self._session.staging = self._session.staging, {}
+        staged, staged_bytes = self._session.take_staging()
+        kept = 0
         if self._consistency is not None:
             def merge() -> None:
+                nonlocal kept
                 for name, item in self._items.items():
-                    item.part.merge_staged(self._step, staged.get(name, PushStaging()))
+                    kept += item.part.merge_staged(self._step, staged.get(name, PushStaging()))
 
             if not self._consistency.complete_push(self._worker_id, self._step, self._decision, merge):
                 self._dropped = True
+        if staged_bytes or kept:
+            self._store.adopt_staged(staged_bytes, kept)
         if self._decision != PushDecision.APPLY:
             for name, item in self._items.items():
                 self._versions[name] = item.part.info().version
@@ -442,14 +450,10 @@ def _decide(store: VariableStore, consistency: ConsistencyController, begin: ps_
     deadline = None if wait_seconds is None else time.monotonic() + wait_seconds
     while True:
         with store.gate.shared():
-            decision = consistency.push_decision(begin.step)
-            if decision == PushDecision.ACCUMULATE:
-                tables = [item for item in items.values()
-                          if isinstance(item.part, HashTablePart) and item.row_ids is not None]
-                for item in tables:  # every table is checked before any row is created
-                    item.part.check_pin(item.row_ids)
-                for item in tables:
-                    item.part.pin_rows(item.row_ids)
+            pins = [(item.part, item.row_ids) for item in items.values()
+                    if isinstance(item.part, HashTablePart) and item.row_ids is not None]
+            # Every table is checked and its growth booked before any row is created or pinned.
+            decision = consistency.push_decision(begin.step, lambda: store.pin_rows(pins))
         if decision != PushDecision.WAIT:
             return decision
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -29,7 +29,7 @@ from ps_server.info import VariableInfo
 from ps_server.initializers import fill_initial_values
 from ps_server.optimizers import make_kernel
 from ps_server.spec_log import SpecLog
-from ps_server.tables import HashTablePart, read_tables_rows
+from ps_server.tables import HashTablePart, pin_tables_rows, read_tables_rows
 from wehub_ps.codec import RowGather
 from wehub_ps.convert import cast_into
 from wehub_ps.dtypes import WIRE_FLOAT_DTYPES, dtype_name
@@ -90,6 +90,8 @@ class VariablePart:
         self.row_steps: np.ndarray | None = None
         #: Synchronous mode: the current step's sum (None until the first push).
         self.accumulator: StepAccumulator | None = None
+        #: Books the sum's bytes with the store (given back with a negative delta); None: unbooked.
+        self.reserve: Callable[[int], None] | None = None
         #: True once the spec is in the spec log (or came from a checkpoint or the log).
         self.durable = False
         #: Uploads of the explicit initial value in progress (guarded by ``lock``).
@@ -139,9 +141,14 @@ class VariablePart:
         part.optimizer_steps = loaded.optimizer_steps
         part.initialized = loaded.initialized
         part.row_steps = loaded.row_steps
-        if loaded.accumulator is not None:
-            part.accumulator = StepAccumulator.restore(loaded.accumulator)
+        if loaded.accumulator is not None:  # its bytes are booked by the caller (accumulator_bytes)
+            part.accumulator = StepAccumulator.restore(loaded.accumulator, part._release_sum)
         return part
+
+    @property
+    def accumulator_bytes(self) -> int:
+        """Bytes of the synchronous step's sum (booked against the memory limit)."""
+        return 0 if self.accumulator is None else self.accumulator.nbytes
 
     def info(self) -> VariableInfo:
         with self.lock:
@@ -225,10 +232,11 @@ class VariablePart:
 
     # ---- synchronous mode ----
 
-    def merge_staged(self, step: int, staging: PushStaging) -> None:
-        """Add one complete push of ``step``, the open step (see StepAccumulator.merge), to its sum."""
+    def merge_staged(self, step: int, staging: PushStaging) -> int:
+        """Add one complete push of ``step``, the open step (see StepAccumulator.merge), to its sum;
+        returns the staged bytes the sum took over (their booking moves to the store's variables)."""
         with self.lock:
-            self._accumulator().merge(step, staging)
+            return self._accumulator().merge(step, staging)
 
     def start_step(self, step: int) -> None:
         with self.lock:
@@ -247,29 +255,42 @@ class VariablePart:
                 return False
             dense, ids, grads = acc.take(mean=self.spec.aggregation == "mean")
             acc.step = step + 1
-            if dense is not None:
-                self.optimizer_steps += 1
-                compute = self.compute_dtype
-                for offset in range(0, self.elements, _APPLY_BLOCK):
-                    end = min(self.elements, offset + _APPLY_BLOCK)
-                    stored = self.value[offset:end]
-                    weights = stored if stored.dtype == compute else stored.astype(compute)
-                    self.kernel.apply(weights, dense[offset:end],
-                                      {n: s[offset:end] for n, s in self.slots.items()},
-                                      self.optimizer_steps, _scratch.get("kernel", compute, end - offset))
-                    if weights is not stored:
-                        np.copyto(stored, weights, casting="unsafe")
-            if ids is not None:
-                self._apply_local_rows(self.local_rows(ids), grads)
-            if dense is None and ids is None:
-                return False
-            self.version += 1
-            return True
+            try:
+                return self._apply_taken(dense, ids, grads)
+            finally:
+                acc.settle()  # the sum's bytes go back once the step is applied
+
+    def _apply_taken(self, dense: np.ndarray | None, ids: np.ndarray | None,
+                     grads: np.ndarray | None) -> bool:
+        """Apply a step's aggregated gradient (lock held)."""
+        if dense is not None:
+            self.optimizer_steps += 1
+            compute = self.compute_dtype
+            for offset in range(0, self.elements, _APPLY_BLOCK):
+                end = min(self.elements, offset + _APPLY_BLOCK)
+                stored = self.value[offset:end]
+                weights = stored if stored.dtype == compute else stored.astype(compute)
+                self.kernel.apply(weights, dense[offset:end],
+                                  {n: s[offset:end] for n, s in self.slots.items()},
+                                  self.optimizer_steps, _scratch.get("kernel", compute, end - offset))
+                if weights is not stored:
+                    np.copyto(stored, weights, casting="unsafe")
+        if ids is not None:
+            self._apply_local_rows(self.local_rows(ids), grads)
+        if dense is None and ids is None:
+            return False
+        self.version += 1
+        return True
 
     def _accumulator(self) -> StepAccumulator:
         if self.accumulator is None:
-            self.accumulator = StepAccumulator()
+            self.accumulator = StepAccumulator(release=self._release_sum)
         return self.accumulator
+
+    def _release_sum(self, nbytes: int) -> None:
+        """The step's sum gave back ``nbytes`` (applied or discarded)."""
+        if self.reserve is not None:
+            self.reserve(-nbytes)
 
     def reserve_step(self) -> int:
         """Take the next optimizer step number for a push that starts now."""
@@ -360,14 +381,15 @@ class VariableStore:
         #: (Unlocked increments may collapse under races, but never to "unchanged".)
         self.generation = 0
         # Guards _parts, _filling, _reserved and _held. Lock order: this lock, then a part's; it is
-        # also taken inside a hash table's lock (a table books its growth), and no part's lock is
-        # taken under it then. Reentrant: a staged upload gives its bytes back when it is garbage
+        # also taken inside a part's lock (a table books its growth, a synchronous step's sum gives
+        # its bytes back), and no part's lock is taken under it then. Reentrant: a staged upload gives its bytes back when it is garbage
         # (InitialUpload), which may happen in a thread that holds this lock.
         self._lock = threading.RLock()
         self._parts: dict[str, VariablePart | HashTablePart] = {}
         #: Variables being created (filled outside the gate): set when installed or given up.
         self._filling: dict[str, threading.Event] = {}
-        #: Bytes of variables: values, slots, staged uploads, hash tables' rows and id indexes.
+        #: Bytes of variables: values, slots, staged uploads, hash tables' rows and id indexes,
+        #: synchronous steps' running sums.
         self._reserved = 0
         #: Bytes held for requests rather than variables: rows gathered for pulls in flight,
         #: the ledger's records of unfinished pushes. Counted against the same limit.
@@ -444,6 +466,26 @@ class VariableStore:
                 self.generation += 1
             return out
 
+    def pin_rows(self, pins: list[tuple[HashTablePart, np.ndarray]]) -> None:
+        """Synchronous mode: create and pin rows of several tables for the open step, all or nothing.
+
+        Every table's rows are checked (row limits) and their growth booked
+        before any table changes, so a refusal creates, pins and evicts
+        nothing (see :func:`ps_server.tables.pin_tables_rows`).
+        """
+        if pins:
+            pin_tables_rows(pins, self._reserve_bytes)
+            self.generation += 1
+
+    def adopt_staged(self, staged: int, kept: int) -> None:
+        """A synchronous push's staging, ``staged`` bytes booked for the push, joined the step's sums
+        (or was dropped), which grew by ``kept`` bytes: those stay booked, as the variables' (until
+        the step is applied or discarded), the rest is given back. Never refused: nothing grows."""
+        with self._lock:
+            self._collect_given_back()
+            self._held -= staged
+            self._reserved += kept
+
     def create(self, spec: VariableSpec) -> tuple[VariableInfo, bool]:
         """Create the variable (this shard's part of it); idempotent for the same spec.
 
@@ -506,6 +548,7 @@ class VariableStore:
         part = spec.placement(self.num_shards).part_on(self.shard_index)
         row_start, row_end = (part.row_start, part.row_end) if part else (0, 0)
         new = VariablePart(spec, row_start, row_end, part is not None)
+        new.reserve = self._reserve_bytes
         self._collect_given_back()
         if self._reserved + self._held + new.nbytes > self.memory_limit:
             raise RequestError(
@@ -584,7 +627,8 @@ class VariableStore:
         return min(limits) if limits else 0
 
     def _reserve_bytes(self, delta: int) -> None:
-        """Book memory for a growing hash table (called with the table's lock held)."""
+        """Book memory for a growing hash table, or give back a part's bytes (a negative delta:
+        never refused); may be called with the part's lock held."""
         with self._lock:
             self._collect_given_back()
             if delta > 0 and self._reserved + self._held + delta > self.memory_limit:
@@ -686,12 +730,11 @@ class VariableStore:
                 parts[item.spec.name] = table
             else:
                 part = VariablePart.from_checkpoint(item)
-                reserve(part.nbytes)
+                reserve(part.nbytes + part.accumulator_bytes)  # the step's sum, as its pushes booked it
                 parts[item.spec.name] = part
         for part in parts.values():
             part.durable = True  # from a checkpoint or the spec log: already on disk
-            if isinstance(part, HashTablePart):
-                part.reserve = self._reserve_bytes
+            part.reserve = self._reserve_bytes
         with self._lock:
             self._parts = parts
             self._reserved = reserved

@@ -43,7 +43,7 @@ from wehub_ps.errors import Reason
 from wehub_ps.rowops import put_rows, take_rows
 from wehub_ps.specs import VariableSpec
 
-__all__ = ["HashTablePart", "RowPlan", "read_tables_rows"]
+__all__ = ["HashTablePart", "RowPlan", "pin_tables_rows", "read_tables_rows"]
 
 _MIN_CAPACITY = 1024
 
@@ -103,6 +103,28 @@ def read_tables_rows(reads: Sequence[tuple["HashTablePart", np.ndarray]],
         return out
 
 
+def pin_tables_rows(pins: Sequence[tuple["HashTablePart", np.ndarray]],
+                    reserve: Callable[[int], None]) -> None:
+    """Synchronous mode, at a push's begin: create and pin rows of several tables, all or nothing.
+
+    As :func:`read_tables_rows`: every table locked (name order), each pin
+    checked against the row limit (:meth:`HashTablePart.check_pin`) and
+    planned, the growth of all of them booked at once, and only then are rows
+    created and pinned; a refusal leaves every table as it was. Each table
+    appears once with unique ids.
+    """
+    with ExitStack() as stack:
+        for table, _ in sorted(pins, key=lambda pin: pin[0].spec.name):
+            stack.enter_context(table.lock)
+        for table, ids in pins:
+            table._check_pin_locked(ids)
+        plans = [table.plan(ids) for table, ids in pins]
+        reserve(sum(plan.book_bytes for plan in plans))
+        for (table, ids), plan in zip(pins, plans):
+            table.carry_out(plan)
+            table._pinned = np.union1d(table._pinned, ids)
+
+
 class HashTablePart:
     """This shard's rows of one hash table."""
 
@@ -134,8 +156,8 @@ class HashTablePart:
         self.optimizer_steps = 0
         self.initialized = True
         self.evicted_rows = 0
-        #: Synchronous mode: the current step's sum of row gradients.
-        self.accumulator = StepAccumulator()
+        #: Synchronous mode: the current step's sum of row gradients (its bytes booked with reserve).
+        self.accumulator = StepAccumulator(release=self._release_sum)
         #: True once the spec is in the spec log (or came from a checkpoint or the log).
         self.durable = False
         #: Synchronous mode: sorted ids of the rows the open step's pushes will update (never evicted).
@@ -197,36 +219,41 @@ class HashTablePart:
 
     def check_pin(self, ids: np.ndarray) -> None:
         """MEMORY_LIMIT if :meth:`pin_rows` of unique ``ids`` cannot fit in ``max_rows``; changes nothing."""
+        with self.lock:
+            self._check_pin_locked(ids)
+
+    def _check_pin_locked(self, ids: np.ndarray) -> None:
         if not self.max_rows:
             return
-        with self.lock:
-            new = int(np.count_nonzero(self._index.lookup(ids) < 0))
-            if self.spec.eviction == "lru":
-                rows = len(np.union1d(self._pinned, ids))
-                if rows <= self.max_rows:
-                    return
-                what = (f"the open synchronous step would update {rows} rows (its pushes' rows with "
-                        "this one's); eviction never takes them before the step is applied")
-            else:
-                if self.num_rows + new <= self.max_rows:
-                    return
-                what = f"it holds {self.num_rows} rows on this shard and this push adds {new}"
-            raise RequestError(Reason.MEMORY_LIMIT,
-                               f"hash table {self.spec.name!r}: {what}, more than its limit of "
-                               f"{self.max_rows} (max_rows / --max-rows); push fewer rows per step, "
-                               "raise the limit or add shards")
+        new = int(np.count_nonzero(self._index.lookup(ids) < 0))
+        if self.spec.eviction == "lru":
+            rows = len(np.union1d(self._pinned, ids))
+            if rows <= self.max_rows:
+                return
+            what = (f"the open synchronous step would update {rows} rows (its pushes' rows with "
+                    "this one's); eviction never takes them before the step is applied")
+        else:
+            if self.num_rows + new <= self.max_rows:
+                return
+            what = f"it holds {self.num_rows} rows on this shard and this push adds {new}"
+        raise RequestError(Reason.MEMORY_LIMIT,
+                           f"hash table {self.spec.name!r}: {what}, more than its limit of "
+                           f"{self.max_rows} (max_rows / --max-rows); push fewer rows per step, "
+                           "raise the limit or add shards")
 
     def pin_rows(self, ids: np.ndarray) -> None:
         """Synchronous mode, at a push's begin: create rows ``ids`` (unique) and keep them until the
         open step is applied or discarded. Refuses (MEMORY_LIMIT) before changing anything."""
-        self.check_pin(ids)
-        with self.lock:
-            self._slots_for(ids)
-            self._pinned = np.union1d(self._pinned, ids)
+        pin_tables_rows([(self, ids)], self.reserve)
 
-    def merge_staged(self, step: int, staging: PushStaging) -> None:
+    def merge_staged(self, step: int, staging: PushStaging) -> int:
+        """Add a complete push to the step's sum; the staged bytes it took over (StepAccumulator.merge)."""
         with self.lock:
-            self.accumulator.merge(step, staging)
+            return self.accumulator.merge(step, staging)
+
+    def _release_sum(self, nbytes: int) -> None:
+        """The step's sum gave back ``nbytes`` (applied or discarded; the lock is held)."""
+        self.reserve(-nbytes)
 
     def start_step(self, step: int) -> None:
         with self.lock:
@@ -243,8 +270,11 @@ class HashTablePart:
             else:
                 _, ids, grads = self.accumulator.take(mean=self.spec.aggregation == "mean")
             self.accumulator.step = step + 1
-            if ids is not None:
-                self._apply_rows_locked(ids, grads)  # pinned rows: nothing to create
+            try:
+                if ids is not None:
+                    self._apply_rows_locked(ids, grads)  # pinned rows: nothing to create
+            finally:
+                self.accumulator.settle()  # the sum's bytes go back once the step is applied
             self._pinned = np.empty(0, np.int64)
             if ids is None:
                 return False
@@ -253,9 +283,12 @@ class HashTablePart:
             return True
 
     def restore_accumulator(self, saved: AccumulatorSnapshot | None) -> None:
-        """The open step's sum from a checkpoint; its rows are pinned again (before serving)."""
+        """The open step's sum from a checkpoint, its bytes booked with ``reserve`` as its pushes
+        booked them; its rows are pinned again (before serving)."""
         with self.lock:
-            self.accumulator = StepAccumulator.restore(saved)
+            restored = StepAccumulator.restore(saved, self._release_sum)
+            self.reserve(restored.nbytes)  # may refuse: nothing changed yet
+            self.accumulator = restored
             if saved is not None and saved.row_ids is not None:
                 self._pinned = np.unique(saved.row_ids)
 

@@ -412,3 +412,47 @@ def test_abandoned_synchronous_pushes(cluster_factory, figures):
     figures.append(f"{'abandoned_synchronous_pushes':<40} before {rss_before / MiB:6.1f}  "
                    f"after {now['VmRSS'] / MiB:6.1f}  peak {now['VmHWM'] / MiB:6.1f}  (refused at {n})")
     assert now["VmHWM"] <= LIMIT + OVERHEAD
+
+
+def test_a_synchronous_steps_sum_of_rows_filling_the_limit(cluster_factory, figures):
+    """Complete sync pushes of 1,000 rows of 4 KiB each, from ever more workers, to a step that a
+    registered worker never finishes: the step's running sum is booked (three copies of each row:
+    the sum, and the copies that sum it by id when the step is applied), so RESOURCE_EXHAUSTED comes
+    before the limit is passed and the refused push joins no sum."""
+    cluster = cluster_factory(1, "--max-memory-bytes", str(LIMIT), "--keep-freed-bytes", str(KEEP_FREED),
+                              "--max-message-bytes", str(MAX_MESSAGE), "--consistency", "sync")
+    pid = cluster.servers[0].popen.pid
+    rows, width = 1000, 1024
+    ids = np.arange(rows, dtype="<i8")
+    with PSClient(cluster.addresses, worker_id="never-pushes") as client:  # keeps step 0 open
+        client.create_embedding("wide", width, initializer="zeros", optimizer=SGD(learning_rate=1.0))
+        client.pull_rows("wide", ids)  # the rows exist: the pushes below add to the sum only
+        rss_before = _status(pid)["VmRSS"]
+        _reset_peak(pid)
+        grads = byte_view(np.ones(rows * width, np.float32))
+        refused = None
+        with grpc.insecure_channel(cluster.addresses[0]) as channel:
+            push = channel.stream_unary(method_path("Push"))
+            for n in range(60):  # without booking, 60 sums of 4 MiB would pass the bound
+                begin = encode_push_begin(f"worker-{n}", uuid.uuid4().hex, 1, 0, 1, ps_pb2.GRADIENT,
+                                          [encode_push_item("wide", rows * width, ps_pb2.FLOAT32,
+                                                            row_ids=ids.tobytes())], step=0)
+                message = encode_push_request(begin, [OutgoingChunk(
+                    encode_chunk_header("wide", 0, rows * width, ps_pb2.FLOAT32), grads)])
+                try:
+                    assert not ps_pb2.PushResponse.FromString(push(iter([message]), timeout=60)).dropped
+                except grpc.RpcError as error:
+                    refused = (n, error)
+                    break
+        assert refused is not None, "60 pushes of 4 MiB of rows to one open step fitted a 64 MiB limit"
+        n, error = refused
+        assert error.code() == StatusCode.RESOURCE_EXHAUSTED and n >= 3, (n, error.details())
+        assert dict(error.trailing_metadata() or ()).get(REASON_METADATA_KEY) == "MEMORY_LIMIT"
+        info = client.describe()[0]
+        assert info.stored_bytes <= LIMIT
+        assert info.stored_bytes >= n * 3 * rows * (8 + 4 * width), "the sums of the n pushes are booked"
+        assert info.variables["wide"]["version"] == 0, "step 0 is still open"
+    now = _status(pid)
+    figures.append(f"{'a_synchronous_steps_sum_of_rows':<40} before {rss_before / MiB:6.1f}  "
+                   f"after {now['VmRSS'] / MiB:6.1f}  peak {now['VmHWM'] / MiB:6.1f}  (refused at {n})")
+    assert now["VmHWM"] <= LIMIT + OVERHEAD

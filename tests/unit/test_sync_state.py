@@ -8,6 +8,7 @@ step; the clock table and the worker table stay bounded.
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import numpy as np
@@ -308,3 +309,184 @@ def test_after_the_final_checkpoint_sealed_the_gate_no_step_is_applied():
     with pytest.raises(RequestError) as info:
         shard.begin("b", 0)
     assert info.value.reason == Reason.SHUTTING_DOWN
+
+
+# ---- memory: a step's running sums and a push's table rows are booked -----------------------------------
+
+WIDTH = 64  # elements per table row: 256 bytes of float32
+
+
+def _tables_shard(workers: int) -> Shard:
+    """:class:`Shard` with hash tables 't' and 'u' (WIDTH float32 per row) and ``workers`` live workers."""
+    shard = Shard()
+    for name in ("t", "u"):
+        shard.store.create(VariableSpec(name, (WIDTH,), "float32", initializer=Zeros(),
+                                        optimizer=SGD(learning_rate=1.0), hash_table=True))
+    shard.join(*[f"w{i}" for i in range(workers)])
+    return shard
+
+
+def _rows_push(shard: Shard, worker: str, step: int, rows: dict[str, np.ndarray]):
+    """Begin ``worker``'s push of step ``step`` of rows ``rows[table]`` (the real begin_push)."""
+    shard.sequences[worker] = shard.sequences.get(worker, 0) + 1
+    begin = ps_pb2.PushBegin(
+        worker_id=worker, incarnation=f"inc-{worker}", sequence=shard.sequences[worker], shard_index=0,
+        num_shards=1, kind=ps_pb2.GRADIENT, step=step,
+        items=[ps_pb2.PushItem(variable=name, elements=len(ids) * WIDTH, wire_dtype=ps_pb2.FLOAT32,
+                               row_ids=ids.astype("<i8").tobytes()) for name, ids in rows.items()])
+    shard.membership.seen(worker, f"inc-{worker}", step, pushed=True)
+    return begin_push(shard.store, shard.ledger, begin, shard.ctrl)
+
+
+def _send_rows(push, rows: dict[str, np.ndarray], value: float):
+    chunks = []
+    for name, ids in rows.items():
+        chunks += _chunks(name, np.full(len(ids) * WIDTH, value, np.float32), len(ids) * WIDTH)
+    push.apply_many(chunks)
+    return push.finish()
+
+
+def _variable_bytes(shard: Shard) -> int:
+    """Bytes the store books for its variables, less the tables' own rows: what the sums hold."""
+    return shard.store.reserved_bytes - sum(shard.store.get(name).nbytes for name in ("t", "u"))
+
+
+def test_a_sparse_steps_running_sum_is_booked_until_the_step_is_applied():
+    """Each push of step 0 adds its rows to the sum: the store books them (ids and gradients, three
+    copies: the sum, its concatenation and the copy sorted by id when the step is applied) from the
+    moment they are staged until the step is applied; the push's own booking is given back."""
+    shard = _tables_shard(3)
+    base, held = _variable_bytes(shard), shard.store.held_bytes
+    per_push = 3 * 100 * (8 + WIDTH * 4)
+    for i, worker in enumerate(("w0", "w1")):
+        rows = {"t": np.arange(i * 100, i * 100 + 100, dtype=np.int64)}
+        assert not _send_rows(_rows_push(shard, worker, 0, rows), rows, 3.0).dropped
+        gc.collect()  # the push's ledger session is gone: what it booked is given back
+        assert shard.store.held_bytes == held
+        assert _variable_bytes(shard) == base + (i + 1) * per_push
+        assert shard.store.get("t").accumulator.nbytes == (i + 1) * per_push
+    rows = {"t": np.arange(500, 510, dtype=np.int64)}
+    assert not _send_rows(_rows_push(shard, "w2", 0, rows), rows, 3.0).dropped  # the step is applied
+    gc.collect()
+    assert shard.ctrl.stats().steps_applied == 1
+    assert (_variable_bytes(shard), shard.store.held_bytes) == (base, held)
+    assert shard.store.get("t").read_rows(np.array([0, 150, 505], np.int64)).tolist() == \
+        [[-1.0] * WIDTH] * 3  # each row's sum over the 3 pushes that sent rows
+
+
+def test_a_sparse_step_cannot_grow_its_sum_past_the_memory_limit():
+    """Pushes of new rows by ever more workers grow step 0's sum until the memory limit refuses
+    one (RESOURCE_EXHAUSTED) before it is staged; the refused push is in no sum and the step
+    still applies the pushes it holds."""
+    shard = _tables_shard(12)
+    per_push = 3 * 100 * (8 + WIDTH * 4)
+    table = shard.store.get("t")
+    table.read_rows(np.arange(0, 1000, dtype=np.int64))  # the rows exist: pins grow nothing
+    # Room for the sums of 4 pushes and one unfinished push's records, not for a fifth sum.
+    shard.store.memory_limit = shard.store.reserved_bytes + 4 * per_push + 64 * 1024
+    for i in range(4):
+        rows = {"t": np.arange(i * 100, i * 100 + 100, dtype=np.int64)}
+        assert not _send_rows(_rows_push(shard, f"w{i}", 0, rows), rows, 12.0).dropped
+        gc.collect()
+    rows = {"t": np.arange(400, 500, dtype=np.int64)}
+    refused = _rows_push(shard, "w4", 0, rows)
+    with pytest.raises(RequestError) as info:
+        _send_rows(refused, rows, 1.0)
+    assert info.value.reason == Reason.MEMORY_LIMIT
+    assert (table.accumulator.row_count, table.accumulator.nbytes) == (4, 4 * per_push)
+    del refused
+    gc.collect()  # the refused push's staging and records are given back with its session
+    for i in range(4, 12):  # the other workers finish step 0 with nothing new to add
+        assert not _send_rows(_rows_push(shard, f"w{i}", 0, {"t": np.arange(0, 1, dtype=np.int64)}),
+                              {"t": np.arange(0, 1, dtype=np.int64)}, 0.0).dropped
+    assert shard.ctrl.stats().steps_applied == 1
+    assert table.accumulator.nbytes == 0
+    np.testing.assert_array_equal(table.read_rows(np.array([399, 400], np.int64))[:, 0], [-1.0, 0.0])
+
+
+def test_a_push_refused_growing_its_second_table_leaves_the_first_as_it_was():
+    """A sync push of new rows of 't' and 'u': the memory limit has room for 't''s growth, not for
+    both; the push is refused (RESOURCE_EXHAUSTED) and neither table has a new row or a pin."""
+    shard = _tables_shard(2)
+    t, u = shard.store.get("t"), shard.store.get("u")
+    rows = {"t": np.arange(0, 10, dtype=np.int64), "u": np.arange(0, 10, dtype=np.int64)}
+    growth = t.nbytes_for(1024) - t.nbytes  # either table's first growth
+    shard.store.memory_limit = shard.store.reserved_bytes + growth + growth // 2
+    reserved, generation = shard.store.reserved_bytes, shard.store.generation
+    with pytest.raises(RequestError) as info:
+        _rows_push(shard, "w0", 0, rows)
+    assert info.value.reason == Reason.MEMORY_LIMIT
+    assert (t.num_rows, u.num_rows, t.capacity, u.capacity) == (0, 0, 0, 0)
+    assert (len(t._pinned), len(u._pinned)) == (0, 0)
+    assert shard.store.reserved_bytes == reserved and shard.store.generation == generation
+    # With room for both, the same push goes through.
+    shard.store.memory_limit = reserved + 3 * growth
+    assert not _send_rows(_rows_push(shard, "w0", 0, rows), rows, 1.0).dropped
+    assert (t.num_rows, u.num_rows) == (10, 10)
+
+
+def test_a_push_refused_after_waiting_for_its_step_leaves_only_its_workers_clock_moved():
+    """w1's push of step 1 waits for step 0 (it moves w1's clock to 1: w1 left step 0, as its
+    heartbeats say too), which is then applied with w0's gradient; its rows do not fit the table
+    (3 of its 5 rows are taken) and it is refused. w1 counts as having left step 0 only: step 1 waits for w1's
+    next push, and is not marked as accumulating (it holds no push)."""
+    shard = _tables_shard(0)
+    shard.join("w0", "w1")
+    shard.store.create(VariableSpec("m", (WIDTH,), "float32", initializer=Zeros(), max_rows=5,
+                                    optimizer=SGD(learning_rate=1.0), hash_table=True))
+    shard.store.get("m").read_rows(np.arange(100, 103, dtype=np.int64))  # 3 of its 5 rows
+    assert not shard.send(shard.begin("w0", 0), 2.0).dropped
+    with pytest.raises(RequestError) as info:
+        _rows_push(shard, "w1", 1, {"m": np.arange(0, 4, dtype=np.int64)})
+    assert info.value.reason == Reason.MEMORY_LIMIT
+    state = shard.ctrl.snapshot()
+    assert (state["step"], state["clocks"], state["finished"], state["accumulating"]) == \
+        (1, {"w0": 1, "w1": 1}, [], False)
+    assert shard.store.get("m").num_rows == 3
+    np.testing.assert_array_equal(shard.value("x"), np.full(SIZE, -2.0, np.float32))
+    assert not shard.send(shard.begin("w0", 1), 2.0).dropped
+    assert shard.ctrl.stats().steps_applied == 1, "step 1 waits for w1"
+    assert not shard.send(shard.begin("w1", 1), 4.0).dropped
+    assert shard.ctrl.stats().steps_applied == 2
+    np.testing.assert_array_equal(shard.value("x"), np.full(SIZE, -5.0, np.float32))
+
+
+def test_a_restored_sum_is_booked_as_its_pushes_booked_it(tmp_path):
+    """A checkpoint in the middle of step 0 (rows of 't' from w0, 'x' and 'y' from w1): the restored
+    store books the sums as the pushes booked them, refuses a memory limit they do not fit (changing nothing), and gives
+    the sums' bytes back once the step is applied."""
+    shard = _tables_shard(3)
+    rows = {"t": np.arange(0, 100, dtype=np.int64)}
+    base = _variable_bytes(shard)
+    assert not _send_rows(_rows_push(shard, "w0", 0, rows), rows, 3.0).dropped
+    assert not shard.send(shard.begin("w1", 0), 3.0).dropped
+    gc.collect()
+    sums = sum(part.accumulator.nbytes for part in shard.store.parts())
+    assert sums == 3 * 100 * (8 + WIDTH * 4) + 2 * SIZE * 4 and _variable_bytes(shard) == base + sums
+    Checkpointer(shard.store, shard.ledger, str(tmp_path), "srv", keep=2, interval=0,
+                 persist_open_pushes=False, consistency_state=shard.ctrl.snapshot).checkpoint("test")
+    plan = find_restore_plan(tmp_path, 0, 1)
+
+    restored = Shard()
+    restored.store.restore(load_parts(plan, 0, 1))
+    restored.ledger.restore(plan.manifests[0]["ledger"]["entries"])
+    assert restored.ctrl.restore(plan.manifests[0]["consistency"])
+    assert _variable_bytes(restored) == base + sums
+    needed = restored.store.reserved_bytes
+
+    too_small = Shard()  # room for the variables, not for their sums
+    too_small.store.memory_limit = needed - sums // 2
+    before = too_small.store.reserved_bytes
+    with pytest.raises(RequestError) as info:
+        too_small.store.restore(load_parts(plan, 0, 1))
+    assert info.value.reason == Reason.MEMORY_LIMIT
+    assert too_small.store.reserved_bytes == before
+    assert [p.spec.name for p in too_small.store.parts()] == ["x", "y"]
+
+    restored.sequences = dict(shard.sequences)
+    assert not _send_rows(_rows_push(restored, "w2", 0, rows), rows, 3.0).dropped  # step 0 applied
+    assert restored.ctrl.stats().steps_applied == 1
+    assert _variable_bytes(restored) == base
+    np.testing.assert_array_equal(restored.store.get("t").read_rows(np.array([7], np.int64)),
+                                  np.full((1, WIDTH), -3.0, np.float32))
+    np.testing.assert_array_equal(restored.value("x"), np.full(SIZE, -3.0, np.float32))
