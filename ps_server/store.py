@@ -96,6 +96,9 @@ class VariablePart:
         self.durable = False
         #: Uploads of the explicit initial value in progress (guarded by ``lock``).
         self.uploads: weakref.WeakSet[InitialUpload] = weakref.WeakSet()
+        # Serialises installs of uploads (held across the spec log's write, never under the gate):
+        # the upload installed is the first the spec log records, the one a restart replays.
+        self.install_lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
@@ -603,21 +606,22 @@ class VariableStore:
         crash. Returns True when this upload became the value.
         """
         part = upload.part
-        buffer = upload.buffer  # read once: another upload's install may drop this one meanwhile
-        if part.initialized or buffer is None:  # (a bool read: no lock needed)
-            upload.drop()
-            return False
-        if self.spec_log is not None:
-            self.spec_log.record_initial_value(part.spec, part.row_start, part.row_end, buffer)
-        with self.gate.shared():
-            with part.lock:
-                installed = not part.initialized  # (an install drops the others only after this)
+        with part.install_lock:  # racing uploads: the first one logged is the one installed
+            buffer = upload.buffer  # read once: another upload's install may drop this one meanwhile
+            if part.initialized or buffer is None:  # (a bool read: no lock needed)
+                upload.drop()
+                return False
+            if self.spec_log is not None:
+                self.spec_log.record_initial_value(part.spec, part.row_start, part.row_end, buffer)
+            with self.gate.shared():
+                with part.lock:
+                    installed = not part.initialized  # (an install drops the others only after this)
+                    if installed:
+                        part.value = buffer
+                        part.initialized = True
+                    others = list(part.uploads)
                 if installed:
-                    part.value = buffer
-                    part.initialized = True
-                others = list(part.uploads)
-            if installed:
-                self.generation += 1
+                    self.generation += 1
         for other in others:  # every other upload of this part is now a duplicate
             other.drop()
         return installed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 
 import numpy as np
 
@@ -28,6 +29,7 @@ from wehub_ps.placement import FixedShardsPartitioner
 from wehub_ps.specs import SGD, Explicit, Normal, VariableSpec
 
 LIMIT = 1 << 30
+WAIT = 10.0  # generous bound for things that must happen
 VALUE = np.arange(40, dtype=np.float32).reshape(20, 2)
 DIGEST = hashlib.sha256(VALUE.tobytes()).digest()
 SPECS = [
@@ -140,3 +142,40 @@ def test_records_of_what_every_kept_checkpoint_holds_are_pruned(tmp_path):
     assert sorted(p.spec.name for p in restored.parts()) == ["later", "normal", "table", "uploaded"]
     np.testing.assert_array_equal(restored.get("normal").value, part.value)
     np.testing.assert_array_equal(restored.get("uploaded").value.reshape(20, 2), VALUE)
+
+
+def test_racing_uploads_install_the_value_the_log_replays(tmp_path, monkeypatch):
+    """Two uploads of one initial value complete at once (different arrays): the one served is the
+    one a restart replays from the spec log. Upload A is written to the log first and paused there;
+    upload B completes meanwhile; whichever is installed, the log must name it first."""
+    store = VariableStore(0, 1, LIMIT)
+    store.spec_log = SpecLog(tmp_path, 0, 1)
+    store.create(SPECS[1])
+    part = store.get("uploaded")
+    uploads = {}
+    for name, value in (("a", VALUE), ("b", VALUE + 100)):
+        uploads[name] = store.stage_upload(part)
+        uploads[name].write(0, value.ravel())
+    a_buffer = uploads["a"].buffer
+    a_recording, a_go_on = threading.Event(), threading.Event()
+    record = store.spec_log.record_initial_value
+
+    def paused_for_a(spec, row_start, row_end, value):
+        record(spec, row_start, row_end, value)
+        if value is a_buffer:
+            a_recording.set()
+            a_go_on.wait(WAIT)
+
+    monkeypatch.setattr(store.spec_log, "record_initial_value", paused_for_a)
+    threads = {name: threading.Thread(target=store.install_upload, args=(uploads[name],),
+                                      name=f"test-install-{name}") for name in uploads}
+    threads["a"].start()
+    assert a_recording.wait(WAIT)
+    threads["b"].start()
+    threads["b"].join(1.0)  # B completes here unless it waits for A's install
+    a_go_on.set()
+    for thread in threads.values():
+        thread.join(WAIT)
+        assert not thread.is_alive()
+    assert part.initialized
+    np.testing.assert_array_equal(_restored(tmp_path, 0, 1).get("uploaded").value, part.value)
