@@ -589,7 +589,12 @@ class VariableStore:
                     f"shard {self.shard_index}; {self._reserved} of the {self.memory_limit}-byte limit "
                     "are in use (--max-memory-bytes)")
             self._reserved += nbytes
-        upload = InitialUpload(part, nbytes, self._release)
+        try:
+            upload = InitialUpload(part, nbytes, self._release)
+        except MemoryError:
+            self._release(nbytes)
+            raise RequestError(Reason.MEMORY_LIMIT, f"out of memory allocating the {nbytes}-byte buffer for "
+                                                    f"the initial value of {part.spec.name!r}") from None
         with part.lock:
             part.uploads.add(upload)
         return upload

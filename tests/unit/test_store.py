@@ -659,3 +659,28 @@ def test_known_names_keeps_only_variables_of_the_shard():
     store.create(VariableSpec("v", (4,), "float32", initializer=Zeros(), optimizer=SGD(learning_rate=0.1)))
     assert store.known_names(["x", "v", "y"]) == ["v"]
     assert store.known_names(["x"]) == store.known_names([]) == ["-"]
+
+
+def test_a_staging_buffer_that_cannot_be_allocated_is_refused_and_books_nothing(monkeypatch):
+    """Out of memory allocating an upload's buffer: MEMORY_LIMIT, and the bytes booked for it are
+    given back (else every such failure shrinks the shard's limit for good)."""
+    import ps_server.store as store_module
+
+    store = VariableStore(0, 1, LIMIT)
+    value = np.arange(8, dtype=np.float32)
+    store.create(_spec("e", (8,), initializer=Explicit(hashlib.sha256(value.tobytes()).digest())))
+    before = store.reserved_bytes
+
+    class NoMemory:
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        @staticmethod
+        def empty(*args, **kwargs):
+            raise MemoryError
+
+    monkeypatch.setattr(store_module, "np", NoMemory())
+    with pytest.raises(RequestError) as info:
+        store.stage_upload(store.get("e"))
+    assert info.value.reason == Reason.MEMORY_LIMIT
+    assert store.reserved_bytes == before
