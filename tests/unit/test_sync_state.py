@@ -490,3 +490,33 @@ def test_a_restored_sum_is_booked_as_its_pushes_booked_it(tmp_path):
     np.testing.assert_array_equal(restored.store.get("t").read_rows(np.array([7], np.int64)),
                                   np.full((1, WIDTH), -3.0, np.float32))
     np.testing.assert_array_equal(restored.value("x"), np.full(SIZE, -3.0, np.float32))
+
+
+def _sum_bytes(shard: Shard) -> int:
+    """Bytes booked beyond the variables' own values: held for requests plus the step sums."""
+    gc.collect()
+    own = sum(shard.store.get(name).nbytes for name in ("d",))
+    return shard.store.reserved_bytes + shard.store.held_bytes - own
+
+
+def test_the_open_steps_dense_sum_is_booked_once_per_part():
+    """A part's dense sum (a buffer as large as the part, kept for every step) counts against
+    --max-memory-bytes from the first push that creates it; later pushes add into it and give
+    their staged copies back."""
+    elements = 1000
+    shard = Shard()
+    shard.store.create(VariableSpec("d", (elements,), "float32", initializer=Zeros(),
+                                    optimizer=SGD(learning_rate=1.0)))
+    shard.join("a", "b")
+    for sequence in (1, 2):
+        begin = _begin([("d", elements, ps_pb2.FLOAT32)], sequence=sequence, worker_id="a",
+                       incarnation="inc-a")
+        push = begin_push(shard.store, shard.ledger, begin, shard.ctrl)
+        push.apply_many(_chunks("d", np.ones(elements, np.float32), elements))
+        push.finish()
+        del push
+        assert elements * 4 <= _sum_bytes(shard) < 2 * elements * 4  # one sum, not one per push
+    shard.ctrl.on_heartbeat("b", 1)
+    assert shard.ctrl.stats().steps_applied == 1
+    np.testing.assert_array_equal(shard.value("d"), -np.ones(elements, np.float32))
+    assert _sum_bytes(shard) >= elements * 4  # the buffer stays for the next step
