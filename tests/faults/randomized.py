@@ -1,51 +1,58 @@
 """A randomized fault test of real ps-servers against a reference model.
 
 Worker processes (``worker_client.PSClient``) push known gradients through
-fault proxies to a 2-shard cluster while a seeded schedule injects faults:
-server SIGKILL and SIGTERM (restarted on the same port and checkpoint root),
-connection cuts, Checkpoint calls (also while a restarted server restores),
-token rotation, short drain timeouts, worker SIGKILL, requests over the
-table limits and idle clients holding streams against
-``--max-concurrent-rpcs``. At the end an oracle compares the servers' values with what the
-workers' logs say was acknowledged, under the rules of
-docs/failure-semantics.md.
+fault proxies to a 2-shard cluster while a seeded schedule injects faults
+(``KINDS``): server SIGKILL and SIGTERM (restarted on the same port and
+checkpoint root), SIGTERM with a 0.05 s ``--drain-timeout``, connection cuts,
+Checkpoint calls (also while a restarted server restores), token rotation,
+worker SIGKILL (restarted: a new incarnation), requests over the table
+limits, and idle clients holding streams against ``--max-concurrent-rpcs``.
+At the end an oracle compares the servers' values with what the workers'
+logs say was acknowledged, under the rules of docs/failure-semantics.md.
 
 **Why the oracle is exact.** Push number ``k`` of worker ``w`` owns slot
-``s = w * P + k`` and writes only there: one to four of its four elements of
-``dense`` (two in the part on each shard, see ``dense_positions``), element
-``s`` of ``small`` (whole on one shard), and one row of the hash table
-``emb`` on each shard. Its gradient is the integer ``g(s)`` in 1..8 (exact
-in float32 and bfloat16), SGD with learning rate 1 from zeros
+``s = w * P + k`` and writes only there: one to four of its four elements
+of ``dense`` (two in the part on each shard, see ``dense_positions``),
+element ``s`` of ``small`` (whole on one shard), and one row of the hash
+table ``emb`` on each shard. Its gradient is the integer ``g(s)`` in 1..8
+(exact in float32 and bfloat16), SGD with learning rate 1 from zeros
 (``aggregation="sum"`` in sync mode), so each element holds
-``-count * g(s)``: it tells how many times its push was applied there. With top-k the element may ride
-on a later push of the same worker; every acknowledged push logs which
-elements are still owed (the residual), so the oracle knows which push
-carried each element.
+``-count * g(s)``: it tells how many times its push was applied there.
+With top-k an element may ride on a later push of the same worker; every
+acknowledged push logs which elements are still owed (the residual), so
+the oracle knows which push carried each element. A worker appends (and
+fsyncs) a line per acknowledged push before its next push, so a SIGKILL
+loses none of its record.
 
 **The rules** (per push, per shard it touches; ``count`` per element):
 
 - never begun: 0.
-- acknowledged: exactly 1 — except on a shard SIGKILLed while or after it
-  was acknowledged, if the acknowledgement came after that shard's last
-  completed checkpoint (``created_unix`` of the newest ``ckpt-*`` on disk at
-  the kill): then 0 or 1 per element (the updates a crash loses).
-- sync mode, acknowledged with ``dropped`` on ``d`` shards: those shards hold
+- acknowledged: exactly 1; except where that shard was SIGKILLed after the
+  push started and the push was acknowledged after the shard's newest
+  completed checkpoint at the kill (``created_unix`` in the manifest, taken
+  inside the snapshot): 0 or 1 (what a crash may lose).
+- sync mode, acknowledged as dropped on ``d`` shards: those shards hold
   none of it and the others all of it ("dropped whole, never half-counted").
-- ``push()`` raised, or the worker was SIGKILLed during it: 0 or 1 per
-  element (a failed push may be applied partly; never twice).
-- top-k: an element still owed when its incarnation ended cleanly: 0; owed
-  when it was SIGKILLed: 0 or 1; otherwise the rules of the acknowledged
-  push that carried it.
-- every push raised by anything but an ``AuthenticationError`` after a
-  token rotation is a failure (every fault injected here is one the docs
-  say clients ride out); so is a push acknowledged with a token rotated
-  out more than ``TOKEN_GRACE`` seconds before it started, a worker or
-  server that hangs, a SIGTERM that does not exit 0, a refused request that
-  changed a table, and a checkpoint that lacks variables created before it.
+- ``push()`` raised, or its worker was SIGKILLed during it: 0 or 1 (a
+  failed push may be applied partly; never twice); 0 if nothing was sent.
+- top-k: an element still owed when its client closed: 0; owed when its
+  worker was killed or replaced its client: 0 or 1; otherwise the rules of
+  the acknowledged push that carried it, over the span from its own push's
+  start to that push's acknowledgement.
+- failures besides wrong values: a push that raised anything but an
+  ``AuthenticationError`` after a token rotation (every fault here is one
+  the docs say clients ride out); a push acknowledged with a token rotated
+  out more than ``TOKEN_GRACE`` s before it started; a worker or server that
+  hangs; a SIGTERM that does not exit 0; a limit request not refused with
+  RESOURCE_EXHAUSTED or one that changed a table; a checkpoint written
+  while restoring that lacks variables; ``checkpoint()`` refused while idle
+  clients hold streams; a step (pull and push) longer than
+  ``STALL_SECONDS``.
 
 Run: ``python tests/faults/randomized.py --seed 7`` (``--modes``, ``--kinds``,
-``--events``, ``--soak``); the seed is printed, and the same seed replays
-the same schedule (the processes' timing still varies).
+``--events``, ``--budget``, ``--soak``, ``--workdir`` to keep the logs);
+the seed is printed, and the same seed replays the same schedule of faults
+(the processes' timing still varies). Every process is stopped by PID.
 """
 
 from __future__ import annotations
@@ -91,6 +98,9 @@ LIMIT_ROWS = 4  # max_rows per shard of the tables the limit events push against
 TOKEN_GRACE = 4.0  # seconds a server may take to notice a rotated token file (it re-reads every 2 s)
 SERVER_EXIT_TIMEOUT = 60.0  # a SIGTERMed server that has not exited by then hangs
 WORKER_EXIT_TIMEOUT = 120.0
+# A push (pull included) waiting longer is a stall: the longest legitimate wait here is a server's restart
+# (under 10 s on a loaded 2-core machine) plus the client's backoff (3 s) plus a dead worker's lease (3 s).
+STALL_SECONDS = 30.0
 
 KINDS = {  # kind -> weight in the schedule: the quick kinds more often, so a short run still has many events
     "server-kill": 3, "server-term": 1, "drain": 1, "cut": 4, "checkpoint": 3, "ckpt-restore": 1,
@@ -98,10 +108,11 @@ KINDS = {  # kind -> weight in the schedule: the quick kinds more often, so a sh
 }
 IDLE_CLIENTS = 24  # the "streams" event's idle clients, each holding an Exchange stream open
 STREAMS_LIMIT = 24  # --max-concurrent-rpcs of the servers when the "streams" kind is on
-# chunk_bytes: 4096 makes every dense push a multi-chunk Push stream (cuts land mid-push); 64 KiB sends
-# it as one message over the long-lived Exchange stream. Top-k pushes are a few rows: always one message.
+# chunk_bytes: 4096 makes every dense push a multi-chunk Push stream (cuts land mid-push); 128 KiB sends
+# a shard's part of it as one message over the long-lived Exchange stream. Top-k pushes are a few rows:
+# always one message.
 MODES = {
-    "async": {"consistency": "async", "wire_dtype": None, "topk_ratio": None, "chunk_bytes": 65536},
+    "async": {"consistency": "async", "wire_dtype": None, "topk_ratio": None, "chunk_bytes": 128 << 10},
     "async-bf16": {"consistency": "async", "wire_dtype": "bfloat16", "topk_ratio": None, "chunk_bytes": 4096},
     "async-topk-bf16": {"consistency": "async", "wire_dtype": "bfloat16", "topk_ratio": 3 / DENSE,
                         "chunk_bytes": 4096},
@@ -154,10 +165,9 @@ def worker_main(config: dict[str, Any]) -> int:
     index = config["index"]
     go_file = pathlib.Path(config["go_file"])
     parent = os.getppid()
-    while not go_file.exists():
+    while not go_file.exists():  # started before the cluster, so that imports overlap its start-up
         if os.getppid() != parent:
             return 1  # the controller is gone
-  # started before the cluster, so that imports overlap its start-up
         time.sleep(0.02)
     addresses = json.loads(go_file.read_text())["addresses"]
     log_path = pathlib.Path(config["log"])
@@ -197,7 +207,9 @@ def worker_main(config: dict[str, Any]) -> int:
                 time.sleep(0.2)  # the servers have not re-read the rotated file yet
 
     def owed(client: PSClient) -> dict[str, list[int]]:
-        return {name: np.flatnonzero(r).tolist() for name, r in client.gradient_residuals().items()} if topk else {}
+        if not topk:
+            return {}
+        return {name: np.flatnonzero(r).tolist() for name, r in client.gradient_residuals().items()}
 
     client, token = connect()
     write({"ev": "start", "inc": client.incarnation, "k": k, "t": time.time()}, durable=True)
@@ -213,8 +225,10 @@ def worker_main(config: dict[str, Any]) -> int:
         pushed_at = None
         dropped_before = client.stats()["dropped_pushes"]
         try:
-            if config["consistency"] == "async" and rng.random() < 0.5:
-                pushed_at = time.time()  # a push without a pull: no new RPC, only the open stream
+            # In async mode worker 0 only pushes (as a trainer that keeps its own copy may), the others
+            # pull half the time: a push that fits the Exchange stream opens no new RPC.
+            if config["consistency"] == "async" and (index == 0 or rng.random() < 0.5):
+                pushed_at = time.time()
                 client.push({"dense": dense, "small": small}, rows=rows)
             else:
                 with client.step(["dense", "small"]) as step:
@@ -248,27 +262,30 @@ class Report:
     seed: int
     events: collections.Counter = field(default_factory=collections.Counter)
     violations: list[str] = field(default_factory=list)
+    #: category -> its violations, for a summary that names each kind of failure once
+    by_category: dict[str, list[str]] = field(default_factory=dict)
     pushes: collections.Counter = field(default_factory=collections.Counter)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
-    def fail(self, message: str) -> None:
+    def fail(self, category: str, message: str) -> None:
         self.violations.append(message)
+        self.by_category.setdefault(category, []).append(message)
 
     def summary(self) -> str:
         lines = [f"mode {self.mode} seed {self.seed}: {sum(self.events.values())} fault events "
                  f"{dict(sorted(self.events.items()))}, pushes {dict(sorted(self.pushes.items()))}, "
                  f"{self.seconds:.1f}s, violations {len(self.violations)}"]
         lines += [f"  note: {n}" for n in self.notes]
-        lines += [f"  VIOLATION: {v}" for v in self.violations[:25]]
-        if len(self.violations) > 25:
-            lines.append(f"  ... and {len(self.violations) - 25} more")
+        for category, messages in self.by_category.items():
+            lines.append(f"  VIOLATION {category} x{len(messages)}: {messages[0]}")
+            lines += [f"      also: {m}" for m in messages[1:3]]
         return "\n".join(lines)
 
 
 @dataclass
 class LossWindow:
-    """Shard ``shard`` was SIGKILLed at ``killed``; its newest checkpoint on disk was taken at ``snapshot``."""
+    """Shard ``shard`` was SIGKILLed at ``killed``; its newest checkpoint was taken at ``snapshot``."""
 
     shard: int
     snapshot: float  # -inf: no checkpoint
@@ -363,7 +380,8 @@ class Run:
         self.token_file.write_text(f"token-{self.seed}-0\n")
         for index in range(WORKERS):
             self._start_worker(index)
-        self.servers = [ServerProcess(i, NUM_SHARDS, self.workdir, self._server_args()) for i in range(NUM_SHARDS)]
+        self.servers = [ServerProcess(i, NUM_SHARDS, self.workdir, self._server_args())
+                        for i in range(NUM_SHARDS)]
         for server in self.servers:
             server.launch()
         for server in self.servers:
@@ -431,14 +449,15 @@ class Run:
         try:
             code = server.wait(SERVER_EXIT_TIMEOUT)
         except subprocess.TimeoutExpired:
-            self.report.fail(f"shard {shard}: SIGTERM did not end the server within {SERVER_EXIT_TIMEOUT:.0f}s "
+            self.report.fail("sigterm",
+                             f"shard {shard}: SIGTERM did not end the server in {SERVER_EXIT_TIMEOUT:.0f}s "
                              f"(log tail: {server.log_text()[-300:]!r}); SIGKILLed it")
             server.popen.kill()
             server.wait(30)
             self.windows.append(LossWindow(shard, self._newest_snapshot(shard), time.time()))
             return
         if code != 0:
-            self.report.fail(f"shard {shard}: SIGTERM exit code {code}")
+            self.report.fail("sigterm", f"shard {shard}: SIGTERM exit code {code}")
 
     def _restart_server(self, shard: int, hammer: bool) -> None:
         server = self.servers[shard]
@@ -482,11 +501,13 @@ class Run:
         directory = self.root / f"shard-{shard}-of-{NUM_SHARDS}"
         newest = sorted(directory.glob("ckpt-*"))[-1:]
         if not newest:
-            self.report.fail(f"shard {shard}: no checkpoint on disk after a restart")
+            self.report.fail("checkpoint", f"shard {shard}: no checkpoint on disk after a restart")
             return
-        names = {v["spec"]["name"] for v in json.loads((newest[0] / "manifest.json").read_text())["variables"]}
+        manifest = json.loads((newest[0] / "manifest.json").read_text())
+        names = {v["spec"]["name"] for v in manifest["variables"]}
         if set(VARIABLES) - names:
-            self.report.fail(f"shard {shard}: newest checkpoint {newest[0].name} lacks variables "
+            self.report.fail("checkpoint",
+                             f"shard {shard}: newest checkpoint {newest[0].name} lacks variables "
                              f"{sorted(set(VARIABLES) - names)} (written while the server restored?)")
 
     def event(self, kind: str) -> None:
@@ -559,18 +580,19 @@ class Run:
         for what, attempt in attempts.items():
             try:
                 self._admin(attempt)
-                self.report.fail(f"limit: {what} was accepted")
+                self.report.fail("limit", f"limit: {what} was accepted")
             except ResourceExhaustedError:
                 pass
             except PSError as error:
-                self.report.fail(f"limit: {what} raised {type(error).__name__}: {error}")
+                self.report.fail("limit", f"limit: {what} raised {type(error).__name__}: {error}")
         after = self._admin(rows)
         if after != before:
-            self.report.fail(f"limit: refused requests changed the tables' rows per shard: {before} -> {after}")
+            self.report.fail("limit", f"limit: refused requests changed the tables' rows per shard: "
+                             f"{before} -> {after}")
         for name, ids in self.trained.items():
             values = self._admin(lambda c: c.pull_rows(name, ids))
             if not np.array_equal(values, np.ones_like(values)):
-                self.report.fail(f"limit: trained rows of {name!r} changed by refused requests: "
+                self.report.fail("limit", f"limit: trained rows of {name!r} changed by refused requests: "
                                  f"{values[:, 0].tolist()} (expected all 1)")
 
     def _streams_event(self) -> None:
@@ -591,7 +613,8 @@ class Run:
             try:
                 self._admin(lambda c: c.checkpoint())
             except PSError as error:
-                self.report.fail(f"streams: with {len(idle)} idle clients connected, checkpoint() raised "
+                self.report.fail("streams",
+                                 f"streams: with {len(idle)} idle clients connected, checkpoint() raised "
                                  f"{type(error).__name__}: {error}")
             time.sleep(self.rng.uniform(0.3, 1.5))
         finally:
@@ -605,7 +628,8 @@ class Run:
         while sum(self.report.events.values()) < self.target_events and time.monotonic() < deadline:
             for index, popen in self.workers.items():
                 if popen.poll() is not None and not self.stop_file.exists():
-                    self.report.fail(f"worker {index} exited with {popen.returncode} before the end: "
+                    self.report.fail("worker",
+                                     f"worker {index} exited with {popen.returncode} before the end: "
                                      f"{self.worker_output[index].read_text(errors='replace')[-600:]!r}")
                     self._start_worker(index)
             kind = self.rng.choices(self.kinds, weights)[0]
@@ -620,15 +644,16 @@ class Run:
             try:
                 popen.wait(WORKER_EXIT_TIMEOUT)
             except subprocess.TimeoutExpired:
-                self.report.fail(f"worker {index} did not stop within {WORKER_EXIT_TIMEOUT:.0f}s (hung)")
+                self.report.fail("worker",
+                                 f"worker {index} did not stop within {WORKER_EXIT_TIMEOUT:.0f}s (hung)")
                 popen.kill()
                 popen.wait(30)
             if popen.returncode != 0:
-                self.report.fail(f"worker {index} exited with {popen.returncode}")
+                self.report.fail("worker", f"worker {index} exited with {popen.returncode}")
         for output in self.worker_outputs:
             text = output.read_text(errors="replace") if output.exists() else ""
             if "Traceback" in text:
-                self.report.fail(f"{output.name}: {text[-800:]!r}")
+                self.report.fail("worker", f"{output.name}: {text[-800:]!r}")
         if self.config["consistency"] == "sync":
             self._flush_sync_step()
         self.oracle()
@@ -661,7 +686,7 @@ class Run:
         ids_a, ids_b = table_ids()
         pushes: dict[int, dict[str, Any]] = {}  # slot -> its ack, raise, or (begun, never answered) inflight
         by_incarnation: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
-        ended: dict[str, dict[str, Any]] = {}  # incarnations that closed their client (top-k residual dropped)
+        ended: dict[str, dict[str, Any]] = {}  # incarnations that closed their client (residual dropped)
         for entry in self._read_logs():
             if entry["ev"] == "end":
                 ended[entry["inc"]] = entry
@@ -670,9 +695,19 @@ class Run:
                                   {"ev": "inflight", "inc": entry["inc"], "t0": entry["t"]})
             elif entry["ev"] in ("ack", "raise"):
                 entry["slot"] = entry["w"] * PER_WORKER + entry["k"]
+                entry["began"] = pushes.get(entry["slot"], {}).get("t0", entry["t1"])
                 pushes[entry["slot"]] = entry
                 by_incarnation[entry["inc"]].append(entry)
         self.report.pushes.update(p["ev"] for p in pushes.values())
+        answered = [p for p in pushes.values() if p["ev"] != "inflight"]
+        if answered:
+            slowest = max(answered, key=lambda p: p["t1"] - p["began"])
+            waited = slowest["t1"] - slowest["began"]
+            self.report.notes.append(f"slowest push (pull included): {waited:.1f}s, slot {slowest['slot']}")
+            for push in answered:
+                if push["t1"] - push["began"] > STALL_SECONDS:
+                    self.report.fail("stall", f"slot {push['slot']}: the step (pull and push) took "
+                                              f"{push['t1'] - push['began']:.1f}s (> {STALL_SECONDS:.0f}s)")
 
         begun = sorted(pushes)
         final = self._admin(lambda c: c.pull(["dense", "small"]))
@@ -686,10 +721,12 @@ class Run:
             written[[element for _, element in dense_positions(slot)]] = True
         small_written = np.zeros(SLOTS, bool)
         small_written[begun] = True
-        for name, values, mask in (("dense", final["dense"], written), ("small", final["small"], small_written)):
+        for name, values, mask in (("dense", final["dense"], written),
+                                   ("small", final["small"], small_written)):
             stray = np.flatnonzero(values[~mask])
             if stray.size:
-                self.report.fail(f"{name}: {stray.size} elements no push wrote are nonzero, e.g. "
+                self.report.fail("stray write",
+                                 f"{name}: {stray.size} elements no push wrote are nonzero, e.g. "
                                  f"{np.flatnonzero(~mask)[stray[:5]].tolist()}")
 
         topk = self.config["topk_ratio"] is not None
@@ -719,10 +756,10 @@ class Run:
             if push["ev"] == "ack" and push.get("drop"):
                 self._check_sync_drop(push, elements, where)
         for error, which in raised.items():
-            self.report.fail(f"push() raised {error} {len(which)} times (first: {which[0]})")
+            self.report.fail("push raised", f"push() raised {error} {len(which)} times (first: {which[0]})")
 
     def _topk_carriers(self, by_incarnation) -> dict[tuple[str, int], dict[str, Any]]:
-        """(variable, element) -> the acknowledged push it was sent with: the first after which it is not owed."""
+        """(variable, element) -> the acknowledged push that sent it: the first after which it is not owed."""
         carriers: dict[tuple[str, int], dict[str, Any]] = {}
         for entries in by_incarnation.values():
             acks = [e for e in entries if e["ev"] == "ack"]
@@ -736,7 +773,8 @@ class Run:
         return carriers
 
     def _check_carried(self, push: dict[str, Any], shard: int, item: tuple[str, int, float],
-                       carriers: dict[tuple[str, int], dict[str, Any]], ended: dict[str, Any], where: str) -> None:
+                       carriers: dict[tuple[str, int], dict[str, Any]], ended: dict[str, Any],
+                       where: str) -> None:
         """Top-k: an element of a dense gradient counts under the rules of the push that carried it."""
         what, element, times = item
         if push["ev"] != "ack":  # a failed push's gradient is not taken into the residual: its own rules
@@ -746,7 +784,9 @@ class Run:
         if carrier is None:  # still owed when its client went away: never sent, or sent by a push that failed
             allowed = (0.0,) if push["inc"] in ended else (0.0, 1.0)
             if times not in allowed:
-                self.report.fail(f"{where}: {what}[{element}] on shard {shard} applied {times:g} times, but it "
+                self.report.fail("top-k residual",
+                                 f"{where}: {what}[{element}] on shard {shard} applied {times:g} times, "
+                                 f"but it "
                                  f"was still owed (top-k residual) when its client "
                                  f"{'closed' if push['inc'] in ended else 'was killed or replaced'}")
             return
@@ -754,28 +794,34 @@ class Run:
         self._check(dict(carrier, t0=push["t0"]), shard, [item], f"{where}, sent with slot {carrier['slot']}")
 
     def _lossy(self, push: dict[str, Any], shard: int) -> bool:
-        """Whether a SIGKILL of ``shard`` may have lost this acknowledged push (docs: after the last checkpoint)."""
+        """Whether a SIGKILL of ``shard`` may have lost this acknowledged push (after its last checkpoint)."""
         t0, t1 = push.get("t0"), push.get("t1")
         return any(w.shard == shard and t1 > w.snapshot and t0 < w.killed for w in self.windows)
 
-    def _check(self, push: dict[str, Any], shard: int, items: list[tuple[str, int, float]], where: str) -> None:
+    def _check(self, push: dict[str, Any], shard: int, items: list[tuple[str, int, float]],
+               where: str) -> None:
         counts = [c for _, _, c in items]
         described = ", ".join(f"{what}[{element}]={c:g}" for what, element, c in items)
         if any(c not in (0.0, 1.0) for c in counts):
-            self.report.fail(f"{where}: shard {shard} applied it {described} times (each must be 0 or 1)")
+            self.report.fail("applied twice",
+                             f"{where}: shard {shard} applied it {described} times (each must be 0 or 1)")
             return
         if push["ev"] in ("raise", "inflight"):
             if push["ev"] == "raise" and not push["pushed"] and any(counts):
-                self.report.fail(f"{where}: shard {shard} holds a push that was never sent: {described}")
+                self.report.fail("applied unsent",
+                                 f"{where}: shard {shard} holds a push that was never sent: {described}")
             return  # a failed push may be applied partly
         if self._lossy(push, shard):
             return
         if push.get("drop"):
             return  # checked per push in _check_sync_drop
         if not all(c == 1.0 for c in counts):
-            self.report.fail(f"{where}: acknowledged (t0 {push['t0']:.3f}, t1 {push['t1']:.3f}) but shard {shard} "
-                             f"has {described} (each must be 1; SIGKILLs of shard {shard} near it as (newest checkpoint, kill): "
-                             f"{[(round(w.snapshot, 3), round(w.killed, 3)) for w in self.windows if w.shard == shard and abs(w.killed - push['t1']) < 30]})")
+            kills = [(round(w.snapshot, 3), round(w.killed, 3)) for w in self.windows
+                     if w.shard == shard and abs(w.killed - push["t1"]) < 30]
+            self.report.fail("acknowledged push missing",
+                             f"{where}: acknowledged (t0 {push['t0']:.3f}, t1 {push['t1']:.3f}) but "
+                             f"shard {shard} has {described} (each must be 1; SIGKILLs of shard {shard} "
+                             f"near then as (newest checkpoint, kill): {kills})")
 
     def _check_sync_drop(self, push: dict[str, Any], elements: dict[int, list[tuple[str, int, float]]],
                          where: str) -> None:
@@ -785,7 +831,9 @@ class Run:
         whole = {shard: {times for _, _, times in items} for shard, items in elements.items()}
         dropped_shards = sum(1 for counts in whole.values() if counts == {0.0})
         if any(len(counts) != 1 for counts in whole.values()) or dropped_shards != push["drop"]:
-            self.report.fail(f"{where}: acknowledged as dropped on {push['drop']} shard(s), but the shards hold "
+            self.report.fail("sync drop",
+                             f"{where}: acknowledged as dropped on {push['drop']} shard(s), but the shards "
+                             f"hold "
                              f"it {whole} times (a late push is dropped whole, never half-counted)")
 
     def _check_token(self, push: dict[str, Any], where: str) -> None:
@@ -795,11 +843,11 @@ class Run:
             if token == push["token"] and position + 1 < len(tokens):
                 rotated_out = tokens[position + 1][0]
                 if push["t0"] > rotated_out + TOKEN_GRACE:
-                    self.report.fail(f"{where}: acknowledged with a token rotated out "
+                    self.report.fail("revoked token", f"{where}: acknowledged with a token rotated out "
                                      f"{push['t0'] - rotated_out:.1f}s before the push started")
 
     def _raise_allowed(self, push: dict[str, Any]) -> bool:
-        """An AuthenticationError is the documented answer to a rotated-out token; nothing else is expected."""
+        """An AuthenticationError answers a rotated-out token; nothing else is expected of these faults."""
         return push["error"] == "AuthenticationError" and any(t <= push["t1"] for t, _ in self.rotations)
 
     def cleanup(self) -> None:
@@ -833,7 +881,8 @@ def run_mode(mode: str, seed: int, events: int, kinds: list[str], budget: float,
     except Exception as error:  # noqa: BLE001 - a crash of the harness is a failure to report with the seed
         import traceback
 
-        run.report.fail(f"harness error: {type(error).__name__}: {error}\n{traceback.format_exc()[-1500:]}")
+        run.report.fail("harness error",
+                        f"{type(error).__name__}: {error}\n{traceback.format_exc()[-1500:]}")
     finally:
         run.cleanup()
     run.report.seconds = time.monotonic() - started
@@ -847,12 +896,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="schedule seed (default: $WEHUB_FAULT_SEED or a random one; always printed)")
     parser.add_argument("--events", type=int, default=60, help="fault events in all, split over the modes")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
-    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated fault kinds, of {', '.join(KINDS)}")
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help=f"comma-separated fault kinds, of {', '.join(KINDS)}")
     parser.add_argument("--budget", type=float, default=160.0,
-                        help="seconds of fault schedule in all (split over the modes); setup and checks come on top")
+                        help="seconds of fault schedule in all (split over the modes); setup and checks "
+                             "come on top")
     parser.add_argument("--soak", action="store_true", help="long run: 1,000 events, an hour of schedule")
-    parser.add_argument("--pace", type=float, default=0.02, help="longest random pause between a worker's pushes")
-    parser.add_argument("--workdir", default=None, help="keep logs and checkpoints here (default: a temporary dir)")
+    parser.add_argument("--pace", type=float, default=0.02,
+                        help="longest random pause between a worker's pushes")
+    parser.add_argument("--workdir", default=None,
+                        help="keep logs and checkpoints here (default: a temporary dir)")
     args = parser.parse_args(argv)
     if args.soak:
         args.events = max(args.events, 1000)
@@ -872,7 +925,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> list[Report]:
     args = parse_args(argv)
-    print(f"randomized fault test: seed {args.seed} (reproduce: --seed {args.seed} --modes {','.join(args.modes)} "
+    print(f"randomized fault test: seed {args.seed} "
+          f"(reproduce: --seed {args.seed} --modes {','.join(args.modes)} "
           f"--kinds {','.join(args.kinds)} --events {args.events})", flush=True)
     keep = args.workdir is not None
     root = pathlib.Path(args.workdir) if keep else pathlib.Path(tempfile.mkdtemp(prefix="wehub-faults-"))

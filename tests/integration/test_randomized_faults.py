@@ -22,11 +22,15 @@ if str(_FAULTS) not in sys.path:
 import pytest  # noqa: E402
 import randomized  # noqa: E402
 
-#: The modes and fault kinds CI runs: those whose promises hold today. A kind
-#: or mode joins the list when the fix of the defect it finds has landed
-#: (see the docstring of tests/faults/randomized.py for what each finds).
-CI_MODES = ("async", "async-topk-bf16", "ssp", "sync")
-CI_KINDS = tuple(randomized.KINDS)
+#: The modes and fault kinds CI runs: those whose promises hold today. The
+#: others find defects still open, and join when their fixes land:
+#: mode "sync" (a restart loses the open step's sums and its step; any server
+#: kind), mode "async-bf16" (a multi-chunk bfloat16 push lands chunks at the
+#: wrong offsets), kind "limit" (a refused pull_rows evicts LRU rows),
+#: "streams" (idle Exchange streams use up --max-concurrent-rpcs), "token"
+#: (a rotated-out token keeps pushing on an open stream).
+CI_MODES = ("async", "async-topk-bf16", "ssp")
+CI_KINDS = ("server-kill", "server-term", "drain", "cut", "checkpoint", "ckpt-restore", "worker-kill")
 MIN_EVENTS = 50
 
 
