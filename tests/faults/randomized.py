@@ -90,17 +90,20 @@ from wehub_ps.v1 import ps_pb2  # noqa: E402
 
 NUM_SHARDS = 2
 WORKERS = 3
-SLOTS = 6144  # S: pushes a run can hold; each worker owns SLOTS // WORKERS of them
+SLOTS = 6144  # S: pushes a run can hold; each worker owns SLOTS // WORKERS of them (see configure)
 PER_WORKER = SLOTS // WORKERS
 DENSE = 4 * SLOTS  # elements of "dense": 2 per slot in each shard's half
+SOAK_SLOTS = 60_000  # --soak: "small" (S floats) stays under 256 KiB, so whole on one shard
+TOPK_ROWS = 3  # rows of "dense" a top-k push sends: the ratio is TOPK_ROWS / DENSE
 BALLAST = 8 << 20  # float32 elements (32 MiB) never pushed: restores and checkpoints take a while
 LIMIT_ROWS = 4  # max_rows per shard of the tables the limit events push against
 TOKEN_GRACE = 4.0  # seconds a server may take to notice a rotated token file (it re-reads every 2 s)
 SERVER_EXIT_TIMEOUT = 60.0  # a SIGTERMed server that has not exited by then hangs
 WORKER_EXIT_TIMEOUT = 120.0
-# A push (pull included) waiting longer is a stall: the longest legitimate wait here is a server's restart
-# (under 10 s on a loaded 2-core machine) plus the client's backoff (3 s) plus a dead worker's lease (3 s).
-STALL_SECONDS = 30.0
+# A step (pull and push) waiting longer is a stall. Legitimate waits here: a server's restart (up to 10 s
+# on a loaded 2-core machine, and two events may restart both shards in turn), the client's backoff (3 s),
+# a dead worker's lease (3 s), a token file re-read (2 s).
+STALL_SECONDS = 45.0
 
 KINDS = {  # kind -> weight in the schedule: the quick kinds more often, so a short run still has many events
     "server-kill": 3, "server-term": 1, "drain": 1, "cut": 4, "checkpoint": 3, "ckpt-restore": 1,
@@ -113,12 +116,12 @@ EXCHANGE_LIMIT = 10  # --max-exchange-streams then: the workers' and the admin's
 # a shard's part of it as one message over the long-lived Exchange stream. Top-k pushes are a few rows:
 # always one message.
 MODES = {
-    "async": {"consistency": "async", "wire_dtype": None, "topk_ratio": None, "chunk_bytes": 128 << 10},
-    "async-bf16": {"consistency": "async", "wire_dtype": "bfloat16", "topk_ratio": None, "chunk_bytes": 4096},
-    "async-topk-bf16": {"consistency": "async", "wire_dtype": "bfloat16", "topk_ratio": 3 / DENSE,
+    "async": {"consistency": "async", "wire_dtype": None, "topk_rows": None, "chunk_bytes": 128 << 10},
+    "async-bf16": {"consistency": "async", "wire_dtype": "bfloat16", "topk_rows": None, "chunk_bytes": 4096},
+    "async-topk-bf16": {"consistency": "async", "wire_dtype": "bfloat16", "topk_rows": TOPK_ROWS,
                         "chunk_bytes": 4096},
-    "ssp": {"consistency": "ssp", "wire_dtype": None, "topk_ratio": None, "chunk_bytes": 4096},
-    "sync": {"consistency": "sync", "wire_dtype": None, "topk_ratio": None, "chunk_bytes": 4096},
+    "ssp": {"consistency": "ssp", "wire_dtype": None, "topk_rows": None, "chunk_bytes": 4096},
+    "sync": {"consistency": "sync", "wire_dtype": None, "topk_rows": None, "chunk_bytes": 4096},
 }
 VARIABLES = ("dense", "small", "emb", "ballast", "limited", "lru")
 
@@ -126,6 +129,17 @@ VARIABLES = ("dense", "small", "emb", "ballast", "limited", "lru")
 def gradient_value(slot: int) -> float:
     """The integer each element of push ``slot`` carries: exact in float32 and bfloat16."""
     return float(1 + slot % 8)
+
+
+def configure(slots: int) -> None:
+    """Set the number of slots (a soak run needs more); controller and workers must agree."""
+    global SLOTS, PER_WORKER, DENSE
+    SLOTS, PER_WORKER, DENSE = slots, slots // WORKERS, 4 * slots
+
+
+def topk_ratio(config: dict[str, Any]) -> float | None:
+    """The PSClient topk_ratio of a mode: ``TOPK_ROWS`` rows of ``dense`` per push."""
+    return None if config["topk_rows"] is None else config["topk_rows"] / DENSE
 
 
 def dense_positions(slot: int) -> list[tuple[int, int]]:
@@ -164,6 +178,7 @@ def worker_main(config: dict[str, Any]) -> int:
     from worker_client import AuthenticationError, PSClient, PSError
 
     index = config["index"]
+    configure(config["slots"])
     go_file = pathlib.Path(config["go_file"])
     parent = os.getppid()
     while not go_file.exists():  # started before the cluster, so that imports overlap its start-up
@@ -174,7 +189,7 @@ def worker_main(config: dict[str, Any]) -> int:
     log_path = pathlib.Path(config["log"])
     stop_file = pathlib.Path(config["stop_file"])
     token_file = pathlib.Path(config["token_file"])
-    topk = config["topk_ratio"] is not None
+    topk = config["topk_rows"] is not None
     begun = []
     for line in log_path.read_text().splitlines() if log_path.exists() else []:
         try:
@@ -199,7 +214,7 @@ def worker_main(config: dict[str, Any]) -> int:
         while True:
             try:  # the client reads the token file, and again when a server refuses the token
                 return PSClient(addresses, worker_id=f"worker-{index}", chunk_bytes=config["chunk_bytes"],
-                                wire_dtype=config["wire_dtype"], topk_ratio=config["topk_ratio"],
+                                wire_dtype=config["wire_dtype"], topk_ratio=topk_ratio(config),
                                 retry_timeout=60, auth_token_file=str(token_file))
             except AuthenticationError:
                 if time.monotonic() > deadline:
@@ -249,7 +264,9 @@ def worker_main(config: dict[str, Any]) -> int:
         k += 1
         time.sleep(rng.uniform(0, config["pace"]))
     write({"ev": "end", "inc": client.incarnation, "t": time.time(), "owed": owed(client)}, durable=True)
-    client.close()
+    client.close()  # leaves the live set: ssp and sync steps stop waiting for this worker
+    while not stop_file.exists() and os.getppid() == parent:  # every slot used: wait for the end
+        time.sleep(0.1)
     return 0
 
 
@@ -342,7 +359,8 @@ class Run:
         config = {"index": index, "go_file": str(self.go_file), "seed": self.seed,
                   "log": str(self.workdir / f"worker-{index}.log"), "stop_file": str(self.stop_file),
                   "token_file": str(self.token_file), "wire_dtype": self.config["wire_dtype"],
-                  "topk_ratio": self.config["topk_ratio"], "chunk_bytes": self.config["chunk_bytes"],
+                  "topk_rows": self.config["topk_rows"], "chunk_bytes": self.config["chunk_bytes"],
+                  "slots": SLOTS,
                   "consistency": self.config["consistency"], "pace": self.pace}
         output = self.workdir / f"worker-{index}.out.{len(self.worker_outputs)}"
         self.worker_outputs.append(output)
@@ -650,6 +668,8 @@ class Run:
         of streams, clients use ordinary calls (README: --max-exchange-streams)."""
         from worker_client import PSClient, PSError
 
+        if self.rotations:  # a fresh client reads the file: let the servers take up a rotation first
+            time.sleep(max(0.0, self.rotations[-1] + TOKEN_GRACE - time.time()))
         idle = []
         try:
             for number in range(IDLE_CLIENTS):
@@ -783,7 +803,7 @@ class Run:
                                  f"{name}: {stray.size} elements no push wrote are nonzero, e.g. "
                                  f"{np.flatnonzero(~mask)[stray[:5]].tolist()}")
 
-        topk = self.config["topk_ratio"] is not None
+        topk = self.config["topk_rows"] is not None
         carriers = self._topk_carriers(by_incarnation) if topk else {}
         raised: dict[str, list[str]] = {}  # error type -> the pushes that raised it
         for slot, push in sorted(pushes.items()):
@@ -952,6 +972,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.soak:
         args.events = max(args.events, 1000)
         args.budget = max(args.budget, 3600.0)
+        configure(SOAK_SLOTS)
     if args.seed is None:
         args.seed = int(os.environ.get("WEHUB_FAULT_SEED") or random.SystemRandom().randrange(1 << 31))
     args.modes = [m for m in args.modes.split(",") if m]
@@ -968,7 +989,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> list[Report]:
     args = parse_args(argv)
     print(f"randomized fault test: seed {args.seed} "
-          f"(reproduce: --seed {args.seed} --modes {','.join(args.modes)} "
+          f"(reproduce: --seed {args.seed} --budget {args.budget:g} --modes {','.join(args.modes)} "
           f"--kinds {','.join(args.kinds)} --events {args.events})", flush=True)
     keep = args.workdir is not None
     root = pathlib.Path(args.workdir) if keep else pathlib.Path(tempfile.mkdtemp(prefix="wehub-faults-"))

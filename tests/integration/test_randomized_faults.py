@@ -23,14 +23,13 @@ import pytest  # noqa: E402
 import randomized  # noqa: E402
 
 #: The modes and fault kinds CI runs: those whose promises hold today. The
-#: others find defects still open, and join when their fixes land:
-#: mode "sync" (a restart loses the open step's sums and its step; any server
-#: kind), mode "async-bf16" (a multi-chunk bfloat16 push lands chunks at the
-#: wrong offsets), kind "limit" (a refused pull_rows evicts LRU rows),
-#: "streams" (idle Exchange streams use up --max-concurrent-rpcs), "token"
-#: (a rotated-out token keeps pushing on an open stream).
+#: other modes find defects still open and join when their fixes land:
+#: "sync" (a restart loses the open step's sums, and the shard's step:
+#: InvalidArgumentError "push for step N, but this shard is at step 0") and
+#: "async-bf16" (a bfloat16 push of several chunks lands chunks at the wrong
+#: offsets: the client reuses its conversion buffer before the message is sent).
 CI_MODES = ("async", "async-topk-bf16", "ssp")
-CI_KINDS = ("server-kill", "server-term", "drain", "cut", "checkpoint", "ckpt-restore", "worker-kill")
+CI_KINDS = tuple(randomized.KINDS)
 MIN_EVENTS = 50
 
 
