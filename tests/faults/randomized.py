@@ -956,22 +956,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=None,
                         help="schedule seed (default: $WEHUB_FAULT_SEED or a random one; always printed)")
-    parser.add_argument("--events", type=int, default=60, help="fault events in all, split over the modes")
+    parser.add_argument("--events", type=int, default=None,
+                        help="fault events in all, split over the modes (default 60; --soak: 1,000)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--kinds", default=",".join(KINDS),
                         help=f"comma-separated fault kinds, of {', '.join(KINDS)}")
-    parser.add_argument("--budget", type=float, default=160.0,
-                        help="seconds of fault schedule in all (split over the modes); setup and checks "
-                             "come on top")
-    parser.add_argument("--soak", action="store_true", help="long run: 1,000 events, an hour of schedule")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds of fault schedule in all, split over the modes (default 160; --soak: "
+                             "3,600); setup and checks come on top")
+    parser.add_argument("--soak", action="store_true",
+                        help=f"long run: more events and time by default, {SOAK_SLOTS:,} push slots")
     parser.add_argument("--pace", type=float, default=0.02,
                         help="longest random pause between a worker's pushes")
     parser.add_argument("--workdir", default=None,
                         help="keep logs and checkpoints here (default: a temporary dir)")
     args = parser.parse_args(argv)
+    if args.events is None:
+        args.events = 1000 if args.soak else 60
+    if args.budget is None:
+        args.budget = 3600.0 if args.soak else 160.0
     if args.soak:
-        args.events = max(args.events, 1000)
-        args.budget = max(args.budget, 3600.0)
         configure(SOAK_SLOTS)
     if args.seed is None:
         args.seed = int(os.environ.get("WEHUB_FAULT_SEED") or random.SystemRandom().randrange(1 << 31))
