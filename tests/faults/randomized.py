@@ -167,6 +167,7 @@ def fresh_ids(shard: int, count: int, start: int) -> np.ndarray:
 
 
 def read_token(path: pathlib.Path) -> str:
+    """The token the file holds now (for clients given a token, not the file)."""
     return path.read_text().strip()
 
 
@@ -339,7 +340,8 @@ class Run:
         self.trained: dict[str, np.ndarray] = {}  # limited/lru ids pre-trained to 1 (not in sync mode)
         self.next_fresh_id = 10 ** 12
         self.token_generation = 0
-        self.admin = None
+        self.admin: Any = None
+        self.small_shard = 0  # the shard holding "small" whole (read back from the placement)
 
     # ---- processes
 
@@ -370,7 +372,8 @@ class Run:
                 [sys.executable, __file__, "worker", json.dumps(config)], stdout=out, stderr=out,
                 stdin=subprocess.DEVNULL, cwd=str(_TESTS.parent), env=child_env())
 
-    def _admin_client(self):
+    def _admin_client(self) -> Any:
+        """The controller's client (unregistered: it observes, checkpoints and probes limits)."""
         from worker_client import PSClient
 
         if self.admin is None:
@@ -378,7 +381,7 @@ class Run:
                                   retry_timeout=60, auth_token_file=str(self.token_file))
         return self.admin
 
-    def _admin(self, fn):
+    def _admin(self, fn: Any) -> Any:
         """``fn(admin_client)``, with a client that holds the current token."""
         from worker_client import AuthenticationError
 
