@@ -996,8 +996,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> list[Report]:
     args = parse_args(argv)
     soak = " --soak" if args.soak else ""
-    print(f"randomized fault test: seed {args.seed} (reproduce: --seed {args.seed}{soak} --budget {args.budget:g} "
-          f"--modes {','.join(args.modes)} --kinds {','.join(args.kinds)} --events {args.events})", flush=True)
+    print(f"randomized fault test: seed {args.seed} (reproduce: --seed {args.seed}{soak} "
+          f"--budget {args.budget:g} --modes {','.join(args.modes)} --kinds {','.join(args.kinds)} "
+          f"--events {args.events})", flush=True)
     keep = args.workdir is not None
     root = pathlib.Path(args.workdir) if keep else pathlib.Path(tempfile.mkdtemp(prefix="wehub-faults-"))
     reports = []
