@@ -484,6 +484,7 @@ class Run:
 
     def _restart_server(self, shard: int, hammer: bool) -> None:
         server = self.servers[shard]
+        launched = time.time()
         server.launch(port=server.port)
         calls: collections.Counter = collections.Counter()
         thread = None
@@ -500,10 +501,14 @@ class Run:
                 thread.join(30)
         if hammer:
             self.report.notes.append(f"checkpoint calls while shard {shard} restarted: {dict(calls)}")
-            self._check_newest_checkpoint(shard)
+            self._check_checkpoints_since(shard, launched)
 
     def _hammer_checkpoint(self, port: int, ready: threading.Event, calls: collections.Counter) -> None:
-        """Call Checkpoint on the restarting server until it is ready (what a retrying admin does)."""
+        """Call Checkpoint on the restarting server until one is answered (what a retrying admin does).
+
+        One answered call at most: a later one, after the restore, would write
+        a complete checkpoint that hides what an early one wrote.
+        """
         request = ps_pb2.CheckpointRequest().SerializeToString()
         # Reconnect within milliseconds (not gRPC's 1 s backoff), to land inside the restore.
         options = [("grpc.initial_reconnect_backoff_ms", 5), ("grpc.min_reconnect_backoff_ms", 5),
@@ -515,23 +520,26 @@ class Run:
                 try:
                     call(request, timeout=2, metadata=metadata)
                     calls["OK"] += 1
+                    return
                 except grpc.RpcError as error:
                     calls[error.code().name] += 1
                 time.sleep(0.003)
 
-    def _check_newest_checkpoint(self, shard: int) -> None:
-        """Every checkpoint holds every variable created before it (none is ever deleted)."""
+    def _check_checkpoints_since(self, shard: int, since: float) -> None:
+        """Every checkpoint the restarted server wrote holds every variable (none is ever deleted)."""
         directory = self.root / f"shard-{shard}-of-{NUM_SHARDS}"
-        newest = sorted(directory.glob("ckpt-*"))[-1:]
-        if not newest:
-            self.report.fail("checkpoint", f"shard {shard}: no checkpoint on disk after a restart")
-            return
-        manifest = json.loads((newest[0] / "manifest.json").read_text())
-        names = {v["spec"]["name"] for v in manifest["variables"]}
-        if set(VARIABLES) - names:
-            self.report.fail("checkpoint",
-                             f"shard {shard}: newest checkpoint {newest[0].name} lacks variables "
-                             f"{sorted(set(VARIABLES) - names)} (written while the server restored?)")
+        for path in sorted(directory.glob("ckpt-*")):
+            try:
+                manifest = json.loads((path / "manifest.json").read_text())
+            except (OSError, ValueError):
+                continue  # removed by keep-checkpoints while we looked
+            if manifest["created_unix"] < since:
+                continue
+            names = {v["spec"]["name"] for v in manifest["variables"]}
+            if set(VARIABLES) - names:
+                self.report.fail("checkpoint",
+                                 f"shard {shard}: checkpoint {path.name}, written after the restart, lacks "
+                                 f"variables {sorted(set(VARIABLES) - names)} (written while it restored?)")
 
     def event(self, kind: str) -> None:
         shard = self.rng.randrange(NUM_SHARDS)
