@@ -112,16 +112,18 @@ KINDS = {  # kind -> weight in the schedule: the quick kinds more often, so a sh
 IDLE_CLIENTS = 24  # the "streams" event's idle clients, each holding (or asking for) an Exchange stream
 STREAMS_LIMIT = 24  # --max-concurrent-rpcs of the servers when the "streams" kind is on
 EXCHANGE_LIMIT = 10  # --max-exchange-streams then: the workers' and the admin's fit, most idle clients' not
-# chunk_bytes: 4096 makes every dense push a multi-chunk Push stream (cuts land mid-push); 128 KiB sends
-# a shard's part of it as one message over the long-lived Exchange stream. Top-k pushes are a few rows:
-# always one message.
+# chunk_bytes per worker: 4096 or 8192 make every dense push a multi-chunk Push stream (cuts and drain
+# deadlines land mid-push); 128 KiB sends a shard's part as one message over the long-lived Exchange
+# stream. Top-k pushes are a few rows: always one message.
 MODES = {
-    "async": {"consistency": "async", "wire_dtype": None, "topk_rows": None, "chunk_bytes": 128 << 10},
-    "async-bf16": {"consistency": "async", "wire_dtype": "bfloat16", "topk_rows": None, "chunk_bytes": 4096},
+    "async": {"consistency": "async", "wire_dtype": None, "topk_rows": None,
+              "chunk_bytes": (128 << 10, 8192, 8192)},
+    "async-bf16": {"consistency": "async", "wire_dtype": "bfloat16", "topk_rows": None,
+                   "chunk_bytes": (4096,) * WORKERS},
     "async-topk-bf16": {"consistency": "async", "wire_dtype": "bfloat16", "topk_rows": TOPK_ROWS,
-                        "chunk_bytes": 4096},
-    "ssp": {"consistency": "ssp", "wire_dtype": None, "topk_rows": None, "chunk_bytes": 4096},
-    "sync": {"consistency": "sync", "wire_dtype": None, "topk_rows": None, "chunk_bytes": 4096},
+                        "chunk_bytes": (4096,) * WORKERS},
+    "ssp": {"consistency": "ssp", "wire_dtype": None, "topk_rows": None, "chunk_bytes": (4096,) * WORKERS},
+    "sync": {"consistency": "sync", "wire_dtype": None, "topk_rows": None, "chunk_bytes": (4096,) * WORKERS},
 }
 VARIABLES = ("dense", "small", "emb", "ballast", "limited", "lru")
 
@@ -348,7 +350,7 @@ class Run:
     def _server_args(self) -> list[str]:
         args = ["--checkpoint-dir", str(self.root), "--checkpoint-interval", "1", "--keep-checkpoints", "3",
                 "--consistency", self.config["consistency"], "--worker-lease", "3",
-                "--drain-timeout", "0.05" if "drain" in self.kinds else "20",
+                "--drain-timeout", "0" if "drain" in self.kinds else "20",
                 "--auth-token-file", str(self.token_file), "--log-level", "info"]
         if self.config["consistency"] == "ssp":
             args += ["--staleness", "2"]
@@ -361,7 +363,7 @@ class Run:
         config = {"index": index, "go_file": str(self.go_file), "seed": self.seed,
                   "log": str(self.workdir / f"worker-{index}.log"), "stop_file": str(self.stop_file),
                   "token_file": str(self.token_file), "wire_dtype": self.config["wire_dtype"],
-                  "topk_rows": self.config["topk_rows"], "chunk_bytes": self.config["chunk_bytes"],
+                  "topk_rows": self.config["topk_rows"], "chunk_bytes": self.config["chunk_bytes"][index],
                   "slots": SLOTS,
                   "consistency": self.config["consistency"], "pace": self.pace}
         output = self.workdir / f"worker-{index}.out.{len(self.worker_outputs)}"
