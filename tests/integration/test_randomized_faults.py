@@ -23,12 +23,10 @@ import pytest  # noqa: E402
 import randomized  # noqa: E402
 
 #: The modes and fault kinds CI runs: those whose promises hold today. The
-#: other modes find defects still open and join when their fixes land:
-#: "sync" (a restart loses the open step's sums, and the shard's step:
-#: InvalidArgumentError "push for step N, but this shard is at step 0") and
+#: mode left out finds a defect still open and joins when its fix lands:
 #: "async-bf16" (a bfloat16 push of several chunks lands chunks at the wrong
 #: offsets: the client reuses its conversion buffer before the message is sent).
-CI_MODES = ("async", "async-topk-bf16", "ssp")
+CI_MODES = ("async", "async-topk-bf16", "ssp", "sync")
 CI_KINDS = tuple(randomized.KINDS)
 MIN_EVENTS = 50
 
