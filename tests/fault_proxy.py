@@ -152,8 +152,19 @@ class FaultProxy:
             except threading.BrokenBarrierError:
                 pass
 
+    def cut_open(self) -> int:
+        """Cut every connection open now (a network blip); returns how many were cut."""
+        with self._lock:
+            connections = [c for c in self._connections if not c.closed.is_set()]
+            self._connections = connections  # closed ones are done with: keep the list bounded
+        return sum(1 for connection in connections if connection.cut())
+
     def stop(self) -> None:
         self._stopping.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the acceptor: close() alone does not
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             connections = list(self._connections)

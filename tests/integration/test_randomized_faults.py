@@ -1,0 +1,47 @@
+"""The randomized fault test against a reference model (tests/faults/randomized.py), CI run.
+
+Real ps-servers and worker processes, a seeded schedule of faults, and an
+oracle that checks every acknowledged push is in the servers' values
+exactly once except what docs/failure-semantics.md allows a crash to lose.
+The seed is printed; ``WEHUB_FAULT_SEED=<seed>`` replays the schedule.
+``WEHUB_FAULT_MODES`` / ``WEHUB_FAULT_KINDS`` (comma-separated) override
+the modes and fault kinds below; ``python tests/faults/randomized.py --soak``
+is the long run.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+_FAULTS = pathlib.Path(__file__).resolve().parents[1] / "faults"
+if str(_FAULTS) not in sys.path:
+    sys.path.insert(0, str(_FAULTS))
+
+import pytest  # noqa: E402
+import randomized  # noqa: E402
+
+#: The modes and fault kinds CI runs: those whose promises hold today. The
+#: mode left out finds a defect still open and joins when its fix lands:
+#: "async-bf16" (a bfloat16 push of several chunks lands chunks at the wrong
+#: offsets: the client reuses its conversion buffer before the message is sent).
+CI_MODES = ("async", "async-topk-bf16", "ssp", "sync")
+CI_KINDS = tuple(randomized.KINDS)
+MIN_EVENTS = 50
+
+
+@pytest.mark.timeout(900)  # a hang is caught inside (bounded waits); this is the last resort
+def test_random_faults_lose_and_repeat_only_what_the_docs_allow(tmp_path, capsys):
+    modes = os.environ.get("WEHUB_FAULT_MODES") or ",".join(CI_MODES)
+    kinds = os.environ.get("WEHUB_FAULT_KINDS") or ",".join(CI_KINDS)
+    reports = randomized.main(["--modes", modes, "--kinds", kinds, "--events", str(MIN_EVENTS + 10),
+                               "--workdir", str(tmp_path)])
+    seed = reports[0].seed
+    events = sum(sum(r.events.values()) for r in reports)
+    acknowledged = sum(r.pushes["ack"] for r in reports)
+    failures = "\n".join(r.summary() for r in reports if r.violations)
+    assert not failures, (f"seed {seed} (replay: WEHUB_FAULT_SEED={seed} WEHUB_FAULT_MODES={modes} "
+                          f"WEHUB_FAULT_KINDS={kinds}):\n{failures}")
+    assert events >= MIN_EVENTS, f"seed {seed}: only {events} fault events ran"
+    assert acknowledged >= 20 * len(reports), f"seed {seed}: only {acknowledged} pushes were acknowledged"
