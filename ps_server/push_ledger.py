@@ -243,6 +243,14 @@ class PushSession:
                 return True
             return False
 
+    def finalize_empty(self) -> bool:
+        """For a push of no elements: True for the one stream that completes it (streams race)."""
+        with self._lock:
+            if self.total_elements or self.finalized:
+                return False
+            self.finalized = True
+            return True
+
     @property
     def complete(self) -> bool:
         with self._lock:

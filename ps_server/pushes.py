@@ -399,8 +399,7 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
                                                         f"{begin.worker_id}/{begin.incarnation}"),
                       store.give_back)
     push = ActivePush(store, ledger, begin, items, session, consistency, decision, metrics)
-    if session is not None and total == 0 and not session.finalized:
-        session.finalized = True
+    if session is not None and session.finalize_empty():
         with store.gate.shared():
             push._finalize()
             store.generation += 1

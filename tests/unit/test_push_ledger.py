@@ -491,3 +491,21 @@ def test_a_released_chunk_wakes_the_waiting_retry_which_applies_it():
     assert not thread.is_alive()
     assert results == [1], "the retry claims the chunk, with the step reserved before"
     assert s.done("v", 0) is True
+
+
+def test_an_empty_push_is_finalized_by_exactly_one_of_its_racing_streams():
+    session = PushSession(("w", "i", 1), 0)
+    winners = []
+    barrier = threading.Barrier(8)
+
+    def race():
+        barrier.wait()
+        winners.append(session.finalize_empty())
+
+    threads = [threading.Thread(target=race) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert winners.count(True) == 1
+    assert not PushSession(("w", "i", 2), 4).finalize_empty()  # a push with elements completes by its chunks
