@@ -311,6 +311,15 @@ class ParameterServerService:
             spec = VariableSpec.from_proto(msg.spec)
         except SpecError as exc:
             raise RequestError(Reason.INVALID_SPEC, str(exc)) from None
+        if msg.validate_only and msg.cancel_booking:
+            self._store.cancel_booking(spec.name, msg.booking)
+            return ps_pb2.CreateVariableResponse(created=False).SerializeToString()
+        if msg.validate_only:
+            existing = self._store.validate(spec, msg.booking)
+            response = ps_pb2.CreateVariableResponse(created=False)
+            if existing is not None:
+                response.variable.CopyFrom(_info_proto(existing))
+            return response.SerializeToString()
         info, created = self._store.create(spec)
         if created:
             log.debug("variable created", extra={"fields": {"variable": spec.name,

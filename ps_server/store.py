@@ -15,8 +15,10 @@ to one variable serialise per chunk, so none is ever lost.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import numpy as np
@@ -383,14 +385,18 @@ class VariableStore:
         #: Bumped on every mutation; a checkpoint is skipped when it did not move.
         #: (Unlocked increments may collapse under races, but never to "unchanged".)
         self.generation = 0
-        # Guards _parts, _filling, _reserved and _held. Lock order: this lock, then a part's; it is
-        # also taken inside a part's lock (a table books its growth, a synchronous step's sum gives
-        # its bytes back), and no part's lock is taken under it then. Reentrant: a staged upload gives its bytes back when it is garbage
+        # Guards _parts, _filling, _bookings, _reserved and _held. Lock order: this lock, then a
+        # part's; it is also taken inside a part's lock (a table books its growth, a synchronous
+        # step's sum gives its bytes back), and no part's lock is taken under it then. Reentrant: a
+        # staged upload gives its bytes back when it is garbage
         # (InitialUpload), which may happen in a thread that holds this lock.
         self._lock = threading.RLock()
         self._parts: dict[str, VariablePart | HashTablePart] = {}
         #: Variables being created (filled outside the gate): set when installed or given up.
         self._filling: dict[str, threading.Event] = {}
+        #: Creates validated but not yet made (see :meth:`validate`), by variable name. Their bytes
+        #: are in _held; each counts as a variable against max_variables until used or expired.
+        self._bookings: dict[str, _Booking] = {}
         #: Bytes of variables: values, slots, staged uploads, hash tables' rows and id indexes,
         #: synchronous steps' running sums.
         self._reserved = 0
@@ -421,9 +427,13 @@ class VariableStore:
         self._given_back.append(cell[0])
 
     def _collect_given_back(self) -> None:
-        """(_lock held)"""
+        """(_lock held) Also gives back the bytes of bookings that expired."""
         while self._given_back:
             self._held -= self._given_back.popleft()
+        if self._bookings:
+            now = time.monotonic()
+            for name in [n for n, b in self._bookings.items() if b.expires <= now]:
+                self._held -= self._bookings.pop(name).nbytes
 
     def hold(self, nbytes: int, what: str) -> "MemoryHold":
         """Book ``nbytes`` a request is about to allocate; MEMORY_LIMIT when they do not fit.
@@ -534,8 +544,78 @@ class VariableStore:
         self._make_durable(new)
         return new.info(), True
 
+    def validate(self, spec: VariableSpec, booking: str = "") -> VariableInfo | None:
+        """Refuse ``spec`` exactly as :meth:`create` would now, without creating anything.
+
+        Returns the existing variable's info (same spec), or None when the
+        variable is new or being created by another call. A client validates
+        on every shard before it creates on any, so that a create refused by
+        one shard (a conflict, --max-memory-bytes, --max-variables) leaves no
+        part behind on the others.
+
+        With ``booking`` (an id the client chose), a new variable's bytes and
+        its place under --max-variables are booked for :data:`BOOKING_SECONDS`
+        (validating again with the same id renews them): a create of the same
+        spec in that time uses them, so memory taken by others between the
+        validation and the create cannot refuse it. Another spec under the
+        same name is refused while a booking of it lasts. Nothing else sees a
+        booking: it is not a variable, not in Describe, the spec log or a
+        checkpoint.
+        """
+        with self._lock:
+            existing = self._parts.get(spec.name)
+            if existing is None and spec.name not in self._filling:
+                self._collect_given_back()
+                held = self._bookings.get(spec.name)
+                if held is not None:
+                    self._check_booked_same(held, spec)
+                    if held.owner == booking:  # this client again (a renewal or a retry)
+                        held.expires = time.monotonic() + BOOKING_SECONDS
+                    return None  # another client's booking of the same spec: its create will do
+                new = self._checked_new(spec)
+                if booking:
+                    self._held += new.nbytes
+                    self._bookings[spec.name] = _Booking(spec, booking, new.nbytes,
+                                                         time.monotonic() + BOOKING_SECONDS)
+                return None
+        if existing is None:
+            return None
+        self._check_same(existing, spec)
+        return existing.info()
+
+    def cancel_booking(self, name: str, booking: str) -> None:
+        """Give back ``booking``'s hold on ``name`` (no-op when it was used, expired or is another's)."""
+        with self._lock:
+            held = self._bookings.get(name)
+            if held is not None and held.owner == booking:
+                del self._bookings[name]
+                self._held -= held.nbytes
+
+    @staticmethod
+    def _check_booked_same(held: "_Booking", spec: VariableSpec) -> None:
+        differences = held.spec.differences(spec)
+        if differences:
+            raise RequestError(
+                Reason.SPEC_CONFLICT,
+                f"variable {spec.name!r} is being created with a different spec: " + "; ".join(differences))
+
     def _reserve_new(self, spec: VariableSpec) -> VariablePart | HashTablePart:
-        """A new, empty part for ``spec`` with its memory booked (called with _lock held)."""
+        """A new, empty part for ``spec`` with its memory booked (called with _lock held).
+
+        A booking of the same spec (whoever validated it) gives its bytes to the part.
+        """
+        self._collect_given_back()
+        held = self._bookings.get(spec.name)
+        if held is not None:
+            self._check_booked_same(held, spec)
+            del self._bookings[spec.name]
+            self._held -= held.nbytes
+        new = self._checked_new(spec)
+        self._reserved += new.nbytes
+        return new
+
+    def _checked_new(self, spec: VariableSpec) -> VariablePart | HashTablePart:
+        """A new, empty part for ``spec``, refused unless it fits the limits; books nothing (_lock held)."""
         self._check_count()
         if spec.hash_table:
             table = HashTablePart(spec, self._table_limit(spec), self._reserve_bytes)
@@ -546,7 +626,6 @@ class VariableStore:
                     f"hash table {spec.name!r} needs {table.nbytes} bytes for its empty id index on "
                     f"shard {self.shard_index}; {self._reserved + self._held} of the "
                     f"{self.memory_limit}-byte limit are in use (--max-memory-bytes)")
-            self._reserved += table.nbytes
             return table
         part = spec.placement(self.num_shards).part_on(self.shard_index)
         row_start, row_end = (part.row_start, part.row_end) if part else (0, 0)
@@ -560,7 +639,6 @@ class VariableStore:
                 f"{self.shard_index} (values and optimizer slots); {self._reserved} of "
                 f"the {self.memory_limit}-byte limit are in use (--max-memory-bytes)",
             )
-        self._reserved += new.nbytes
         return new
 
     def _make_durable(self, part: VariablePart | HashTablePart) -> None:
@@ -651,7 +729,7 @@ class VariableStore:
 
     def _check_count(self) -> None:
         """Called with _lock held, before adding a variable."""
-        if len(self._parts) + len(self._filling) >= self.max_variables:
+        if len(self._parts) + len(self._filling) + len(self._bookings) >= self.max_variables:
             raise RequestError(Reason.MEMORY_LIMIT,
                                f"shard {self.shard_index} already holds {len(self._parts)} variables, its "
                                f"limit (--max-variables); merge small variables or raise the limit")
@@ -747,6 +825,21 @@ class VariableStore:
         with self._lock:
             self._parts = parts
             self._reserved = reserved
+
+#: How long a validated create keeps its booking (see VariableStore.validate): longer than a
+#: client takes from validating on every shard to creating, also when it retries a shard that
+#: is briefly unavailable; the client validates again (renews) when it took longer.
+BOOKING_SECONDS = 60.0
+
+
+@dataclass
+class _Booking:
+    """A validated create's hold on a variable's bytes and its place under --max-variables."""
+    spec: VariableSpec
+    owner: str  # the id the validating client chose
+    nbytes: int
+    expires: float  # time.monotonic()
+
 
 class MemoryHold:
     """Bytes booked with :meth:`VariableStore.hold`, given back once (``release`` or leaving ``with``)."""

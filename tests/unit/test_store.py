@@ -12,6 +12,7 @@ from ps_server.errors import RequestError
 from ps_server.initializers import fill_initial_values
 from ps_server.push_ledger import PushLedger
 from ps_server.pushes import begin_push, check_cluster
+from ps_server import store as store_module
 from ps_server.store import VariableStore, check_dtype_allowed
 from wehub_ps.codec import DecodedChunk, as_wire_array, byte_view, chunk_ranges, join_pieces
 from wehub_ps.dtypes import BFLOAT16, to_wire_dtype
@@ -103,6 +104,40 @@ def test_memory_limit_refuses_and_stores_nothing():
     store = VariableStore(0, 1, 12000)
     _, created = store.create(spec)
     assert created and store.reserved_bytes == 12000
+
+
+def test_a_validated_create_books_its_bytes_and_place_until_used_cancelled_or_expired(monkeypatch):
+    store = VariableStore(0, 1, 1000, max_variables=2)
+    booked = _spec("a", (200,))  # 800 bytes
+    assert store.validate(booked, booking="first") is None
+    assert store.parts() == [] and store.reserved_bytes == 0 and store.held_bytes == 800
+    for refused, reason in ((_spec("b", (100,)), Reason.MEMORY_LIMIT),  # 400 bytes: only 200 are free
+                            (_spec("a", (201,)), Reason.SPEC_CONFLICT)):
+        for attempt in (lambda: store.validate(refused, booking="second"), lambda: store.create(refused)):
+            with pytest.raises(RequestError) as info:
+                attempt()
+            assert info.value.reason == reason
+    assert store.validate(_spec("c", (10,)), booking="third") is None  # fits; the second of two places
+    with pytest.raises(RequestError) as info:
+        store.create(_spec("d", (1,)))
+    assert info.value.reason == Reason.MEMORY_LIMIT and "--max-variables" in info.value.message
+    # A create of the booked spec (whoever sends it) takes the booking's bytes: the limit is not hit.
+    _, created = store.create(booked)
+    assert created and store.reserved_bytes == 800 and store.held_bytes == 40
+    assert store.validate(booked, booking="first").spec == booked  # now it exists
+    store.cancel_booking("c", "someone else")  # not theirs: kept
+    assert store.held_bytes == 40
+    store.cancel_booking("c", "third")
+    assert store.held_bytes == 0 and [p.spec.name for p in store.parts()] == ["a"]
+    # A booking nobody uses expires: its bytes and place come back.
+    clock = [0.0]
+    monkeypatch.setattr("ps_server.store.time.monotonic", lambda: clock[0])
+    store.validate(_spec("e", (50,)), booking="fourth")
+    assert store.held_bytes == 200
+    clock[0] = store_module.BOOKING_SECONDS + 1
+    assert store.held_bytes == 0
+    store.create(_spec("f", (50,)))
+    assert sorted(p.spec.name for p in store.parts()) == ["a", "f"]
 
 
 def test_memory_accounting_counts_only_this_shards_part():

@@ -380,14 +380,20 @@ class ConsistencyInfo(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., staleness: _Optional[int] = ..., backup_workers: _Optional[int] = ..., step: _Optional[int] = ..., pulls: _Optional[int] = ..., pulls_blocked: _Optional[int] = ..., blocked_seconds: _Optional[float] = ..., max_staleness_admitted: _Optional[int] = ..., dropped_gradients: _Optional[int] = ..., steps_applied: _Optional[int] = ...) -> None: ...
 
 class CreateVariableRequest(_message.Message):
-    __slots__ = ("spec", "shard_index", "num_shards")
+    __slots__ = ("spec", "shard_index", "num_shards", "validate_only", "booking", "cancel_booking")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    VALIDATE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    BOOKING_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_BOOKING_FIELD_NUMBER: _ClassVar[int]
     spec: VariableSpec
     shard_index: int
     num_shards: int
-    def __init__(self, spec: _Optional[_Union[VariableSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+    validate_only: bool
+    booking: str
+    cancel_booking: bool
+    def __init__(self, spec: _Optional[_Union[VariableSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., validate_only: _Optional[bool] = ..., booking: _Optional[str] = ..., cancel_booking: _Optional[bool] = ...) -> None: ...
 
 class CreateVariableResponse(_message.Message):
     __slots__ = ("variable", "created")
