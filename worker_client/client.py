@@ -92,6 +92,10 @@ _WIRE_DTYPES = (np.dtype("float16"), BFLOAT16)
 _INITIALIZER_TYPES = (Zeros, Constant, Uniform, Normal, GlorotUniform)
 # At most this long to name a TLS mismatch after a failed connect attempt (two handshakes).
 _TLS_CHECK_SECONDS = 5.0
+# create_variable validates on every shard again (renewing the bookings, which servers keep 60 s)
+# when one round of validation took longer than this; at most this many rounds.
+_BOOKING_RENEW_SECONDS = 20.0
+_VALIDATE_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -625,9 +629,7 @@ class PSClient:
                             partitioner=partitioner if partitioner is not None else MinSizePartitioner(),
                             aggregation=aggregation)
         placement = spec.placement(len(self._shards))
-        # Every shard records the spec (so conflicts are caught everywhere);
-        # only the shards in the placement allocate rows.
-        results = self._on_shards(range(len(self._shards)), lambda s: self._create_on(s, spec))
+        results = self._create_everywhere(spec)
         created = any(r.created for r in results.values())
         if initial is not None:
             width = spec.row_elements
@@ -639,9 +641,54 @@ class PSClient:
             self._variables[name] = Variable(spec, placement, created)
             return self._variables[name]
 
-    def _create_on(self, shard: ShardChannel, spec: VariableSpec) -> ps_pb2.CreateVariableResponse:
+    def _create_everywhere(self, spec: VariableSpec) -> dict[int, ps_pb2.CreateVariableResponse]:
+        """Create ``spec`` on every shard, after every shard accepted it; each shard's answer.
+
+        Every shard records the spec (so conflicts are caught everywhere);
+        only the shards in the placement allocate rows. Every shard first
+        validates the create (spec, conflict, its limits) and books the
+        part's memory without creating anything: a create that one shard
+        refuses leaves no part on the others (where it would make every
+        client's pull() of all variables fail), and the bookings are given
+        back. A create that a shard still refuses after every shard accepted
+        it (its booking expired, or the server restarted in between) leaves
+        the parts made so far; calling create_variable again completes it.
+        """
+        shards = range(len(self._shards))
+        booking = uuid.uuid4().hex
+
+        def validate(shard: ShardChannel) -> ps_pb2.CreateVariableResponse | Exception:
+            try:
+                return self._create_on(shard, spec, validate_only=True, booking=booking)
+            except Exception as exc:  # collected: the other shards' bookings are given back first
+                return exc
+
+        for _ in range(_VALIDATE_ROUNDS):
+            started = time.monotonic()
+            answers = self._on_shards(shards, validate)
+            errors = {i: a for i, a in answers.items() if isinstance(a, Exception)}
+            if errors:
+                self._cancel_bookings([i for i in shards if i not in errors], spec, booking)
+                raise errors[min(errors)]
+            if time.monotonic() - started < _BOOKING_RENEW_SECONDS:
+                break  # (otherwise validate again: that renews every booking)
+        return self._on_shards(shards, lambda s: self._create_on(s, spec))
+
+    def _cancel_bookings(self, shards: list[int], spec: VariableSpec, booking: str) -> None:
+        """Give back the bookings of a create that another shard refused; best effort (they expire)."""
+        def cancel(shard: ShardChannel) -> None:
+            try:
+                self._create_on(shard, spec, validate_only=True, booking=booking, cancel=True)
+            except PSError as exc:
+                log.debug("create_variable: booking not given back (it expires)",
+                          extra={"fields": {"variable": spec.name, "address": shard.address, "error": str(exc)}})
+        self._on_shards(shards, cancel)
+
+    def _create_on(self, shard: ShardChannel, spec: VariableSpec, validate_only: bool = False,
+                   booking: str = "", cancel: bool = False) -> ps_pb2.CreateVariableResponse:
         request = ps_pb2.CreateVariableRequest(spec=spec.to_proto(), shard_index=shard.index,
-                                               num_shards=len(self._shards)).SerializeToString()
+                                               num_shards=len(self._shards), validate_only=validate_only,
+                                               booking=booking, cancel_booking=cancel).SerializeToString()
         return ps_pb2.CreateVariableResponse.FromString(self._call(
             shard, "create_variable", lambda: shard.create_variable(request, self._control_timeout)))
 
@@ -1055,7 +1102,7 @@ class PSClient:
         spec = VariableSpec(name=name, shape=row_shape, dtype=dtype, initializer=initializer,
                             optimizer=optimizer if optimizer is not None else SGD(), hash_table=True,
                             max_rows=max_rows, eviction=eviction, aggregation=aggregation)
-        results = self._on_shards(range(len(self._shards)), lambda s: self._create_on(s, spec))
+        results = self._create_everywhere(spec)
         with self._lock:
             self._variables[name] = Variable(spec, None, any(r.created for r in results.values()))
             return self._variables[name]
