@@ -12,12 +12,13 @@ import time
 
 import grpc
 import numpy as np
+import pytest
 
 from wehub_ps.codec import OutgoingChunk, as_wire_array, byte_view, encode_push_request
 from wehub_ps.rpc import method_path
 from wehub_ps.specs import Explicit, VariableSpec
 from wehub_ps.v1 import ps_pb2
-from worker_client import SGD, PSClient
+from worker_client import SGD, PSClient, ResourceExhaustedError, VariableConflictError
 
 HANG = 120  # seconds: a generous bound that only detects hangs
 
@@ -43,6 +44,7 @@ def _initial(name: str, size: int) -> np.ndarray:
 _CREATOR = """
 import hashlib, json, os, sys, time
 import numpy as np
+import pytest
 from worker_client import PSClient
 """ + inspect.getsource(_size) + inspect.getsource(_initial) + """
 addresses, names, go = sys.argv[1].split(","), sys.argv[2].split(","), sys.argv[3]
@@ -272,3 +274,129 @@ def test_variables_created_before_a_crash_restore_onto_another_shard_count(clust
         after = _state(client)
         for name, value in initial.items():
             assert after[name].tobytes() == value.tobytes(), name
+
+
+# A create refused by one shard. Limit 2 MB per shard; "x" (240 KB) lands on shard 0 only, "big"
+# needs 1.9 MB on each of the two shards: shard 1 accepts it, shard 0 (with "x") refuses it.
+_LIMIT = ("--max-memory-bytes", "2000000")
+_BIG = (950_000,)
+# 1.6 MB on each shard: fits next to "x", but not next to 1.9 MB still booked for "big" on shard 1.
+_MID = (800_000,)
+
+
+def _held(client: PSClient) -> list[tuple[dict[str, tuple[int, int]], int]]:
+    """Each shard's variables (with their rows) and stored bytes, as Describe reports them."""
+    return [({name: (v["row_start"], v["row_end"]) for name, v in info.variables.items()}, info.stored_bytes)
+            for info in client.describe()]
+
+
+def test_a_create_refused_by_one_shard_leaves_nothing_on_any_shard(cluster_factory):
+    cluster = cluster_factory(2, *_LIMIT)
+    with PSClient(cluster.addresses) as client:
+        client.create_variable("x", shape=(60_000,), optimizer=SGD(learning_rate=1.0))
+        before = _held(client)
+        assert before[0][0] == {"x": (0, 60_000)} and before[1][1] == 0
+        with pytest.raises(ResourceExhaustedError, match="--max-memory-bytes"):
+            client.create_variable("big", shape=_BIG, optimizer=SGD(learning_rate=1.0))
+        assert _held(client) == before, "a refused create leaves no part on any shard"
+        assert list(client.pull()) == ["x"]
+        assert sorted(client.variables(refresh=True)) == ["x"]
+    with PSClient(cluster.addresses) as fresh:
+        assert sorted(fresh.variables(refresh=True)) == ["x"]
+        assert list(fresh.pull()) == ["x"]
+        fresh.push({"x": np.ones(60_000, np.float32)})
+        np.testing.assert_array_equal(fresh.pull(["x"])["x"], np.full(60_000, -1.0, np.float32))
+        # Shard 1 gave back what it set aside for "big": a variable that needs it fits.
+        fresh.create_variable("mid", shape=_MID, optimizer=SGD(learning_rate=1.0))
+        assert sorted(fresh.variables(refresh=True)) == ["mid", "x"]
+
+
+def test_a_booked_create_is_not_refused_for_memory_taken_after_its_validation(cluster_factory):
+    """The server side of a create: validate (book), then create, cancel, conflict (raw requests)."""
+    cluster = cluster_factory(1, *_LIMIT)
+    booked = VariableSpec("a", (400_000,), "float32")  # 1.6 MB
+
+    def request(spec: VariableSpec, **fields) -> ps_pb2.CreateVariableResponse:
+        message = ps_pb2.CreateVariableRequest(spec=spec.to_proto(), shard_index=0, num_shards=1, **fields)
+        return ps_pb2.CreateVariableResponse.FromString(
+            create(message.SerializeToString(), timeout=HANG))
+
+    with grpc.insecure_channel(cluster.addresses[0]) as channel, PSClient(cluster.addresses) as client:
+        create = channel.unary_unary(method_path("CreateVariable"))
+        answer = request(booked, validate_only=True, booking="first")
+        assert not answer.created and not answer.HasField("variable")
+        assert _held(client) == [({}, 0)], "a validation creates nothing"
+        # Memory taken by another create after the validation: the booked bytes are not free.
+        with pytest.raises(ResourceExhaustedError, match="--max-memory-bytes"):
+            client.create_variable("other", shape=(200_000,))
+        # Another spec under the booked name is refused, validated or created.
+        other_spec = VariableSpec("a", (400_001,), "float32")
+        for fields in ({"validate_only": True, "booking": "second"}, {}):
+            with pytest.raises(grpc.RpcError) as refused:
+                request(other_spec, **fields)
+            assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS, refused.value.details()
+        assert request(booked, validate_only=True, booking="first").created is False  # a renewal
+        answer = request(booked)
+        assert answer.created and answer.variable.spec.name == "a"
+        assert _held(client) == [({"a": (0, 400_000)}, 1_600_000)]
+        # A cancelled booking gives its bytes back at once: 0.4 MB are free again after it.
+        request(VariableSpec("c", (50_000,), "float32"), validate_only=True, booking="third")
+        request(VariableSpec("c", (50_000,), "float32"), validate_only=True, booking="third",
+                cancel_booking=True)
+        client.create_variable("d", shape=(100_000,))
+        assert sorted(client.variables(refresh=True)) == ["a", "d"]
+
+
+def test_concurrent_creators_leave_every_variable_on_every_shard_or_on_none(cluster_factory):
+    """Threads create the same small variables, a refused one, and conflicting specs, at once."""
+    cluster = cluster_factory(2, *_LIMIT)
+    with PSClient(cluster.addresses) as client:
+        client.create_variable("x", shape=(60_000,))
+    names = [f"s{i}" for i in range(10)]
+    contested = [f"c{i}" for i in range(10)]
+    threads_n = 4
+    barrier = threading.Barrier(threads_n)
+    outcomes: dict[tuple[int, str], str] = {}
+    lock = threading.Lock()  # guards outcomes
+
+    def create(index: int) -> None:
+        with PSClient(cluster.addresses) as worker:
+            barrier.wait(HANG)
+            for name, contested_name in zip(names, contested):
+                for key, call in ((name, lambda: worker.create_variable(name, shape=(200,))),
+                                  ("big", lambda: worker.create_variable("big", shape=_BIG)),
+                                  # Each thread its own spec of this name: at most one can win.
+                                  (contested_name,
+                                   lambda: worker.create_variable(contested_name, shape=(100 + index,)))):
+                    try:
+                        call()
+                        outcome = "ok"
+                    except (ResourceExhaustedError, VariableConflictError) as exc:
+                        outcome = type(exc).__name__
+                    with lock:
+                        outcomes[(index, key)] = outcome
+
+    threads = [threading.Thread(target=create, args=(i,), name=f"creator-{i}") for i in range(threads_n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(HANG)
+        assert not thread.is_alive()
+    assert all(outcomes[(i, name)] == "ok" for i in range(threads_n) for name in names), outcomes
+    assert all(outcomes[(i, "big")] == "ResourceExhaustedError" for i in range(threads_n)), outcomes
+    with PSClient(cluster.addresses) as fresh:
+        infos = fresh.describe()
+        held = [set(info.variables) for info in infos]
+        assert held[0] == held[1], "every variable is on every shard or on none"
+        assert "big" not in held[0]
+        for name in contested:
+            winners = [i for i in range(threads_n) if outcomes[(i, name)] == "ok"]
+            assert len(winners) <= 1, (name, winners)
+            assert (name in held[0]) == bool(winners), (name, winners)
+            if winners:
+                assert fresh.variables()[name].shape == (100 + winners[0],)
+            assert all(outcomes[(i, name)] in ("ok", "VariableConflictError") for i in range(threads_n))
+        assert sorted(fresh.pull()) == sorted(held[0])
+        # Every booking of "big" was given back.
+        fresh.create_variable("mid", shape=_MID)
+        assert "mid" in fresh.variables(refresh=True)
