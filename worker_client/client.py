@@ -681,7 +681,8 @@ class PSClient:
                 self._create_on(shard, spec, validate_only=True, booking=booking, cancel=True)
             except PSError as exc:
                 log.debug("create_variable: booking not given back (it expires)",
-                          extra={"fields": {"variable": spec.name, "address": shard.address, "error": str(exc)}})
+                          extra={"fields": {"variable": spec.name, "address": shard.address,
+                                            "error": str(exc)}})
         self._on_shards(shards, cancel)
 
     def _create_on(self, shard: ShardChannel, spec: VariableSpec, validate_only: bool = False,
