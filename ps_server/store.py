@@ -388,8 +388,8 @@ class VariableStore:
         # Guards _parts, _filling, _bookings, _reserved and _held. Lock order: this lock, then a
         # part's; it is also taken inside a part's lock (a table books its growth, a synchronous
         # step's sum gives its bytes back), and no part's lock is taken under it then. Reentrant: a
-        # staged upload gives its bytes back when it is garbage
-        # (InitialUpload), which may happen in a thread that holds this lock.
+        # staged upload gives its bytes back when it is garbage (InitialUpload), which may happen in
+        # a thread that holds this lock.
         self._lock = threading.RLock()
         self._parts: dict[str, VariablePart | HashTablePart] = {}
         #: Variables being created (filled outside the gate): set when installed or given up.
@@ -731,8 +731,9 @@ class VariableStore:
         """Called with _lock held, before adding a variable."""
         if len(self._parts) + len(self._filling) + len(self._bookings) >= self.max_variables:
             raise RequestError(Reason.MEMORY_LIMIT,
-                               f"shard {self.shard_index} already holds {len(self._parts)} variables, its "
-                               f"limit (--max-variables); merge small variables or raise the limit")
+                               f"shard {self.shard_index} already holds {len(self._parts)} variables and "
+                               f"{len(self._filling) + len(self._bookings)} being created, its limit "
+                               "(--max-variables); merge small variables or raise the limit")
 
     @staticmethod
     def _check_same(existing, spec: VariableSpec) -> None:
@@ -825,6 +826,7 @@ class VariableStore:
         with self._lock:
             self._parts = parts
             self._reserved = reserved
+
 
 #: How long a validated create keeps its booking (see VariableStore.validate): longer than a
 #: client takes from validating on every shard to creating, also when it retries a shard that
