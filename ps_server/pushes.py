@@ -390,7 +390,7 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
     if consistency is not None and not assign and not already_done:
         decision = _decide(store, consistency, begin, items, wait_seconds)
     if assign:
-        session = _begin_upload(store, ledger, begin, items, total)
+        session = _begin_upload(store, ledger, begin, items, total, wait_seconds)
     else:
         session = ledger.begin(begin.worker_id, begin.incarnation, begin.sequence, total)
     if session is not None:
@@ -408,11 +408,13 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
 
 
 def _begin_upload(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin,
-                  items: dict[str, _Item], total: int) -> PushSession | None:
+                  items: dict[str, _Item], total: int,
+                  wait_seconds: float | None = None) -> PushSession | None:
     """The session of an ASSIGN push, with a staging buffer for each part still waiting for its value.
 
-    None (the push is a duplicate) when every part has its value already:
-    creating from an array is idempotent, the first complete upload wins.
+    None (the push is a duplicate) when every part has its value already
+    (also after waiting for another upload of it, see
+    VariableStore.stage_upload): creating from an array is idempotent, the first complete upload wins.
     Buffers are booked before the ledger is touched, so a refusal
     (MEMORY_LIMIT) changes nothing.
     """
@@ -422,7 +424,11 @@ def _begin_upload(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBe
     staged = {}
     try:
         for name in waiting:
-            staged[name] = store.stage_upload(items[name].part)
+            upload = store.stage_upload(items[name].part, wait_seconds)
+            if upload is not None:
+                staged[name] = upload
+        if not staged:
+            return None
         session = ledger.begin(begin.worker_id, begin.incarnation, begin.sequence, total)
     except BaseException:
         for upload in staged.values():

@@ -14,6 +14,7 @@ to one variable serialise per chunk, so none is ever lost.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import weakref
@@ -101,6 +102,13 @@ class VariablePart:
         # Serialises installs of uploads (held across the spec log's write, never under the gate):
         # the upload installed is the first the spec log records, the one a restart replays.
         self.install_lock = threading.Lock()
+        #: Bytes booked with the part for the buffer of its first initial-value upload (a create from
+        #: an array books them with the part, see VariableStore._checked_new), so that the upload of a
+        #: validated create is not refused for memory taken meanwhile; 0: none. Guarded by the
+        #: store's lock, as is share_free.
+        self.upload_share = 0
+        #: True while upload_share is booked and no upload holds it.
+        self.share_free = False
 
     @property
     def nbytes(self) -> int:
@@ -391,6 +399,9 @@ class VariableStore:
         # staged upload gives its bytes back when it is garbage (InitialUpload), which may happen in
         # a thread that holds this lock.
         self._lock = threading.RLock()
+        # Uploads waiting for a buffer (stage_upload) wait here for an upload share given back or
+        # a part initialised (on _lock).
+        self._upload_changed = threading.Condition(self._lock)
         self._parts: dict[str, VariablePart | HashTablePart] = {}
         #: Variables being created (filled outside the gate): set when installed or given up.
         self._filling: dict[str, threading.Event] = {}
@@ -534,7 +545,7 @@ class VariableStore:
             with self._lock:
                 if self._filling.get(spec.name) is filling:
                     del self._filling[spec.name]
-                    self._reserved -= new.nbytes
+                    self._reserved -= _cost(new)
             if isinstance(exc, MemoryError):
                 raise RequestError(Reason.MEMORY_LIMIT,
                                    f"out of memory allocating {new.nbytes} bytes for {spec.name!r}") from None
@@ -553,11 +564,13 @@ class VariableStore:
         one shard (a conflict, --max-memory-bytes, --max-variables) leaves no
         part behind on the others.
 
-        With ``booking`` (an id the client chose), a new variable's bytes and
-        its place under --max-variables are booked for :data:`BOOKING_SECONDS`
-        (validating again with the same id renews them): a create of the same
-        spec in that time uses them, so memory taken by others between the
-        validation and the create cannot refuse it. Another spec under the
+        With ``booking`` (an id the client chose), a new variable's bytes
+        (from an array: also the buffer its value is uploaded into, see
+        :meth:`stage_upload`) and its place under --max-variables are booked
+        for :data:`BOOKING_SECONDS` (validating again with the same id renews
+        them): a create of the same spec in that time uses them, so memory
+        taken by others between the validation and the create cannot refuse
+        it. Another spec under the
         same name is refused while a booking of it lasts. Nothing else sees a
         booking: it is not a variable, not in Describe, the spec log or a
         checkpoint.
@@ -574,8 +587,8 @@ class VariableStore:
                     return None  # another client's booking of the same spec: its create will do
                 new = self._checked_new(spec)
                 if booking:
-                    self._held += new.nbytes
-                    self._bookings[spec.name] = _Booking(spec, booking, new.nbytes,
+                    self._held += _cost(new)
+                    self._bookings[spec.name] = _Booking(spec, booking, _cost(new),
                                                          time.monotonic() + BOOKING_SECONDS)
                 return None
         if existing is None:
@@ -611,7 +624,7 @@ class VariableStore:
             del self._bookings[spec.name]
             self._held -= held.nbytes
         new = self._checked_new(spec)
-        self._reserved += new.nbytes
+        self._reserved += _cost(new)
         return new
 
     def _checked_new(self, spec: VariableSpec) -> VariablePart | HashTablePart:
@@ -631,12 +644,18 @@ class VariableStore:
         row_start, row_end = (part.row_start, part.row_end) if part else (0, 0)
         new = VariablePart(spec, row_start, row_end, part is not None)
         new.reserve = self._reserve_bytes
+        if isinstance(spec.initializer, Explicit) and new.elements:
+            # The buffer its initial value is uploaded into, booked with it (see stage_upload).
+            new.upload_share = new.elements * spec.dtype.itemsize
+            new.share_free = True
         self._collect_given_back()
-        if self._reserved + self._held + new.nbytes > self.memory_limit:
+        if self._reserved + self._held + _cost(new) > self.memory_limit:
+            what = ("values, optimizer slots and the buffer its initial value is uploaded into"
+                    if new.upload_share else "values and optimizer slots")
             raise RequestError(
                 Reason.MEMORY_LIMIT,
-                f"variable {spec.name!r} needs {new.nbytes} bytes on shard "
-                f"{self.shard_index} (values and optimizer slots); {self._reserved} of "
+                f"variable {spec.name!r} needs {_cost(new)} bytes on shard "
+                f"{self.shard_index} ({what}); {self._reserved + self._held} of "
                 f"the {self.memory_limit}-byte limit are in use (--max-memory-bytes)",
             )
         return new
@@ -650,27 +669,52 @@ class VariableStore:
 
     # ---- explicit initial values ----
 
-    def stage_upload(self, part: VariablePart) -> "InitialUpload":
-        """A private buffer for one upload of ``part``'s initial value; MEMORY_LIMIT if it does not fit.
+    def stage_upload(self, part: VariablePart, wait_seconds: float | None = None) -> "InitialUpload | None":
+        """A private buffer for one upload of ``part``'s initial value; None when the part has its
+        value already; MEMORY_LIMIT if the buffer does not fit.
 
-        The buffer counts against the memory limit until the upload is
-        installed, the part is initialised by another upload, or the upload
-        is dropped (its ledger session forgotten).
+        The first upload takes the bytes the create booked for it (the part's
+        upload share). Another upload while that one runs (equal-array
+        creators racing) books its own buffer; when that does not fit it
+        waits, at most ``wait_seconds`` (None: :data:`UPLOAD_WAIT_SECONDS`),
+        for the running upload to be installed (then None: this one is a
+        duplicate) or dropped (then it takes the share), so that concurrent
+        creators do not refuse each other. The buffer counts against the
+        memory limit until the upload is installed, the part is initialised
+        by another upload, or the upload is dropped (its ledger session
+        forgotten).
         """
         nbytes = part.elements * part.spec.dtype.itemsize
+        wait = UPLOAD_WAIT_SECONDS if wait_seconds is None else min(wait_seconds, UPLOAD_WAIT_SECONDS)
+        deadline = time.monotonic() + wait
         with self._lock:
-            self._collect_given_back()
-            if self._reserved + self._held + nbytes > self.memory_limit:
-                raise RequestError(
-                    Reason.MEMORY_LIMIT,
-                    f"uploading the initial value of {part.spec.name!r} needs a {nbytes}-byte buffer on "
-                    f"shard {self.shard_index}; {self._reserved} of the {self.memory_limit}-byte limit "
-                    "are in use (--max-memory-bytes)")
-            self._reserved += nbytes
+            while True:
+                self._collect_given_back()
+                if part.initialized:  # (a bool read) another upload was installed meanwhile
+                    return None
+                if part.share_free:
+                    part.share_free = False
+                    release: Callable[[int], None] = functools.partial(self._return_share, part)
+                    break
+                if self._reserved + self._held + nbytes <= self.memory_limit:
+                    self._reserved += nbytes
+                    release = self._release
+                    break
+                remaining = deadline - time.monotonic()
+                # Another upload is running: it holds the share (also while it sets up) or a buffer.
+                running = bool(part.upload_share and not part.share_free) or _uploading(part)
+                if not running or remaining <= 0:
+                    raise RequestError(
+                        Reason.MEMORY_LIMIT,
+                        f"uploading the initial value of {part.spec.name!r} needs a {nbytes}-byte buffer on "
+                        f"shard {self.shard_index}; {self._reserved} of the {self.memory_limit}-byte limit "
+                        "are in use (--max-memory-bytes)"
+                        + ("; another upload of it is in progress" if running else ""))
+                self._upload_changed.wait(remaining)
         try:
-            upload = InitialUpload(part, nbytes, self._release)
+            upload = InitialUpload(part, nbytes, release)
         except MemoryError:
-            self._release(nbytes)
+            release(nbytes)
             raise RequestError(Reason.MEMORY_LIMIT, f"out of memory allocating the {nbytes}-byte buffer for "
                                                     f"the initial value of {part.spec.name!r}") from None
         with part.lock:
@@ -680,6 +724,28 @@ class VariableStore:
     def _release(self, nbytes: int) -> None:
         with self._lock:
             self._reserved -= nbytes
+
+    def _return_share(self, part: VariablePart, nbytes: int) -> None:
+        """The upload holding ``part``'s upload share was dropped: the share stays booked for the
+        next upload while the part waits for its value and no other upload (with its own buffer)
+        is in progress; otherwise it is given back. May run in a finalizer: takes no part's lock."""
+        with self._lock:
+            if part.initialized or _uploading(part):
+                part.upload_share = 0
+                self._reserved -= nbytes
+            else:
+                part.share_free = True
+            self._upload_changed.notify_all()
+
+    def _settle_share(self, part: VariablePart) -> None:
+        """``part`` has its value: a share no upload holds is given back, and waiting uploads learn
+        that they are duplicates."""
+        with self._lock:
+            if part.share_free:
+                part.share_free = False
+                self._reserved -= part.upload_share
+                part.upload_share = 0
+            self._upload_changed.notify_all()
 
     def install_upload(self, upload: "InitialUpload") -> bool:
         """Make a complete upload the part's initial value, unless the part has one already.
@@ -707,6 +773,8 @@ class VariableStore:
                     self.generation += 1
         for other in others:  # every other upload of this part is now a duplicate
             other.drop()
+        if installed:
+            self._settle_share(part)
         return installed
 
     def _table_limit(self, spec: VariableSpec) -> int:
@@ -827,6 +895,22 @@ class VariableStore:
             self._parts = parts
             self._reserved = reserved
 
+
+def _uploading(part: VariablePart) -> bool:
+    """Whether an upload of ``part``'s initial value still holds a buffer (read without the part's
+    lock, which a finalizer calling this may not take; a stale answer only changes how long an
+    upload waits, or whether a share is kept)."""
+    return any(upload.buffer is not None for upload in list(part.uploads))
+
+
+def _cost(part: VariablePart | HashTablePart) -> int:
+    """Bytes a new part books: its own, and for a create from an array its upload share."""
+    return part.nbytes + (part.upload_share if isinstance(part, VariablePart) else 0)
+
+
+#: How long an upload of an initial value waits for a buffer while another upload of the same
+#: value holds the part's upload share (see VariableStore.stage_upload).
+UPLOAD_WAIT_SECONDS = 60.0
 
 #: How long a validated create keeps its booking (see VariableStore.validate): longer than a
 #: client takes from validating on every shard to creating, also when it retries a shard that

@@ -514,15 +514,67 @@ def test_racing_uploads_of_an_initial_value_the_first_complete_one_wins():
     assert store.reserved_bytes == 12 * 4, "the staging buffers were given back"
 
 
-def test_an_upload_that_does_not_fit_the_memory_limit_changes_nothing():
-    store, ledger = VariableStore(0, 1, 12 * 4 + 10), PushLedger()
+def test_an_array_create_whose_upload_buffer_does_not_fit_is_refused_and_creates_nothing():
+    store = VariableStore(0, 1, 12 * 4 + 10)
     value = np.arange(12, dtype=np.float32)
-    store.create(_spec("e", (12,), initializer=Explicit(hashlib.sha256(value.tobytes()).digest())))
+    spec = _spec("e", (12,), initializer=Explicit(hashlib.sha256(value.tobytes()).digest()))
+    for refused in (lambda: store.validate(spec, "booking-1"), lambda: store.create(spec)):
+        with pytest.raises(RequestError) as info:
+            refused()
+        assert info.value.reason == Reason.MEMORY_LIMIT and "initial value is uploaded" in info.value.message
+    assert store.reserved_bytes == store.held_bytes == 0 and store.describe() == []
+
+
+def _uploads_racing_for_one_buffer():
+    """A store with room for an array variable, its upload share and less than one more buffer;
+    the first upload holds the share."""
+    value = np.arange(100_000, dtype=np.float32)  # (the ledger's records of two uploads fit beside it)
+    store, ledger = VariableStore(0, 1, 3 * value.nbytes - 1), PushLedger()
+    store.create(_spec("e", (100_000,), initializer=Explicit(hashlib.sha256(value.tobytes()).digest())))
+    assert store.reserved_bytes == 2 * value.nbytes, "the part and the buffer of its upload"
+    first, chunks = _upload(store, ledger, "e", value, "first", 25_000)
+    assert store.reserved_bytes == 2 * value.nbytes, "the first upload stages in the booked buffer"
+    return store, ledger, value, first, chunks
+
+
+def test_an_upload_waiting_for_a_buffer_is_a_duplicate_once_another_upload_is_installed():
+    store, ledger, value, first, chunks = _uploads_racing_for_one_buffer()
+    answers = []
+    second = threading.Thread(
+        target=lambda: answers.append(_upload(store, ledger, "e", value, "second", 100_000)),
+        name="second-upload")
+    second.start()
+    for chunk in chunks:
+        first.apply(chunk)
+    assert not first.finish().duplicate
+    second.join(30)
+    assert len(answers) == 1
+    late, late_chunks = answers[0]
+    for chunk in late_chunks:
+        late.apply(chunk)
+    assert late.finish().duplicate
+    np.testing.assert_array_equal(store.get("e").value, value)
+    assert store.reserved_bytes == value.nbytes, "the booked buffer was given back with the install"
+
+
+def test_an_upload_that_does_not_fit_the_memory_limit_changes_nothing():
+    """It waited for the upload that holds the booked buffer, which neither completed nor went."""
+    store, ledger, value, first, chunks = _uploads_racing_for_one_buffer()
+    begin = _begin([("e", value.size, ps_pb2.FLOAT32)], kind=ps_pb2.ASSIGN, incarnation="second")
     with pytest.raises(RequestError) as info:
-        _upload(store, ledger, "e", value, "inc-1", 12)
+        begin_push(store, ledger, begin, wait_seconds=0.05)
     assert info.value.reason == Reason.MEMORY_LIMIT and "'e'" in info.value.message
-    assert store.reserved_bytes == 12 * 4 and not store.get("e").initialized
-    assert ledger._states.get(("worker-0", "inc-1")) is None
+    assert store.reserved_bytes == 2 * value.nbytes and not store.get("e").initialized
+    assert ledger._states.get(("worker-0", "second")) is None
+    for chunk in chunks:
+        first.apply(chunk)
+    assert not first.finish().duplicate
+    retry = begin_push(store, ledger, begin, wait_seconds=0.05)  # the variable has its value now
+    for chunk in _chunks("e", value, 100_000):
+        retry.apply(chunk)
+    assert retry.finish().duplicate
+    np.testing.assert_array_equal(store.get("e").value, value)
+    assert store.reserved_bytes == value.nbytes
 
 
 def test_an_abandoned_upload_gives_its_buffer_back_when_the_ledger_forgets_it():
