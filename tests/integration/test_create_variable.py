@@ -400,3 +400,103 @@ def test_concurrent_creators_leave_every_variable_on_every_shard_or_on_none(clus
         # Every booking of "big" was given back.
         fresh.create_variable("mid", shape=_MID)
         assert "mid" in fresh.variables(refresh=True)
+
+
+# An array create books its part and the buffer its value is uploaded into (the same bytes again).
+_ARRAY_REFUSED = 600_000  # 1.2 MB per shard, 2.4 MB with the buffer: over the 2 MB limit
+_ARRAY = 400_000  # 0.8 MB per shard, 1.6 MB with the buffer
+
+
+def test_an_array_create_that_cannot_fit_its_upload_leaves_nothing_on_any_shard(cluster_factory):
+    cluster = cluster_factory(2, *_LIMIT)
+    with PSClient(cluster.addresses) as client:
+        client.create_variable("x", shape=(60_000,), optimizer=SGD(learning_rate=1.0))
+        before = _held(client)
+        with pytest.raises(ResourceExhaustedError, match="initial value is uploaded"):
+            client.create_variable("arr", shape=(_ARRAY_REFUSED,),
+                                   initializer=_initial("arr", _ARRAY_REFUSED))
+        assert _held(client) == before, "a refused array create leaves no part on any shard"
+        assert list(client.pull()) == ["x"]
+    with PSClient(cluster.addresses) as fresh:
+        assert sorted(fresh.variables(refresh=True)) == ["x"]
+        assert list(fresh.pull()) == ["x"]
+        # One that fits is created; its upload buffers are given back once it has its value.
+        fresh.create_variable("arr", shape=(_ARRAY,), initializer=_initial("arr", _ARRAY))
+        np.testing.assert_array_equal(fresh.pull(["arr"])["arr"], _initial("arr", _ARRAY))
+        assert [stored for _, stored in _held(fresh)] == [240_000 + _ARRAY * 2, _ARRAY * 2]
+
+
+def _fill(client: PSClient, prefix: str) -> list[str]:
+    """Create 160 KB variables (one shard each) until a shard refuses one: memory taken by others."""
+    names = []
+    for i in range(20):
+        try:
+            client.create_variable(f"{prefix}{i}", shape=(40_000,))
+        except ResourceExhaustedError:
+            return names
+        names.append(f"{prefix}{i}")
+    raise AssertionError("the shard never filled up")
+
+
+def test_a_validated_array_create_is_not_refused_for_memory_taken_before_its_upload(cluster_factory):
+    """Validate (book) on both shards, fill the shards, create, fill again, then upload."""
+    cluster = cluster_factory(2, *_LIMIT)
+    value = _initial("arr", _ARRAY)
+    spec = VariableSpec("arr", (_ARRAY,), "float32",
+                        initializer=Explicit(hashlib.sha256(byte_view(as_wire_array(value))).digest()))
+    channels = [grpc.insecure_channel(address) for address in cluster.addresses]
+    try:
+        def on_both(**fields) -> None:
+            for index, channel in enumerate(channels):
+                message = ps_pb2.CreateVariableRequest(spec=spec.to_proto(), shard_index=index, num_shards=2,
+                                                       **fields)
+                channel.unary_unary(method_path("CreateVariable"))(message.SerializeToString(), timeout=HANG)
+
+        with PSClient(cluster.addresses) as client, PSClient(cluster.addresses) as other:
+            on_both(validate_only=True, booking="validated")
+            fillers = _fill(other, "f")
+            on_both()
+            fillers += _fill(other, "g")
+            assert fillers, "memory was taken between the validation and the upload"
+            # The creator goes on: its create_variable finds the variable and uploads the value.
+            client.create_variable("arr", shape=(_ARRAY,), initializer=value)
+            np.testing.assert_array_equal(client.pull(["arr"])["arr"], value)
+            client.variables(refresh=True)
+            assert sorted(client.pull()) == sorted(["arr", *fillers])
+            stored = sum(stored for _, stored in _held(client))
+            assert stored == _ARRAY * 4 + 160_000 * len(fillers), "the upload buffers were given back"
+    finally:
+        for channel in channels:
+            channel.close()
+
+
+def test_concurrent_array_creates_on_a_nearly_full_shard_all_succeed(cluster_factory):
+    """Only one upload buffer fits beside the variable: the other creators' uploads wait for it."""
+    cluster = cluster_factory(2, *_LIMIT)
+    value = _initial("arr", _ARRAY)
+    threads_n = 4
+    barrier = threading.Barrier(threads_n)
+    outcomes: list[str] = []
+    lock = threading.Lock()  # guards outcomes
+
+    def create() -> None:
+        with PSClient(cluster.addresses, chunk_bytes=8192) as worker:
+            barrier.wait(HANG)
+            try:
+                worker.create_variable("arr", shape=(_ARRAY,), initializer=value)
+                outcome = "ok"
+            except ResourceExhaustedError as exc:
+                outcome = f"ResourceExhaustedError: {exc}"
+            with lock:
+                outcomes.append(outcome)
+
+    threads = [threading.Thread(target=create, name=f"creator-{i}") for i in range(threads_n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(HANG)
+        assert not thread.is_alive()
+    assert outcomes == ["ok"] * threads_n, outcomes
+    with PSClient(cluster.addresses) as fresh:
+        np.testing.assert_array_equal(fresh.pull()["arr"], value)
+        assert [stored for _, stored in _held(fresh)] == [_ARRAY * 2, _ARRAY * 2]
