@@ -314,6 +314,8 @@ class PSClient:
     Connecting checks that server ``i`` of ``addresses`` really is shard
     ``i`` of ``len(addresses)``, and raises :class:`ClusterMismatchError`
     otherwise, so a mis-ordered address list can never mis-route data.
+    ``connect=False`` (an observer, ``register=False``) skips that check so
+    that :meth:`describe_each` can report a cluster with a shard down.
     When a connect attempt fails, the client checks the TLS handshake
     itself (worker_client.handshake) and raises :class:`PSTLSError`, naming
     the mismatch, instead of retrying a set-up that cannot work.
@@ -375,6 +377,7 @@ class PSClient:
         auth_token: str | None = None,
         auth_token_file: str | None = None,
         keep_freed_buffers: bool = True,
+        connect: bool = True,
     ) -> None:
         self.addresses = _check_addresses(addresses)
         if worker_id is None:
@@ -442,8 +445,11 @@ class PSClient:
         self._gpu: GpuTransfers | None = None  # created on first use of a GPU
         self._stop_heartbeat = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
+        if not connect and self.register:
+            raise ValueError("connect=False is for observers: pass register=False too")
         try:
-            lease = self._connect(connect_timeout)
+            # An observer that skips connecting (ps-admin status) reads each shard on its own.
+            lease = self._connect(connect_timeout) if connect else 30.0
             if self.register:
                 # Register before the first step; a (re)joining worker continues at the cluster's step.
                 self._heartbeat_all(self._control_timeout, adopt_step=True)
@@ -566,6 +572,20 @@ class PSClient:
         return ShardInfo(shard.address, msg.shard_index, msg.num_shards, msg.server_id,
                          msg.server_version, variables, msg.chunk_bytes_limit, msg.worker_lease_seconds,
                          workers, checkpoint, restored, consistency, msg.stored_bytes, msg.memory_limit_bytes)
+
+    def describe_each(self, timeout: float) -> list[ShardInfo | PSError]:
+        """Each shard's state, or the error it answered (one try each within ``timeout``, no retries).
+
+        For an operator's view of a cluster with a shard down: unlike
+        :meth:`describe`, the shards that answer are shown whatever the others do.
+        """
+        def one(shard: ShardChannel) -> ShardInfo | PSError:
+            try:
+                return self._describe_once(shard, timeout)
+            except PSError as error:
+                return error
+
+        return [result for _, result in sorted(self._on_shards(range(len(self._shards)), one).items())]
 
     def _remember(self, spec: VariableSpec, created: bool = False) -> Variable:
         placement = None if spec.hash_table else spec.placement(len(self._shards))
