@@ -13,6 +13,7 @@ import functools
 import hashlib
 import itertools
 import logging
+import math
 import os
 import socket
 import threading
@@ -288,6 +289,35 @@ def _check_array(array: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, wha
     if array.dtype != dtype and parse_dtype(array.dtype) != dtype:
         raise DTypeMismatchError(f"{what} has dtype {dtype_name(array.dtype)}, expected {dtype_name(dtype)}; "
                                  f"cast it with .astype({dtype_name(dtype)!r})")
+
+
+_FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
+def _check_fits_wire(values: np.ndarray, wire_dtype: np.dtype | None, what: str) -> None:
+    """Refuse finite gradient values that float16 on the wire cannot hold.
+
+    The cast would turn them into ±inf, and the optimizer would then make the
+    variable inf or NaN for good, with nothing reported. NaN and ±inf given
+    by the caller are sent as they are (as with float32 on the wire).
+    Two reductions over the gradient; only with ``wire_dtype="float16"``.
+    """
+    if wire_dtype != np.float16 or values.dtype.itemsize <= 2 or not values.size:
+        return
+    flat = values.reshape(-1)
+    low, high = float(np.fmin.reduce(flat)), float(np.fmax.reduce(flat))  # NaN is skipped
+    if max(-low, high) <= _FLOAT16_MAX:
+        return
+    if not (math.isfinite(low) and math.isfinite(high)):  # ±inf given: is a finite value too large as well?
+        finite_too_large = np.isfinite(flat) & (np.abs(flat) > _FLOAT16_MAX)
+        if not finite_too_large.any():
+            return
+        low = high = float(flat[np.argmax(finite_too_large)])
+    worst = high if high > _FLOAT16_MAX else low
+    raise InvalidArgumentError(
+        f"{what} holds {worst:g}, beyond {_FLOAT16_MAX:g}, the largest float16: with wire_dtype='float16' it "
+        "would arrive as inf and ruin the variable; nothing was sent. Scale or clip the gradient, or use "
+        "wire_dtype='bfloat16' (float32's range)")
 
 
 def _check_addresses(addresses: Sequence[str] | str) -> tuple[str, ...]:
@@ -1009,6 +1039,7 @@ class PSClient:
                 selected[name] = self._topk.choose(name, host)  # its largest rows go as rows
                 chosen_from[name] = host
                 continue
+            _check_fits_wire(host, self.wire_dtype, f"gradient for {name!r}")
             flat = as_wire_array(host)  # a narrower wire dtype is applied chunk by chunk when sending
             for shard, first, end in variables[name].element_ranges:
                 by_shard.setdefault(shard, []).append(_PushItem(name, flat[first:end]))
@@ -1084,8 +1115,10 @@ class PSClient:
         if first.all():
             # No id repeats: the rows are gathered in id order straight into each message.
             summed: np.ndarray | RowGather = RowGather(rows, order)
+            _check_fits_wire(rows, self.wire_dtype, f"gradient for rows of {spec.name!r}")
         else:
             unique, summed = sum_sorted(rows, order, unique, first)
+            _check_fits_wire(summed, self.wire_dtype, f"gradient for rows of {spec.name!r} (repeats summed)")
         items = {}
         for shard, positions in self._rows_by_shard(variable, unique).items():
             part: np.ndarray | RowGather
