@@ -94,8 +94,8 @@ def status_table(infos: Sequence[ShardInfo | PSError], health: Sequence[str],
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ps-admin", description="Inspect and operate a wehub-ps cluster.",
-        epilog=f"Exit status: 0 done; 1 error; {EXIT_SHARD_DOWN} (status) a shard did not answer: the others are "
-               "shown, its row says UNREACHABLE (or its health).")
+        epilog=f"Exit status: 0 done; 1 error; {EXIT_SHARD_DOWN} (status) a shard did not answer: the "
+               "others are shown, its row says UNREACHABLE (or its health).")
     parser.add_argument("command", choices=("status", "checkpoint", "finish"))
     parser.add_argument("--addresses", help="comma-separated host:port of the ps-servers (else PS_ADDRESSES)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the servers")

@@ -874,8 +874,42 @@ class PSClient:
                 for shard, spans in ranges.items()}
 
     def _pull_all(self, by_shard: dict[int, list[PullItem]]) -> None:
-        """Pull from every shard in ``by_shard`` at once, straight into the items' ``dest``."""
-        self._run_calls(self._pull_call(self._shards[i], items) for i, items in by_shard.items())
+        """Pull from every shard in ``by_shard`` at once, straight into the items' ``dest``.
+
+        Row ids travel in the request: a shard's ids beyond chunk_bytes go in
+        further requests, one round of requests (one per shard) after another.
+        """
+        rounds = {i: self._pull_requests(items) for i, items in by_shard.items()}
+        for r in range(max((len(requests) for requests in rounds.values()), default=0)):
+            self._run_calls(self._pull_call(self._shards[i], requests[r])
+                            for i, requests in rounds.items() if r < len(requests))
+
+    def _pull_requests(self, items: list[PullItem]) -> list[list[PullItem]]:
+        """``items`` as the items of requests that carry at most chunk_bytes of row ids each.
+
+        A request names each variable once (the answer is matched by name),
+        so a variable's rows that need several requests are split between them.
+        """
+        max_ids = self.chunk_bytes // 8
+        requests: list[list[PullItem]] = [[]]
+        ids_in = 0
+        for item in items:
+            ids = item.row_ids
+            if ids is None or len(ids) <= max_ids - ids_in:
+                requests[-1].append(item)
+                ids_in += 0 if ids is None else len(ids)
+                continue
+            width = item.dest.shape[1] if item.rows_at is not None else item.dest.size // max(1, len(ids))
+            for start in range(0, len(ids), max_ids):
+                end = min(len(ids), start + max_ids)
+                piece = (PullItem(item.name, item.dest, ids[start:end], item.rows_at[start:end])
+                         if item.rows_at is not None
+                         else PullItem(item.name, item.dest[start * width:end * width], ids[start:end]))
+                if requests[-1]:
+                    requests.append([])
+                requests[-1].append(piece)
+                ids_in = end - start
+        return requests
 
     def _pull_call(self, shard: ShardChannel, items: list[PullItem]) -> ShardCall:
         request = self._pull_request(shard, items)
@@ -1475,8 +1509,8 @@ class PSClient:
         return call
 
     def _fits_lane(self, items: list[_PushItem]) -> bool:
-        """A push of at most chunk_bytes is one message: it may go over the exchange lane."""
-        return sum(i.values.nbytes for i in items) <= self.chunk_bytes
+        """A push of at most chunk_bytes (values and row ids) is one message: it may use the exchange lane."""
+        return sum(i.values.nbytes + len(i.row_ids) for i in items) <= self.chunk_bytes
 
     def _push_pieces(self, shard_index: int, items: list[_PushItem], kind: int, sequence: int,
                      base_versions: dict[str, int], step: int, pull_after: bytes | None) -> list:
@@ -1490,6 +1524,9 @@ class PSClient:
                        single: bool = False) -> Iterator[list]:
         """The messages of one push to one shard: begin first, chunks packed up to chunk_bytes.
 
+        A begin with more row ids than chunk_bytes takes several messages
+        (see _begin_parts); the row ids in a message count towards its chunk_bytes.
+
         Each message comes as pieces (codec.push_request_pieces) that the
         caller joins once, before asking for the next message: converted
         chunks live in this thread's arena, which the next message reuses.
@@ -1499,13 +1536,12 @@ class PSClient:
         wire_dtypes = [self.wire_dtype if convert and item.values.dtype != self.wire_dtype else item.values.dtype
                        for item in items]
         wires = [to_wire_dtype(dtype) for dtype in wire_dtypes]
-        begin: bytes | None = encode_push_begin(
-            self.worker_id, self.incarnation, sequence, shard_index, len(self._shards), kind,
-            [encode_push_item(item.name, item.values.size, wire, base_versions.get(item.name, 0), item.row_ids)
-             for item, wire in zip(items, wires)],
-            step, pull_after)
+        begin: bytes | None
+        *continued, (begin, pending_bytes) = self._begin_parts(
+            shard_index, items, wires, kind, sequence, base_versions, step, pull_after, single)
+        for part, _ in continued:
+            yield push_request_pieces(part, [])
         pending: list[OutgoingChunk] = []
-        pending_bytes = 0
         arena = _conversion_arena()
         arena.reset()
         chunk_bytes = self.chunk_bytes
@@ -1551,6 +1587,50 @@ class PSClient:
                 pending_bytes += nbytes
         yield push_request_pieces(begin, pending)
         arena.reset()
+
+    def _begin_parts(self, shard_index: int, items: list[_PushItem], wires: list[int], kind: int,
+                     sequence: int, base_versions: dict[str, int], step: int, pull_after: bytes | None,
+                     single: bool) -> list[tuple[bytes, int]]:
+        """The PushBegin of one push, as parts of at most chunk_bytes of row ids each, with their id bytes.
+
+        Row ids travel in the begin; more than fit one message continue in
+        the next ones (PushBegin.continued), so the push keeps its one
+        sequence and the server's ledger claims its chunks as one push. The
+        first part declares every item; later ones carry only row ids.
+        ``single``: one part, whatever its size.
+        """
+        room = self.chunk_bytes // 8 * 8 if not single else sum(len(item.row_ids) for item in items)
+        budget = room
+        declared: list[bytes] = []
+        rest: list[tuple[_PushItem, int, int]] = []  # (item, its first byte still to send, wire)
+        for item, wire in zip(items, wires):
+            ids = item.row_ids
+            take = min(len(ids), room)
+            room -= take
+            elements = item.values.size if take == len(ids) else take // 8 * item.row_elements
+            declared.append(encode_push_item(item.name, elements, wire, base_versions.get(item.name, 0),
+                                             ids[:take]))
+            if take < len(ids):
+                rest.append((item, take, wire))
+        head = (self.worker_id, self.incarnation, sequence, shard_index, len(self._shards), kind)
+        parts = [(declared, budget - room)]
+        while rest:
+            part: list[bytes] = []
+            room = budget
+            while rest and room:
+                item, start, wire = rest[0]
+                take = min(len(item.row_ids) - start, room)
+                part.append(encode_push_item(item.name, take // 8 * item.row_elements, wire, 0,
+                                             item.row_ids[start:start + take]))
+                room -= take
+                if start + take < len(item.row_ids):
+                    rest[0] = (item, start + take, wire)
+                else:
+                    rest.pop(0)
+            parts.append((part, budget - room))
+        return [(encode_push_begin(*head, part, step, pull_after if i == 0 else None,
+                                   continued=i < len(parts) - 1), id_bytes)
+                for i, (part, id_bytes) in enumerate(parts)]
 
     def _on_shards(self, shards: Iterable[int], fn: Callable[[ShardChannel], Any]) -> dict[int, Any]:
         """Run ``fn`` on each shard concurrently; raise the first error by shard order."""

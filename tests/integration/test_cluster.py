@@ -283,7 +283,8 @@ def test_float16_on_the_wire_refuses_gradients_it_cannot_hold(cluster2):
         client.push({"w": edge})
         np.testing.assert_array_equal(client.pull(["w"])["w"], -edge)
         client.push({"t": np.array([np.nan, np.inf, 1, 2], np.float32)})
-        np.testing.assert_array_equal(client.pull(["t"])["t"], np.array([np.nan, -np.inf, -1, -2], np.float32))
+        expected_t = np.array([np.nan, -np.inf, -1, -2], np.float32)
+        np.testing.assert_array_equal(client.pull(["t"])["t"], expected_t)
 
 
 def test_concurrent_pushes_from_threads_lose_nothing(cluster2):
