@@ -15,6 +15,7 @@ No gRPC here: the service layer feeds decoded messages in.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +33,7 @@ from wehub_ps.dtypes import dtype_name, to_numpy_dtype
 from wehub_ps.errors import Reason
 from wehub_ps.v1 import ps_pb2
 
-__all__ = ["PushResult", "ActivePush", "begin_push", "check_cluster", "max_chunk_records",
+__all__ = ["PushResult", "ActivePush", "BeginParts", "begin_push", "check_cluster", "max_chunk_records",
            "max_chunks_per_message"]
 
 MAX_WORKER_ID_LENGTH = 256
@@ -58,6 +59,64 @@ class _Item:
     width: int = 1
     #: A dense part's row pushes: the same rows as indices into the part (checked at the begin).
     local_rows: np.ndarray | None = None
+
+
+class BeginParts:
+    """A PushBegin spread over several messages (``PushBegin.continued``), put together before it is checked.
+
+    A push of more row ids than fit one message keeps one sequence this
+    way, so the ledger claims its chunks as one push. Each part's row ids
+    are booked through ``book`` before they are kept: three times their
+    size, for the ids collected here, the joined begin and the arrays
+    begin_push parses from it, held while the push streams.
+    """
+
+    def __init__(self, first: ps_pb2.PushBegin, book: Callable[[int], None]) -> None:
+        self._book = book
+        self._first = first
+        #: Per variable declared by the first part: its row ids, part by part.
+        self._ids: dict[str, list[bytes]] = {}
+        self._elements: dict[str, int] = {}
+        self._continued = first.continued
+        for item in first.items:
+            self._take(item)
+
+    @property
+    def continued(self) -> bool:
+        """Whether more parts must follow."""
+        return self._continued
+
+    def _take(self, item: ps_pb2.PushItem) -> None:
+        if item.row_ids:
+            self._book(3 * len(item.row_ids))
+        self._ids.setdefault(item.variable, []).append(item.row_ids)
+        self._elements[item.variable] = self._elements.get(item.variable, 0) + item.elements
+
+    def add(self, part: ps_pb2.PushBegin) -> None:
+        """The next part: its items' row ids extend those of the variables the first part declared."""
+        if not part.items or not all(item.row_ids for item in part.items):
+            raise RequestError(Reason.INVALID_REQUEST, "a continuing PushBegin part must carry row ids of "
+                                                       "the variables the first part declared")
+        for item in part.items:
+            if item.variable not in self._ids:
+                raise RequestError(Reason.INVALID_REQUEST,
+                                   f"a continuing PushBegin part names {item.variable!r}, which the first "
+                                   "part did not declare")
+        for item in part.items:
+            self._take(item)
+        self._continued = part.continued
+
+    def whole(self) -> ps_pb2.PushBegin:
+        """The begin as one message (call once the last part came)."""
+        begin = ps_pb2.PushBegin()
+        begin.CopyFrom(self._first)
+        begin.continued = False
+        for item in begin.items:
+            parts = self._ids[item.variable]
+            if len(parts) > 1:
+                item.row_ids = b"".join(parts)
+                item.elements = self._elements[item.variable]
+        return begin
 
 
 def check_cluster(store: VariableStore, shard_index: int, num_shards: int) -> None:

@@ -21,7 +21,13 @@ from ps_server.checkpointer import CheckpointRecord
 from ps_server.context import ShardContext
 from ps_server.errors import RequestError
 from ps_server.metrics import Metrics
-from ps_server.pushes import MAX_WORKER_ID_LENGTH, begin_push, check_cluster, max_chunks_per_message
+from ps_server.pushes import (
+    MAX_WORKER_ID_LENGTH,
+    BeginParts,
+    begin_push,
+    check_cluster,
+    max_chunks_per_message,
+)
 from ps_server.rows import gathered_bytes, parse_row_ids, rows_in_order, unique_ids
 from ps_server.store import MemoryHold, VariableInfo
 from wehub_ps import __version__
@@ -493,13 +499,17 @@ class ParameterServerService:
         self._metrics.pushes.add(names, outcome)
         self._metrics.bytes_received.inc(received)
         pulled = None
-        if pull_plan is not None:
-            plan, pull_names = pull_plan
-            with plan.hold:
-                pulled = [piece for pieces in self._stream_pull(plan.items, plan.chunk_bytes)
-                          for piece in pieces]
-            self._count_pulls(pull_names, "ok")
-            self._metrics.bytes_sent.inc(sum(piece_size(p) for p in pulled))
+        try:
+            if pull_plan is not None:
+                plan, pull_names = pull_plan
+                with plan.hold:
+                    pulled = [piece for pieces in self._stream_pull(plan.items, plan.chunk_bytes)
+                              for piece in pieces]
+                self._count_pulls(pull_names, "ok")
+                self._metrics.bytes_sent.inc(sum(piece_size(p) for p in pulled))
+        finally:
+            for hold in holds:  # (releasing twice gives back nothing the second time)
+                hold.release()
         response = encode_push_response(result.versions, result.duplicate, result.elements_applied,
                                         result.dropped, result.cluster_step)
         return push_response_pieces(response, pulled)
@@ -528,6 +538,7 @@ class ParameterServerService:
         pull_plan = None
         with self._lifecycle.push_in_flight():
             active = None
+            parts: BeginParts | None = None  # a begin spread over several messages, until it is whole
             for raw in messages:
                 received += len(raw) if isinstance(raw, bytes) else raw.nbytes
                 try:
@@ -543,7 +554,20 @@ class ParameterServerService:
                 if begin is not None:
                     if active is not None:
                         raise RequestError(Reason.INVALID_REQUEST,
-                                           "PushBegin may only appear in the first message")
+                                           "PushBegin may only appear in the first message (and the parts "
+                                           "that continue it)")
+                    if parts is not None:
+                        parts.add(begin)
+                    elif begin.continued:
+                        parts = BeginParts(begin, lambda nbytes: holds.append(
+                            self._store.hold(nbytes, "the row ids of a push's begin")))
+                    if parts is not None:
+                        if parts.continued:
+                            if chunks:
+                                raise RequestError(Reason.INVALID_REQUEST,
+                                                   "chunks may only follow the last part of a PushBegin")
+                            continue
+                        begin = parts.whole()
                     self._seen(begin.worker_id, begin.incarnation, begin.step, pushed=True)
                     names.extend(item.variable for item in begin.items)
                     if begin.HasField("pull_after"):
@@ -553,10 +577,12 @@ class ParameterServerService:
                                         wait_seconds)
                 elif active is None:
                     raise RequestError(Reason.INVALID_REQUEST,
-                                       "the first message of a push must carry PushBegin")
+                                       "the first message of a push must carry PushBegin" if parts is None
+                                       else "a continued PushBegin must be continued by the next message")
                 active.apply_many(chunks)
             if active is None:
-                raise RequestError(Reason.INVALID_REQUEST, "empty push stream")
+                raise RequestError(Reason.INVALID_REQUEST, "empty push stream" if parts is None
+                                   else "push stream ended before the last part of its PushBegin")
             result = active.finish()
         return result, received, pull_plan
 

@@ -292,11 +292,13 @@ def encode_push_item(variable: str, elements: int, wire_dtype: int, base_version
 
 
 def encode_push_begin(worker_id: str, incarnation: str, sequence: int, shard_index: int, num_shards: int,
-                      kind: int, items: Sequence[bytes], step: int = 0, pull_after: bytes | None = None) -> bytes:
+                      kind: int, items: Sequence[bytes], step: int = 0, pull_after: bytes | None = None,
+                      continued: bool = False) -> bytes:
     """``PushBegin(...).SerializeToString()`` with ``items`` already serialised (:func:`encode_push_item`).
 
     ``pull_after``: a serialised PullRequest, written even when empty (the
     server tells "no values asked for" from "asked for nothing" by its presence).
+    ``continued``: the next message's begin continues this one (PushBegin.continued).
     """
     pieces = [_string_field(1, worker_id), _string_field(2, incarnation), _varint_field(3, sequence),
               _varint_field(4, shard_index), _varint_field(5, num_shards), _varint_field(6, kind)]
@@ -305,6 +307,8 @@ def encode_push_begin(worker_id: str, incarnation: str, sequence: int, shard_ind
     pieces.append(_varint_field(8, step))
     if pull_after is not None:
         pieces += (_TAG_BEGIN_PULL_AFTER, _varint(len(pull_after)), pull_after)
+    if continued:
+        pieces.append(_varint_field(10, 1))
     return b"".join(pieces)
 
 

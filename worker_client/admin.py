@@ -1,6 +1,7 @@
 """``ps-admin``: the whole cluster as a readable table, and operator actions.
 
-    ps-admin status                 # each shard: health, variables, bytes, versions, workers, checkpoint
+    ps-admin status                 # each shard: health, variables, bytes, versions, workers, checkpoint;
+                                    # a shard that does not answer is shown UNREACHABLE (exit status 3)
     ps-admin checkpoint             # every shard writes a checkpoint now
     ps-admin finish                 # run-to-completion jobs: servers checkpoint and exit 0
 
@@ -40,12 +41,27 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def status_table(infos: Sequence[ShardInfo], health: Sequence[str]) -> str:
-    """Shards, then workers, as aligned text tables."""
+#: ps-admin status: some shard did not answer (its row says why); the others are shown.
+EXIT_SHARD_DOWN = 3
+
+
+def status_table(infos: Sequence[ShardInfo | PSError], health: Sequence[str],
+                 addresses: Sequence[str] = ()) -> str:
+    """Shards, then workers, as aligned text tables.
+
+    ``infos[i]`` is shard i's state, or the error it answered Describe with
+    (its row then shows only its address and ``health``); ``addresses``
+    names those shards.
+    """
     shards = [["shard", "address", "health", "variables", "stored MB", "limit MB", "versions", "live workers",
                "last checkpoint", "restored from"]]
     workers: dict[str, dict] = {}
-    for info, state in zip(infos, health):
+    answered = [info for info in infos if isinstance(info, ShardInfo)]
+    for i, (info, state) in enumerate(zip(infos, health)):
+        if not isinstance(info, ShardInfo):
+            shards.append([f"{i}/{len(infos)}", addresses[i] if i < len(addresses) else "?", state,
+                           *["-"] * 7])
+            continue
         versions = [v["version"] for v in info.variables.values() if v["row_end"] or v["num_rows"]]
         checkpoint = info.last_checkpoint
         restored = info.restored_from
@@ -67,15 +83,19 @@ def status_table(infos: Sequence[ShardInfo], health: Sequence[str]) -> str:
         rows = [["worker", "live", "step", "pushes (shard 0)", "last seen"]]
         for worker_id, record in sorted(workers.items()):
             rows.append([worker_id, "yes" if record["live"] else "no", str(record["step"]),
-                         str(infos[0].workers.get(worker_id, {}).get("pushes", 0)),
+                         str(infos[0].workers.get(worker_id, {}).get("pushes", 0))
+                         if isinstance(infos[0], ShardInfo) else "-",
                          f"{record['seconds_since_seen']:.1f}s ago"])
         text += "\n\n" + _table(rows)
-    mode = infos[0].consistency.get("mode", "async") if infos else "async"
+    mode = answered[0].consistency.get("mode", "async") if answered else "unknown"
     return text + f"\n\nconsistency: {mode}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ps-admin", description="Inspect and operate a wehub-ps cluster.")
+    parser = argparse.ArgumentParser(
+        prog="ps-admin", description="Inspect and operate a wehub-ps cluster.",
+        epilog=f"Exit status: 0 done; 1 error; {EXIT_SHARD_DOWN} (status) a shard did not answer: the "
+               "others are shown, its row says UNREACHABLE (or its health).")
     parser.add_argument("command", choices=("status", "checkpoint", "finish"))
     parser.add_argument("--addresses", help="comma-separated host:port of the ps-servers (else PS_ADDRESSES)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the servers")
@@ -84,12 +104,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.addresses:
         environ["PS_ADDRESSES"] = args.addresses
     try:
+        # status reads each shard on its own (connect=False), so a shard that is down hides no other.
         with PSClient.from_env(environ, worker_id="ps-admin", register=False, connect_timeout=args.timeout,
-                               retry_timeout=args.timeout) as client:
+                               retry_timeout=args.timeout, connect=args.command != "status") as client:
             if args.command == "status":
-                infos = client.describe()
+                infos = client.describe_each(args.timeout)
                 health = [shard.health(args.timeout) for shard in client._shards]
-                print(status_table(infos, health))
+                print(status_table(infos, health, client.addresses))
+                down = [f"{address}: {info}" for address, info in zip(client.addresses, infos)
+                        if not isinstance(info, ShardInfo)]
+                if down:
+                    print("ps-admin: shards not answering: " + "; ".join(down), file=sys.stderr)
+                    return EXIT_SHARD_DOWN
             elif args.command == "checkpoint":
                 for result in client.checkpoint():
                     print(f"{result['address']}: checkpoint {result['checkpoint_id']} at {result['path']}, "

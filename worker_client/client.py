@@ -13,6 +13,7 @@ import functools
 import hashlib
 import itertools
 import logging
+import math
 import os
 import socket
 import threading
@@ -290,6 +291,35 @@ def _check_array(array: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, wha
                                  f"cast it with .astype({dtype_name(dtype)!r})")
 
 
+_FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
+def _check_fits_wire(values: np.ndarray, wire_dtype: np.dtype | None, what: str) -> None:
+    """Refuse finite gradient values that float16 on the wire cannot hold.
+
+    The cast would turn them into ±inf, and the optimizer would then make the
+    variable inf or NaN for good, with nothing reported. NaN and ±inf given
+    by the caller are sent as they are (as with float32 on the wire).
+    Two reductions over the gradient; only with ``wire_dtype="float16"``.
+    """
+    if wire_dtype != np.float16 or values.dtype.itemsize <= 2 or not values.size:
+        return
+    flat = values.reshape(-1)
+    low, high = float(np.fmin.reduce(flat)), float(np.fmax.reduce(flat))  # NaN is skipped
+    if max(-low, high) <= _FLOAT16_MAX:
+        return
+    if not (math.isfinite(low) and math.isfinite(high)):  # ±inf given: is a finite value too large as well?
+        finite_too_large = np.isfinite(flat) & (np.abs(flat) > _FLOAT16_MAX)
+        if not finite_too_large.any():
+            return
+        low = high = float(flat[np.argmax(finite_too_large)])
+    worst = high if high > _FLOAT16_MAX else low
+    raise InvalidArgumentError(
+        f"{what} holds {worst:g}, beyond {_FLOAT16_MAX:g}, the largest float16: with wire_dtype='float16' it "
+        "would arrive as inf and ruin the variable; nothing was sent. Scale or clip the gradient, or use "
+        "wire_dtype='bfloat16' (float32's range)")
+
+
 def _check_addresses(addresses: Sequence[str] | str) -> tuple[str, ...]:
     if isinstance(addresses, str):
         addresses = [a.strip() for a in addresses.split(",") if a.strip()]
@@ -314,6 +344,8 @@ class PSClient:
     Connecting checks that server ``i`` of ``addresses`` really is shard
     ``i`` of ``len(addresses)``, and raises :class:`ClusterMismatchError`
     otherwise, so a mis-ordered address list can never mis-route data.
+    ``connect=False`` (an observer, ``register=False``) skips that check so
+    that :meth:`describe_each` can report a cluster with a shard down.
     When a connect attempt fails, the client checks the TLS handshake
     itself (worker_client.handshake) and raises :class:`PSTLSError`, naming
     the mismatch, instead of retrying a set-up that cannot work.
@@ -375,6 +407,7 @@ class PSClient:
         auth_token: str | None = None,
         auth_token_file: str | None = None,
         keep_freed_buffers: bool = True,
+        connect: bool = True,
     ) -> None:
         self.addresses = _check_addresses(addresses)
         if worker_id is None:
@@ -442,8 +475,11 @@ class PSClient:
         self._gpu: GpuTransfers | None = None  # created on first use of a GPU
         self._stop_heartbeat = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
+        if not connect and self.register:
+            raise ValueError("connect=False is for observers: pass register=False too")
         try:
-            lease = self._connect(connect_timeout)
+            # An observer that skips connecting (ps-admin status) reads each shard on its own.
+            lease = self._connect(connect_timeout) if connect else 30.0
             if self.register:
                 # Register before the first step; a (re)joining worker continues at the cluster's step.
                 self._heartbeat_all(self._control_timeout, adopt_step=True)
@@ -566,6 +602,20 @@ class PSClient:
         return ShardInfo(shard.address, msg.shard_index, msg.num_shards, msg.server_id,
                          msg.server_version, variables, msg.chunk_bytes_limit, msg.worker_lease_seconds,
                          workers, checkpoint, restored, consistency, msg.stored_bytes, msg.memory_limit_bytes)
+
+    def describe_each(self, timeout: float) -> list[ShardInfo | PSError]:
+        """Each shard's state, or the error it answered (one try each within ``timeout``, no retries).
+
+        For an operator's view of a cluster with a shard down: unlike
+        :meth:`describe`, the shards that answer are shown whatever the others do.
+        """
+        def one(shard: ShardChannel) -> ShardInfo | PSError:
+            try:
+                return self._describe_once(shard, timeout)
+            except PSError as error:
+                return error
+
+        return [result for _, result in sorted(self._on_shards(range(len(self._shards)), one).items())]
 
     def _remember(self, spec: VariableSpec, created: bool = False) -> Variable:
         placement = None if spec.hash_table else spec.placement(len(self._shards))
@@ -824,8 +874,42 @@ class PSClient:
                 for shard, spans in ranges.items()}
 
     def _pull_all(self, by_shard: dict[int, list[PullItem]]) -> None:
-        """Pull from every shard in ``by_shard`` at once, straight into the items' ``dest``."""
-        self._run_calls(self._pull_call(self._shards[i], items) for i, items in by_shard.items())
+        """Pull from every shard in ``by_shard`` at once, straight into the items' ``dest``.
+
+        Row ids travel in the request: a shard's ids beyond chunk_bytes go in
+        further requests, one round of requests (one per shard) after another.
+        """
+        rounds = {i: self._pull_requests(items) for i, items in by_shard.items()}
+        for r in range(max((len(requests) for requests in rounds.values()), default=0)):
+            self._run_calls(self._pull_call(self._shards[i], requests[r])
+                            for i, requests in rounds.items() if r < len(requests))
+
+    def _pull_requests(self, items: list[PullItem]) -> list[list[PullItem]]:
+        """``items`` as the items of requests that carry at most chunk_bytes of row ids each.
+
+        A request names each variable once (the answer is matched by name),
+        so a variable's rows that need several requests are split between them.
+        """
+        max_ids = self.chunk_bytes // 8
+        requests: list[list[PullItem]] = [[]]
+        ids_in = 0
+        for item in items:
+            ids = item.row_ids
+            if ids is None or len(ids) <= max_ids - ids_in:
+                requests[-1].append(item)
+                ids_in += 0 if ids is None else len(ids)
+                continue
+            width = item.dest.shape[1] if item.rows_at is not None else item.dest.size // max(1, len(ids))
+            for start in range(0, len(ids), max_ids):
+                end = min(len(ids), start + max_ids)
+                piece = (PullItem(item.name, item.dest, ids[start:end], item.rows_at[start:end])
+                         if item.rows_at is not None
+                         else PullItem(item.name, item.dest[start * width:end * width], ids[start:end]))
+                if requests[-1]:
+                    requests.append([])
+                requests[-1].append(piece)
+                ids_in = end - start
+        return requests
 
     def _pull_call(self, shard: ShardChannel, items: list[PullItem]) -> ShardCall:
         request = self._pull_request(shard, items)
@@ -989,6 +1073,7 @@ class PSClient:
                 selected[name] = self._topk.choose(name, host)  # its largest rows go as rows
                 chosen_from[name] = host
                 continue
+            _check_fits_wire(host, self.wire_dtype, f"gradient for {name!r}")
             flat = as_wire_array(host)  # a narrower wire dtype is applied chunk by chunk when sending
             for shard, first, end in variables[name].element_ranges:
                 by_shard.setdefault(shard, []).append(_PushItem(name, flat[first:end]))
@@ -1064,8 +1149,10 @@ class PSClient:
         if first.all():
             # No id repeats: the rows are gathered in id order straight into each message.
             summed: np.ndarray | RowGather = RowGather(rows, order)
+            _check_fits_wire(rows, self.wire_dtype, f"gradient for rows of {spec.name!r}")
         else:
             unique, summed = sum_sorted(rows, order, unique, first)
+            _check_fits_wire(summed, self.wire_dtype, f"gradient for rows of {spec.name!r} (repeats summed)")
         items = {}
         for shard, positions in self._rows_by_shard(variable, unique).items():
             part: np.ndarray | RowGather
@@ -1422,8 +1509,8 @@ class PSClient:
         return call
 
     def _fits_lane(self, items: list[_PushItem]) -> bool:
-        """A push of at most chunk_bytes is one message: it may go over the exchange lane."""
-        return sum(i.values.nbytes for i in items) <= self.chunk_bytes
+        """A push of at most chunk_bytes (values and row ids) is one message: it may use the exchange lane."""
+        return sum(i.values.nbytes + len(i.row_ids) for i in items) <= self.chunk_bytes
 
     def _push_pieces(self, shard_index: int, items: list[_PushItem], kind: int, sequence: int,
                      base_versions: dict[str, int], step: int, pull_after: bytes | None) -> list:
@@ -1437,6 +1524,9 @@ class PSClient:
                        single: bool = False) -> Iterator[list]:
         """The messages of one push to one shard: begin first, chunks packed up to chunk_bytes.
 
+        A begin with more row ids than chunk_bytes takes several messages
+        (see _begin_parts); the row ids in a message count towards its chunk_bytes.
+
         Each message comes as pieces (codec.push_request_pieces) that the
         caller joins once, before asking for the next message: converted
         chunks live in this thread's arena, which the next message reuses.
@@ -1446,13 +1536,12 @@ class PSClient:
         wire_dtypes = [self.wire_dtype if convert and item.values.dtype != self.wire_dtype else item.values.dtype
                        for item in items]
         wires = [to_wire_dtype(dtype) for dtype in wire_dtypes]
-        begin: bytes | None = encode_push_begin(
-            self.worker_id, self.incarnation, sequence, shard_index, len(self._shards), kind,
-            [encode_push_item(item.name, item.values.size, wire, base_versions.get(item.name, 0), item.row_ids)
-             for item, wire in zip(items, wires)],
-            step, pull_after)
+        begin: bytes | None
+        *continued, (begin, pending_bytes) = self._begin_parts(
+            shard_index, items, wires, kind, sequence, base_versions, step, pull_after, single)
+        for part, _ in continued:
+            yield push_request_pieces(part, [])
         pending: list[OutgoingChunk] = []
-        pending_bytes = 0
         arena = _conversion_arena()
         arena.reset()
         chunk_bytes = self.chunk_bytes
@@ -1498,6 +1587,50 @@ class PSClient:
                 pending_bytes += nbytes
         yield push_request_pieces(begin, pending)
         arena.reset()
+
+    def _begin_parts(self, shard_index: int, items: list[_PushItem], wires: list[int], kind: int,
+                     sequence: int, base_versions: dict[str, int], step: int, pull_after: bytes | None,
+                     single: bool) -> list[tuple[bytes, int]]:
+        """The PushBegin of one push, as parts of at most chunk_bytes of row ids each, with their id bytes.
+
+        Row ids travel in the begin; more than fit one message continue in
+        the next ones (PushBegin.continued), so the push keeps its one
+        sequence and the server's ledger claims its chunks as one push. The
+        first part declares every item; later ones carry only row ids.
+        ``single``: one part, whatever its size.
+        """
+        room = self.chunk_bytes // 8 * 8 if not single else sum(len(item.row_ids) for item in items)
+        budget = room
+        declared: list[bytes] = []
+        rest: list[tuple[_PushItem, int, int]] = []  # (item, its first byte still to send, wire)
+        for item, wire in zip(items, wires):
+            ids = item.row_ids
+            take = min(len(ids), room)
+            room -= take
+            elements = item.values.size if take == len(ids) else take // 8 * item.row_elements
+            declared.append(encode_push_item(item.name, elements, wire, base_versions.get(item.name, 0),
+                                             ids[:take]))
+            if take < len(ids):
+                rest.append((item, take, wire))
+        head = (self.worker_id, self.incarnation, sequence, shard_index, len(self._shards), kind)
+        parts = [(declared, budget - room)]
+        while rest:
+            part: list[bytes] = []
+            room = budget
+            while rest and room:
+                item, start, wire = rest[0]
+                take = min(len(item.row_ids) - start, room)
+                part.append(encode_push_item(item.name, take // 8 * item.row_elements, wire, 0,
+                                             item.row_ids[start:start + take]))
+                room -= take
+                if start + take < len(item.row_ids):
+                    rest[0] = (item, start + take, wire)
+                else:
+                    rest.pop(0)
+            parts.append((part, budget - room))
+        return [(encode_push_begin(*head, part, step, pull_after if i == 0 else None,
+                                   continued=i < len(parts) - 1), id_bytes)
+                for i, (part, id_bytes) in enumerate(parts)]
 
     def _on_shards(self, shards: Iterable[int], fn: Callable[[ShardChannel], Any]) -> dict[int, Any]:
         """Run ``fn`` on each shard concurrently; raise the first error by shard order."""

@@ -184,6 +184,34 @@ def test_push_without_begin_and_empty_push(channel, unchanged):
             StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST", "empty push stream")
 
 
+def test_a_continued_push_begin_that_is_not_completed_properly(channel, unchanged):
+    """PushBegin.continued: each misuse is refused before anything is applied."""
+    def rows(*ids: int) -> bytes:
+        return np.array(ids, "<i8").tobytes()
+
+    first = ps_pb2.PushBegin(worker_id="tester", incarnation="i-cont", sequence=1, shard_index=0,
+                             num_shards=1, kind=ps_pb2.GRADIENT, continued=True,
+                             items=[ps_pb2.PushItem(variable="w", elements=300, wire_dtype=ps_pb2.FLOAT32,
+                                                    row_ids=rows(3))])
+    more = ps_pb2.PushBegin(items=[ps_pb2.PushItem(variable="w", elements=300, row_ids=rows(4))],
+                            continued=True)
+    undeclared = ps_pb2.PushBegin(items=[ps_pb2.PushItem(variable="b", elements=7, row_ids=rows(0))])
+    no_rows = ps_pb2.PushBegin(items=[ps_pb2.PushItem(variable="w", elements=300)])
+    values = _chunk("w", 0, np.ones(300, np.float32))
+    opening = encode_push_request(first, [])
+    cases = [
+        ([encode_push_request(first, [values])], "chunks may only follow the last part"),
+        ([opening, encode_push_request(undeclared, [])], "the first part did not declare"),
+        ([opening, encode_push_request(no_rows, [])], "must carry row ids"),
+        ([opening, encode_push_request(None, [values])], "must be continued by the next"),
+        ([opening], "ended before the last part"),
+        ([opening, encode_push_request(more, [])], "ended before the last part"),
+    ]
+    for messages, fragment in cases:
+        _expect(lambda: channel.stream_unary(method_path("Push"))(iter(messages), timeout=10),
+                StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST", fragment)
+
+
 def test_a_valid_push_after_all_that_still_applies(server):
     with PSClient([server.address]) as client:
         before = client.pull(["w"])["w"]

@@ -255,6 +255,38 @@ def test_bfloat16_pushes_of_many_small_variables_keep_each_gradient(cluster2, ch
             np.testing.assert_array_equal(pulled[name], -2 * grad.reshape(shapes[name]), err_msg=name)
 
 
+def test_float16_on_the_wire_refuses_gradients_it_cannot_hold(cluster2):
+    """A finite gradient beyond float16's 65504 is refused before sending (it would arrive as inf);
+    NaN and inf given by the caller travel as they are."""
+    with PSClient(cluster2.addresses, wire_dtype="float16") as client:
+        client.create_variable("w", shape=(4, 3), initializer="zeros", optimizer=SGD(learning_rate=1.0))
+        client.create_embedding("e", dim=3, initializer="zeros", optimizer=SGD(learning_rate=1.0))
+        client.create_variable("t", shape=(4,), initializer="zeros", optimizer=SGD(learning_rate=1.0))
+        too_big = np.ones((4, 3), np.float32)
+        too_big[2, 1] = -1e5
+        with pytest.raises(ValueError, match=r"gradient for 'w' holds -100000, beyond 65504"):
+            client.push({"w": too_big, "t": np.ones(4, np.float32)})
+        with pytest.raises(ValueError, match=r"rows of 'e' holds 70000, beyond 65504"):
+            client.push_rows("e", np.array([1, 2]), np.array([[1, 2, 3], [70000, 0, 0]], np.float32))
+        with pytest.raises(ValueError, match=r"rows of 'e' \(repeats summed\) holds 80000"):
+            client.push_rows("e", np.array([5, 5]), np.full((2, 3), 40000, np.float32))
+        inf_and_big = np.zeros((4, 3), np.float32)
+        inf_and_big[0, 0], inf_and_big[3, 2] = np.inf, 65600
+        with pytest.raises(ValueError, match=r"'w' holds 65600"):
+            client.push({"w": inf_and_big})
+        # Nothing of the refused pushes was sent: every variable is unchanged.
+        pulled = client.pull(["w", "t"])
+        np.testing.assert_array_equal(pulled["w"], np.zeros((4, 3), np.float32))
+        np.testing.assert_array_equal(pulled["t"], np.zeros(4, np.float32))
+        np.testing.assert_array_equal(client.pull_rows("e", [1, 2, 5]), np.zeros((3, 3), np.float32))
+        edge = np.full((4, 3), 65504, np.float32)  # the largest float16 is sent as it is
+        client.push({"w": edge})
+        np.testing.assert_array_equal(client.pull(["w"])["w"], -edge)
+        client.push({"t": np.array([np.nan, np.inf, 1, 2], np.float32)})
+        expected_t = np.array([np.nan, -np.inf, -1, -2], np.float32)
+        np.testing.assert_array_equal(client.pull(["t"])["t"], expected_t)
+
+
 def test_concurrent_pushes_from_threads_lose_nothing(cluster2):
     with PSClient(cluster2.addresses) as client:
         client.create_variable("c", shape=(200, 400), initializer="zeros", optimizer=SGD(learning_rate=1.0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -126,6 +127,27 @@ def test_ps_admin_shows_the_cluster_and_triggers_checkpoints(cluster_factory, tm
         row = next(line for line in lines if line.startswith(f"{i}/2 "))
         assert address in row and "SERVING" in row and "0000000001" in row and "1..1" in row
     assert any(line.startswith("trainer") and " yes " in line for line in lines)
+
+
+def test_ps_admin_status_shows_a_down_shard_as_unreachable(cluster_factory):
+    cluster = cluster_factory(2)
+    with PSClient(cluster.addresses, worker_id="trainer") as client:
+        client.create_variable("w", shape=(1000, 300), optimizer=SGD(learning_rate=0.1))
+    cluster.servers[1].signal(signal.SIGKILL)
+    cluster.servers[1].wait()
+    result = subprocess.run([sys.executable, "-m", "worker_client.admin", "status", "--timeout", "5",
+                             "--addresses", ",".join(cluster.addresses)], capture_output=True, text=True,
+                            cwd=str(ROOT), env=child_env(), timeout=60)
+    assert result.returncode == 3, (result.stdout, result.stderr)
+    lines = result.stdout.splitlines()
+    up = next(line for line in lines if line.startswith("0/2 "))
+    assert up.split()[1:4] == [cluster.addresses[0], "SERVING", "1"]  # shown in full: its one variable
+    down = next(line for line in lines if line.startswith("1/2 "))
+    assert down.split()[:3] == ["1/2", cluster.addresses[1], "UNREACHABLE"]
+    assert cluster.addresses[1] in result.stderr
+    usage = subprocess.run([sys.executable, "-m", "worker_client.admin", "--help"], capture_output=True,
+                           text=True, cwd=str(ROOT), env=child_env(), timeout=60).stdout
+    assert "3 (status) a shard did not answer" in " ".join(usage.split())
 
 
 def test_finish_ends_a_job_and_is_refused_by_a_service(cluster_factory, tmp_path):

@@ -496,7 +496,7 @@ class PushItem(_message.Message):
     def __init__(self, variable: _Optional[str] = ..., elements: _Optional[int] = ..., wire_dtype: _Optional[_Union[DataType, str]] = ..., base_version: _Optional[int] = ..., row_ids: _Optional[bytes] = ...) -> None: ...
 
 class PushBegin(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "sequence", "shard_index", "num_shards", "kind", "items", "step", "pull_after")
+    __slots__ = ("worker_id", "incarnation", "sequence", "shard_index", "num_shards", "kind", "items", "step", "pull_after", "continued")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -506,6 +506,7 @@ class PushBegin(_message.Message):
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PULL_AFTER_FIELD_NUMBER: _ClassVar[int]
+    CONTINUED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     sequence: int
@@ -515,7 +516,8 @@ class PushBegin(_message.Message):
     items: _containers.RepeatedCompositeFieldContainer[PushItem]
     step: int
     pull_after: PullRequest
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., sequence: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., items: _Optional[_Iterable[_Union[PushItem, _Mapping]]] = ..., step: _Optional[int] = ..., pull_after: _Optional[_Union[PullRequest, _Mapping]] = ...) -> None: ...
+    continued: bool
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., sequence: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., items: _Optional[_Iterable[_Union[PushItem, _Mapping]]] = ..., step: _Optional[int] = ..., pull_after: _Optional[_Union[PullRequest, _Mapping]] = ..., continued: _Optional[bool] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("begin", "chunks", "batches")
