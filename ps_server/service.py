@@ -9,6 +9,7 @@ one table, :data:`STATUS_BY_REASON`, with the reason in trailing metadata.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
@@ -173,35 +174,32 @@ class ParameterServerService:
             "Finish": grpc.unary_unary_rpc_method_handler(bounded(self.finish)),
         })
 
+    @contextlib.contextmanager
+    def _call_slot(self, context: grpc.ServicerContext) -> Iterator[None]:
+        """An ordinary call's slot for the body; TOO_MANY_RPCS (the call ends) when none is free."""
+        try:
+            self._admission.enter_call()
+        except RequestError as error:
+            _abort(context, error)
+        try:
+            yield
+        finally:
+            self._admission.exit_call()
+
     def _in_call_slot(self, method: Callable) -> Callable:
-        """``method`` (one answer) holding an ordinary call's slot; TOO_MANY_RPCS when none is free."""
-        admission = self._admission
+        """``method`` (one answer) holding an ordinary call's slot."""
 
         def handler(request, context):
-            try:
-                admission.enter_call()
-            except RequestError as error:
-                _abort(context, error)
-            try:
+            with self._call_slot(context):
                 return method(request, context)
-            finally:
-                admission.exit_call()
         return functools.wraps(method)(handler)
 
     def _in_call_slot_streaming(self, method: Callable) -> Callable:
         """``method`` (a stream of answers) holding an ordinary call's slot until its last answer."""
-        admission = self._admission
 
         def handler(request, context):
-            try:
-                admission.enter_call()
-            except RequestError as error:
-                _abort(context, error)
-                return
-            try:
+            with self._call_slot(context):
                 yield from method(request, context)
-            finally:
-                admission.exit_call()
         return functools.wraps(method)(handler)
 
     def _admitted_exchange(self, request_iterator: Iterable[bytes],

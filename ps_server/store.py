@@ -456,13 +456,17 @@ class VariableStore:
         self.book(nbytes, what)
         return MemoryHold(self, nbytes)
 
+    def _fits_locked(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit beside the variables and the requests in flight (lock held)."""
+        return self._reserved + self._held + nbytes <= self.memory_limit
+
     def book(self, nbytes: int, what: str) -> None:
         """:meth:`hold` without the handle: give the bytes back with ``book(-nbytes, what)``."""
         if nbytes == 0:
             return
         with self._lock:
             self._collect_given_back()
-            if nbytes > 0 and self._reserved + self._held + nbytes > self.memory_limit:
+            if nbytes > 0 and not self._fits_locked(nbytes):
                 raise RequestError(
                     Reason.MEMORY_LIMIT,
                     f"{what} needs {nbytes} bytes; shard {self.shard_index} holds {self._reserved} bytes of "
@@ -633,7 +637,7 @@ class VariableStore:
         if spec.hash_table:
             table = HashTablePart(spec, self._table_limit(spec), self._reserve_bytes)
             self._collect_given_back()
-            if self._reserved + self._held + table.nbytes > self.memory_limit:
+            if not self._fits_locked(table.nbytes):
                 raise RequestError(
                     Reason.MEMORY_LIMIT,
                     f"hash table {spec.name!r} needs {table.nbytes} bytes for its empty id index on "
@@ -649,7 +653,7 @@ class VariableStore:
             new.upload_share = new.elements * spec.dtype.itemsize
             new.share_free = True
         self._collect_given_back()
-        if self._reserved + self._held + _cost(new) > self.memory_limit:
+        if not self._fits_locked(_cost(new)):
             what = ("values, optimizer slots and the buffer its initial value is uploaded into"
                     if new.upload_share else "values and optimizer slots")
             raise RequestError(
@@ -696,7 +700,7 @@ class VariableStore:
                     part.share_free = False
                     release: Callable[[int], None] = functools.partial(self._return_share, part)
                     break
-                if self._reserved + self._held + nbytes <= self.memory_limit:
+                if self._fits_locked(nbytes):
                     self._reserved += nbytes
                     release = self._release
                     break
@@ -786,7 +790,7 @@ class VariableStore:
         never refused); may be called with the part's lock held."""
         with self._lock:
             self._collect_given_back()
-            if delta > 0 and self._reserved + self._held + delta > self.memory_limit:
+            if delta > 0 and not self._fits_locked(delta):
                 raise RequestError(
                     Reason.MEMORY_LIMIT,
                     f"growing a hash table by {delta} bytes would pass shard {self.shard_index}'s "
