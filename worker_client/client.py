@@ -242,10 +242,14 @@ _conversion = threading.local()
 class _ConversionArena:
     """This thread's reusable memory for chunks converted to a narrower wire dtype.
 
-    Every converted chunk of one message gets its own region (the message
-    is joined only after all of them are converted); ``reset`` after the
-    message is joined makes the memory reusable, so a training loop
-    allocates it once.
+    Every converted chunk of one message gets its own region. A message's
+    regions are its own from its first ``take`` until the ``reset`` before
+    the next message built on this thread takes any: the caller joins
+    (copies out) each message before it asks for the next one, so a chunk
+    is never overwritten before it is sent, and a retry converts its chunks
+    again from the unchanged gradient (the same bytes). The memory holds
+    one message's converted chunks at most and is reused by the next, so a
+    training loop allocates it once per thread.
     """
 
     def __init__(self) -> None:
@@ -1514,7 +1518,7 @@ class PSClient:
 
     def _push_pieces(self, shard_index: int, items: list[_PushItem], kind: int, sequence: int,
                      base_versions: dict[str, int], step: int, pull_after: bytes | None) -> list:
-        """A push that fits in one message, as pieces (see _push_messages)."""
+        """A push that fits in one message, as pieces (see _push_messages); joined before another is built."""
         messages = list(self._push_messages(shard_index, items, kind, sequence, base_versions, step,
                                             pull_after, single=True))
         return messages[0]
@@ -1528,8 +1532,9 @@ class PSClient:
         (see _begin_parts); the row ids in a message count towards its chunk_bytes.
 
         Each message comes as pieces (codec.push_request_pieces) that the
-        caller joins once, before asking for the next message: converted
-        chunks live in this thread's arena, which the next message reuses.
+        caller joins once, before asking for the next message (or building
+        another push on this thread): converted chunks live in this thread's
+        arena, which the next message reuses (see _ConversionArena).
         ``single``: everything in one message, whatever its size.
         """
         convert = self.wire_dtype is not None and kind == ps_pb2.GRADIENT
@@ -1570,23 +1575,26 @@ class PSClient:
                         piece = piece.gather().reshape(-1)
                 else:
                     piece = values if count == values.size else values[offset:offset + count]
+                nbytes = count * wire_dtype.itemsize
+                # The message is sent (and the arena reset) before this chunk is
+                # converted: its region must not be handed out again while it waits.
+                if pending and pending_bytes + nbytes > chunk_bytes and not single:
+                    yield push_request_pieces(begin, pending)
+                    arena.reset()
+                    begin, pending, pending_bytes = None, [], 0
                 if wire_dtype != values.dtype:
                     # Converted into this thread's arena (joining the message copies it out):
                     # no model-sized temporary, and the conversion overlaps the sending.
                     buffer = arena.take(wire_dtype, count)
                     cast_into(buffer, piece)
                     piece = buffer
-                nbytes = piece.nbytes
-                if pending and pending_bytes + nbytes > self.chunk_bytes and not single:
-                    yield push_request_pieces(begin, pending)
-                    arena.reset()
-                    begin, pending, pending_bytes = None, [], 0
                 header = encode_chunk_header(item.name, offset, count, wire, 0, values.size)
                 data = piece if isinstance(piece, RowGather) else byte_view(piece)
                 pending.append(OutgoingChunk(header, data))
                 pending_bytes += nbytes
+        # No reset after the last message: its chunks are still to be joined (the
+        # next push built on this thread resets the arena when it starts).
         yield push_request_pieces(begin, pending)
-        arena.reset()
 
     def _begin_parts(self, shard_index: int, items: list[_PushItem], wires: list[int], kind: int,
                      sequence: int, base_versions: dict[str, int], step: int, pull_after: bytes | None,
