@@ -205,14 +205,16 @@ class ConsistencyController:
         if timeout is None:
             timeout = self._membership.lease_seconds  # never hold a thread longer unseen
         with self._cond:
-            if worker_id not in self._clocks:
+            tracked = worker_id in self._clocks or worker_id in self._membership.live_ids()
+            if tracked and worker_id not in self._clocks:
                 self._clocks[worker_id] = self._joining_clock(worker_id)
             # Not undone when the push then fails or is refused, and need not be: a clock of
             # ``step`` says only that the worker left the steps before it, which its asking to push
             # ``step`` shows (PSClient moves to a step only once every shard took the previous one,
             # and its heartbeats report the same clock meanwhile). The push's own step counts as
             # left only with clock ``step`` + 1, which complete_push alone records.
-            self._advance_clock(worker_id, step)
+            if tracked:
+                self._advance_clock(worker_id, step)
         self.apply_ready_steps()
         started = time.monotonic()
         with self._cond:
@@ -247,9 +249,12 @@ class ConsistencyController:
                 self._dropped += 1
                 event(log, logging.DEBUG, "late gradient dropped", worker_id=worker_id, step=step,
                       current_step=self._step)
-            if worker_id not in self._clocks:
-                self._clocks[worker_id] = self._joining_clock(worker_id)
-            self._advance_clock(worker_id, step + 1)
+            # Clocks are kept for live workers (registered by heartbeat) only: a push of a client
+            # that is no worker moves none.
+            if worker_id in self._clocks or worker_id in self._membership.live_ids():
+                if worker_id not in self._clocks:
+                    self._clocks[worker_id] = self._joining_clock(worker_id)
+                self._advance_clock(worker_id, step + 1)
         return counted
 
     def on_push_complete(self, worker_id: str, step: int, decision: str) -> None:

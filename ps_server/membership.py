@@ -66,12 +66,21 @@ class Membership:
         with self._lock:
             self._listeners.append(listener)
 
-    def seen(self, worker_id: str, incarnation: str, step: int | None = None, pushed: bool = False) -> bool:
-        """Register or renew a worker's lease (heartbeat, push or pull); True when it (re)joined."""
+    def seen(self, worker_id: str, incarnation: str, step: int | None = None, pushed: bool = False,
+             register: bool = True) -> bool:
+        """Register or renew a worker's lease (heartbeat, push or pull); True when it (re)joined.
+
+        ``register=False`` (a push): renew the lease of this incarnation if it
+        registered, never register it: a client that only pushes
+        (``PSClient(register=False)``, which never sends a heartbeat) is no
+        worker, and as one it would hold every ssp/sync step for a lease.
+        """
         now = self._clock()
         changed = joined = False
         with self._lock:
             record = self._workers.get(worker_id)
+            if not register and (record is None or record.incarnation != incarnation):
+                return False
             if record is None or record.incarnation != incarnation:
                 if record is not None:
                     event(log, logging.INFO, "worker restarted", worker_id=worker_id,

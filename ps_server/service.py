@@ -303,7 +303,8 @@ class ParameterServerService:
                                         consistency=self._consistency.mode).SerializeToString()
 
     def _seen(self, worker_id: str, incarnation: str, step: int, pushed: bool = False) -> None:
-        if self._membership.seen(worker_id, incarnation, step, pushed):
+        # A push renews a registered worker's lease but registers nobody (see Membership.seen).
+        if self._membership.seen(worker_id, incarnation, step, pushed, register=not pushed):
             self._consistency.forget(worker_id)  # a restarted worker rejoins at the cluster's step
 
     @_unary

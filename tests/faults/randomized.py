@@ -435,6 +435,9 @@ class Run:
                     ids = np.concatenate([self._fresh(shard, per_shard) for shard in range(NUM_SHARDS)])
                     client.push_rows(name, ids, -np.ones((len(ids), 2), np.float32))
                     self.trained[name] = ids
+                # Durable before any fault: a SIGKILL may lose updates after the last checkpoint
+                # (the limit events check these rows stay trained, not what a crash may lose).
+                client.checkpoint()
 
         self._admin(create)
         tmp = self.go_file.with_suffix(".tmp")

@@ -469,6 +469,35 @@ def test_ssp_bounds_staleness_on_the_server_and_as_the_workers_see_it(cluster_fa
                     f"pushing step {behind} (clock <= {behind} < {c} - {staleness})")
 
 
+def test_ssp_a_client_that_only_pushes_is_no_worker(cluster_factory):
+    """A push of ``PSClient(register=False)`` is applied but holds no lease and no clock.
+
+    With a lease far beyond the hang bound, such a pusher counted as a worker
+    would hold every pull past step S + 1 (its clock stays at 1) until the
+    lease ran out. It stays out of the live set and the workers' steps go on.
+    """
+    staleness = 0
+    cluster = cluster_factory(2, "--consistency", "ssp", "--staleness", str(staleness),
+                              "--worker-lease", "600")
+    with observer(cluster) as admin, \
+            PSClient(cluster.addresses, worker_id="w0", data_timeout=20, retry_timeout=20) as worker:
+        create_variables(admin)
+        admin.push({"big": np.full(BIG, 6, np.float32), "small": np.full(SMALL, 6, np.float32)})
+        assert [set(shard.workers) for shard in admin.describe()] == [{"w0"}, {"w0"}], \
+            "the pusher became a worker"
+        for t in range(3):
+            with worker.step(NAMES) as s:
+                s.push(gradients(0, t))
+        for shard in admin.describe():
+            assert set(shard.workers) == {"w0"}
+            assert shard.workers["w0"]["live"]
+            assert (shard.consistency["step"], shard.consistency["pulls_blocked"]) == (3, 0)
+        expected = sgd_trajectory({"big": np.full(BIG, 1.5, np.float32), "small": np.zeros(SMALL, np.float32)},
+                                  [{n: 6.0 * np.ones_like(v) for n, v in gradients(0, 0).items()}]
+                                  + [gradients(0, t) for t in range(3)])[-1]
+        assert same(admin.pull(NAMES), expected)
+
+
 # ---- async -----------------------------------------------------------------------------------------
 
 

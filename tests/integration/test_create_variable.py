@@ -152,10 +152,13 @@ def test_a_late_slow_upload_never_overwrites_trained_values(cluster_factory):
         created = ps_pb2.CreateVariableResponse.FromString(
             channel.unary_unary(method_path("CreateVariable"))(request.SerializeToString(), timeout=HANG))
         assert created.created and not created.variable.initialized
+        # Registered (a push registers nobody), so Describe counts its pushes as they arrive.
+        beat = ps_pb2.HeartbeatRequest(worker_id="slow", incarnation="slow-1")
+        channel.unary_unary(method_path("Heartbeat"))(beat.SerializeToString(), timeout=HANG)
         uploader = threading.Thread(target=slow_upload, name="slow-upload")
         uploader.start()
         deadline = time.monotonic() + HANG
-        while "slow" not in client.describe()[0].workers:  # its first message has reached the server
+        while not client.describe()[0].workers["slow"]["pushes"]:  # its first message reached the server
             assert time.monotonic() < deadline, "the slow upload never reached the server"
             time.sleep(0.01)
         # Another worker creates the variable from its own (equal) array: its upload completes first.
