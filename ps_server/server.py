@@ -246,6 +246,7 @@ class PSServer:
             except Exception:
                 log.exception("final checkpoint failed")
         self.store.gate.seal()  # without a checkpoint dir, or when the final checkpoint failed
+        ended_streams = self.service.end_exchange_streams()
         if not self.grpc_server.stop(grace).wait(grace + _STOP_MARGIN_SECONDS):
             # SIGTERM must end the process: the final checkpoint is written, and
             # a call gRPC never releases must not keep the pod alive.
@@ -254,7 +255,7 @@ class PSServer:
         if self.health_server is not None:
             self.health_server.stop(0)
         self._executor.shutdown(wait=False)
-        event(log, logging.INFO, "stopped", drained=drained)
+        event(log, logging.INFO, "stopped", drained=drained, ended_exchange_streams=ended_streams)
         return drained
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple, TypeVar
 
@@ -155,6 +156,9 @@ class ParameterServerService:
         self._default_chunk_bytes = context.default_chunk_bytes
         self._max_chunk_bytes = context.max_chunk_bytes
         self._admission = context.admission
+        # Guards _open_streams: the contexts of the Exchange streams being served.
+        self._streams_lock = threading.Lock()
+        self._open_streams: set[grpc.ServicerContext] = set()
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """Handlers with raw-bytes (de)serialisation, named as in the proto.
@@ -217,10 +221,26 @@ class ParameterServerService:
         except RequestError as error:
             _abort(context, error)
             return
+        with self._streams_lock:
+            self._open_streams.add(context)
         try:
             yield from self.exchange(request_iterator, context)
         finally:
+            with self._streams_lock:
+                self._open_streams.discard(context)
             self._admission.exit_stream(incarnation)
+
+    def end_exchange_streams(self) -> int:
+        """Cancel every open Exchange stream (CANCELLED: clients retry); returns how many.
+
+        Called once the final checkpoint has sealed the store: an idle stream
+        would otherwise hold gRPC's stop grace period open for nothing.
+        """
+        with self._streams_lock:
+            streams = list(self._open_streams)
+        for context in streams:
+            context.cancel()
+        return len(streams)
 
     # ---- control ----
 

@@ -161,6 +161,23 @@ def test_sigterm_during_pushes_finishes_them_and_exits_zero(cluster_factory):
     assert failures, "the pusher should have been refused once the server stopped"
 
 
+def test_sigterm_ends_idle_exchange_streams_after_the_final_checkpoint(cluster_factory, tmp_path):
+    """An idle client's Exchange stream is cancelled once the final checkpoint is written, instead of
+    holding gRPC's stop grace period open; the client carries on against the restarted server."""
+    cluster = cluster_factory(1, "--checkpoint-dir", str(tmp_path / "ckpt"))
+    server = cluster.servers[0]
+    with PSClient(cluster.addresses, worker_id="idle", retry_timeout=60) as client:
+        client.create_variable("x", shape=(4,), initializer="zeros", optimizer=SGD(learning_rate=1.0))
+        client.push({"x": np.ones(4, np.float32)})  # small: over the Exchange stream, which stays open
+        server.signal(signal.SIGTERM)
+        assert server.wait(30) == 0
+        stopped = [line for line in server.log_text().splitlines() if '"event": "stopped"' in line]
+        assert stopped and '"ended_exchange_streams": 1' in stopped[-1], stopped
+        server.start(server.port)
+        client.push({"x": np.ones(4, np.float32)})
+        np.testing.assert_array_equal(client.pull(["x"])["x"], np.full(4, -2.0, np.float32))
+
+
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                     reason="malloc settings exist in glibc only")
 @pytest.mark.parametrize("flags, arena_max", [((), "2"), (("--malloc-arenas", "0"), "null"),
