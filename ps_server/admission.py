@@ -97,8 +97,3 @@ class Admission:
                     self._by_incarnation[incarnation] = left
                 else:
                     del self._by_incarnation[incarnation]
-
-    def counts(self) -> tuple[int, int]:
-        """(ordinary calls, exchange streams) in progress."""
-        with self._lock:
-            return self._calls, self._streams

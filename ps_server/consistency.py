@@ -128,7 +128,7 @@ class ConsistencyController:
             return 0
         with self._cond:
             if worker_id not in self._clocks:  # a new or restarted worker joins at the cluster's step
-                self._clocks[worker_id] = max(clock, self._joining_clock(worker_id))
+                self._clocks[worker_id] = self._joining_clock(worker_id)
             self._advance_clock(worker_id, clock)
             answer = self._clocks[worker_id] if self.mode == "ssp" else max(self._step, clock)
         self.apply_ready_steps()
@@ -205,9 +205,7 @@ class ConsistencyController:
         if timeout is None:
             timeout = self._membership.lease_seconds  # never hold a thread longer unseen
         with self._cond:
-            tracked = worker_id in self._clocks or worker_id in self._membership.live_ids()
-            if tracked and worker_id not in self._clocks:
-                self._clocks[worker_id] = self._joining_clock(worker_id)
+            tracked = self._track(worker_id)
             # Not undone when the push then fails or is refused, and need not be: a clock of
             # ``step`` says only that the worker left the steps before it, which its asking to push
             # ``step`` shows (PSClient moves to a step only once every shard took the previous one,
@@ -249,19 +247,9 @@ class ConsistencyController:
                 self._dropped += 1
                 event(log, logging.DEBUG, "late gradient dropped", worker_id=worker_id, step=step,
                       current_step=self._step)
-            # Clocks are kept for live workers (registered by heartbeat) only: a push of a client
-            # that is no worker moves none.
-            if worker_id in self._clocks or worker_id in self._membership.live_ids():
-                if worker_id not in self._clocks:
-                    self._clocks[worker_id] = self._joining_clock(worker_id)
+            if self._track(worker_id):
                 self._advance_clock(worker_id, step + 1)
         return counted
-
-    def on_push_complete(self, worker_id: str, step: int, decision: str) -> None:
-        """:meth:`complete_push` of a push with nothing to merge, then :meth:`apply_ready_steps`."""
-        with self._store.gate.shared():
-            self.complete_push(worker_id, step, decision)
-        self.apply_ready_steps()
 
     def apply_ready_steps(self) -> None:
         """Sync: apply the open step once all live workers but K finished it (call with no locks held).
@@ -341,6 +329,17 @@ class ConsistencyController:
     def _joining_clock(self, worker_id: str) -> int:
         """Where a worker without a clock (new, restarted, back after its lease ran out) starts."""
         return self._min_live_clock(exclude=worker_id) if self.mode == "ssp" else self._step
+
+    def _track(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` has a clock (condition held), giving a live worker without one the
+        cluster's. Clocks are kept for live workers (registered by heartbeat) only: a push of a client
+        that is no worker moves none."""
+        if worker_id in self._clocks:
+            return True
+        if worker_id not in self._membership.live_ids():
+            return False
+        self._clocks[worker_id] = self._joining_clock(worker_id)
+        return True
 
     def _advance_clock(self, worker_id: str, clock: int) -> None:
         if clock > self._clocks.get(worker_id, 0):

@@ -305,8 +305,12 @@ class _IncarnationState:
             return sequence in self.off_above
         if sequence < self.forgotten_below:
             return True
+        return self._range_index(sequence) is not None
+
+    def _range_index(self, sequence: int) -> int | None:
+        """The index of the written-off range below done_below that holds ``sequence``, if any."""
         i = bisect.bisect_right(self.written_off, [sequence, float("inf")]) - 1
-        return i >= 0 and self.written_off[i][0] <= sequence < self.written_off[i][1]
+        return i if i >= 0 and self.written_off[i][0] <= sequence < self.written_off[i][1] else None
 
     def mark_done(self, sequence: int) -> None:
         """A push completed (also one written off before, whose stream finished it after all)."""
@@ -364,8 +368,8 @@ class _IncarnationState:
             self.written_off.append([start, end])
 
     def _unmark_off(self, sequence: int) -> None:
-        i = bisect.bisect_right(self.written_off, [sequence, float("inf")]) - 1
-        if i < 0 or not self.written_off[i][0] <= sequence < self.written_off[i][1]:
+        i = self._range_index(sequence)
+        if i is None:
             return
         start, end = self.written_off[i]
         pieces = [r for r in ([start, sequence], [sequence + 1, end]) if r[1] > r[0]]
