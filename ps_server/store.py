@@ -711,8 +711,8 @@ class VariableStore:
                     raise RequestError(
                         Reason.MEMORY_LIMIT,
                         f"uploading the initial value of {part.spec.name!r} needs a {nbytes}-byte buffer on "
-                        f"shard {self.shard_index}; {self._reserved} of the {self.memory_limit}-byte limit "
-                        "are in use (--max-memory-bytes)"
+                        f"shard {self.shard_index}; {self._reserved + self._held} of the {self.memory_limit}-byte "
+                        "limit are in use (--max-memory-bytes)"
                         + ("; another upload of it is in progress" if running else ""))
                 self._upload_changed.wait(remaining)
         try:
@@ -728,6 +728,7 @@ class VariableStore:
     def _release(self, nbytes: int) -> None:
         with self._lock:
             self._reserved -= nbytes
+            self._upload_changed.notify_all()  # an upload may wait for room (stage_upload)
 
     def _return_share(self, part: VariablePart, nbytes: int) -> None:
         """The upload holding ``part``'s upload share was dropped: the share stays booked for the

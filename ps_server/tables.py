@@ -108,7 +108,7 @@ def pin_tables_rows(pins: Sequence[tuple["HashTablePart", np.ndarray]],
     """Synchronous mode, at a push's begin: create and pin rows of several tables, all or nothing.
 
     As :func:`read_tables_rows`: every table locked (name order), each pin
-    checked against the row limit (:meth:`HashTablePart.check_pin`) and
+    checked against the row limit (:meth:`HashTablePart._check_pin_locked`) and
     planned, the growth of all of them booked at once, and only then are rows
     created and pinned; a refusal leaves every table as it was. Each table
     appears once with unique ids.
@@ -217,15 +217,10 @@ class HashTablePart:
 
     # ---- synchronous mode ----
 
-    def check_pin(self, ids: np.ndarray) -> None:
-        """MEMORY_LIMIT if :meth:`pin_rows` of unique ``ids`` cannot fit in ``max_rows``; changes nothing."""
-        with self.lock:
-            self._check_pin_locked(ids)
-
     def _check_pin_locked(self, ids: np.ndarray) -> None:
+        """MEMORY_LIMIT if pinning unique ``ids`` cannot fit in ``max_rows``; changes nothing."""
         if not self.max_rows:
             return
-        new = int(np.count_nonzero(self._index.lookup(ids) < 0))
         if self.spec.eviction == "lru":
             rows = len(np.union1d(self._pinned, ids))
             if rows <= self.max_rows:
@@ -233,6 +228,7 @@ class HashTablePart:
             what = (f"the open synchronous step would update {rows} rows (its pushes' rows with "
                     "this one's); eviction never takes them before the step is applied")
         else:
+            new = int(np.count_nonzero(self._index.lookup(ids) < 0))
             if self.num_rows + new <= self.max_rows:
                 return
             what = f"it holds {self.num_rows} rows on this shard and this push adds {new}"
