@@ -222,6 +222,10 @@ class _PushOutcome:
     failed: dict[int, BaseException] = field(default_factory=dict)
 
 
+#: The worker lease assumed when no server states one (the servers' own default).
+_DEFAULT_LEASE_SECONDS = 30.0
+
+
 def _may_complete_later(error: BaseException | None) -> bool:
     """Whether the same push, sent again, can still complete: the shard did not answer (or was cut off)."""
     return not isinstance(error, PSError) or isinstance(error, PSUnavailableError)
@@ -483,7 +487,7 @@ class PSClient:
             raise ValueError("connect=False is for observers: pass register=False too")
         try:
             # An observer that skips connecting (ps-admin status) reads each shard on its own.
-            lease = self._connect(connect_timeout) if connect else 30.0
+            lease = self._connect(connect_timeout) if connect else _DEFAULT_LEASE_SECONDS
             if self.register:
                 # Register before the first step; a (re)joining worker continues at the cluster's step.
                 self._heartbeat_all(self._control_timeout, adopt_step=True)
@@ -532,7 +536,7 @@ class PSClient:
         connect_policy = RetryPolicy(timeout=timeout, warn_after=min(10.0, timeout / 2))
         infos = self._on_shards(range(len(self._shards)), lambda s: call_with_retry(
             lambda: self._connect_once(s, timeout), connect_policy, "connect", s.address,
-            also_retry=lambda error: isinstance(error, AuthenticationError) and self._token.reread()))
+            also_retry=lambda error: self._token_may_be_rotated(error, changed_only=True)))
         wrong = [f"{info.address} says it is shard {info.shard_index} of {info.num_shards}"
                  for i, info in infos.items()
                  if (info.shard_index, info.num_shards) != (i, len(self._shards))]
@@ -559,7 +563,7 @@ class PSClient:
                     + f"); start every ps-server with the same {flag}")
         self.consistency = modes.pop()
         leases = [info.worker_lease_seconds for info in infos.values() if info.worker_lease_seconds > 0]
-        return min(leases) if leases else 30.0
+        return min(leases) if leases else _DEFAULT_LEASE_SECONDS
 
     def _connect_once(self, shard: ShardChannel, timeout: float) -> ShardInfo:
         """One Describe; when it fails as unavailable, PSTLSError if the TLS set-up is the cause."""
@@ -1055,6 +1059,10 @@ class PSClient:
             for shard in list(self._unfinished):
                 error = outcome.failed.get(shard)
                 if shard in outcome.delivered or (error is not None and not _may_complete_later(error)):
+                    if shard not in outcome.delivered:
+                        log.warning("a top-k push sent again was refused; its rows are dropped",
+                                    extra={"fields": {"address": self._shards[shard].address,
+                                                      "error": str(error)}})
                     del self._unfinished[shard]
 
     def _add_dense(self, gradients: Mapping[str, Any], variables: dict[str, Variable],
@@ -1306,12 +1314,15 @@ class PSClient:
         return call_with_retry(call, self._retry, what, shard.address, on_retry=counted,
                                also_retry=self._token_may_be_rotated)
 
-    def _token_may_be_rotated(self, error: PSError) -> bool:
-        """A refused token from a file: re-read the file and retry (see the class docstring)."""
+    def _token_may_be_rotated(self, error: PSError, changed_only: bool = False) -> bool:
+        """A refused token from a file: re-read the file; whether to retry (see the class docstring).
+
+        ``changed_only`` (connecting): retry only if the file changed, so a wrong token fails at once.
+        """
         if not isinstance(error, AuthenticationError) or not self._token.from_file:
             return False
-        self._token.reread()
-        return True
+        changed = self._token.reread()
+        return changed or not changed_only
 
     def _take_ticket(self) -> int:
         with self._lock:
@@ -1381,8 +1392,7 @@ class PSClient:
             try:
                 return ps_pb2.HeartbeatResponse.FromString(shard.heartbeat(request, timeout)).cluster_step
             except PSError as error:  # the next beat, or a retried RPC, will tell more
-                if isinstance(error, AuthenticationError):
-                    self._token.reread()  # a rotated token file: the next beat carries the new token
+                self._token_may_be_rotated(error)  # a rotated token file: the next beat carries the new one
                 log.debug("heartbeat failed", extra={"fields": {"address": shard.address, "error": str(error)}})
                 return 0
 

@@ -44,7 +44,7 @@ class ShardCall:
 
     def attempt(self) -> Any:
         """One whole attempt: over the lane when it is free (and the server takes it), else the ordinary call."""
-        if self.lane_payload is not None:
+        if self.lane_payload is not None and not self.shard.lane.refused:  # skip building it for nothing
             try:
                 answer = self.shard.exchange(self.lane_field, self.lane_payload(), self.what)
             except LaneRefused:
@@ -81,7 +81,7 @@ def run_shard_calls(calls: Iterable[ShardCall], executor: Executor,
     calls = list(calls)
     sent: dict[int, PendingExchange] = {}
     for c in calls:
-        if c.lane_payload is not None:
+        if c.lane_payload is not None and not c.shard.lane.refused:
             try:
                 pending = c.shard.exchange_start(c.lane_field, c.lane_payload(), c.what)
             except Exception:  # noqa: BLE001, S112 - the ordinary path below retries, or raises it again
