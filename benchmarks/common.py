@@ -262,12 +262,12 @@ def peak_rss_bytes() -> int:
     return _status_field("self", "VmHWM")
 
 
-# Same malloc thresholds as ps-server and PSClient (wehub_ps.allocator), so the
+# Same malloc thresholds as ps-server and PSClient (wehub_ps.process.allocator), so the
 # reference differs from our figures by our code only.
 _GRPC_STREAM_SERVER = """
 import sys, grpc
 from concurrent import futures
-from wehub_ps.allocator import keep_freed_buffers
+from wehub_ps.process.allocator import keep_freed_buffers
 keep_freed_buffers()
 N, CHUNK = int(sys.argv[1]), 1 << 20
 data = bytes(N)
@@ -317,8 +317,8 @@ def grpc_stream_seconds(nbytes: int, repeats: int) -> tuple[list[float], list[fl
 _BARE_ROWS_SERVER = """
 import sys, grpc, numpy as np
 from concurrent import futures
-from wehub_ps.allocator import keep_freed_buffers
-from wehub_ps.rowops import put_rows, take_rows
+from wehub_ps.process.allocator import keep_freed_buffers
+from wehub_ps.kernels.rowops import put_rows, take_rows
 keep_freed_buffers()
 rows, dim = int(sys.argv[1]), int(sys.argv[2])
 table = np.zeros((rows, dim), np.float32)
@@ -353,7 +353,7 @@ def bare_rows_seconds(rows_per_server: int, batches: Sequence[np.ndarray], grads
 
     import grpc
 
-    from wehub_ps.rowops import put_rows, take_rows
+    from wehub_ps.kernels.rowops import put_rows, take_rows
 
     dim = grads.shape[1]
     servers = [subprocess.Popen([sys.executable, "-c", _BARE_ROWS_SERVER, str(rows_per_server), str(dim)],
@@ -415,7 +415,7 @@ def bare_rows_seconds(rows_per_server: int, batches: Sequence[np.ndarray], grads
 # server (1 MiB raw messages), both servers at once, ``repeats`` times.
 _GRPC_STREAM_WORKER = """
 import json, sys, threading, time, grpc
-from wehub_ps.allocator import keep_freed_buffers
+from wehub_ps.process.allocator import keep_freed_buffers
 keep_freed_buffers()
 ports, nbytes, repeats = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
 options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]

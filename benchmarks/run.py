@@ -67,7 +67,7 @@ from common import (  # noqa: E402
     time_calls,
 )
 
-from wehub_ps.allocator import keep_freed_buffers  # noqa: E402 - importable once common put the repo on sys.path
+from wehub_ps.process.allocator import keep_freed_buffers  # noqa: E402 - importable once common put the repo on sys.path
 
 ROWS, COLUMNS, NUM_VARIABLES = 6400, 1024, 4
 MODEL_BYTES = ROWS * COLUMNS * 4 * NUM_VARIABLES
@@ -301,7 +301,7 @@ def section_topk(repeats: int, tcp: float, results: dict, ratio: float = 0.01) -
 
 
 def section_apply(repeats: int, memcpy: float, results: dict) -> list[Row]:
-    from ps_server.store import VariablePart
+    from ps_server.core.store import VariablePart
     from wehub_ps.specs import SGD, Adam, VariableSpec
 
     elements = 25_000_000  # 100 MB of float32
@@ -590,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(only) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
-    # As every ps-server and PSClient does (wehub_ps.allocator): the gRPC
+    # As every ps-server and PSClient does (wehub_ps.process.allocator): the gRPC
     # references measured in this process then run under the same malloc.
     keep_freed_buffers()
     results: dict = {}

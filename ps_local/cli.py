@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from ps_local.examples import EXAMPLES, load_example
 from ps_local.processes import ManagedProcess, ProcessGroup
-from wehub_ps.logs import configure, event
+from wehub_ps.process.logs import configure, event
 
 log = logging.getLogger("ps_local")
 

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 
 from ps_local.examples import EXAMPLES, load_example
 from wehub_ps.cluster import ClusterConfigError, ps_addresses_from_env, task_from_tf_config
-from wehub_ps.logs import configure
+from wehub_ps.process.logs import configure
 from worker_client import PSClient
 
 

@@ -1,5 +1,5 @@
 import sys
 
-from ps_server.cli import main
+from ps_server.ops.cli import main
 
 sys.exit(main())

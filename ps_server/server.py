@@ -26,24 +26,24 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ps_server.admission import Admission
-from ps_server.auth import AuthInterceptor, TokenFile
-from ps_server.checkpoint import find_restore_plan, load_parts
-from ps_server.checkpointer import Checkpointer
-from ps_server.config import ServerConfig
-from ps_server.consistency import ConsistencyController
-from ps_server.context import RestoredFrom, ShardContext
-from ps_server.gate import ApplyGate
-from ps_server.lifecycle import Lifecycle
-from ps_server.membership import Membership
-from ps_server.metrics import Metrics
-from ps_server.push_ledger import PushLedger
-from ps_server.service import ParameterServerService
-from ps_server.spec_log import SpecLog, replay_spec_logs
-from ps_server.standard_services import HealthServicer, add_reflection
-from ps_server.store import VariableStore
-from wehub_ps.logs import event
-from wehub_ps.rpc import SERVICE_NAME
+from ps_server.core.admission import Admission
+from ps_server.service.auth import AuthInterceptor, TokenFile
+from ps_server.durability.format import find_restore_plan, load_parts
+from ps_server.durability.checkpointer import Checkpointer
+from ps_server.ops.config import ServerConfig
+from ps_server.core.consistency import ConsistencyController
+from ps_server.service.context import RestoredFrom, ShardContext
+from ps_server.core.gate import ApplyGate
+from ps_server.core.lifecycle import Lifecycle
+from ps_server.core.membership import Membership
+from ps_server.ops.metrics import Metrics
+from ps_server.core.ledger import PushLedger
+from ps_server.service.servicer import ParameterServerService
+from ps_server.durability.spec_log import SpecLog, replay_spec_logs
+from ps_server.service.standard_services import HealthServicer, add_reflection
+from ps_server.core.store import VariableStore
+from wehub_ps.process.logs import event
+from wehub_ps.wire.rpc import SERVICE_NAME
 
 __all__ = ["PSServer", "create_server"]
 
@@ -106,7 +106,7 @@ class PSServer:
         # One thread per concurrent RPC: streams block their thread while
         # waiting for the network, and the RPC bound makes the pool the cap.
         # Ordinary calls and Exchange streams have bounds of their own (see
-        # ps_server.admission); gRPC's covers both, so idle streams never
+        # ps_server.core.admission); gRPC's covers both, so idle streams never
         # take an ordinary call's thread.
         slots = self.context.admission.transport_slots
         self._executor = futures.ThreadPoolExecutor(

@@ -15,7 +15,7 @@ from typing import Union
 
 import numpy as np
 
-from wehub_ps.dtypes import VARIABLE_DTYPES, dtype_name, parse_dtype, to_numpy_dtype, to_wire_dtype
+from wehub_ps.wire.dtypes import VARIABLE_DTYPES, dtype_name, parse_dtype, to_numpy_dtype, to_wire_dtype
 from wehub_ps.placement import (
     FixedShardsPartitioner,
     MaxSizePartitioner,

@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from wehub_ps import allocator
+from wehub_ps.process import allocator
 from wehub_ps.cluster import ClusterConfigError, ps_addresses_from_env, split_host_port, task_from_tf_config
-from wehub_ps.codec import (
+from wehub_ps.wire.codec import (
     EXCHANGE_PULL,
     EXCHANGE_PUSH,
     OutgoingChunk,
@@ -43,12 +43,12 @@ from wehub_ps.codec import (
     push_request_pieces,
     split_push_response,
 )
-from wehub_ps.convert import cast_into
-from wehub_ps.dtypes import BFLOAT16, dtype_name, parse_dtype, to_wire_dtype
+from wehub_ps.wire.convert import cast_into
+from wehub_ps.wire.dtypes import BFLOAT16, dtype_name, parse_dtype, to_wire_dtype
 from wehub_ps.placement import MinSizePartitioner, Partitioner, Placement, hash_shards
-from wehub_ps.rowops import put_rows, take_rows
-from wehub_ps.rpc import DEFAULT_CHUNK_BYTES
-from wehub_ps.segments import sort_ids, sum_sorted
+from wehub_ps.kernels.rowops import put_rows, take_rows
+from wehub_ps.wire.rpc import DEFAULT_CHUNK_BYTES
+from wehub_ps.kernels.segments import sort_ids, sum_sorted
 from wehub_ps.specs import (
     SGD,
     Constant,
@@ -64,7 +64,7 @@ from wehub_ps.specs import (
 )
 from wehub_ps.v1 import ps_pb2
 from worker_client.arrays import is_gpu_array, parse_device, to_device, to_host
-from worker_client.credentials import BearerToken, tls_material
+from worker_client.transport.credentials import BearerToken, tls_material
 from worker_client.errors import (
     AuthenticationError,
     ClusterMismatchError,
@@ -76,14 +76,14 @@ from worker_client.errors import (
     ShapeMismatchError,
     VariableNotFoundError,
 )
-from worker_client.fanout import ShardCall, run_shard_calls
+from worker_client.transport.fanout import ShardCall, run_shard_calls
 from worker_client.gpu import GpuTransfers
-from worker_client.handshake import diagnose
+from worker_client.transport.handshake import diagnose
 from worker_client.pulls import PullItem, PullReceiver, pull_request
-from worker_client.retry import RetryPolicy, call_with_retry
+from worker_client.transport.retry import RetryPolicy, call_with_retry
 from worker_client.step import Step
 from worker_client.topk import TopKRows
-from worker_client.transport import ShardChannel
+from worker_client.transport.channels import ShardChannel
 
 __all__ = ["PSClient", "Variable", "ShardInfo"]
 
@@ -355,7 +355,7 @@ class PSClient:
     ``connect=False`` (an observer, ``register=False``) skips that check so
     that :meth:`describe_each` can report a cluster with a shard down.
     When a connect attempt fails, the client checks the TLS handshake
-    itself (worker_client.handshake) and raises :class:`PSTLSError`, naming
+    itself (worker_client.transport.handshake) and raises :class:`PSTLSError`, naming
     the mismatch, instead of retrying a set-up that cannot work.
 
     Tokens: a token given as ``auth_token`` is used as is. One read from
@@ -385,7 +385,7 @@ class PSClient:
     size of the variable.
 
     Memory: by default the process's malloc keeps freed message-sized
-    blocks for reuse (see wehub_ps.allocator; glibc only, process-wide):
+    blocks for reuse (see wehub_ps.process.allocator; glibc only, process-wide):
     otherwise each received message faults in fresh pages, which cost a
     fifth of a worker's CPU. It also caps malloc at 2 arenas, so that what
     is kept does not grow with the cores (``MALLOC_ARENA_MAX`` in the
@@ -438,7 +438,7 @@ class PSClient:
         #: process from pushes of an earlier run with the same worker_id.
         self.incarnation = uuid.uuid4().hex
         self.chunk_bytes = chunk_bytes
-        #: Small pulls and pushes go over a long-lived stream per shard (worker_client.lane).
+        #: Small pulls and pushes go over a long-lived stream per shard (worker_client.transport.lane).
         self._use_lane = exchange_lane
         self.wire_dtype = self._check_wire_dtype(wire_dtype)
         self._topk = TopKRows(topk_ratio) if topk_ratio is not None else None
@@ -1307,7 +1307,7 @@ class PSClient:
         return to_host(array, argument)
 
     def _call(self, shard: ShardChannel, what: str, call: Callable[[], Any]) -> Any:
-        """``call()`` retried while the server is unavailable (see :mod:`worker_client.retry`)."""
+        """``call()`` retried while the server is unavailable (see :mod:`worker_client.transport.retry`)."""
         def counted() -> None:
             with self._lock:
                 self._stats["retries"] += 1

@@ -12,15 +12,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from wehub_ps.codec import (
+from wehub_ps.wire.codec import (
     CodecError,
     DecodedChunk,
     decode_pull_response,
     encode_pull_item,
     encode_pull_request,
 )
-from wehub_ps.convert import cast_into
-from wehub_ps.rowops import put_rows
+from wehub_ps.wire.convert import cast_into
+from wehub_ps.kernels.rowops import put_rows
 from worker_client.errors import PSInternalError
 
 __all__ = ["PullItem", "PullReceiver", "pull_request"]

@@ -717,7 +717,7 @@ def _probe_run_as(identity: Identity) -> str | None:
                                          timeout=60, check=True, cwd="/").stdout)
     checks = [
         ([*prefix, sys.executable, "-c", _INTERPRETER], expected),
-        ([*prefix, sys.executable, "-c", "import ps_server.cli, ps_local.worker, sklearn.datasets"], None),
+        ([*prefix, sys.executable, "-c", "import ps_server.ops.cli, ps_local.worker, sklearn.datasets"], None),
         ([*prefix, executable("ps-server"), "--help"], None),
         ([*prefix, executable("ps-worker"), "--help"], None),
     ]
@@ -978,7 +978,7 @@ def scrape(proc: Proc, ca_file: str, server_name: str, timeout: float = 5.0, *,
 
 def checkpoint_problems(pod: Pod, mount_path: str) -> list[str]:
     """The server's checkpoint volume holds an intact checkpoint of its shard (its ordinal)."""
-    from ps_server.checkpoint import CheckpointError, read_manifest
+    from ps_server.durability.format import CheckpointError, read_manifest
 
     root = pod.mount(mount_path)
     manifests = sorted(root.glob(f"shard-{pod.meta.index}-of-*/*/manifest.json"))

@@ -413,7 +413,7 @@ def test_a_worker_that_cannot_connect_says_which_server_and_why(objects, work, l
         worker, lambda pod, port: f"127.0.0.1:{pod.ports[port]}")
     start_servers(launcher, cluster)
     proc = launcher.start(worker)
-    # A TLS mismatch is named at the first failed connect (worker_client.handshake), not retried
+    # A TLS mismatch is named at the first failed connect (worker_client.transport.handshake), not retried
     # for connect_timeout (60 s) like a server that is down.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and proc.popen.poll() is None:

@@ -26,7 +26,7 @@ def console_scripts() -> dict[str, str]:
 
 
 def server_flags() -> set[str]:
-    config = pytest.importorskip("ps_server.config", reason="ps_server.config does not import")
+    config = pytest.importorskip("ps_server.ops.config", reason="ps_server.ops.config does not import")
     flags = set()
     for action in config.build_parser()._actions:
         flags.update(s for s in action.option_strings if s.startswith("--"))

@@ -31,13 +31,13 @@ METRICS_SOURCE = REPO / "ps_server" / "metrics.py"
 
 def declared_metrics(source: str) -> dict[str, tuple[str, set[str]]]:
     """{series name: (type, labels)} as a prometheus_client module declares them."""
-    from ps_server.metrics import VariableOutcomeCounter
+    from ps_server.ops.metrics import VariableOutcomeCounter
 
     found = {}
     for node in ast.walk(ast.parse(source)):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                 and node.func.id == "VariableOutcomeCounter" and isinstance(node.args[0], ast.Constant)):
-            # Our own collector of counters with fixed labels (ps_server.metrics).
+            # Our own collector of counters with fixed labels (ps_server.ops.metrics).
             found[node.args[0].value + "_total"] = ("counter", set(VariableOutcomeCounter.LABELS))
             continue
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
@@ -62,7 +62,7 @@ def declared_metrics(source: str) -> dict[str, tuple[str, set[str]]]:
 
 def exported_source() -> str:
     if not METRICS_SOURCE.is_file():
-        pytest.skip("ps_server/metrics.py does not exist (yet)")
+        pytest.skip("ps_server/ops/metrics.py does not exist (yet)")
     return METRICS_SOURCE.read_text()
 
 

@@ -85,7 +85,7 @@ import numpy as np  # noqa: E402
 from fault_proxy import FaultProxy  # noqa: E402
 from ps_testing import ServerProcess, child_env  # noqa: E402
 from wehub_ps.placement import hash_shards  # noqa: E402
-from wehub_ps.rpc import method_path  # noqa: E402
+from wehub_ps.wire.rpc import method_path  # noqa: E402
 from wehub_ps.v1 import ps_pb2  # noqa: E402
 
 NUM_SHARDS = 2

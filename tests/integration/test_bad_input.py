@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
-from wehub_ps.codec import OutgoingChunk, byte_view, decode_pull_response, encode_push_request
+from wehub_ps.wire.codec import OutgoingChunk, byte_view, decode_pull_response, encode_push_request
 from wehub_ps.errors import REASON_METADATA_KEY
-from wehub_ps.rpc import method_path
+from wehub_ps.wire.rpc import method_path
 from wehub_ps.specs import SGD, VariableSpec
 from wehub_ps.v1 import ps_pb2
 from worker_client import PSClient
@@ -220,7 +220,7 @@ def test_a_valid_push_after_all_that_still_applies(server):
 
 
 def test_the_exchange_stream_answers_bad_requests_and_carries_on(channel, unchanged):
-    from wehub_ps.codec import EXCHANGE_ERROR, EXCHANGE_PULL, decode_envelope, encode_envelope
+    from wehub_ps.wire.codec import EXCHANGE_ERROR, EXCHANGE_PULL, decode_envelope, encode_envelope
 
     pull = ps_pb2.PullRequest(shard_index=0, num_shards=1, items=[ps_pb2.PullItem(variable="b")])
     unknown = ps_pb2.PullRequest(shard_index=0, num_shards=1, items=[ps_pb2.PullItem(variable="nope")])

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
-from ps_server.initializers import fill_rows
-from wehub_ps.codec import OutgoingChunk, byte_view, decode_pull_response, encode_push_request
-from wehub_ps.dtypes import BFLOAT16
+from ps_server.core.initializers import fill_rows
+from wehub_ps.wire.codec import OutgoingChunk, byte_view, decode_pull_response, encode_push_request
+from wehub_ps.wire.dtypes import BFLOAT16
 from wehub_ps.errors import REASON_METADATA_KEY
 from wehub_ps.placement import hash_shards
-from wehub_ps.rpc import method_path
+from wehub_ps.wire.rpc import method_path
 from wehub_ps.specs import Explicit, VariableSpec
 from wehub_ps.v1 import ps_pb2
 from worker_client import (

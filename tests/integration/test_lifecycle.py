@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ps_server import ServerConfig, create_server
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from wehub_ps.codec import (
+from wehub_ps.wire.codec import (
     EXCHANGE_ERROR,
     EXCHANGE_PULL,
     EXCHANGE_PUSH,
@@ -31,7 +31,7 @@ from wehub_ps.codec import (
     encode_push_request,
 )
 from wehub_ps.errors import REASON_METADATA_KEY
-from wehub_ps.rpc import method_path
+from wehub_ps.wire.rpc import method_path
 from wehub_ps.specs import VariableSpec
 from wehub_ps.v1 import ps_pb2
 from worker_client import SGD, PSClient, PSUnavailableError

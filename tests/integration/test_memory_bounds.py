@@ -26,7 +26,7 @@ import grpc
 import numpy as np
 import pytest
 
-from wehub_ps.codec import (
+from wehub_ps.wire.codec import (
     EXCHANGE_ERROR,
     EXCHANGE_PULL,
     OutgoingChunk,
@@ -43,7 +43,7 @@ from wehub_ps.codec import (
 )
 from wehub_ps.errors import REASON_METADATA_KEY
 from wehub_ps.placement import hash_shards
-from wehub_ps.rpc import method_path
+from wehub_ps.wire.rpc import method_path
 from wehub_ps.v1 import ps_pb2
 from worker_client import SGD, PSClient, ResourceExhaustedError, Uniform
 

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 
-from wehub_ps.codec import (
+from wehub_ps.wire.codec import (
     EXCHANGE_ERROR,
     EXCHANGE_PUSH,
     OutgoingChunk,
@@ -25,7 +25,7 @@ from wehub_ps.codec import (
     encode_push_request,
 )
 from wehub_ps.errors import REASON_METADATA_KEY
-from wehub_ps.rpc import method_path
+from wehub_ps.wire.rpc import method_path
 from wehub_ps.v1 import ps_pb2
 from worker_client import SGD, PSClient, PushWrittenOffError
 

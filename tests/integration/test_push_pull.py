@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import worker_client.client as client_module
-from wehub_ps.codec import (
+from wehub_ps.wire.codec import (
     OutgoingChunk,
     byte_view,
     decode_pull_response,
@@ -23,7 +23,7 @@ from wehub_ps.codec import (
     split_push_response,
 )
 from wehub_ps.errors import REASON_METADATA_KEY
-from wehub_ps.rpc import method_path
+from wehub_ps.wire.rpc import method_path
 from wehub_ps.v1 import ps_pb2
 from worker_client import SGD, PSClient
 

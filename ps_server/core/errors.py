@@ -1,0 +1,20 @@
+"""The one exception type the store raises for a bad request."""
+
+from __future__ import annotations
+
+from wehub_ps.errors import Reason
+
+__all__ = ["RequestError"]
+
+
+class RequestError(Exception):
+    """A request the server refuses; nothing was changed.
+
+    The service layer turns ``reason`` into a gRPC status code (one table,
+    in :mod:`ps_server.service.servicer`) and sends ``message`` as the details.
+    """
+
+    def __init__(self, reason: Reason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message

@@ -1,0 +1,524 @@
+"""Applying one push stream: validation, exactly-once chunks, completion.
+
+The push protocol (see ``protos/wehub_ps/v1/ps.proto``): the first message
+carries a ``PushBegin`` that declares every variable the push covers on
+this shard, and chunks follow. Everything that can be checked up front is
+checked at the begin (cluster identity, variables, sizes, dtypes), before
+anything is applied; each chunk is checked again before it is applied.
+A stream that breaks midway leaves the chunks before the break applied and
+recorded in the ledger, and a retry of the same push completes it, exactly
+once.
+
+No gRPC here: the service layer feeds decoded messages in.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ps_server.core.accumulator import PushStaging, staged_rows_bytes
+from ps_server.core.consistency import ConsistencyController, PushDecision
+from ps_server.core.errors import RequestError
+from ps_server.ops.metrics import Metrics
+from ps_server.core.ledger import ClaimResult, PushLedger, PushSession
+from ps_server.core.rows import parse_row_ids
+from ps_server.core.store import VariablePart, VariableStore, check_dtype_allowed
+from ps_server.core.tables import HashTablePart
+from wehub_ps.wire.codec import CodecError, DecodedChunk
+from wehub_ps.wire.dtypes import dtype_name, to_numpy_dtype
+from wehub_ps.errors import Reason
+from wehub_ps.v1 import ps_pb2
+
+__all__ = ["PushResult", "ActivePush", "BeginParts", "begin_push", "check_cluster", "max_chunk_records",
+           "max_chunks_per_message"]
+
+MAX_WORKER_ID_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class PushResult:
+    versions: dict[str, int]
+    duplicate: bool
+    elements_applied: int
+    dropped: bool = False
+    cluster_step: int = 0
+
+
+@dataclass(frozen=True)
+class _Item:
+    part: VariablePart | HashTablePart
+    wire_dtype: np.dtype
+    #: Row pushes: the rows updated, in the order of the pushed block.
+    row_ids: np.ndarray | None = None
+    elements: int = 0
+    #: Elements per row (the part's spec.row_elements, looked up once per push).
+    width: int = 1
+    #: A dense part's row pushes: the same rows as indices into the part (checked at the begin).
+    local_rows: np.ndarray | None = None
+
+
+class BeginParts:
+    """A PushBegin spread over several messages (``PushBegin.continued``), put together before it is checked.
+
+    A push of more row ids than fit one message keeps one sequence this
+    way, so the ledger claims its chunks as one push. Each part's row ids
+    are booked through ``book`` before they are kept: three times their
+    size, for the ids collected here, the joined begin and the arrays
+    begin_push parses from it, held while the push streams.
+    """
+
+    def __init__(self, first: ps_pb2.PushBegin, book: Callable[[int], None]) -> None:
+        self._book = book
+        self._first = first
+        #: Per variable declared by the first part: its row ids, part by part.
+        self._ids: dict[str, list[bytes]] = {}
+        self._elements: dict[str, int] = {}
+        self._continued = first.continued
+        for item in first.items:
+            self._take(item)
+
+    @property
+    def continued(self) -> bool:
+        """Whether more parts must follow."""
+        return self._continued
+
+    def _take(self, item: ps_pb2.PushItem) -> None:
+        if item.row_ids:
+            self._book(3 * len(item.row_ids))
+        self._ids.setdefault(item.variable, []).append(item.row_ids)
+        self._elements[item.variable] = self._elements.get(item.variable, 0) + item.elements
+
+    def add(self, part: ps_pb2.PushBegin) -> None:
+        """The next part: its items' row ids extend those of the variables the first part declared."""
+        if not part.items or not all(item.row_ids for item in part.items):
+            raise RequestError(Reason.INVALID_REQUEST, "a continuing PushBegin part must carry row ids of "
+                                                       "the variables the first part declared")
+        for item in part.items:
+            if item.variable not in self._ids:
+                raise RequestError(Reason.INVALID_REQUEST,
+                                   f"a continuing PushBegin part names {item.variable!r}, which the first "
+                                   "part did not declare")
+        for item in part.items:
+            self._take(item)
+        self._continued = part.continued
+
+    def whole(self) -> ps_pb2.PushBegin:
+        """The begin as one message (call once the last part came)."""
+        begin = ps_pb2.PushBegin()
+        begin.CopyFrom(self._first)
+        begin.continued = False
+        for item in begin.items:
+            parts = self._ids[item.variable]
+            if len(parts) > 1:
+                item.row_ids = b"".join(parts)
+                item.elements = self._elements[item.variable]
+        return begin
+
+
+def check_cluster(store: VariableStore, shard_index: int, num_shards: int) -> None:
+    """Refuse a caller whose address list disagrees with this server."""
+    if (shard_index, num_shards) != (store.shard_index, store.num_shards):
+        raise RequestError(
+            Reason.CLUSTER_MISMATCH,
+            f"this server is shard {store.shard_index} of {store.num_shards}, but the request "
+            f"was meant for shard {shard_index} of {num_shards}; check the order and length of "
+            "the client's address list",
+        )
+
+
+class ActivePush:
+    """One push stream in progress on this shard."""
+
+    def __init__(self, store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin,
+                 items: dict[str, _Item], session: PushSession | None,
+                 consistency: ConsistencyController | None, decision: str,
+                 metrics: Metrics | None = None) -> None:
+        self._store = store
+        self._ledger = ledger
+        self._assign = begin.kind == ps_pb2.ASSIGN
+        self._items = items
+        self._session = session
+        self._consistency = consistency
+        self._decision = decision
+        self._worker_id = begin.worker_id
+        self._step = begin.step
+        self._applied_here = 0
+        self._versions: dict[str, int] = {}
+        self._dropped = decision == PushDecision.DROP
+        self._metrics = metrics
+        #: An ASSIGN push: whether its upload became a variable's initial value.
+        self._installed = False
+
+    def apply(self, chunk: DecodedChunk) -> None:
+        """Check one chunk and apply it unless this push applied it before."""
+        self.apply_many([chunk])
+
+    def apply_many(self, chunks: list[DecodedChunk]) -> None:
+        """Check every chunk of one message, then apply them under one hold of the gate.
+
+        A message of a small model carries a chunk per variable; taking the
+        gate and timing once per message instead of once per chunk saves
+        that work for every variable (yappi showed the gate's condition and
+        the histogram among the server's largest costs in such a step). A
+        chunk that fails its checks refuses the whole message before any of
+        it is applied.
+        """
+        checked = [self._check(chunk) for chunk in chunks]
+        if self._session is None or not checked:
+            return  # the whole push is a duplicate, or nothing came
+        self._session.make_room(len(checked))  # a message past the push's bound is refused whole
+        started = time.perf_counter()
+        completed = False
+        # Claim, apply and record under the shared gate, so that a checkpoint
+        # sees each chunk either applied and recorded, or neither.
+        with self._store.gate.shared():
+            for name, item, offset, values in checked:
+                if values.size and self._apply_one(name, item, offset, values):
+                    completed = True
+                    self._finalize()
+        if self._metrics is not None:
+            self._metrics.apply_seconds.observe(time.perf_counter() - started)
+        if completed:
+            self._after_complete()
+
+    def _check(self, chunk: DecodedChunk) -> tuple[str, _Item, int, np.ndarray]:
+        """Everything that can be wrong with a chunk, before anything is applied."""
+        header = chunk.header
+        item = self._items.get(header.variable)
+        if item is None:
+            raise RequestError(Reason.INVALID_CHUNK,
+                               f"chunk for {header.variable!r}, which this push's begin did not declare")
+        try:
+            wire = to_numpy_dtype(header.dtype)
+        except ValueError:
+            raise RequestError(Reason.INVALID_CHUNK,
+                               f"chunk for {header.variable!r} has unknown dtype {header.dtype}") from None
+        if wire != item.wire_dtype:
+            raise RequestError(
+                Reason.INVALID_CHUNK,
+                f"chunk for {header.variable!r} is {dtype_name(wire)}, but the push declared "
+                f"{dtype_name(item.wire_dtype)}",
+            )
+        offset, count = header.offset, header.count
+        if offset + count > item.elements:
+            raise RequestError(
+                Reason.INVALID_CHUNK,
+                f"chunk [{offset}, {offset + count}) of {header.variable!r} is outside the "
+                f"{item.elements} elements this push declared",
+            )
+        width = item.width
+        if item.row_ids is not None and (offset % width or count % width):
+            raise RequestError(Reason.INVALID_CHUNK,
+                               f"chunk [{offset}, {offset + count}) of {header.variable!r} does not hold "
+                               f"whole rows of {width} elements")
+        try:
+            values = chunk.array()
+        except CodecError as exc:
+            raise RequestError(Reason.INVALID_CHUNK, f"chunk for {header.variable!r}: {exc}") from None
+        return header.variable, item, offset, values
+
+    def _apply_one(self, name: str, item: _Item, offset: int, values: np.ndarray) -> bool:
+        """Apply one checked chunk (the caller holds the gate); True when it completed the push."""
+        session = self._session
+        count = values.size
+        part = item.part
+        # The common case, a dense gradient, takes its ledger work in one hold of the session's lock.
+        dense_gradient = self._decision == PushDecision.APPLY and item.row_ids is None and not self._assign
+        step = 0
+        if dense_gradient:
+            step = session.claim_with_step(name, offset, count, part.reserve_step)
+            if step is None:
+                return False
+        elif session.claim(name, offset, count) == ClaimResult.ALREADY_APPLIED:
+            return False
+        try:
+            if dense_gradient:
+                part.apply_gradient(offset, values, step)
+            elif self._decision == PushDecision.DROP:
+                pass  # recorded (so a retry is recognised), never applied
+            elif self._decision == PushDecision.ACCUMULATE:
+                self._stage(item, offset, values)
+            elif item.row_ids is not None:
+                width = item.width
+                first, end = offset // width, (offset + count) // width
+                grads = values.reshape(end - first, width)
+                if item.local_rows is not None:  # a dense part's rows, checked at the begin
+                    part.apply_local_rows(item.local_rows[first:end], grads)
+                else:
+                    part.apply_rows(item.row_ids[first:end], grads)
+            else:
+                upload = session.uploads.get(name)
+                if upload is not None:  # staged; installed whole when the push completes
+                    upload.write(offset, values)
+        except BaseException:
+            session.release(name, offset)
+            raise
+        self._applied_here += count
+        self._store.generation += 1
+        return session.done(name, offset)
+
+    def _stage(self, item: _Item, offset: int, values: np.ndarray) -> None:
+        """Synchronous mode: keep the chunk in the push's own staging until the push is whole."""
+        staging = self._session.staging.setdefault(item.part.spec.name, PushStaging())
+        dtype = item.part.compute_dtype
+        # Staged bytes are booked first (an abandoned push keeps them until the ledger drops it; a
+        # whole push hands them to the step's sum, which keeps them until the step is applied).
+        if item.row_ids is not None:
+            width = item.part.spec.row_elements
+            rows = item.row_ids[offset // width:(offset + values.size) // width]
+            self._session.book_bytes(staged_rows_bytes(rows, values.size, dtype))
+            staging.add_rows(rows, values.reshape(len(rows), width), dtype)
+        else:
+            if staging.dense is None:
+                self._session.book_bytes(item.elements * dtype.itemsize)
+            staging.add_dense(item.elements, dtype, offset, values)
+
+    def _after_complete(self) -> None:
+        """Outside the apply gate: this push may have finished a sync step; apply it."""
+        if self._consistency is not None and not self._assign:
+            self._consistency.apply_ready_steps()
+
+    def finish(self) -> PushResult:
+        """The stream ended: the push must be complete by now."""
+        session = self._session
+        if session is not None and not session.complete:
+            raise RequestError(
+                Reason.PUSH_INCOMPLETE,
+                f"push stream ended after {session.applied_elements} of {session.total_elements} "
+                "elements; the applied chunks are recorded, retry the same push to complete it",
+            )
+        if self._assign and session is not None:
+            self._install(session)
+        versions = self._versions or {
+            name: item.part.info().version for name, item in self._items.items()
+        }
+        applied = self._applied_here
+        if self._assign:  # an upload that did not become the value changed nothing
+            duplicate = not self._installed
+            applied = applied if self._installed else 0
+        else:
+            duplicate = session is None or (applied == 0 and session.total_elements > 0)
+        cluster_step = self._consistency.cluster_step() if self._consistency is not None else 0
+        return PushResult(versions, duplicate, applied, self._dropped, cluster_step)
+
+    def _install(self, session: PushSession) -> None:
+        """A complete ASSIGN push: install each staged value unless its part has one already.
+
+        Runs at the end of every stream of the push (also a retry's, should
+        the first stream have broken after the last chunk), so it is never
+        left half done; installing is idempotent.
+        """
+        for upload in list(session.uploads.values()):
+            if self._store.install_upload(upload):
+                self._installed = True
+        self._ledger.finish(session)
+
+    def _finalize(self) -> None:
+        """The push is whole (the caller holds the gate shared): count it, merge it, record it.
+
+        A sync push joins every part's sum of its step, or none when the
+        step was applied while it streamed (dropped whole); the ledger and
+        the worker's clock record it in the same hold of the gate, so a
+        checkpoint holds the push in all of them or in none. The memory
+        booked for its staging moves to the sums (what they took over) or is
+        given back: the sums grow only by bytes booked before they were
+        allocated.
+        """
+        if self._assign:
+            return  # recorded as finished once installed (finish)
+        if self._decision == PushDecision.APPLY:
+            for name, item in self._items.items():
+                self._versions[name] = item.part.finish_push()
+        staged, staged_bytes = self._session.take_staging()
+        kept = 0
+        if self._consistency is not None:
+            def merge() -> None:
+                nonlocal kept
+                for name, item in self._items.items():
+                    kept += item.part.merge_staged(self._step, staged.get(name, PushStaging()))
+
+            if not self._consistency.complete_push(self._worker_id, self._step, self._decision, merge):
+                self._dropped = True
+        if staged_bytes or kept:
+            self._store.adopt_staged(staged_bytes, kept)
+        if self._decision != PushDecision.APPLY:
+            for name, item in self._items.items():
+                self._versions[name] = item.part.info().version
+        self._ledger.finish(self._session)
+
+
+def max_chunks_per_message(store: VariableStore) -> int:
+    """Chunks one push message may carry: PSClient packs at most one per variable and a few of one
+    large variable (each near chunk_bytes) into a message; decoding a chunk costs about 1 KiB."""
+    return store.max_variables + 1024
+
+
+def max_chunk_records(variables: int, elements: int) -> int:
+    """Chunks one push may record: a chunk per variable, one per 256 elements (PSClient's chunks of a
+    float64 row just over half of the smallest chunk_bytes), and some slack for tiny pushes."""
+    return 1024 + variables + elements // 256
+
+
+def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin,
+               consistency: ConsistencyController | None = None, metrics: Metrics | None = None,
+               wait_seconds: float | None = None) -> ActivePush:
+    """Validate a PushBegin and open (or rejoin) its session; changes nothing on error.
+
+    A sync push for a step this shard has not reached waits for it, at most
+    ``wait_seconds`` (None: a worker lease), before anything is recorded.
+    """
+    check_cluster(store, begin.shard_index, begin.num_shards)
+    if not begin.worker_id or len(begin.worker_id) > MAX_WORKER_ID_LENGTH:
+        raise RequestError(Reason.INVALID_REQUEST,
+                           f"worker_id must be 1 to {MAX_WORKER_ID_LENGTH} characters, got {begin.worker_id!r}")
+    if not begin.incarnation or len(begin.incarnation) > MAX_WORKER_ID_LENGTH:
+        raise RequestError(Reason.INVALID_REQUEST, "incarnation must be a non-empty id of the worker process")
+    if begin.sequence < 1:
+        raise RequestError(Reason.INVALID_REQUEST, f"sequence must start at 1, got {begin.sequence}")
+    if begin.kind not in (ps_pb2.GRADIENT, ps_pb2.ASSIGN):
+        raise RequestError(Reason.INVALID_REQUEST, f"push kind must be GRADIENT or ASSIGN, got {begin.kind}")
+    if not begin.items:
+        raise RequestError(Reason.INVALID_REQUEST, "a push must declare at least one variable")
+    assign = begin.kind == ps_pb2.ASSIGN
+    # A retry of a push that completed before is answered as a duplicate,
+    # even when its effect (an initial value) now makes it look invalid; one
+    # the ledger wrote off is refused (PUSH_WRITTEN_OFF) before anything else.
+    already_done = ledger.check(begin.worker_id, begin.incarnation, begin.sequence)
+    items: dict[str, _Item] = {}
+    staleness: list[int] = []
+    for declared in begin.items:
+        if declared.variable in items:
+            raise RequestError(Reason.INVALID_REQUEST, f"variable {declared.variable!r} is declared twice")
+        part = store.get(declared.variable)
+        row_ids = local_rows = None
+        if declared.row_ids or part.spec.hash_table:
+            if assign:
+                raise RequestError(Reason.INVALID_REQUEST, "an ASSIGN push cannot address rows")
+            if not declared.row_ids and declared.elements:
+                raise RequestError(Reason.INVALID_REQUEST,
+                                   f"{declared.variable!r} is a hash table: push it by rows (push_rows)")
+            row_ids, local_rows = parse_row_ids(part, declared.row_ids, store.shard_index, store.num_shards,
+                                                unique=True)
+            if part.spec.hash_table and part.max_rows and len(row_ids) > part.max_rows:
+                raise RequestError(Reason.MEMORY_LIMIT,
+                                   f"push of {len(row_ids)} rows of {declared.variable!r} on one shard; the "
+                                   f"table keeps at most {part.max_rows} there (max_rows / --max-rows)")
+            expected = len(row_ids) * part.spec.row_elements
+        elif not part.holds_part:
+            raise RequestError(
+                Reason.INVALID_REQUEST,
+                f"variable {declared.variable!r} has no part on shard {store.shard_index}",
+            )
+        else:
+            expected = part.elements
+        if declared.elements != expected:
+            if row_ids is not None:
+                raise RequestError(
+                    Reason.SHAPE_MISMATCH,
+                    f"push covers {declared.elements} elements of {declared.variable!r}, but "
+                    f"{len(row_ids)} rows of {part.spec.row_elements} elements are {expected}")
+            raise RequestError(
+                Reason.SHAPE_MISMATCH,
+                f"push covers {declared.elements} elements of {declared.variable!r}, but this "
+                f"shard's part (rows {part.row_start}:{part.row_end} of shape "
+                f"{part.spec.shape}) has {part.elements}",
+            )
+        try:
+            wire = to_numpy_dtype(declared.wire_dtype)
+        except ValueError:
+            raise RequestError(Reason.DTYPE_MISMATCH,
+                               f"unknown wire dtype {declared.wire_dtype} for {declared.variable!r}") from None
+        check_dtype_allowed(part, wire, assign)
+        initialized = part.initialized  # a bool read: no lock needed
+        if not assign and not initialized:
+            raise RequestError(
+                Reason.NOT_INITIALIZED,
+                f"variable {declared.variable!r} is waiting for its explicit initial value",
+            )
+        items[declared.variable] = _Item(part, wire, row_ids, expected, part.spec.row_elements, local_rows)
+        if declared.base_version and not assign:
+            staleness.append(max(0, part.version - declared.base_version))
+    if metrics is not None and staleness:
+        metrics.staleness.observe_many(staleness)  # a refused push observes nothing
+    total = sum(item.elements for item in items.values())
+    decision = PushDecision.APPLY
+    if consistency is not None and not assign and not already_done:
+        decision = _decide(store, consistency, begin, items, wait_seconds)
+    if assign:
+        session = _begin_upload(store, ledger, begin, items, total, wait_seconds)
+    else:
+        session = ledger.begin(begin.worker_id, begin.incarnation, begin.sequence, total)
+    if session is not None:
+        session.bound(max_chunk_records(len(items), total),
+                      lambda nbytes: store.book(nbytes, f"the ledger's record of push {begin.sequence} of "
+                                                        f"{begin.worker_id}/{begin.incarnation}"),
+                      store.give_back)
+    push = ActivePush(store, ledger, begin, items, session, consistency, decision, metrics)
+    if session is not None and session.finalize_empty():
+        with store.gate.shared():
+            push._finalize()
+            store.generation += 1
+        push._after_complete()
+    return push
+
+
+def _begin_upload(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin,
+                  items: dict[str, _Item], total: int,
+                  wait_seconds: float | None = None) -> PushSession | None:
+    """The session of an ASSIGN push, with a staging buffer for each part still waiting for its value.
+
+    None (the push is a duplicate) when every part has its value already
+    (also after waiting for another upload of it, see
+    VariableStore.stage_upload): creating from an array is idempotent, the first complete upload wins.
+    Buffers are booked before the ledger is touched, so a refusal
+    (MEMORY_LIMIT) changes nothing.
+    """
+    waiting = [name for name, item in items.items() if not item.part.initialized]
+    if not waiting:
+        return None
+    staged = {}
+    try:
+        for name in waiting:
+            upload = store.stage_upload(items[name].part, wait_seconds)
+            if upload is not None:
+                staged[name] = upload
+        if not staged:
+            return None
+        session = ledger.begin(begin.worker_id, begin.incarnation, begin.sequence, total)
+    except BaseException:
+        for upload in staged.values():
+            upload.drop()
+        raise
+    if session is not None:
+        with session.cond:  # two streams of one push (an impatient retry) must share one buffer
+            if not session.uploads:
+                session.uploads.update(staged)
+                staged = {}
+    for upload in staged.values():  # done before, or a retry: the first buffers stay
+        upload.drop()
+    return session
+
+
+def _decide(store: VariableStore, consistency: ConsistencyController, begin: ps_pb2.PushBegin,
+            items: dict[str, _Item], wait_seconds: float | None) -> str:
+    """The push's consistency decision; a sync push's table rows are pinned for its step.
+
+    Deciding and pinning share one hold of the gate, so the step cannot be
+    applied in between (see HashTablePart.pin_rows). A pin that does not
+    fit refuses the push here, before the ledger records any of it.
+    """
+    deadline = None if wait_seconds is None else time.monotonic() + wait_seconds
+    while True:
+        with store.gate.shared():
+            pins = [(item.part, item.row_ids) for item in items.values()
+                    if isinstance(item.part, HashTablePart) and item.row_ids is not None]
+            # Every table is checked and its growth booked before any row is created or pinned.
+            decision = consistency.push_decision(begin.step, lambda: store.pin_rows(pins))
+        if decision != PushDecision.WAIT:
+            return decision
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        consistency.wait_for_step(begin.worker_id, begin.step, remaining)

@@ -1,0 +1,454 @@
+"""Hash tables: embedding rows keyed by unbounded 64-bit ids.
+
+A row exists once it is first touched (pulled or pushed) and starts from
+the seeded initializer (a pure function of seed and id, so the same id gets
+the same first value on any shard). Rows live in growable arrays indexed
+through a dict id -> slot; optimizer state is per row, including a step
+count per row for Adam's bias correction (lazy Adam).
+
+Memory is bounded: the effective row limit is the table's ``max_rows`` and
+the server's ``--max-rows`` (the smaller one that is set), and the server's
+memory limit in any case. At the limit a table either refuses new rows
+(eviction "none": RESOURCE_EXHAUSTED, nothing changed) or evicts its least
+recently used rows (eviction "lru"; an access is a pull or a push of the
+row; rows of the request itself are never evicted). A refusal happens
+before anything of that request changes (a push that spans several chunks
+keeps its earlier chunks, as every push does; see docs/failure-semantics.md).
+
+Synchronous mode applies a step's row gradients when the step ends, after
+its pushes were acknowledged; so a push's rows are created and pinned when
+the push begins (:meth:`HashTablePart.pin_rows`): a push that would not fit
+is refused then, before anything of it is recorded, and LRU eviction never
+takes a pinned row, so applying the step never needs a row it cannot have.
+No gRPC here; all methods are thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from typing import NamedTuple
+
+import numpy as np
+
+from ps_server.core.accumulator import AccumulatorSnapshot, PushStaging, StepAccumulator
+from ps_server.durability.format import PartSnapshot
+from ps_server.core.errors import RequestError
+from ps_server.core.id_index import IdIndex, index_bytes_for
+from ps_server.core.info import VariableInfo
+from ps_server.core.initializers import fill_rows
+from ps_server.core.optimizers import make_kernel
+from wehub_ps.errors import Reason
+from wehub_ps.kernels.rowops import put_rows, take_rows
+from wehub_ps.specs import VariableSpec
+
+__all__ = ["HashTablePart", "RowPlan", "pin_tables_rows", "read_tables_rows"]
+
+_MIN_CAPACITY = 1024
+
+
+class RowPlan(NamedTuple):
+    """What touching some ids of a table will do (:meth:`HashTablePart.plan`)."""
+
+    ids: np.ndarray
+    #: Slot of each id, -1 where it is new.
+    slots: np.ndarray
+    #: Positions of the new ids in ``ids``.
+    missing: np.ndarray
+    #: The new ids, unique (None when there are none), and each missing position's index in them.
+    new_ids: np.ndarray | None
+    inverse: np.ndarray | None
+    #: Rows to evict (LRU) to make room.
+    evict: int
+    #: Capacity after the read (the current one when it does not grow).
+    capacity: int
+    #: Bytes to book before carrying the plan out: growth, plus ``transient_bytes``.
+    book_bytes: int
+    #: The old arrays while a growth copies them (given back after the growth).
+    transient_bytes: int = 0
+    #: Slots eviction must not take: the request's own rows and a synchronous step's pinned ones.
+    protect: np.ndarray | None = None
+
+
+def read_tables_rows(reads: Sequence[tuple["HashTablePart", np.ndarray]],
+                     reserve: Callable[[int], None]) -> list[np.ndarray]:
+    """Values of rows of several tables, creating missing rows, all or nothing.
+
+    Every table is locked (in name order: one lock order for every caller),
+    every read planned and checked, and the growth of all of them booked with
+    ``reserve`` at once before any table changes: a refusal (a row limit, the
+    memory limit) leaves every table as it was, no row created, none evicted.
+    A table may appear more than once (its reads are planned together).
+    """
+    tables: dict[int, HashTablePart] = {}
+    for table, _ in reads:
+        tables.setdefault(id(table), table)
+    with ExitStack() as stack:
+        for table in sorted(tables.values(), key=lambda t: t.spec.name):
+            stack.enter_context(table.lock)
+        ids_of: dict[int, list[np.ndarray]] = {}
+        for table, ids in reads:
+            ids_of.setdefault(id(table), []).append(ids)
+        plans = {key: tables[key].plan(np.concatenate(chunks) if len(chunks) > 1 else chunks[0])
+                 for key, chunks in ids_of.items()}
+        reserve(sum(plan.book_bytes for plan in plans.values()))
+        slots = {key: tables[key].carry_out(plan) for key, plan in plans.items()}
+        out = []
+        taken: dict[int, int] = {}
+        for table, ids in reads:
+            first = taken.get(id(table), 0)
+            taken[id(table)] = first + len(ids)
+            out.append(take_rows(table.value, slots[id(table)][first:first + len(ids)]))
+        return out
+
+
+def pin_tables_rows(pins: Sequence[tuple["HashTablePart", np.ndarray]],
+                    reserve: Callable[[int], None]) -> None:
+    """Synchronous mode, at a push's begin: create and pin rows of several tables, all or nothing.
+
+    As :func:`read_tables_rows`: every table locked (name order), each pin
+    checked against the row limit (:meth:`HashTablePart._check_pin_locked`) and
+    planned, the growth of all of them booked at once, and only then are rows
+    created and pinned; a refusal leaves every table as it was. Each table
+    appears once with unique ids.
+    """
+    with ExitStack() as stack:
+        for table, _ in sorted(pins, key=lambda pin: pin[0].spec.name):
+            stack.enter_context(table.lock)
+        for table, ids in pins:
+            table._check_pin_locked(ids)
+        plans = [table.plan(ids) for table, ids in pins]
+        reserve(sum(plan.book_bytes for plan in plans))
+        for (table, ids), plan in zip(pins, plans):
+            table.carry_out(plan)
+            table._pinned = np.union1d(table._pinned, ids)
+
+
+class HashTablePart:
+    """This shard's rows of one hash table."""
+
+    holds_part = True
+    row_start = row_end = 0
+
+    def __init__(self, spec: VariableSpec, max_rows: int, reserve: Callable[[int], None]) -> None:
+        """``reserve(delta_bytes)`` books memory with the store (raises MEMORY_LIMIT)."""
+        self.spec = spec
+        self.row_elements = spec.row_elements
+        self.kernel = make_kernel(spec.optimizer)
+        self.compute_dtype = np.dtype(np.float32) if spec.dtype == np.float16 else spec.dtype
+        self.max_rows = max_rows  # 0: unbounded (memory limit only)
+        self.reserve = reserve
+        # Guards every field below, and the arrays' contents.
+        self.lock = threading.Lock()
+        self._index = IdIndex()
+        #: Free slots, used from the end (a stack).
+        self._free = np.empty(0, np.int64)
+        self.capacity = 0
+        self.ids = np.empty(0, np.int64)
+        self.value = np.empty((0, self.row_elements), spec.dtype)
+        self.slots: dict[str, np.ndarray] = {n: np.empty((0, self.row_elements), self.compute_dtype)
+                                             for n in self.kernel.slot_names}
+        self.row_steps = np.empty(0, np.int64)
+        self.last_access = np.empty(0, np.int64)
+        self._clock = 0
+        self.version = 0
+        self.optimizer_steps = 0
+        self.initialized = True
+        self.evicted_rows = 0
+        #: Synchronous mode: the current step's sum of row gradients (its bytes booked with reserve).
+        self.accumulator = StepAccumulator(release=self._release_sum)
+        #: True once the spec is in the spec log (or came from a checkpoint or the log).
+        self.durable = False
+        #: Synchronous mode: sorted ids of the rows the open step's pushes will update (never evicted).
+        self._pinned = np.empty(0, np.int64)
+
+    # ---- sizes ----
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._index)
+
+    @property
+    def elements(self) -> int:
+        return self.num_rows * self.row_elements
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per row of capacity: value, slots, row step, last access, id, free-stack entry."""
+        return (self.row_elements * (self.spec.dtype.itemsize + self.compute_dtype.itemsize * len(self.slots))
+                + 32)
+
+    def nbytes_for(self, capacity: int) -> int:
+        """Bytes booked for ``capacity`` rows: the rows, and the id index counted twice (a
+        rebuild of the index holds the old and the new buckets at once)."""
+        return capacity * self.row_bytes + 2 * index_bytes_for(capacity)
+
+    @property
+    def nbytes(self) -> int:
+        return self.nbytes_for(self.capacity)
+
+    # ---- row access ----
+
+    def read_rows(self, ids: np.ndarray) -> np.ndarray:
+        """Values of unique ``ids`` (creating missing rows), shape (len(ids), row elements)."""
+        with self.lock:
+            slots = self._slots_for(ids)
+            return take_rows(self.value, slots)
+
+    def apply_rows(self, ids: np.ndarray, grads: np.ndarray) -> None:
+        """Run the optimizer on rows ``ids`` (unique) with ``grads`` (len(ids), row elements)."""
+        with self.lock:
+            self._apply_rows_locked(ids, grads)
+
+    def _apply_rows_locked(self, ids: np.ndarray, grads: np.ndarray) -> None:
+        compute = self.compute_dtype
+        grads = grads.astype(compute, copy=False)
+        slots = self._slots_for(ids)
+        self.row_steps[slots] += 1
+        if self.value.dtype == compute and self.kernel.update_rows(self.value, slots, grads):
+            return  # updated where the rows lie, one pass (ps_server/core/fused.py)
+        w = take_rows(self.value, slots).astype(compute, copy=False)
+        state = {name: take_rows(arr, slots) for name, arr in self.slots.items()}
+        self.kernel.apply_rows(w, grads, state, self.row_steps[slots])
+        put_rows(self.value, slots, w)
+        for name, rows in state.items():
+            put_rows(self.slots[name], slots, rows)
+
+    # ---- synchronous mode ----
+
+    def _check_pin_locked(self, ids: np.ndarray) -> None:
+        """MEMORY_LIMIT if pinning unique ``ids`` cannot fit in ``max_rows``; changes nothing."""
+        if not self.max_rows:
+            return
+        if self.spec.eviction == "lru":
+            rows = len(np.union1d(self._pinned, ids))
+            if rows <= self.max_rows:
+                return
+            what = (f"the open synchronous step would update {rows} rows (its pushes' rows with "
+                    "this one's); eviction never takes them before the step is applied")
+        else:
+            new = int(np.count_nonzero(self._index.lookup(ids) < 0))
+            if self.num_rows + new <= self.max_rows:
+                return
+            what = f"it holds {self.num_rows} rows on this shard and this push adds {new}"
+        raise RequestError(Reason.MEMORY_LIMIT,
+                           f"hash table {self.spec.name!r}: {what}, more than its limit of "
+                           f"{self.max_rows} (max_rows / --max-rows); push fewer rows per step, "
+                           "raise the limit or add shards")
+
+    def pin_rows(self, ids: np.ndarray) -> None:
+        """Synchronous mode, at a push's begin: create rows ``ids`` (unique) and keep them until the
+        open step is applied or discarded. Refuses (MEMORY_LIMIT) before changing anything."""
+        pin_tables_rows([(self, ids)], self.reserve)
+
+    def merge_staged(self, step: int, staging: PushStaging) -> int:
+        """Add a complete push to the step's sum; the staged bytes it took over (StepAccumulator.merge)."""
+        with self.lock:
+            return self.accumulator.merge(step, staging)
+
+    def _release_sum(self, nbytes: int) -> None:
+        """The step's sum gave back ``nbytes`` (applied or discarded; the lock is held)."""
+        self.reserve(-nbytes)
+
+    def start_step(self, step: int) -> None:
+        with self.lock:
+            if self.accumulator.step != step:
+                self.accumulator.clear()
+                self.accumulator.step = step
+                self._pinned = np.empty(0, np.int64)
+
+    def apply_accumulated(self, step: int) -> bool:
+        with self.lock:
+            if self.accumulator.step != step:
+                self.accumulator.clear()  # a sum of another step is never applied as this one
+                ids = None
+            else:
+                _, ids, grads = self.accumulator.take(mean=self.spec.aggregation == "mean")
+            self.accumulator.step = step + 1
+            try:
+                if ids is not None:
+                    self._apply_rows_locked(ids, grads)  # pinned rows: nothing to create
+            finally:
+                self.accumulator.settle()  # the sum's bytes go back once the step is applied
+            self._pinned = np.empty(0, np.int64)
+            if ids is None:
+                return False
+            self.version += 1
+            self.optimizer_steps += 1
+            return True
+
+    def restore_accumulator(self, saved: AccumulatorSnapshot | None) -> None:
+        """The open step's sum from a checkpoint, its bytes booked with ``reserve`` as its pushes
+        booked them; its rows are pinned again (before serving)."""
+        with self.lock:
+            restored = StepAccumulator.restore(saved, self._release_sum)
+            self.reserve(restored.nbytes)  # may refuse: nothing changed yet
+            self.accumulator = restored
+            if saved is not None and saved.row_ids is not None:
+                self._pinned = np.unique(saved.row_ids)
+
+    def finish_push(self) -> int:
+        with self.lock:
+            self.version += 1
+            self.optimizer_steps += 1
+            return self.version
+
+    def info(self) -> VariableInfo:
+        with self.lock:
+            return VariableInfo(self.spec, 0, 0, self.version, True, self.optimizer_steps,
+                                self.num_rows, self.evicted_rows)
+
+    def snapshot(self):
+        with self.lock:
+            return PartSnapshot(self.spec, 0, 0, True, self.version, self.optimizer_steps, True,
+                                np.empty(0, self.spec.dtype), {}, rows=self._rows_snapshot_locked(),
+                                evicted_rows=self.evicted_rows, accumulator=self.accumulator.snapshot())
+
+    # ---- internals (lock held) ----
+
+    def _slots_for(self, ids: np.ndarray) -> np.ndarray:
+        """Slot of each id, creating rows for new ids (all or nothing)."""
+        plan = self.plan(ids)
+        if plan.book_bytes:
+            self.reserve(plan.book_bytes)  # may refuse: nothing changed yet
+        return self.carry_out(plan)
+
+    def plan(self, ids: np.ndarray) -> "RowPlan":
+        """What reading ``ids`` will create, evict and grow, checked against the row limit.
+
+        Changes nothing (the lock must stay held until :meth:`carry_out`);
+        raises MEMORY_LIMIT when the table may not take the new rows.
+        """
+        slots = self._index.lookup(ids)
+        missing = np.flatnonzero(slots < 0)
+        if not missing.size:
+            return RowPlan(ids, slots, missing, None, None, 0, self.capacity, 0)
+        new_ids, inverse = np.unique(ids[missing], return_inverse=True)  # a repeated new id: one row
+        needed = len(new_ids)
+        protect = slots[slots >= 0]
+        if len(self._pinned):  # the open synchronous step's rows stay
+            pinned = self._index.lookup(self._pinned)
+            protect = np.concatenate([protect, pinned[pinned >= 0]])
+        evict = 0
+        if self.max_rows and self.num_rows + needed > self.max_rows:
+            if self.spec.eviction != "lru" or needed > self.max_rows:
+                raise RequestError(
+                    Reason.MEMORY_LIMIT,
+                    f"hash table {self.spec.name!r} holds {self.num_rows} rows on this shard; "
+                    f"{needed} new ones would pass its limit of {self.max_rows} (max_rows / --max-rows); "
+                    "raise the limit, add shards, or create it with eviction='lru'")
+            evict = self.num_rows + needed - self.max_rows
+            if self.num_rows - len(np.unique(protect)) < evict:
+                pinned = (f", with the {len(self._pinned)} rows the open synchronous step keeps"
+                          if len(self._pinned) else "")
+                raise RequestError(Reason.MEMORY_LIMIT,
+                                   f"hash table {self.spec.name!r}: a single request touches more rows than "
+                                   f"max_rows ({self.max_rows}) allows{pinned}")
+        capacity = self.capacity
+        if len(self._free) + evict < needed:
+            at_least = needed - evict - len(self._free)
+            capacity = max(_MIN_CAPACITY, 2 * self.capacity, self.capacity + at_least)
+            if self.max_rows:
+                capacity = max(min(capacity, self.max_rows), self.capacity + at_least)
+        # Growing copies every array: the old ones stay alive until the copy is done.
+        transient = self.capacity * self.row_bytes if capacity > self.capacity else 0
+        book = self.nbytes_for(capacity) - self.nbytes + transient
+        return RowPlan(ids, slots, missing, new_ids, inverse.reshape(-1), evict, capacity, book, transient,
+                       protect)
+
+    def carry_out(self, plan: "RowPlan") -> np.ndarray:
+        """Create, evict and grow as planned (``plan.book_bytes`` already booked); the slots of the ids."""
+        self._clock += 1
+        slots = plan.slots
+        if plan.new_ids is not None:
+            if plan.capacity > self.capacity:
+                self._grow(plan.capacity)
+                if plan.transient_bytes:
+                    self.reserve(-plan.transient_bytes)  # the old arrays are gone
+            slots[plan.missing] = self._create(plan.new_ids, plan.evict, plan.protect)[plan.inverse]
+        self.last_access[slots] = self._clock
+        return slots
+
+    def _create(self, new_ids: np.ndarray, evict: int, protect: np.ndarray) -> np.ndarray:
+        """Rows for unique new ids, room made (grown, or ``evict`` rows to drop) by the caller's plan."""
+        needed = len(new_ids)
+        if evict:
+            self._evict(evict, protect)
+        slots = self._free[len(self._free) - needed:][::-1].copy()
+        self._free = self._free[:len(self._free) - needed]
+        self.ids[slots] = new_ids
+        self._index.insert(new_ids, slots)
+        rows = np.empty((needed, self.row_elements), np.float64)
+        fill_rows(self.spec.initializer, self.spec.shape, new_ids, rows)
+        self.value[slots] = rows
+        for name, arr in self.slots.items():
+            fresh = np.empty((needed, self.row_elements), arr.dtype)
+            self.kernel.init_slot(name, fresh)
+            arr[slots] = fresh
+        self.row_steps[slots] = 0
+        return slots
+
+    def _evict(self, count: int, protect: np.ndarray) -> None:
+        """Drop the ``count`` least recently used rows, never those in ``protect``."""
+        live = self._index.live_slots()
+        candidates = np.setdiff1d(live, protect, assume_unique=False)
+        order = np.argpartition(self.last_access[candidates], count - 1)[:count] if count else []
+        victims = candidates[order]
+        self._index.remove(self.ids[victims])
+        self._free = np.concatenate([self._free, victims])
+        self.evicted_rows += len(victims)
+
+    def _grow(self, new_capacity: int) -> None:
+        """Grow every array (and the id index) to ``new_capacity`` rows; the caller booked the bytes."""
+        old = self.capacity
+
+        def grown(arr: np.ndarray) -> np.ndarray:
+            out = np.empty((new_capacity, *arr.shape[1:]), arr.dtype)
+            out[:old] = arr[:old]
+            return out
+
+        self.ids = grown(self.ids)
+        self.value = grown(self.value)
+        self.slots = {name: grown(arr) for name, arr in self.slots.items()}
+        self.row_steps = grown(self.row_steps)
+        self.last_access = grown(self.last_access)
+        self._free = np.concatenate([self._free, np.arange(new_capacity - 1, old - 1, -1, dtype=np.int64)])
+        self.capacity = new_capacity
+        self._index.reserve(new_capacity)
+
+    # ---- checkpoints ----
+
+    def rows_snapshot(self) -> dict[str, np.ndarray]:
+        """Compact copies of the live rows: ids, values, slots, row steps, last access."""
+        with self.lock:
+            return self._rows_snapshot_locked()
+
+    def _rows_snapshot_locked(self) -> dict[str, np.ndarray]:
+        slots = self._index.live_slots()
+        order = np.argsort(self.ids[slots], kind="stable")
+        slots = slots[order]
+        out = {"ids": self.ids[slots].copy(), "value": self.value[slots].copy(),
+               "row_steps": self.row_steps[slots].copy(), "last_access": self.last_access[slots].copy()}
+        for name, arr in self.slots.items():
+            out[f"slot:{name}"] = arr[slots].copy()
+        return out
+
+    def load_rows(self, rows: dict[str, np.ndarray], version: int, optimizer_steps: int, evicted: int) -> None:
+        """Install rows from a checkpoint (before serving)."""
+        with self.lock:
+            count = len(rows["ids"])
+            capacity = max(_MIN_CAPACITY, count)
+            self.reserve(self.nbytes_for(capacity) - self.nbytes)
+            self._grow(capacity)
+            slots = np.arange(count, dtype=np.int64)
+            self._free = self._free[self._free >= count]
+            self.ids[slots] = rows["ids"]
+            self.value[slots] = rows["value"].reshape(count, self.row_elements)
+            for name, arr in self.slots.items():
+                arr[slots] = rows[f"slot:{name}"].reshape(count, self.row_elements)
+            self.row_steps[slots] = rows["row_steps"]
+            self.last_access[slots] = rows["last_access"]
+            self._clock = int(rows["last_access"].max()) if count else 0
+            self._index.insert(rows["ids"], slots)
+            self.version, self.optimizer_steps, self.evicted_rows = version, optimizer_steps, evicted

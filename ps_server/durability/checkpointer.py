@@ -1,0 +1,133 @@
+"""When checkpoints are taken: periodically, on request, and at shutdown.
+
+A checkpoint first takes a snapshot — with the apply gate held exclusive,
+every part is copied in memory (the only pause pushes ever see) — then
+writes it to disk with the gate released. One checkpoint at a time; the
+periodic one is skipped when nothing changed since the last.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ps_server.durability.format import (
+    ShardSnapshot,
+    WrittenCheckpoint,
+    clean_temporaries,
+    shard_dir,
+    write_checkpoint,
+)
+from ps_server.core.ledger import PushLedger
+from ps_server.core.store import VariableStore
+from wehub_ps.process.logs import event
+
+__all__ = ["Checkpointer", "CheckpointRecord"]
+
+log = logging.getLogger("ps_server.durability.checkpointer")
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """A written checkpoint and what it cost."""
+
+    written: WrittenCheckpoint
+    pause_seconds: float
+
+
+class Checkpointer:
+    def __init__(self, store: VariableStore, ledger: PushLedger, directory: str, server_id: str,
+                 keep: int, interval: float, persist_open_pushes: bool = True,
+                 on_written: Callable[[float], None] | None = None,
+                 consistency_state: Callable[[], dict[str, Any]] | None = None) -> None:
+        """``persist_open_pushes=False`` (sync mode): an unfinished push's chunks live in its
+        private staging, never checkpointed, so the ledger leaves them out and a retry after
+        a restart sends them again. ``consistency_state()``: the consistency controller's
+        snapshot (step, clocks, workers), taken in the same instant as values and ledger."""
+        self._store = store
+        self._ledger = ledger
+        self._directory = directory
+        self._server_id = server_id
+        self._keep = keep
+        self._interval = interval
+        self._persist_open_pushes = persist_open_pushes
+        self._on_written = on_written
+        self._consistency_state = consistency_state
+        # Serialises checkpoints (held during the write) and guards _last_generation.
+        self._lock = threading.Lock()
+        # Guards _last only, so Describe never waits for a write in progress.
+        self._last_lock = threading.Lock()
+        self._last: CheckpointRecord | None = None
+        self._last_generation: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        clean_temporaries(shard_dir(directory, store.shard_index, store.num_shards))
+
+    @property
+    def last(self) -> CheckpointRecord | None:
+        with self._last_lock:
+            return self._last
+
+    def mark_restored(self) -> None:
+        """The store now equals a checkpoint: no need to write it again until it changes."""
+        with self._lock:
+            self._last_generation = self._store.generation
+
+    def checkpoint(self, reason: str, only_if_changed: bool = False,
+                   final: bool = False) -> CheckpointRecord | None:
+        """Snapshot and write; blocks until the checkpoint is durable. None if skipped.
+
+        ``final`` (shutdown): the snapshot also seals the store's apply gate,
+        so nothing is applied after the instant this checkpoint holds.
+        RequestError(SHUTTING_DOWN) once the final checkpoint was taken.
+        """
+        with self._lock:
+            paused = time.perf_counter()
+            with self._store.gate.exclusive(seal=final):
+                generation = self._store.generation
+                if only_if_changed and generation == self._last_generation:
+                    return None
+                snapshot = ShardSnapshot(
+                    self._store.shard_index, self._store.num_shards, self._server_id, self._store.snapshot(),
+                    {"entries": self._ledger.snapshot(self._persist_open_pushes)},
+                    consistency=self._consistency_state() if self._consistency_state is not None else None)
+            pause = time.perf_counter() - paused
+            written = write_checkpoint(self._directory, snapshot, self._keep)
+            if self._store.spec_log is not None:
+                try:  # what every kept checkpoint holds needs no record
+                    self._store.spec_log.prune()
+                except OSError:  # the checkpoint is written; a log kept longer harms nothing
+                    log.exception("pruning the spec log failed",
+                                  extra={"fields": {"directory": self._directory}})
+            record = CheckpointRecord(written, pause)
+            with self._last_lock:
+                self._last = record
+            self._last_generation = generation
+        if self._on_written is not None:
+            self._on_written(written.write_seconds)
+        event(log, logging.INFO, "checkpoint written", reason=reason, checkpoint_id=written.checkpoint_id,
+              path=str(written.path), bytes=written.bytes, write_seconds=round(written.write_seconds, 3),
+              pause_seconds=round(pause, 3))
+        return record
+
+    def start_periodic(self) -> None:
+        if self._interval <= 0 or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="ps-checkpointer", daemon=True)
+        self._thread.start()
+
+    def stop_periodic(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.checkpoint("periodic", only_if_changed=True)
+            except Exception:  # a full disk must not kill the server; keep trying
+                log.exception("periodic checkpoint failed", extra={"fields": {"directory": self._directory}})

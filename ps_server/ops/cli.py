@@ -1,0 +1,60 @@
+"""``ps-server``: run one shard until SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from ps_server.durability.format import CheckpointError
+from ps_server.ops.config import ConfigError, parse_config
+from ps_server.server import create_server
+from wehub_ps.process.allocator import keep_freed_buffers
+from wehub_ps.process.logs import configure, event
+
+log = logging.getLogger("ps_server")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = parse_config(argv)
+    except ConfigError as exc:
+        print(f"ps-server: {exc}", file=sys.stderr)
+        return 2
+    configure(config.log_level)
+    if config.keep_freed_bytes:
+        keep_freed_buffers(trim_threshold=config.keep_freed_bytes, arena_max=config.malloc_arenas or None)
+    if config.unknown_environment:
+        event(log, logging.WARNING, "unknown PS_ environment variables ignored (misspelled settings?)",
+              variables=list(config.unknown_environment))
+    try:
+        server = create_server(config)
+    except (OSError, RuntimeError) as exc:
+        event(log, logging.ERROR, "cannot start", error=str(exc), host=config.host, port=config.port)
+        return 1
+    stop = threading.Event()
+
+    def request_stop(signum: int, _frame) -> None:
+        event(log, logging.INFO, "signal received", signal=signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    try:
+        server.start()
+    except CheckpointError as exc:
+        event(log, logging.ERROR, "cannot restore", error=str(exc))
+        server.grpc_server.stop(0)
+        return 1
+    while not stop.wait(0.2):
+        if server.finish_requested.is_set():
+            event(log, logging.INFO, "finishing: the job is done")
+            break
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""How a wehub-ps process runs: structured logging and malloc tuning."""
