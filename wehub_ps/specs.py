@@ -1,5 +1,8 @@
 """Variable specifications: what a variable is, independent of where it lives.
 
+Pure dataclasses: no protobuf here (:mod:`wehub_ps.specs_proto` converts
+to and from the wire), so the server's core can use them.
+
 Dataclasses that both sides use: the client builds them from user arguments
 (and checks them at the API edge), the server rebuilds them from the wire and
 runs exactly the same checks. Equality of two specs is what makes
@@ -15,7 +18,7 @@ from typing import Union
 
 import numpy as np
 
-from wehub_ps.wire.dtypes import VARIABLE_DTYPES, dtype_name, parse_dtype, to_numpy_dtype, to_wire_dtype
+from wehub_ps.dtypes import VARIABLE_DTYPES, dtype_name, parse_dtype
 from wehub_ps.placement import (
     FixedShardsPartitioner,
     MaxSizePartitioner,
@@ -26,7 +29,6 @@ from wehub_ps.placement import (
     rows_of,
     stable_hash64,
 )
-from wehub_ps.v1 import ps_pb2
 
 __all__ = [
     "SpecError",
@@ -45,6 +47,12 @@ __all__ = [
     "VariableSpec",
     "MAX_NAME_LENGTH",
     "MAX_RANK",
+    "OPTIMIZER_KINDS",
+    "INITIALIZER_KINDS",
+    "PARTITIONER_KINDS",
+    "EVICTIONS",
+    "AGGREGATIONS",
+    "as_dict",
 ]
 
 MAX_NAME_LENGTH = 256
@@ -138,12 +146,8 @@ class Adam:
 
 
 Optimizer = Union[SGD, Momentum, Adagrad, Adam]
-_OPTIMIZER_FIELDS: dict[type, tuple[str, type]] = {
-    SGD: ("sgd", ps_pb2.SGDConfig),
-    Momentum: ("momentum", ps_pb2.MomentumConfig),
-    Adagrad: ("adagrad", ps_pb2.AdagradConfig),
-    Adam: ("adam", ps_pb2.AdamConfig),
-}
+#: Each optimizer's kind name (also its field name in the wire spec).
+OPTIMIZER_KINDS: dict[type, str] = {SGD: "sgd", Momentum: "momentum", Adagrad: "adagrad", Adam: "adam"}
 
 
 # ---- initializers -------------------------------------------------------------
@@ -222,21 +226,17 @@ def _check_seed(owner: str, seed: int | None) -> None:
 
 
 Initializer = Union[Zeros, Constant, Uniform, Normal, GlorotUniform, Explicit]
-_INITIALIZER_FIELDS: dict[type, tuple[str, type]] = {
-    Zeros: ("zeros", ps_pb2.ZerosInitializer),
-    Constant: ("constant", ps_pb2.ConstantInitializer),
-    Uniform: ("uniform", ps_pb2.UniformInitializer),
-    Normal: ("normal", ps_pb2.NormalInitializer),
-    GlorotUniform: ("glorot_uniform", ps_pb2.GlorotUniformInitializer),
-    Explicit: ("explicit", ps_pb2.ExplicitInitializer),
+#: Each initializer's kind name (also its field name in the wire spec).
+INITIALIZER_KINDS: dict[type, str] = {
+    Zeros: "zeros", Constant: "constant", Uniform: "uniform", Normal: "normal",
+    GlorotUniform: "glorot_uniform", Explicit: "explicit",
 }
-_INITIALIZERS_BY_NAME = {name: cls for cls, (name, _) in _INITIALIZER_FIELDS.items()}
+_INITIALIZERS_BY_NAME = {name: cls for cls, name in INITIALIZER_KINDS.items()}
 _SEEDED = (Uniform, Normal, GlorotUniform)
 
-_PARTITIONER_FIELDS: dict[type, tuple[str, type]] = {
-    MinSizePartitioner: ("min_size", ps_pb2.MinSizePartitionerSpec),
-    FixedShardsPartitioner: ("fixed_shards", ps_pb2.FixedShardsPartitionerSpec),
-    MaxSizePartitioner: ("max_size", ps_pb2.MaxSizePartitionerSpec),
+#: Each partitioner's kind name (also its field name in the wire spec).
+PARTITIONER_KINDS: dict[type, str] = {
+    MinSizePartitioner: "min_size", FixedShardsPartitioner: "fixed_shards", MaxSizePartitioner: "max_size",
 }
 
 
@@ -252,42 +252,18 @@ def initializer_from_name(name: str) -> Initializer:
 def with_seed(initializer: Initializer, name: str) -> Initializer:
     """Fill in a missing seed from the variable name, so every worker agrees."""
     if isinstance(initializer, _SEEDED) and initializer.seed is None:
-        return type(initializer)(**{**_as_dict(initializer), "seed": stable_hash64(name)})
+        return type(initializer)(**{**as_dict(initializer), "seed": stable_hash64(name)})
     return initializer
 
 
-def _as_dict(obj) -> dict:
+def as_dict(obj) -> dict:
+    """A spec part's fields by name (the part's constructor takes them back)."""
     return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
 
-def _oneof_to_proto(obj, table: dict[type, tuple[str, type]], message) -> None:
-    try:
-        field_name, cls = table[type(obj)]
-    except KeyError:
-        raise SpecError(f"unsupported {type(message).__name__} value {obj!r}") from None
-    values = {k: v for k, v in _as_dict(obj).items() if k != "seed"}
-    getattr(message, field_name).CopyFrom(cls(**values))
-
-
-def _oneof_from_proto(message, table: dict[type, tuple[str, type]], what: str, **extra):
-    which = message.WhichOneof("kind")
-    for cls, (field_name, _) in table.items():
-        if field_name == which:
-            sub = getattr(message, field_name)
-            values = {f.name: getattr(sub, f.name) for f in fields(cls) if f.name not in extra}
-            return cls(**values, **{k: v for k, v in extra.items() if k in {f.name for f in fields(cls)}})
-    raise SpecError(f"{what} is missing or of an unknown kind")
-
-
-_EVICTIONS = {"none": ps_pb2.EVICTION_NONE, "lru": ps_pb2.EVICTION_LRU}
-_AGGREGATIONS = {"mean": ps_pb2.AGGREGATION_MEAN, "sum": ps_pb2.AGGREGATION_SUM}
-
-
-def _by_value(table: dict[str, int], value: int, what: str) -> str:
-    for name, number in table.items():
-        if number == value:
-            return name
-    raise SpecError(f"unknown {what} {value}")
+#: Hash-table evictions and sync-mode aggregations a spec may name.
+EVICTIONS = ("none", "lru")
+AGGREGATIONS = ("mean", "sum")
 
 
 # ---- the variable spec ----------------------------------------------------------
@@ -344,14 +320,14 @@ class VariableSpec:
                 f"dtype of {self.name!r} must be float16, float32 or float64, got {dtype_name(dtype)}"
             )
         object.__setattr__(self, "dtype", dtype)
-        for attr, table in (("initializer", _INITIALIZER_FIELDS), ("optimizer", _OPTIMIZER_FIELDS),
-                            ("partitioner", _PARTITIONER_FIELDS)):
+        for attr, table in (("initializer", INITIALIZER_KINDS), ("optimizer", OPTIMIZER_KINDS),
+                            ("partitioner", PARTITIONER_KINDS)):
             if type(getattr(self, attr)) not in table:
                 raise SpecError(f"{attr} of {self.name!r} has unsupported type {type(getattr(self, attr)).__name__}")
         object.__setattr__(self, "initializer", with_seed(self.initializer, self.name))
-        if self.eviction not in _EVICTIONS:
+        if self.eviction not in EVICTIONS:
             raise SpecError(f"eviction of {self.name!r} must be 'none' or 'lru', got {self.eviction!r}")
-        if self.aggregation not in _AGGREGATIONS:
+        if self.aggregation not in AGGREGATIONS:
             raise SpecError(f"aggregation of {self.name!r} must be 'mean' or 'sum', got {self.aggregation!r}")
         if isinstance(self.max_rows, bool) or not isinstance(self.max_rows, int) or self.max_rows < 0:
             raise SpecError(f"max_rows of {self.name!r} must be an integer >= 0, got {self.max_rows!r}")
@@ -397,40 +373,3 @@ class VariableSpec:
                 shown = (dtype_name(mine), dtype_name(theirs)) if f.name == "dtype" else (mine, theirs)
                 out.append(f"{f.name} {shown[0]!r} != {shown[1]!r}")
         return out
-
-    def to_proto(self) -> ps_pb2.VariableSpec:
-        msg = ps_pb2.VariableSpec(name=self.name, shape=self.shape, dtype=to_wire_dtype(self.dtype),
-                                  hash_table=self.hash_table, max_rows=self.max_rows,
-                                  eviction=_EVICTIONS[self.eviction], aggregation=_AGGREGATIONS[self.aggregation])
-        _oneof_to_proto(self.initializer, _INITIALIZER_FIELDS, msg.initializer)
-        seed = getattr(self.initializer, "seed", None)
-        if seed is not None:
-            msg.initializer.seed = seed
-        _oneof_to_proto(self.optimizer, _OPTIMIZER_FIELDS, msg.optimizer)
-        _oneof_to_proto(self.partitioner, _PARTITIONER_FIELDS, msg.partitioner)
-        return msg
-
-    @classmethod
-    def from_proto(cls, msg: ps_pb2.VariableSpec) -> "VariableSpec":
-        """Rebuild and validate; SpecError names what is wrong."""
-        try:
-            dtype = to_numpy_dtype(msg.dtype)
-        except ValueError:
-            raise SpecError(f"dtype of {msg.name!r} is missing or unknown ({msg.dtype})") from None
-        try:
-            initializer = _oneof_from_proto(msg.initializer, _INITIALIZER_FIELDS, "initializer",
-                                            seed=msg.initializer.seed)
-            optimizer = _oneof_from_proto(msg.optimizer, _OPTIMIZER_FIELDS, "optimizer")
-            if msg.HasField("partitioner"):
-                partitioner = _oneof_from_proto(msg.partitioner, _PARTITIONER_FIELDS, "partitioner")
-            else:
-                partitioner = MinSizePartitioner()
-            return cls(name=msg.name, shape=tuple(msg.shape), dtype=dtype,
-                       initializer=initializer, optimizer=optimizer, partitioner=partitioner,
-                       hash_table=msg.hash_table, max_rows=msg.max_rows,
-                       eviction=_by_value(_EVICTIONS, msg.eviction, "eviction"),
-                       aggregation=_by_value(_AGGREGATIONS, msg.aggregation, "aggregation"))
-        except SpecError:
-            raise
-        except (TypeError, ValueError) as exc:
-            raise SpecError(f"invalid spec for {msg.name!r}: {exc}") from exc

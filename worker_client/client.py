@@ -43,8 +43,9 @@ from wehub_ps.wire.codec import (
     push_request_pieces,
     split_push_response,
 )
-from wehub_ps.wire.convert import cast_into
-from wehub_ps.wire.dtypes import BFLOAT16, dtype_name, parse_dtype, to_wire_dtype
+from wehub_ps.kernels.convert import cast_into
+from wehub_ps.dtypes import BFLOAT16, dtype_name, parse_dtype
+from wehub_ps.wire.dtypes import to_wire_dtype
 from wehub_ps.placement import MinSizePartitioner, Partitioner, Placement, hash_shards
 from wehub_ps.kernels.rowops import put_rows, take_rows
 from wehub_ps.wire.rpc import DEFAULT_CHUNK_BYTES
@@ -62,6 +63,7 @@ from wehub_ps.specs import (
     Zeros,
     initializer_from_name,
 )
+from wehub_ps.specs_proto import spec_from_proto, spec_to_proto
 from wehub_ps.v1 import ps_pb2
 from worker_client.arrays import is_gpu_array, parse_device, to_device, to_host
 from worker_client.transport.credentials import BearerToken, tls_material
@@ -583,7 +585,7 @@ class PSClient:
         msg = ps_pb2.DescribeResponse.FromString(raw)
         variables = {}
         for info in msg.variables:
-            spec = VariableSpec.from_proto(info.spec)
+            spec = spec_from_proto(info.spec)
             self._remember(spec)
             variables[spec.name] = {"row_start": info.row_start, "row_end": info.row_end,
                                     "version": info.version, "initialized": info.initialized,
@@ -745,7 +747,7 @@ class PSClient:
 
     def _create_on(self, shard: ShardChannel, spec: VariableSpec, validate_only: bool = False,
                    booking: str = "", cancel: bool = False) -> ps_pb2.CreateVariableResponse:
-        request = ps_pb2.CreateVariableRequest(spec=spec.to_proto(), shard_index=shard.index,
+        request = ps_pb2.CreateVariableRequest(spec=spec_to_proto(spec), shard_index=shard.index,
                                                num_shards=len(self._shards), validate_only=validate_only,
                                                booking=booking, cancel_booking=cancel).SerializeToString()
         return ps_pb2.CreateVariableResponse.FromString(self._call(

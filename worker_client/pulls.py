@@ -19,7 +19,7 @@ from wehub_ps.wire.codec import (
     encode_pull_item,
     encode_pull_request,
 )
-from wehub_ps.wire.convert import cast_into
+from wehub_ps.kernels.convert import cast_into
 from wehub_ps.kernels.rowops import put_rows
 from worker_client.errors import PSInternalError
 

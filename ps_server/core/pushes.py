@@ -29,7 +29,8 @@ from ps_server.core.rows import parse_row_ids
 from ps_server.core.store import VariablePart, VariableStore, check_dtype_allowed
 from ps_server.core.tables import HashTablePart
 from wehub_ps.wire.codec import CodecError, DecodedChunk
-from wehub_ps.wire.dtypes import dtype_name, to_numpy_dtype
+from wehub_ps.dtypes import dtype_name
+from wehub_ps.wire.dtypes import to_numpy_dtype
 from wehub_ps.errors import Reason
 from wehub_ps.v1 import ps_pb2
 

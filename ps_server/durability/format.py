@@ -48,6 +48,7 @@ from ps_server.core.accumulator import AccumulatorSnapshot
 from wehub_ps.process.logs import event
 from wehub_ps.placement import hash_shards, rows_of
 from wehub_ps.specs import Explicit, VariableSpec
+from wehub_ps.specs_proto import spec_from_proto, spec_to_proto
 from wehub_ps.v1 import ps_pb2
 
 __all__ = [
@@ -173,11 +174,11 @@ def _checksummed(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _spec_to_json(spec: VariableSpec) -> dict[str, Any]:
-    return json_format.MessageToDict(spec.to_proto(), preserving_proto_field_name=True)
+    return json_format.MessageToDict(spec_to_proto(spec), preserving_proto_field_name=True)
 
 
 def _spec_from_json(data: dict[str, Any]) -> VariableSpec:
-    return VariableSpec.from_proto(json_format.ParseDict(data, ps_pb2.VariableSpec()))
+    return spec_from_proto(json_format.ParseDict(data, ps_pb2.VariableSpec()))
 
 
 # Shared with ps_server.durability.spec_log, which keeps its records next to the checkpoints.

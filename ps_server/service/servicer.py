@@ -54,10 +54,12 @@ from wehub_ps.wire.codec import (
     pull_response_pieces,
     push_response_pieces,
 )
-from wehub_ps.wire.dtypes import BFLOAT16, VARIABLE_DTYPES, dtype_name, to_numpy_dtype, to_wire_dtype
+from wehub_ps.dtypes import BFLOAT16, VARIABLE_DTYPES, dtype_name
+from wehub_ps.wire.dtypes import to_numpy_dtype, to_wire_dtype
 from wehub_ps.errors import REASON_METADATA_KEY, Reason
 from wehub_ps.wire.rpc import INCARNATION_METADATA_KEY, SERVICE_NAME
 from wehub_ps.specs import SpecError, VariableSpec
+from wehub_ps.specs_proto import spec_from_proto, spec_to_proto
 from wehub_ps.v1 import ps_pb2
 
 __all__ = ["ParameterServerService", "STATUS_BY_REASON"]
@@ -128,7 +130,7 @@ def _unary(method: Callable) -> Callable:
 
 
 def _info_proto(info: VariableInfo) -> ps_pb2.VariableInfo:
-    return ps_pb2.VariableInfo(spec=info.spec.to_proto(), row_start=info.row_start,
+    return ps_pb2.VariableInfo(spec=spec_to_proto(info.spec), row_start=info.row_start,
                                row_end=info.row_end, version=info.version,
                                initialized=info.initialized, optimizer_steps=info.optimizer_steps,
                                num_rows=info.num_rows, evicted_rows=info.evicted_rows)
@@ -333,7 +335,7 @@ class ParameterServerService:
         self._lifecycle.check_accepting()
         check_cluster(self._store, msg.shard_index, msg.num_shards)
         try:
-            spec = VariableSpec.from_proto(msg.spec)
+            spec = spec_from_proto(msg.spec)
         except SpecError as exc:
             raise RequestError(Reason.INVALID_SPEC, str(exc)) from None
         if msg.validate_only and msg.cancel_booking:

@@ -15,6 +15,7 @@ from wehub_ps.wire.codec import OutgoingChunk, byte_view, decode_pull_response, 
 from wehub_ps.errors import REASON_METADATA_KEY
 from wehub_ps.wire.rpc import method_path
 from wehub_ps.specs import SGD, VariableSpec
+from wehub_ps.specs_proto import spec_to_proto
 from wehub_ps.v1 import ps_pb2
 from worker_client import PSClient
 
@@ -131,15 +132,15 @@ def test_push_with_wrong_dtype(channel, unchanged):
 
 
 def test_conflicting_create(channel, unchanged):
-    spec = VariableSpec("w", (600, 301), "float32").to_proto()
+    spec = spec_to_proto(VariableSpec("w", (600, 301), "float32"))
     _expect(lambda: _create(channel, spec), StatusCode.ALREADY_EXISTS, "SPEC_CONFLICT", "shape")
 
 
 def test_invalid_spec(channel, unchanged):
-    spec = VariableSpec("fresh", (3,), "float32").to_proto()
+    spec = spec_to_proto(VariableSpec("fresh", (3,), "float32"))
     spec.optimizer.sgd.learning_rate = -1
     _expect(lambda: _create(channel, spec), StatusCode.INVALID_ARGUMENT, "INVALID_SPEC", "learning_rate")
-    bad_name = VariableSpec("fresh", (3,), "float32").to_proto()
+    bad_name = spec_to_proto(VariableSpec("fresh", (3,), "float32"))
     bad_name.name = "has space"
     _expect(lambda: _create(channel, bad_name), StatusCode.INVALID_ARGUMENT, "INVALID_SPEC", "has space")
 
@@ -160,9 +161,9 @@ def test_chunk_for_undeclared_variable(channel, unchanged):
 
 
 def test_declared_size_that_would_exhaust_memory(channel, unchanged):
-    spec = VariableSpec("huge", (2**40,), "float32").to_proto()
+    spec = spec_to_proto(VariableSpec("huge", (2**40,), "float32"))
     _expect(lambda: _create(channel, spec), StatusCode.RESOURCE_EXHAUSTED, "MEMORY_LIMIT", "--max-memory-bytes")
-    adam = VariableSpec("huge2", (40_000_000,), "float32").to_proto()  # 160 MB + slots > 256 MiB budget
+    adam = spec_to_proto(VariableSpec("huge2", (40_000_000,), "float32"))  # 160 MB + slots > 256 MiB budget
     adam.optimizer.adam.learning_rate = 0.001
     adam.optimizer.adam.beta_1 = 0.9
     adam.optimizer.adam.beta_2 = 0.999
@@ -171,7 +172,7 @@ def test_declared_size_that_would_exhaust_memory(channel, unchanged):
 
 
 def test_request_for_another_cluster_layout(channel, unchanged):
-    spec = VariableSpec("fresh", (3,), "float32").to_proto()
+    spec = spec_to_proto(VariableSpec("fresh", (3,), "float32"))
     _expect(lambda: _create(channel, spec, shard=(1, 2)), StatusCode.FAILED_PRECONDITION,
             "CLUSTER_MISMATCH", "shard 0 of 1")
 

@@ -17,6 +17,7 @@ import pytest
 from wehub_ps.wire.codec import OutgoingChunk, as_wire_array, byte_view, encode_push_request
 from wehub_ps.wire.rpc import method_path
 from wehub_ps.specs import Explicit, VariableSpec
+from wehub_ps.specs_proto import spec_to_proto
 from wehub_ps.v1 import ps_pb2
 from worker_client import SGD, PSClient, ResourceExhaustedError, VariableConflictError
 
@@ -148,7 +149,7 @@ def test_a_late_slow_upload_never_overwrites_trained_values(cluster_factory):
             answers.append(exc)
 
     with grpc.insecure_channel(address) as channel, PSClient(cluster.addresses) as client:
-        request = ps_pb2.CreateVariableRequest(spec=spec.to_proto(), shard_index=0, num_shards=1)
+        request = ps_pb2.CreateVariableRequest(spec=spec_to_proto(spec), shard_index=0, num_shards=1)
         created = ps_pb2.CreateVariableResponse.FromString(
             channel.unary_unary(method_path("CreateVariable"))(request.SerializeToString(), timeout=HANG))
         assert created.created and not created.variable.initialized
@@ -320,7 +321,7 @@ def test_a_booked_create_is_not_refused_for_memory_taken_after_its_validation(cl
     booked = VariableSpec("a", (400_000,), "float32")  # 1.6 MB
 
     def request(spec: VariableSpec, **fields) -> ps_pb2.CreateVariableResponse:
-        message = ps_pb2.CreateVariableRequest(spec=spec.to_proto(), shard_index=0, num_shards=1, **fields)
+        message = ps_pb2.CreateVariableRequest(spec=spec_to_proto(spec), shard_index=0, num_shards=1, **fields)
         return ps_pb2.CreateVariableResponse.FromString(
             create(message.SerializeToString(), timeout=HANG))
 
@@ -451,7 +452,7 @@ def test_a_validated_array_create_is_not_refused_for_memory_taken_before_its_upl
     try:
         def on_both(**fields) -> None:
             for index, channel in enumerate(channels):
-                message = ps_pb2.CreateVariableRequest(spec=spec.to_proto(), shard_index=index, num_shards=2,
+                message = ps_pb2.CreateVariableRequest(spec=spec_to_proto(spec), shard_index=index, num_shards=2,
                                                        **fields)
                 channel.unary_unary(method_path("CreateVariable"))(message.SerializeToString(), timeout=HANG)
 

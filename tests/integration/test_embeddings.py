@@ -19,11 +19,12 @@ from grpc_health.v1 import health_pb2
 
 from ps_server.core.initializers import fill_rows
 from wehub_ps.wire.codec import OutgoingChunk, byte_view, decode_pull_response, encode_push_request
-from wehub_ps.wire.dtypes import BFLOAT16
+from wehub_ps.dtypes import BFLOAT16
 from wehub_ps.errors import REASON_METADATA_KEY
 from wehub_ps.placement import hash_shards
 from wehub_ps.wire.rpc import method_path
 from wehub_ps.specs import Explicit, VariableSpec
+from wehub_ps.specs_proto import spec_to_proto
 from wehub_ps.v1 import ps_pb2
 from worker_client import (
     SGD,
@@ -544,7 +545,7 @@ def test_pull_rows_of_a_variable_waiting_for_its_initial_value_is_refused(one):
     """Like a whole-variable pull: NOT_INITIALIZED, never the zeros the part was allocated with."""
     name = f"waiting_{uuid.uuid4().hex[:8]}"
     spec = VariableSpec(name, (6, 4), "float32", initializer=Explicit(sha256=bytes(32)))
-    request = ps_pb2.CreateVariableRequest(spec=spec.to_proto(), shard_index=0, num_shards=1)
+    request = ps_pb2.CreateVariableRequest(spec=spec_to_proto(spec), shard_index=0, num_shards=1)
     with grpc.insecure_channel(one.addresses[0]) as channel:
         channel.unary_unary(method_path("CreateVariable"))(request.SerializeToString(), timeout=10)
     for pull in (lambda: _raw_pull(one.addresses[0], 0, 1, name, np.arange(2, dtype="<i8").tobytes()),

@@ -33,6 +33,7 @@ from wehub_ps.wire.codec import (
 from wehub_ps.errors import REASON_METADATA_KEY
 from wehub_ps.wire.rpc import method_path
 from wehub_ps.specs import VariableSpec
+from wehub_ps.specs_proto import spec_to_proto
 from wehub_ps.v1 import ps_pb2
 from worker_client import SGD, PSClient, PSUnavailableError
 
@@ -224,7 +225,7 @@ def _every_rpc(address: str, sequence: int) -> dict[str, tuple[grpc.StatusCode, 
     pull = ps_pb2.PullRequest(shard_index=0, num_shards=1, items=[ps_pb2.PullItem(variable="small")],
                               worker_id="probe", incarnation="probe-incarnation").SerializeToString()
     push = _push_message("small", sequence)
-    create = ps_pb2.CreateVariableRequest(spec=VariableSpec("fresh", (4,), np.dtype(np.float32)).to_proto(),
+    create = ps_pb2.CreateVariableRequest(spec=spec_to_proto(VariableSpec("fresh", (4,), np.dtype(np.float32))),
                                           shard_index=0, num_shards=1).SerializeToString()
     heartbeat = ps_pb2.HeartbeatRequest(worker_id="probe", incarnation="probe-incarnation",
                                         step=7).SerializeToString()

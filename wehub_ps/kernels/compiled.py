@@ -2,7 +2,7 @@
 
 Used for Adam's update and SGD on pushed rows on the server
 (ps_server/core/fused.py) and for the float32 -> bfloat16 cast on both sides
-(wehub_ps/wire/convert.py). Each loop is compiled on first use (about 0.4 s per
+(wehub_ps/kernels/convert.py). Each loop is compiled on first use (about 0.4 s per
 argument type) and cached next to its module when that directory is
 writable; elsewhere (a read-only install) it is compiled once per process.
 Without numba every caller has a NumPy path that gives the same bits.

@@ -1,27 +1,13 @@
-"""Mapping between wire DataType values and numpy dtypes.
-
-bfloat16 comes from ml_dtypes (the package JAX and TensorFlow use), so a
-bfloat16 array is an ordinary numpy array with a 2-byte dtype.
-"""
+"""Mapping between wire DataType values and numpy dtypes (every one little-endian)."""
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
+from wehub_ps.dtypes import BFLOAT16
 from wehub_ps.v1 import ps_pb2
 
-__all__ = [
-    "BFLOAT16",
-    "VARIABLE_DTYPES",
-    "WIRE_FLOAT_DTYPES",
-    "to_numpy_dtype",
-    "to_wire_dtype",
-    "dtype_name",
-    "parse_dtype",
-]
-
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+__all__ = ["to_numpy_dtype", "to_wire_dtype"]
 
 # Every dtype is little-endian on the wire.
 _WIRE_TO_NUMPY: dict[int, np.dtype] = {
@@ -40,14 +26,6 @@ _WIRE_TO_NUMPY: dict[int, np.dtype] = {
     ps_pb2.BOOL: np.dtype("?"),
 }
 _NUMPY_TO_WIRE: dict[np.dtype, int] = {dt: wire for wire, dt in _WIRE_TO_NUMPY.items()}
-
-# dtypes a trainable variable may have: the optimizers need floating point.
-VARIABLE_DTYPES: frozenset[np.dtype] = frozenset(
-    np.dtype(d) for d in ("<f2", "<f4", "<f8")
-)
-# Lower-precision dtypes a float32/float64 tensor may travel as.
-WIRE_FLOAT_DTYPES: frozenset[np.dtype] = frozenset({np.dtype("<f2"), BFLOAT16})
-
 
 def to_numpy_dtype(wire: int) -> np.dtype:
     """The little-endian numpy dtype of a wire DataType; ValueError if unknown."""
@@ -72,20 +50,3 @@ def to_wire_dtype(dtype: np.dtype | str) -> int:
         return _NUMPY_TO_WIRE[dt]
     except KeyError:
         raise ValueError(f"dtype {dtype!r} cannot travel on the wire") from None
-
-
-def dtype_name(dtype: np.dtype | str) -> str:
-    """A stable, human-readable name: 'float32', 'bfloat16', ..."""
-    dt = np.dtype(dtype)
-    return "bfloat16" if dt == BFLOAT16 else dt.name
-
-
-def parse_dtype(value: object) -> np.dtype:
-    """Accept 'float32', np.float32, np.dtype, 'bfloat16'; ValueError otherwise."""
-    if isinstance(value, str) and value == "bfloat16":
-        return BFLOAT16
-    try:
-        dt = np.dtype(value)  # type: ignore[call-overload]
-    except TypeError as exc:
-        raise ValueError(f"dtype must name a numpy dtype, got {value!r}") from exc
-    return dt.newbyteorder("<") if dt.itemsize > 1 else dt

@@ -15,7 +15,8 @@ from ps_server.core.pushes import begin_push, check_cluster
 from ps_server.core import store as store_module
 from ps_server.core.store import VariableStore, check_dtype_allowed
 from wehub_ps.wire.codec import DecodedChunk, as_wire_array, byte_view, chunk_ranges, join_pieces
-from wehub_ps.wire.dtypes import BFLOAT16, to_wire_dtype
+from wehub_ps.dtypes import BFLOAT16
+from wehub_ps.wire.dtypes import to_wire_dtype
 from wehub_ps.errors import Reason
 from wehub_ps.placement import FixedShardsPartitioner, rows_of
 from wehub_ps.specs import (

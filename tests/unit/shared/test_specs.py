@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from wehub_ps.wire.dtypes import BFLOAT16
+from wehub_ps.dtypes import BFLOAT16
 from wehub_ps.placement import (
     FixedShardsPartitioner,
     MaxSizePartitioner,
@@ -32,6 +32,7 @@ from wehub_ps.specs import (
     initializer_from_name,
     with_seed,
 )
+from wehub_ps.specs_proto import spec_from_proto, spec_to_proto
 from wehub_ps.v1 import ps_pb2
 
 # ---- validation ---------------------------------------------------------------------
@@ -188,10 +189,10 @@ PARTITIONERS = [MinSizePartitioner(), MinSizePartitioner(1024, 3), FixedShardsPa
 def test_proto_round_trip(initializer, optimizer, partitioner):
     spec = VariableSpec("layer/w", (10, 0, 3), "float64", initializer=initializer,
                         optimizer=optimizer, partitioner=partitioner)
-    msg = spec.to_proto()
+    msg = spec_to_proto(spec)
     # Survives real serialisation, not just the in-memory message.
     wire = ps_pb2.VariableSpec.FromString(msg.SerializeToString())
-    back = VariableSpec.from_proto(wire)
+    back = spec_from_proto(wire)
     assert back == spec
     assert back.differences(spec) == []
     assert type(back.initializer) is type(initializer)
@@ -206,23 +207,23 @@ def test_proto_round_trip(initializer, optimizer, partitioner):
                                          ("float64", ps_pb2.FLOAT64)])
 def test_proto_dtype_and_shape(dtype, wire):
     spec = VariableSpec("v", (), dtype)
-    msg = spec.to_proto()
+    msg = spec_to_proto(spec)
     assert msg.dtype == wire
     assert list(msg.shape) == []
     assert msg.name == "v"
-    assert VariableSpec.from_proto(msg) == spec
+    assert spec_from_proto(msg) == spec
 
 
 def test_to_proto_carries_the_seed():
     spec = VariableSpec("v", (2,), "float32", initializer=Normal(seed=123))
-    assert spec.to_proto().initializer.seed == 123
-    assert spec.to_proto().initializer.normal.stddev == 0.05
+    assert spec_to_proto(spec).initializer.seed == 123
+    assert spec_to_proto(spec).initializer.normal.stddev == 0.05
 
 
 def test_from_proto_without_partitioner_uses_the_default():
-    msg = VariableSpec("v", (2,), "float32").to_proto()
+    msg = spec_to_proto(VariableSpec("v", (2,), "float32"))
     msg.ClearField("partitioner")
-    assert VariableSpec.from_proto(msg).partitioner == MinSizePartitioner()
+    assert spec_from_proto(msg).partitioner == MinSizePartitioner()
 
 
 @pytest.mark.parametrize("mutate, words", [
@@ -237,10 +238,10 @@ def test_from_proto_without_partitioner_uses_the_default():
     (lambda m: setattr(m.partitioner.min_size, "min_shard_bytes", 0), ["min_shard_bytes", "0"]),
 ])
 def test_from_proto_refuses_invalid_messages(mutate, words):
-    msg = VariableSpec("v", (2, 3), "float32").to_proto()
+    msg = spec_to_proto(VariableSpec("v", (2, 3), "float32"))
     mutate(msg)
     with pytest.raises(SpecError) as info:
-        VariableSpec.from_proto(msg)
+        spec_from_proto(msg)
     for word in words:
         assert word in str(info.value), f"{word!r} missing from {info.value}"
 

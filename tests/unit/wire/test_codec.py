@@ -34,7 +34,8 @@ from wehub_ps.wire.codec import (
     encode_push_request,
     encode_push_response,
 )
-from wehub_ps.wire.dtypes import BFLOAT16, to_numpy_dtype, to_wire_dtype
+from wehub_ps.dtypes import BFLOAT16
+from wehub_ps.wire.dtypes import to_numpy_dtype, to_wire_dtype
 from wehub_ps.v1 import ps_pb2
 
 SETTINGS = settings(max_examples=150, deadline=None,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from wehub_ps.kernels.compiled import compiled
-from wehub_ps.wire.dtypes import BFLOAT16
+from wehub_ps.dtypes import BFLOAT16
 
 __all__ = ["cast_into"]
 
