@@ -18,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from deploy_tools import require  # noqa: E402
+from deploy_tools.availability import require  # noqa: E402
 
 
 @pytest.fixture(scope="session")

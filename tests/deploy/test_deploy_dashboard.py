@@ -8,7 +8,7 @@ import copy
 import json
 
 import pytest
-from deploy_tools import require
+from deploy_tools.availability import require
 
 require("yaml", "PyYAML")
 

@@ -6,7 +6,7 @@ test_deploy_checkov.py; no Docker engine is needed here."""
 from __future__ import annotations
 
 import pytest
-from deploy_tools import require
+from deploy_tools.availability import require
 
 require("yaml", "PyYAML")
 

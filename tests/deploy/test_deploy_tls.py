@@ -9,7 +9,7 @@ from concurrent import futures
 from pathlib import Path
 
 import pytest
-from deploy_tools import require
+from deploy_tools.availability import require
 
 require("yaml", "PyYAML")
 

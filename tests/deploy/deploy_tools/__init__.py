@@ -1,0 +1,4 @@
+"""Tools the deployment tests use, not tests themselves.
+
+``availability`` skips a test module whose tool is not installed.
+"""
