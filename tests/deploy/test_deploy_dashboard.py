@@ -8,12 +8,12 @@ import copy
 import json
 
 import pytest
-from deploy_tools import require
+from deploy_tools.availability import require
 
 require("yaml", "PyYAML")
 
-import deploy_checks  # noqa: E402
-from deploy_checks import DEPLOY, METRICS, REPO  # noqa: E402
+from deploy_tools.manifests.grafana_dashboard import METRICS, dashboard_problems, iter_panels  # noqa: E402
+from deploy_tools.manifests.kustomize import DEPLOY, REPO  # noqa: E402
 
 DASHBOARD = DEPLOY / "grafana" / "dashboard.json"
 
@@ -23,7 +23,7 @@ def dashboard() -> dict:
 
 
 def test_dashboard_queries_every_metric_correctly():
-    assert deploy_checks.dashboard_problems(dashboard()) == []
+    assert dashboard_problems(dashboard()) == []
 
 
 METRICS_SOURCE = REPO / "ps_server" / "metrics.py"
@@ -74,7 +74,7 @@ def test_dashboard_metrics_are_the_ones_the_server_exports():
 
 
 def _first_target(dash):
-    for panel in deploy_checks._iter_panels(dash["panels"]):
+    for panel in iter_panels(dash["panels"]):
         if panel.get("targets"):
             return panel["targets"][0]
     raise AssertionError("no query")
@@ -93,7 +93,7 @@ def _first_target(dash):
 def test_dashboard_check_reports_a_bad_query(expr, expected):
     dash = copy.deepcopy(dashboard())
     _first_target(dash)["expr"] = expr
-    problems = deploy_checks.dashboard_problems(dash)
+    problems = dashboard_problems(dash)
     assert any(expected in p for p in problems), problems
 
 
@@ -101,7 +101,7 @@ def test_dashboard_check_reports_a_missing_metric_and_a_fixed_datasource():
     dash = copy.deepcopy(dashboard())
     dash["panels"] = [p for p in dash["panels"] if "wehub_ps_restored_version" not in json.dumps(p)]
     next(p for p in dash["panels"] if p.get("targets"))["datasource"] = {"type": "prometheus", "uid": "prom-1"}
-    problems = deploy_checks.dashboard_problems(dash)
+    problems = dashboard_problems(dash)
     assert "no panel shows wehub_ps_restored_version" in problems, problems
     assert any("datasource is not ${datasource}" in p for p in problems), problems
 

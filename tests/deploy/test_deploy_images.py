@@ -6,12 +6,16 @@ test_deploy_checkov.py; no Docker engine is needed here."""
 from __future__ import annotations
 
 import pytest
-from deploy_tools import require
+from deploy_tools.availability import require
 
 require("yaml", "PyYAML")
 
-import deploy_checks  # noqa: E402
-from deploy_checks import DEPLOY  # noqa: E402
+from deploy_tools.manifests.dockerfiles import (  # noqa: E402
+    dockerfile_instructions,
+    dockerfile_problems,
+    dockerignore_problems,
+)
+from deploy_tools.manifests.kustomize import DEPLOY  # noqa: E402
 
 IMAGES = {
     "Dockerfile": dict(base_pattern=r"python:\$\{PYTHON_VERSION\}-slim\b", default_cmd=["ps-server"],
@@ -24,11 +28,11 @@ IMAGES = {
 
 @pytest.mark.parametrize("name", IMAGES)
 def test_dockerfile(name):
-    assert deploy_checks.dockerfile_problems((DEPLOY / name).read_text(), **IMAGES[name]) == []
+    assert dockerfile_problems((DEPLOY / name).read_text(), **IMAGES[name]) == []
 
 
 def test_gpu_image_is_cuda_12():
-    _, instructions = deploy_checks.dockerfile_instructions((DEPLOY / "Dockerfile.gpu").read_text())
+    _, instructions = dockerfile_instructions((DEPLOY / "Dockerfile.gpu").read_text())
     args = dict(ins.args.split("=", 1) for ins in instructions if ins.keyword == "ARG" and "=" in ins.args)
     assert args["CUDA_VERSION"].startswith("12."), args
 
@@ -38,7 +42,7 @@ def test_build_context_is_filtered(name):
     # BuildKit reads <Dockerfile>.dockerignore next to the Dockerfile.
     ignore = DEPLOY / f"{name}.dockerignore"
     assert ignore.is_file(), f"{ignore} is missing"
-    assert deploy_checks.dockerignore_problems(ignore.read_text()) == []
+    assert dockerignore_problems(ignore.read_text()) == []
 
 
 # --- the check can fail ----------------------------------------------------
@@ -58,17 +62,17 @@ GOOD = (DEPLOY / "Dockerfile").read_text()
 ])
 def test_dockerfile_check_reports_a_broken_copy(old, new, expected):
     assert old in GOOD
-    problems = deploy_checks.dockerfile_problems(GOOD.replace(old, new, 1), **IMAGES["Dockerfile"])
+    problems = dockerfile_problems(GOOD.replace(old, new, 1), **IMAGES["Dockerfile"])
     assert any(expected in p for p in problems), problems
 
 
 def test_dockerfile_check_reports_a_single_stage_build():
     single = "\n".join(line for line in GOOD.splitlines()
                        if not line.startswith("FROM python:${PYTHON_VERSION}-slim AS builder"))
-    problems = deploy_checks.dockerfile_problems(single, **IMAGES["Dockerfile"])
+    problems = dockerfile_problems(single, **IMAGES["Dockerfile"])
     assert any("multi-stage" in p for p in problems), problems
 
 
 def test_dockerignore_check_reports_a_context_with_secrets():
     text = (DEPLOY / "Dockerfile.dockerignore").read_text().replace("\ndeploy\n", "\n")
-    assert deploy_checks.dockerignore_problems(text) == ["the build context filter does not exclude deploy/"]
+    assert dockerignore_problems(text) == ["the build context filter does not exclude deploy/"]

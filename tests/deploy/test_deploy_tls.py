@@ -9,12 +9,12 @@ from concurrent import futures
 from pathlib import Path
 
 import pytest
-from deploy_tools import require
+from deploy_tools.availability import require
 
 require("yaml", "PyYAML")
 
-import deploy_checks  # noqa: E402
-from deploy_checks import DEPLOY  # noqa: E402
+from deploy_tools.manifests.kustomize import DEPLOY  # noqa: E402
+from deploy_tools.manifests.tls_material import cert_sans, generated_secret_problems  # noqa: E402
 
 SCRIPT = DEPLOY / "gen-secrets.sh"
 
@@ -32,13 +32,13 @@ def secrets(tmp_path_factory, openssl_cli) -> Path:
 
 
 def test_generated_material_is_sound(secrets):
-    assert deploy_checks.generated_secret_problems(secrets) == []
+    assert generated_secret_problems(secrets) == []
 
 
 def test_namespaces_can_be_chosen(tmp_path, openssl_cli):
     gen(tmp_path, "--namespace", "team-a", "--days", "30")
-    assert deploy_checks.generated_secret_problems(tmp_path, ["team-a"]) == []
-    sans = deploy_checks.cert_sans((tmp_path / "server.crt").read_bytes())
+    assert generated_secret_problems(tmp_path, ["team-a"]) == []
+    sans = cert_sans((tmp_path / "server.crt").read_bytes())
     assert "*.ps.wehub-ps.svc.cluster.local" not in sans
 
 
@@ -53,7 +53,7 @@ def test_existing_files_are_kept_unless_forced(tmp_path, openssl_cli):
     after = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     assert after["token"] != before["token"]
     assert {k: v for k, v in after.items() if k != "token"} == {k: v for k, v in before.items() if k != "token"}
-    assert deploy_checks.generated_secret_problems(tmp_path) == []
+    assert generated_secret_problems(tmp_path) == []
 
 
 def test_bad_arguments_are_refused(tmp_path, openssl_cli):
@@ -128,10 +128,10 @@ def test_secret_check_reports_missing_sans_wrong_usage_and_a_bad_token(secrets, 
     (tmp_path / "client.key").write_bytes((secrets / "server.key").read_bytes())
     (tmp_path / "token").write_bytes(b"secret\n")
     (tmp_path / "ca.key").chmod(0o644)
-    problems = deploy_checks.generated_secret_problems(tmp_path)
+    problems = generated_secret_problems(tmp_path)
     assert problems == ["ca.key is readable by others (mode 0o644)"]
     (tmp_path / "ca.key").chmod(0o600)
-    problems = deploy_checks.generated_secret_problems(tmp_path)
+    problems = generated_secret_problems(tmp_path)
     text = "\n".join(problems)
     assert "server.crt does not verify against ca.crt" in text
     assert "server.crt lacks the subject alternative names" in text

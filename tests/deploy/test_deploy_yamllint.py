@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from deploy_tools import require
+from deploy_tools.availability import require
 
 require("yaml", "PyYAML")
 require("yamllint", "yamllint")

