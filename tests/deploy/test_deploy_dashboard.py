@@ -26,7 +26,7 @@ def test_dashboard_queries_every_metric_correctly():
     assert dashboard_problems(dashboard()) == []
 
 
-METRICS_SOURCE = REPO / "ps_server" / "metrics.py"
+METRICS_SOURCE = REPO / "ps_server" / "ops" / "metrics.py"
 
 
 def declared_metrics(source: str) -> dict[str, tuple[str, set[str]]]:
