@@ -13,34 +13,60 @@ protobuf and the bulk bytes are spliced in by hand:
   it is joined (:func:`join_pieces`), so that is its one copy too;
 * decoding returns ``memoryview`` slices of the received message, so the
   receiver copies each byte once, straight into its destination array;
-* the small headers that are written for every variable of every step
-  (``ChunkHeader``, ``PushItem``, ``PushBegin``) are written as bytes here
-  rather than built as protobuf objects and serialised: a step of a model
-  in many variables spent more time building and copying those objects
-  than in the rest of its framing;
+* the small messages that are written for every variable of every step
+  (``ChunkHeader``, ``PushItem``, ``PushBegin``, ...) are written as bytes
+  (:mod:`wehub_ps.wire.small_messages`) rather than built as protobuf
+  objects and serialised;
 * chunks under :data:`BATCH_BELOW_BYTES` travel together as one
   ``ChunkBatch`` (one protobuf parse for all headers, one bytes field), because
   framing a chunk in Python costs more than copying a few KiB: a step of
   a model with many small variables spent 40% of the worker's time here.
 
 The output is ordinary protobuf (a test compares it with
-``SerializeToString``), so any protobuf client can speak the protocol.
+``SerializeToString``), so any protobuf client can speak the protocol. Every
+tag is read from the generated descriptors at import
+(:func:`wehub_ps.wire.protowire.field_tag`).
+
+This module is the one import point of the data-path framing: it also
+exports what its parts define, the small-message encoders
+(:mod:`~wehub_ps.wire.small_messages`), the array views
+(:mod:`~wehub_ps.wire.arrays`) and :class:`CodecError`
+(:mod:`~wehub_ps.wire.protowire`).
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
+from wehub_ps.wire.arrays import as_wire_array, byte_view, chunk_ranges, chunk_view
 from wehub_ps.wire.dtypes import to_numpy_dtype
 from wehub_ps.wire.fresh_bytes import filled_bytes
 from wehub_ps.kernels.rowops import take_rows, take_rows_into
 from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.protowire import (
+    WIRE_LEN,
+    WIRE_VARINT,
+    CodecError,
+    field_number,
+    field_tag,
+    iter_fields,
+    merge,
+    read_varint,
+    tag,
+    varint,
+)
+from wehub_ps.wire.small_messages import (
+    encode_chunk_header,
+    encode_pull_item,
+    encode_pull_request,
+    encode_push_begin,
+    encode_push_item,
+    encode_push_response,
+)
 
 __all__ = [
     "CodecError",
@@ -72,28 +98,31 @@ __all__ = [
     "encode_push_response",
 ]
 
-_WIRE_VARINT = 0
-_WIRE_FIXED64 = 1
-_WIRE_LEN = 2
-_WIRE_FIXED32 = 5
+# Tags written and field numbers read, from the generated descriptors.
+_TAG_TENSOR_CHUNK_HEADER = field_tag(ps_pb2.TensorChunk, "header", WIRE_LEN)
+_TAG_TENSOR_CHUNK_DATA = field_tag(ps_pb2.TensorChunk, "data", WIRE_LEN)
+_TAG_CHUNK_BATCH_HEADERS = field_tag(ps_pb2.ChunkBatch, "headers", WIRE_LEN)
+_TAG_CHUNK_BATCH_DATA = field_tag(ps_pb2.ChunkBatch, "data", WIRE_LEN)
+_TAG_CHUNK_HEADERS_ITEMS = field_tag(ps_pb2.ChunkHeaders, "items", WIRE_LEN)
+_TAG_PULL_RESPONSE_CHUNKS = field_tag(ps_pb2.PullResponse, "chunks", WIRE_LEN)
+_TAG_PULL_RESPONSE_BATCHES = field_tag(ps_pb2.PullResponse, "batches", WIRE_LEN)
+_TAG_PUSH_REQUEST_BEGIN = field_tag(ps_pb2.PushRequest, "begin", WIRE_LEN)
+_TAG_PUSH_REQUEST_CHUNKS = field_tag(ps_pb2.PushRequest, "chunks", WIRE_LEN)
+_TAG_PUSH_REQUEST_BATCHES = field_tag(ps_pb2.PushRequest, "batches", WIRE_LEN)
+_TAG_PUSH_RESPONSE_PULLED = field_tag(ps_pb2.PushResponse, "pulled", WIRE_LEN)
 
-# Field numbers from protos/wehub_ps/v1/ps.proto.
-# TensorChunk and ChunkBatch share a layout: field 1 its header(s), field 2 the bytes.
-_FRAMED_HEADER = 1
-_FRAMED_DATA = 2
-_PULL_RESPONSE_CHUNKS = 1
-_PULL_RESPONSE_BATCHES = 2
-_PUSH_REQUEST_BEGIN = 1
-_PUSH_REQUEST_CHUNKS = 2
-_PUSH_REQUEST_BATCHES = 3
-_PUSH_RESPONSE_PULLED = 6
+# (header field, data field) of a TensorChunk and of a ChunkBatch.
+_TENSOR_CHUNK_FIELDS = (field_number(ps_pb2.TensorChunk, "header"), field_number(ps_pb2.TensorChunk, "data"))
+_CHUNK_BATCH_FIELDS = (field_number(ps_pb2.ChunkBatch, "headers"), field_number(ps_pb2.ChunkBatch, "data"))
+_PULL_RESPONSE_CHUNKS = field_number(ps_pb2.PullResponse, "chunks")
+_PULL_RESPONSE_BATCHES = field_number(ps_pb2.PullResponse, "batches")
+_PUSH_REQUEST_BEGIN = field_number(ps_pb2.PushRequest, "begin")
+_PUSH_REQUEST_CHUNKS = field_number(ps_pb2.PushRequest, "chunks")
+_PUSH_REQUEST_BATCHES = field_number(ps_pb2.PushRequest, "batches")
+_PUSH_RESPONSE_PULLED = field_number(ps_pb2.PushResponse, "pulled")
 
 #: Chunks smaller than this are sent in a ChunkBatch when there are two or more.
 BATCH_BELOW_BYTES = 64 * 1024
-
-
-class CodecError(ValueError):
-    """The bytes are not a valid message of the expected type."""
 
 
 class TooManyChunks(CodecError):
@@ -195,182 +224,25 @@ class DecodedChunk:
         return chunk_view(self.data, self.header.dtype, self.header.count)
 
 
-_SMALL_VARINTS = [bytes([i]) for i in range(128)]
-
-
-def _varint(value: int) -> bytes:
-    if value < 128:
-        return _SMALL_VARINTS[value]
-    if value < 16384:  # sizes of small variables, versions: two bytes, written at once
-        return bytes((value & 0x7F | 0x80, value >> 7))
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _tag(field: int, wire_type: int) -> bytes:
-    return _varint((field << 3) | wire_type)
-
-
-_TAG_CHUNK_HEADER = _tag(_FRAMED_HEADER, _WIRE_LEN)
-_TAG_CHUNK_DATA = _tag(_FRAMED_DATA, _WIRE_LEN)
-_TAG_PULL_CHUNKS = _tag(_PULL_RESPONSE_CHUNKS, _WIRE_LEN)
-_TAG_PUSH_BEGIN = _tag(_PUSH_REQUEST_BEGIN, _WIRE_LEN)
-_TAG_PUSH_CHUNKS = _tag(_PUSH_REQUEST_CHUNKS, _WIRE_LEN)
-_TAG_PULL_BATCHES = _tag(_PULL_RESPONSE_BATCHES, _WIRE_LEN)
-_TAG_PUSH_BATCHES = _tag(_PUSH_REQUEST_BATCHES, _WIRE_LEN)
-_TAG_PUSH_RESPONSE_PULLED = _tag(_PUSH_RESPONSE_PULLED, _WIRE_LEN)
-# ChunkHeaders.items, PushBegin.items and PushBegin.pull_after.
-_TAG_HEADERS_ITEM = _tag(1, _WIRE_LEN)
-_TAG_BEGIN_ITEM = _tag(7, _WIRE_LEN)
-_TAG_BEGIN_PULL_AFTER = _tag(9, _WIRE_LEN)
-_TAG_ITEM_ROW_IDS = _tag(5, _WIRE_LEN)
-# One-byte tags of the varint fields 2-8 (ChunkHeader, PushItem, PushBegin).
-_VARINT_TAGS = [_tag(n, _WIRE_VARINT) for n in range(16)]
-
-
-@lru_cache(maxsize=1 << 16)
-def _string_field(field: int, text: str) -> bytes:
-    """A string field as written (empty when ``text`` is, as proto3 omits it); cached: names repeat every step."""
-    encoded = text.encode()
-    return _tag(field, _WIRE_LEN) + _varint(len(encoded)) + encoded if encoded else b""
-
-
-def _varint_field(field: int, value: int) -> bytes:
-    """A uint64 / uint32 / enum field (fields 1-15); proto3 omits zero."""
-    return _VARINT_TAGS[field] + _varint(value) if value else b""
-
-
-@lru_cache(maxsize=1 << 14)
-def _chunk_header_head(variable: str, offset: int, count: int, dtype: int) -> bytes:
-    """Fields 1-4 of a ChunkHeader; cached: a step sends each variable's chunks alike every time."""
-    out = _string_field(1, variable)
-    if offset:
-        out += _VARINT_TAGS[2] + _varint(offset)
-    if count:
-        out += _VARINT_TAGS[3] + _varint(count)
-    if dtype:
-        out += _VARINT_TAGS[4] + _varint(dtype)
-    return out
-
-
-@lru_cache(maxsize=1 << 14)
-def _unversioned_chunk_header(variable: str, offset: int, count: int, dtype: int, part_elements: int) -> bytes:
-    """A whole ChunkHeader without a version (a worker's pushed chunks); cached like the head."""
-    out = _chunk_header_head(variable, offset, count, dtype)
-    return out + _VARINT_TAGS[6] + _varint(part_elements) if part_elements else out
-
-
-def encode_chunk_header(variable: str, offset: int, count: int, dtype: int, version: int = 0,
-                        part_elements: int = 0) -> bytes:
-    """``ChunkHeader(...).SerializeToString()``, without building the message."""
-    if not version:
-        return _unversioned_chunk_header(variable, offset, count, dtype, part_elements)
-    out = _chunk_header_head(variable, offset, count, dtype) + _VARINT_TAGS[5] + _varint(version)
-    if part_elements:
-        out += _VARINT_TAGS[6] + _varint(part_elements)
-    return out
-
-
-@lru_cache(maxsize=1 << 16)
-def _push_item_head(variable: str, elements: int, wire_dtype: int) -> bytes:
-    return _string_field(1, variable) + _varint_field(2, elements) + _varint_field(3, wire_dtype)
-
-
-def encode_push_item(variable: str, elements: int, wire_dtype: int, base_version: int = 0,
-                     row_ids: bytes = b"") -> bytes:
-    """``PushItem(...).SerializeToString()``; the fields that repeat every step are cached."""
-    out = _push_item_head(variable, elements, wire_dtype)
-    if base_version:
-        out += _VARINT_TAGS[4] + _varint(base_version)
-    if row_ids:
-        out += b"".join((_TAG_ITEM_ROW_IDS, _varint(len(row_ids)), row_ids))
-    return out
-
-
-def encode_push_begin(worker_id: str, incarnation: str, sequence: int, shard_index: int, num_shards: int,
-                      kind: int, items: Sequence[bytes], step: int = 0, pull_after: bytes | None = None,
-                      continued: bool = False) -> bytes:
-    """``PushBegin(...).SerializeToString()`` with ``items`` already serialised (:func:`encode_push_item`).
-
-    ``pull_after``: a serialised PullRequest, written even when empty (the
-    server tells "no values asked for" from "asked for nothing" by its presence).
-    ``continued``: the next message's begin continues this one (PushBegin.continued).
-    """
-    pieces = [_string_field(1, worker_id), _string_field(2, incarnation), _varint_field(3, sequence),
-              _varint_field(4, shard_index), _varint_field(5, num_shards), _varint_field(6, kind)]
-    for item in items:
-        pieces += (_TAG_BEGIN_ITEM, _varint(len(item)), item)
-    pieces.append(_varint_field(8, step))
-    if pull_after is not None:
-        pieces += (_TAG_BEGIN_PULL_AFTER, _varint(len(pull_after)), pull_after)
-    if continued:
-        pieces.append(_varint_field(10, 1))
-    return b"".join(pieces)
-
-
-_TAG_PULL_REQUEST_ITEM = _tag(3, _WIRE_LEN)
-_TAG_PULL_ITEM_ROW_IDS = _tag(4, _WIRE_LEN)
-
-
-@lru_cache(maxsize=1 << 16)
-def _pull_item_of_whole(variable: str) -> bytes:
-    """A PullRequest.items entry for a whole part, framed; cached: a step pulls the same names each time."""
-    item = _string_field(1, variable)
-    return _TAG_PULL_REQUEST_ITEM + _varint(len(item)) + item
-
-
-def encode_pull_item(variable: str, row_ids: bytes = b"") -> bytes:
-    """A ``PullItem`` (a whole part, or ``row_ids``) as it is framed in :func:`encode_pull_request`."""
-    if not row_ids:
-        return _pull_item_of_whole(variable)
-    item = b"".join((_string_field(1, variable), _TAG_PULL_ITEM_ROW_IDS, _varint(len(row_ids)), row_ids))
-    return b"".join((_TAG_PULL_REQUEST_ITEM, _varint(len(item)), item))
-
-
-def encode_pull_request(shard_index: int, num_shards: int, items: Sequence[bytes], wire_dtype: int = 0,
-                        chunk_bytes: int = 0, worker_id: str = "", incarnation: str = "",
-                        step: int = 0) -> bytes:
-    """``PullRequest(...).SerializeToString()`` with ``items`` from :func:`encode_pull_item`."""
-    return b"".join((_varint_field(1, shard_index), _varint_field(2, num_shards), *items,
-                     _varint_field(4, wire_dtype), _varint_field(5, chunk_bytes), _string_field(6, worker_id),
-                     _string_field(7, incarnation), _varint_field(8, step)))
-
-
-_TAG_PUSH_RESPONSE_VERSION = _tag(1, _WIRE_LEN)
-
-
-def encode_push_response(versions: dict[str, int], duplicate: bool = False, elements_applied: int = 0,
-                         dropped: bool = False, cluster_step: int = 0) -> bytes:
-    """``PushResponse(...).SerializeToString()`` (without ``pulled``: see push_response_pieces)."""
-    pieces = []
-    for variable, version in versions.items():
-        entry = _string_field(1, variable) + _varint_field(2, version)
-        pieces += (_TAG_PUSH_RESPONSE_VERSION, _varint(len(entry)), entry)
-    pieces += (_varint_field(2, int(duplicate)), _varint_field(3, elements_applied),
-               _varint_field(4, int(dropped)), _varint_field(5, cluster_step))
-    return b"".join(pieces)
-
-
 def _append_chunks(pieces: list, chunk_tag: bytes, batch_tag: bytes, chunks: Sequence[OutgoingChunk]) -> None:
     """TensorChunks for the large chunks, then one ChunkBatch for the small ones (field order)."""
     small = [c for c in chunks if c.data.nbytes < BATCH_BELOW_BYTES]
     if len(small) < 2:
         small = []
     for chunk in [c for c in chunks if c.data.nbytes >= BATCH_BELOW_BYTES] if small else chunks:
-        _append_framed(pieces, chunk_tag, _header_bytes(chunk.header), [chunk.data])
+        _append_framed(pieces, chunk_tag, _TAG_TENSOR_CHUNK_HEADER, _TAG_TENSOR_CHUNK_DATA,
+                       _header_bytes(chunk.header), [chunk.data])
     if small:
         headers = []
         for c in small:
             header = _header_bytes(c.header)
-            headers += (_TAG_HEADERS_ITEM, _varint(len(header)), header)
-        _append_framed(pieces, batch_tag, b"".join(headers), [c.data for c in small])
+            headers += (_TAG_CHUNK_HEADERS_ITEMS, varint(len(header)), header)
+        _append_framed(pieces, batch_tag, _TAG_CHUNK_BATCH_HEADERS, _TAG_CHUNK_BATCH_DATA, b"".join(headers),
+                       [c.data for c in small])
 
 
-def _append_framed(pieces: list, outer_tag: bytes, header: bytes, data: list[memoryview]) -> None:
+def _append_framed(pieces: list, outer_tag: bytes, header_tag: bytes, data_tag: bytes, header: bytes,
+                   data: list[memoryview]) -> None:
     """One TensorChunk or ChunkBatch: its framing and header(s) as one piece, then ``data``, not copied yet.
 
     Few pieces keep joining cheap: a message is a handful of pieces, not
@@ -379,10 +251,10 @@ def _append_framed(pieces: list, outer_tag: bytes, header: bytes, data: list[mem
     data_len = sum(d.nbytes for d in data)
     # proto3 omits an empty bytes field; do the same so that the encoding
     # is byte-identical to protobuf's own.
-    inner = _TAG_CHUNK_HEADER + _varint(len(header)) + header
+    inner = header_tag + varint(len(header)) + header
     if data_len:
-        inner += _TAG_CHUNK_DATA + _varint(data_len)
-    pieces.append(outer_tag + _varint(len(inner) + data_len) + inner)
+        inner += data_tag + varint(data_len)
+    pieces.append(outer_tag + varint(len(inner) + data_len) + inner)
     if data_len:
         pieces += [d for d in data if d.nbytes]
 
@@ -394,7 +266,7 @@ def pull_response_pieces(chunks: Sequence[OutgoingChunk]) -> list:
     inside an exchange envelope) is their one copy.
     """
     pieces: list = []
-    _append_chunks(pieces, _TAG_PULL_CHUNKS, _TAG_PULL_BATCHES, chunks)
+    _append_chunks(pieces, _TAG_PULL_RESPONSE_CHUNKS, _TAG_PULL_RESPONSE_BATCHES, chunks)
     return pieces
 
 
@@ -406,8 +278,8 @@ def push_request_pieces(begin: ps_pb2.PushBegin | bytes | None, chunks: Sequence
     pieces: list = []
     if begin is not None:
         body = begin if type(begin) is bytes else begin.SerializeToString()
-        pieces.append(_TAG_PUSH_BEGIN + _varint(len(body)) + body)
-    _append_chunks(pieces, _TAG_PUSH_CHUNKS, _TAG_PUSH_BATCHES, chunks)
+        pieces.append(_TAG_PUSH_REQUEST_BEGIN + varint(len(body)) + body)
+    _append_chunks(pieces, _TAG_PUSH_REQUEST_CHUNKS, _TAG_PUSH_REQUEST_BATCHES, chunks)
     return pieces
 
 
@@ -415,7 +287,7 @@ def push_response_pieces(response: bytes, pulled: list | None) -> list:
     """A serialised ``PushResponse`` with the pieces of a PullResponse as its ``pulled`` field."""
     if pulled is None:
         return [response]
-    return [response + _TAG_PUSH_RESPONSE_PULLED + _varint(sum(piece_size(p) for p in pulled)), *pulled]
+    return [response + _TAG_PUSH_RESPONSE_PULLED + varint(sum(piece_size(p) for p in pulled)), *pulled]
 
 
 def split_push_response(message: bytes | memoryview) -> tuple[ps_pb2.PushResponse, list[DecodedChunk] | None]:
@@ -426,15 +298,15 @@ def split_push_response(message: bytes | memoryview) -> tuple[ps_pb2.PushRespons
     """
     buf = memoryview(message)
     kept, pulled, previous = [], None, 0
-    for field, wire_type, start, stop in _iter_fields(buf, 0, len(buf)):
+    for field, wire_type, start, stop in iter_fields(buf, 0, len(buf)):
         if field == _PUSH_RESPONSE_PULLED:
-            if wire_type != _WIRE_LEN:
+            if wire_type != WIRE_LEN:
                 raise CodecError("PushResponse.pulled has the wrong wire type")
             pulled = (pulled or []) + decode_pull_response(buf[start:stop])
         else:
             kept.append(buf[previous:stop])
         previous = stop
-    return _merge(ps_pb2.PushResponse(), b"".join(kept)), pulled
+    return merge(ps_pb2.PushResponse(), b"".join(kept)), pulled
 
 
 def encode_pull_response(chunks: Sequence[OutgoingChunk]) -> bytes:
@@ -449,75 +321,30 @@ def encode_push_request(
     return join_pieces(push_request_pieces(begin, chunks))
 
 
-def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
-    result = 0
-    shift = 0
-    while True:
-        if pos >= end:
-            raise CodecError("truncated varint")
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
-        if shift >= 64:
-            raise CodecError("varint longer than 64 bits")
+def _header_and_data(buf: memoryview, start: int, stop: int, header, fields: tuple[int, int],
+                     names: tuple[str, str]) -> memoryview:
+    """A TensorChunk or ChunkBatch: its header field merged into ``header``, its data returned as a view.
 
-
-def _iter_fields(buf: memoryview, pos: int, end: int) -> Iterator[tuple[int, int, int, int]]:
-    """Yield (field, wire_type, start, stop) of each field; stop is exclusive.
-
-    For varints start/stop delimit the encoded value. Unknown fields are
-    yielded too, so callers can skip them (forward compatibility).
+    ``fields`` and ``names``: the numbers and names of the header field and the data field.
     """
-    while pos < end:
-        key, pos = _read_varint(buf, pos, end)
-        field, wire_type = key >> 3, key & 7
-        if field == 0:
-            raise CodecError("field number 0")
-        if wire_type == _WIRE_VARINT:
-            start = pos
-            _, pos = _read_varint(buf, pos, end)
-        elif wire_type == _WIRE_LEN:
-            length, start = _read_varint(buf, pos, end)
-            pos = start + length
-        elif wire_type == _WIRE_FIXED64:
-            start, pos = pos, pos + 8
-        elif wire_type == _WIRE_FIXED32:
-            start, pos = pos, pos + 4
-        else:
-            raise CodecError(f"unsupported wire type {wire_type}")
-        if pos > end:
-            raise CodecError("field runs past the end of the message")
-        yield field, wire_type, start, pos
-
-
-def _merge(message, buf: memoryview):
-    """Merge one occurrence of a message field, as protobuf does for repeats."""
-    try:
-        message.MergeFromString(buf)
-    except Exception as exc:  # protobuf raises DecodeError, upb sometimes others
-        raise CodecError(f"invalid {message.DESCRIPTOR.name}: {exc}") from exc
-    return message
-
-
-def _header_and_data(buf: memoryview, start: int, stop: int, header, names: tuple[str, str]) -> memoryview:
-    """A TensorChunk or ChunkBatch: field 1 merged into ``header``, field 2 (bytes) returned as a view."""
+    header_field, data_field = fields
     data = buf[0:0]
-    for field, wire_type, fstart, fstop in _iter_fields(buf, start, stop):
-        if field in (_FRAMED_HEADER, _FRAMED_DATA) and wire_type != _WIRE_LEN:
-            raise CodecError(f"{names[field - 1]} has the wrong wire type")
-        if field == _FRAMED_HEADER:
-            _merge(header, buf[fstart:fstop])
-        elif field == _FRAMED_DATA:
+    for field, wire_type, fstart, fstop in iter_fields(buf, start, stop):
+        if field == header_field:
+            if wire_type != WIRE_LEN:
+                raise CodecError(f"{names[0]} has the wrong wire type")
+            merge(header, buf[fstart:fstop])
+        elif field == data_field:
+            if wire_type != WIRE_LEN:
+                raise CodecError(f"{names[1]} has the wrong wire type")
             data = buf[fstart:fstop]
     return data
 
 
 def _decode_chunk(buf: memoryview, start: int, stop: int) -> DecodedChunk:
     header = ps_pb2.ChunkHeader()
-    data = _header_and_data(buf, start, stop, header, ("TensorChunk.header", "TensorChunk.data"))
+    data = _header_and_data(buf, start, stop, header, _TENSOR_CHUNK_FIELDS,
+                            ("TensorChunk.header", "TensorChunk.data"))
     return DecodedChunk(header, data)
 
 
@@ -525,7 +352,8 @@ def _decode_batch(buf: memoryview, start: int, stop: int, chunks: list[DecodedCh
                   max_chunks: int = 0) -> None:
     """Append the chunks of one ChunkBatch, each a view of its slice of the data."""
     headers = ps_pb2.ChunkHeaders()
-    data = _header_and_data(buf, start, stop, headers, ("ChunkBatch.headers", "ChunkBatch.data"))
+    data = _header_and_data(buf, start, stop, headers, _CHUNK_BATCH_FIELDS,
+                            ("ChunkBatch.headers", "ChunkBatch.data"))
     if max_chunks and len(chunks) + len(headers.items) > max_chunks:
         raise TooManyChunks(f"more than {max_chunks} chunks in one message")
     position = 0
@@ -547,8 +375,8 @@ def decode_pull_response(message: bytes) -> list[DecodedChunk]:
     """Parse a serialised ``PullResponse``; chunk data are views of ``message``."""
     buf = memoryview(message)
     chunks: list[DecodedChunk] = []
-    for field, wire_type, start, stop in _iter_fields(buf, 0, len(buf)):
-        if field in (_PULL_RESPONSE_CHUNKS, _PULL_RESPONSE_BATCHES) and wire_type != _WIRE_LEN:
+    for field, wire_type, start, stop in iter_fields(buf, 0, len(buf)):
+        if field in (_PULL_RESPONSE_CHUNKS, _PULL_RESPONSE_BATCHES) and wire_type != WIRE_LEN:
             raise CodecError(f"PullResponse field {field} has the wrong wire type")
         if field == _PULL_RESPONSE_CHUNKS:
             chunks.append(_decode_chunk(buf, start, stop))
@@ -569,11 +397,11 @@ def decode_push_request(
     buf = memoryview(message)
     begin = None
     chunks: list[DecodedChunk] = []
-    for field, wire_type, start, stop in _iter_fields(buf, 0, len(buf)):
-        if wire_type != _WIRE_LEN and field in (_PUSH_REQUEST_BEGIN, _PUSH_REQUEST_CHUNKS, _PUSH_REQUEST_BATCHES):
+    for field, wire_type, start, stop in iter_fields(buf, 0, len(buf)):
+        if wire_type != WIRE_LEN and field in (_PUSH_REQUEST_BEGIN, _PUSH_REQUEST_CHUNKS, _PUSH_REQUEST_BATCHES):
             raise CodecError(f"PushRequest field {field} has the wrong wire type")
         if field == _PUSH_REQUEST_BEGIN:
-            begin = _merge(begin if begin is not None else ps_pb2.PushBegin(), buf[start:stop])
+            begin = merge(begin if begin is not None else ps_pb2.PushBegin(), buf[start:stop])
         elif field == _PUSH_REQUEST_CHUNKS:
             if max_chunks and len(chunks) >= max_chunks:
                 raise TooManyChunks(f"more than {max_chunks} chunks in one message")
@@ -583,11 +411,30 @@ def decode_push_request(
     return begin, chunks
 
 
-# ExchangeRequest / ExchangeResponse: id = 1, then one of the payload fields.
-EXCHANGE_PULL = 2
-EXCHANGE_PUSH = 3
-EXCHANGE_ERROR = 4
-_TAG_ENVELOPE_ID = _tag(1, _WIRE_VARINT)
+def _envelope_field(name: str, wire_type: int) -> int:
+    """The number of field ``name`` in the exchange messages that have it.
+
+    One constant serves requests and responses, so their numbers must agree.
+    """
+    messages = [message for message in (ps_pb2.ExchangeRequest, ps_pb2.ExchangeResponse)
+                if name in message.DESCRIPTOR.fields_by_name]
+    if len({field_tag(message, name, wire_type) for message in messages}) != 1:
+        raise TypeError(f"ExchangeRequest and ExchangeResponse number their field {name!r} differently")
+    return field_number(messages[0], name)
+
+
+# The payload fields of ExchangeRequest / ExchangeResponse: the ``field`` of an envelope.
+EXCHANGE_PULL = _envelope_field("pull", WIRE_LEN)
+EXCHANGE_PUSH = _envelope_field("push", WIRE_LEN)
+EXCHANGE_ERROR = _envelope_field("error", WIRE_LEN)
+_ENVELOPE_PAYLOADS = frozenset((EXCHANGE_PULL, EXCHANGE_PUSH, EXCHANGE_ERROR))
+_ENVELOPE_ID = _envelope_field("id", WIRE_VARINT)
+_TAG_ENVELOPE_ID = tag(_ENVELOPE_ID, WIRE_VARINT)
+# decode_envelope's fast path reads one-byte tags as single bytes: the id's
+# (-1, never a byte, when it takes more) and the payloads' by their byte.
+_ENVELOPE_ID_KEY = _TAG_ENVELOPE_ID[0] if len(_TAG_ENVELOPE_ID) == 1 else -1
+_ENVELOPE_PAYLOAD_KEYS = {tag(number, WIRE_LEN)[0]: number for number in _ENVELOPE_PAYLOADS
+                          if len(tag(number, WIRE_LEN)) == 1}
 
 
 def encode_envelope(request_id: int, field: int, payload: bytes | memoryview | list) -> bytes:
@@ -599,7 +446,7 @@ def encode_envelope(request_id: int, field: int, payload: bytes | memoryview | l
     """
     pieces = payload if isinstance(payload, list) else [payload]
     size = sum(piece_size(p) for p in pieces)
-    head = _TAG_ENVELOPE_ID + _varint(request_id) + _tag(field, _WIRE_LEN) + _varint(size)
+    head = _TAG_ENVELOPE_ID + varint(request_id) + tag(field, WIRE_LEN) + varint(size)
     return join_pieces([head, *pieces])
 
 
@@ -609,77 +456,20 @@ def decode_envelope(message: bytes) -> tuple[int, int, memoryview]:
     end = len(buf)
     # encode_envelope's layout (the id, then the payload, nothing else) read
     # directly: a few lookups instead of the general field loop below.
-    if end and buf[0] == _TAG_ENVELOPE_ID[0]:
-        request_id, position = _read_varint(buf, 1, end)
+    if end and buf[0] == _ENVELOPE_ID_KEY:
+        request_id, position = read_varint(buf, 1, end)
         if position < end:
-            key = buf[position]  # a one-byte tag: fields 2-4, length-delimited
-            if key & 7 == _WIRE_LEN and key >> 3 in (EXCHANGE_PULL, EXCHANGE_PUSH, EXCHANGE_ERROR):
-                length, start = _read_varint(buf, position + 1, end)
+            field = _ENVELOPE_PAYLOAD_KEYS.get(buf[position])  # a one-byte, length-delimited payload tag
+            if field:
+                length, start = read_varint(buf, position + 1, end)
                 if start + length == end:
-                    return request_id, key >> 3, buf[start:end]
+                    return request_id, field, buf[start:end]
     request_id, field, payload = 0, 0, buf[0:0]
-    for number, wire_type, start, stop in _iter_fields(buf, 0, len(buf)):
-        if number == 1 and wire_type == _WIRE_VARINT:
-            request_id, _ = _read_varint(buf, start, stop)
-        elif number in (EXCHANGE_PULL, EXCHANGE_PUSH, EXCHANGE_ERROR) and wire_type == _WIRE_LEN:
+    for number, wire_type, start, stop in iter_fields(buf, 0, len(buf)):
+        if number == _ENVELOPE_ID and wire_type == WIRE_VARINT:
+            request_id, _ = read_varint(buf, start, stop)
+        elif number in _ENVELOPE_PAYLOADS and wire_type == WIRE_LEN:
             field, payload = number, buf[start:stop]
     if not field:
         raise CodecError("exchange message carries no payload")
     return request_id, field, payload
-
-
-_LITTLE_ENDIAN_HOST = sys.byteorder == "little"
-
-
-def as_wire_array(array: np.ndarray, wire_dtype: np.dtype | None = None) -> np.ndarray:
-    """A flat, C-contiguous, little-endian array ready to be viewed as bytes.
-
-    No copy when the input already is one (the common case); a converted copy
-    otherwise (non-contiguous, big-endian, or a narrower ``wire_dtype``).
-    """
-    if wire_dtype is None and _LITTLE_ENDIAN_HOST and array.dtype.isnative and array.flags.c_contiguous:
-        return array.reshape(-1)  # the common case, decided in a few attribute reads
-    target = np.dtype(wire_dtype) if wire_dtype is not None else array.dtype
-    if target.byteorder == ">" or (target.byteorder == "=" and target.itemsize > 1):
-        target = target.newbyteorder("<")
-    flat = array.reshape(-1) if array.flags.c_contiguous else np.ravel(array, order="C")
-    if flat.dtype != target:
-        flat = flat.astype(target)
-    return np.ascontiguousarray(flat)
-
-
-def chunk_view(data: memoryview, wire_dtype: int, count: int) -> np.ndarray:
-    """View ``count`` elements of a wire dtype in ``data``; CodecError on size mismatch."""
-    try:
-        dtype = to_numpy_dtype(wire_dtype)
-    except ValueError as exc:
-        raise CodecError(str(exc)) from None
-    if data.nbytes != count * dtype.itemsize:
-        raise CodecError(
-            f"chunk carries {data.nbytes} bytes, but {count} elements of "
-            f"{dtype.name} need {count * dtype.itemsize}"
-        )
-    return np.frombuffer(data, dtype=dtype, count=count)
-
-
-def chunk_ranges(total: int, chunk_elements: int) -> list[tuple[int, int]]:
-    """(offset, count) covering ``total`` elements; one empty range when total is 0.
-
-    A list, not a generator: most variables of a step are one chunk, and
-    resuming a generator cost more than the list of one range.
-    """
-    if chunk_elements <= 0:
-        raise ValueError(f"chunk_elements must be positive, got {chunk_elements}")
-    if total <= chunk_elements:
-        return [(0, total)]
-    return [(offset, min(chunk_elements, total - offset)) for offset in range(0, total, chunk_elements)]
-
-
-def byte_view(array: np.ndarray) -> memoryview:
-    """The bytes of a C-contiguous array as a flat memoryview (no copy).
-
-    Goes through a uint8 view because dtypes such as bfloat16 have no
-    buffer-protocol format of their own.
-    """
-    return memoryview(array.reshape(-1).view(np.uint8))
-
