@@ -459,11 +459,11 @@ def decode_envelope(message: bytes) -> tuple[int, int, memoryview]:
     if end and buf[0] == _ENVELOPE_ID_KEY:
         request_id, position = read_varint(buf, 1, end)
         if position < end:
-            field = _ENVELOPE_PAYLOAD_KEYS.get(buf[position])  # a one-byte, length-delimited payload tag
-            if field:
+            key = buf[position]
+            if key in _ENVELOPE_PAYLOAD_KEYS:  # a one-byte, length-delimited payload tag
                 length, start = read_varint(buf, position + 1, end)
                 if start + length == end:
-                    return request_id, field, buf[start:end]
+                    return request_id, _ENVELOPE_PAYLOAD_KEYS[key], buf[start:end]
     request_id, field, payload = 0, 0, buf[0:0]
     for number, wire_type, start, stop in iter_fields(buf, 0, len(buf)):
         if number == _ENVELOPE_ID and wire_type == WIRE_VARINT:
