@@ -12,19 +12,16 @@ is the long run.
 from __future__ import annotations
 
 import os
-import pathlib
-import sys
 
-_FAULTS = pathlib.Path(__file__).resolve().parents[1] / "faults"
-if str(_FAULTS) not in sys.path:
-    sys.path.insert(0, str(_FAULTS))
+import pytest
 
-import pytest  # noqa: E402
-import randomized  # noqa: E402
+from faults import randomized
+from faults.layout import MODES
+from faults.schedule import KINDS
 
 #: The modes and fault kinds CI runs: every one.
-CI_MODES = tuple(randomized.MODES)
-CI_KINDS = tuple(randomized.KINDS)
+CI_MODES = tuple(MODES)
+CI_KINDS = tuple(KINDS)
 MIN_EVENTS = 50
 
 
