@@ -32,7 +32,6 @@ from wehub_ps.wire.codec import (
     EXCHANGE_PULL,
     EXCHANGE_PUSH,
     OutgoingChunk,
-    RowGather,
     as_wire_array,
     byte_view,
     chunk_ranges,
@@ -47,7 +46,7 @@ from wehub_ps.kernels.convert import cast_into
 from wehub_ps.dtypes import BFLOAT16, dtype_name, parse_dtype
 from wehub_ps.wire.dtypes import to_wire_dtype
 from wehub_ps.placement import MinSizePartitioner, Partitioner, Placement, hash_shards
-from wehub_ps.kernels.rowops import put_rows, take_rows
+from wehub_ps.kernels.rowops import RowGather, put_rows, take_rows
 from wehub_ps.wire.rpc import DEFAULT_CHUNK_BYTES
 from wehub_ps.kernels.segments import sort_ids, sum_sorted
 from wehub_ps.specs import (
@@ -184,7 +183,7 @@ class _PushItem:
     """One variable's part (or rows) pushed to one shard.
 
     ``values``: flat values, or rows still to be gathered from the caller's
-    gradients (straight into the message, codec.RowGather).
+    gradients (straight into the message, rowops.RowGather).
     """
 
     name: str

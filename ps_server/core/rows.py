@@ -7,7 +7,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ps_server.core.errors import RequestError
-from wehub_ps.wire.codec import RowGather
+from wehub_ps.kernels.rowops import RowGather
 from wehub_ps.errors import Reason
 from wehub_ps.placement import hash_shards
 

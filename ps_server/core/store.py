@@ -33,7 +33,7 @@ from ps_server.core.initializers import fill_initial_values
 from ps_server.core.optimizers import make_kernel
 from ps_server.durability.spec_log import SpecLog
 from ps_server.core.tables import HashTablePart, pin_tables_rows, read_tables_rows
-from wehub_ps.wire.codec import RowGather
+from wehub_ps.kernels.rowops import RowGather
 from wehub_ps.kernels.convert import cast_into
 from wehub_ps.dtypes import WIRE_FLOAT_DTYPES, dtype_name
 from wehub_ps.errors import Reason

@@ -39,7 +39,6 @@ from wehub_ps.wire.codec import (
     EXCHANGE_PUSH,
     CodecError,
     OutgoingChunk,
-    RowGather,
     TooManyChunks,
     byte_view,
     chunk_ranges,
@@ -54,6 +53,7 @@ from wehub_ps.wire.codec import (
     pull_response_pieces,
     push_response_pieces,
 )
+from wehub_ps.kernels.rowops import RowGather
 from wehub_ps.dtypes import BFLOAT16, VARIABLE_DTYPES, dtype_name
 from wehub_ps.wire.dtypes import to_numpy_dtype, to_wire_dtype
 from wehub_ps.errors import REASON_METADATA_KEY, Reason

@@ -272,7 +272,7 @@ def test_push_rows_equals_a_dense_push_with_zeros_elsewhere(three, optimizer, dt
 
 @pytest.mark.parametrize("framing", ["lane", "several_messages", "bfloat16_wire", "big_endian"])
 def test_unique_row_pushes_equal_dense_pushes_in_every_framing(three, framing):
-    """Rows without repeats are gathered straight into each message (codec.RowGather): the
+    """Rows without repeats are gathered straight into each message (rowops.RowGather): the
     one-message lane push, a push split over many messages, a wire dtype conversion and
     big-endian gradients must all apply exactly what the dense push of the same values does."""
     n, dim = 64, 8

@@ -7,13 +7,19 @@ along axis 0, and ``np.put`` on a view of each row as one opaque record,
 copy row by row. Measured on 2,048 random rows of 64 float32 from a 1.28 GB
 table on this machine: gather 0.29-0.32 -> 0.10-0.12 ms, scatter 0.28-0.29
 -> 0.11-0.13 ms. The results are the same bytes.
+
+A :class:`RowGather` names rows to gather later, so a table's rows can be
+handed to whoever frames a message and copied once, straight into it.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
 import numpy as np
 
-__all__ = ["take_rows", "take_rows_into", "put_rows"]
+__all__ = ["RowGather", "take_rows", "take_rows_into", "put_rows"]
 
 
 def take_rows(table: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -46,3 +52,44 @@ def put_rows(table: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
         return
     record = np.dtype((np.void, table.shape[1] * table.dtype.itemsize))
     np.put(table.view(record).reshape(-1), rows, values.reshape(len(rows), -1).view(record).reshape(-1))
+
+
+@dataclass(frozen=True, slots=True)
+class RowGather:
+    """Rows ``rows`` of the C-contiguous 2-D ``source``, to be gathered into a message as it is joined.
+
+    ``rows`` must all be valid row indices of ``source`` (the caller made
+    them: they are not checked again). ``lock``, when given, is held while
+    the rows are read (a table that others update).
+    """
+
+    source: np.ndarray
+    rows: np.ndarray
+    lock: AbstractContextManager | None = None
+
+    @property
+    def size(self) -> int:
+        """Elements."""
+        return len(self.rows) * self.source.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.source.itemsize
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.source.dtype
+
+    def select(self, positions: slice | np.ndarray) -> RowGather:
+        """The gather of ``self.rows[positions]``."""
+        return RowGather(self.source, self.rows[positions], self.lock)
+
+    def gather(self) -> np.ndarray:
+        """The rows as a new 2-D array."""
+        with self.lock or nullcontext():
+            return take_rows(self.source, self.rows)
+
+    def write_into(self, dest: np.ndarray) -> None:
+        """Gather the rows into ``dest``, ``nbytes`` bytes of uint8 at any alignment."""
+        with self.lock or nullcontext():
+            take_rows_into(dest, self.source, self.rows)

@@ -37,7 +37,6 @@ exports what its parts define, the small-message encoders
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +44,7 @@ import numpy as np
 from wehub_ps.wire.arrays import as_wire_array, byte_view, chunk_ranges, chunk_view
 from wehub_ps.wire.dtypes import to_numpy_dtype
 from wehub_ps.wire.fresh_bytes import filled_bytes
-from wehub_ps.kernels.rowops import take_rows, take_rows_into
+from wehub_ps.kernels.rowops import RowGather
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.protowire import (
     WIRE_LEN,
@@ -73,7 +72,6 @@ __all__ = [
     "TooManyChunks",
     "DecodedChunk",
     "OutgoingChunk",
-    "RowGather",
     "join_pieces",
     "piece_size",
     "encode_pull_response",
@@ -127,47 +125,6 @@ BATCH_BELOW_BYTES = 64 * 1024
 
 class TooManyChunks(CodecError):
     """A message carries more chunks than the reader accepts (decoding stopped there)."""
-
-
-@dataclass(frozen=True, slots=True)
-class RowGather:
-    """Rows ``rows`` of the C-contiguous 2-D ``source``, to be gathered into a message as it is joined.
-
-    ``rows`` must all be valid row indices of ``source`` (the caller made
-    them: they are not checked again). ``lock``, when given, is held while
-    the rows are read (a table that others update).
-    """
-
-    source: np.ndarray
-    rows: np.ndarray
-    lock: AbstractContextManager | None = None
-
-    @property
-    def size(self) -> int:
-        """Elements."""
-        return len(self.rows) * self.source.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * self.source.itemsize
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.source.dtype
-
-    def select(self, positions: slice | np.ndarray) -> RowGather:
-        """The gather of ``self.rows[positions]``."""
-        return RowGather(self.source, self.rows[positions], self.lock)
-
-    def gather(self) -> np.ndarray:
-        """The rows as a new 2-D array."""
-        with self.lock or nullcontext():
-            return take_rows(self.source, self.rows)
-
-    def write_into(self, dest: np.ndarray) -> None:
-        """Gather the rows into ``dest``, ``nbytes`` bytes of uint8 at any alignment."""
-        with self.lock or nullcontext():
-            take_rows_into(dest, self.source, self.rows)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from wehub_ps.wire.codec import (
     OutgoingChunk,
-    RowGather,
     byte_view,
     decode_envelope,
     decode_push_request,
@@ -19,6 +18,7 @@ from wehub_ps.wire.codec import (
     piece_size,
     push_request_pieces,
 )
+from wehub_ps.kernels.rowops import RowGather
 from wehub_ps.wire.fresh_bytes import filled_bytes
 from wehub_ps.v1 import ps_pb2
 
