@@ -60,8 +60,11 @@ class PSServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.server_id = uuid.uuid4().hex
+        spec_log = (SpecLog(config.checkpoint_dir, config.shard_index, config.num_shards)
+                    if config.checkpoint_dir else None)
         self.store = VariableStore(config.shard_index, config.num_shards, config.memory_limit, ApplyGate(),
-                                   max_rows=config.max_rows, max_variables=config.max_variables)
+                                   max_rows=config.max_rows, max_variables=config.max_variables,
+                                   spec_log=spec_log)
         self.ledger = PushLedger()
         self.membership = Membership(config.worker_lease)
         self.consistency = ConsistencyController(config.consistency, config.staleness, config.backup_workers,
@@ -70,7 +73,6 @@ class PSServer:
         self.metrics = Metrics()
         checkpointer = None
         if config.checkpoint_dir:
-            self.store.spec_log = SpecLog(config.checkpoint_dir, config.shard_index, config.num_shards)
             checkpointer = Checkpointer(self.store, self.ledger, config.checkpoint_dir, self.server_id,
                                         keep=config.keep_checkpoints, interval=config.checkpoint_interval,
                                         persist_open_pushes=config.consistency != "sync",

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ps_server.core.persistence import AccumulatorSnapshot
 from wehub_ps.kernels.segments import sum_by_id
 
-__all__ = ["StepAccumulator", "PushStaging", "AccumulatorSnapshot", "ROW_COPIES", "staged_rows_bytes"]
+__all__ = ["StepAccumulator", "PushStaging", "ROW_COPIES", "staged_rows_bytes"]
 
 #: Copies of a sum's rows that may exist at once: the merged arrays until they are concatenated
 #: when the step is applied (then dropped), the concatenation, the copy sorted by id and the sums
@@ -156,7 +157,7 @@ class StepAccumulator:
         if self.empty:
             self._give_back()
 
-    def snapshot(self) -> "AccumulatorSnapshot | None":
+    def snapshot(self) -> AccumulatorSnapshot | None:
         """A copy of the sum for a checkpoint (None when empty); caller holds the part's lock."""
         if self.empty:
             return None
@@ -167,7 +168,7 @@ class StepAccumulator:
             np.concatenate(self.row_grads) if rows else None, self.row_count)
 
     @classmethod
-    def restore(cls, saved: "AccumulatorSnapshot | None",
+    def restore(cls, saved: AccumulatorSnapshot | None,
                 release: Callable[[int], None] | None = None) -> "StepAccumulator":
         """The sum of a checkpoint; its :attr:`nbytes` (counted as a push's merge counts them) are
         for the caller to book."""
@@ -183,15 +184,3 @@ class StepAccumulator:
             acc.row_ids, acc.row_grads, acc.row_count = [saved.row_ids], [saved.row_grads], saved.row_count
             acc.nbytes += staged_rows_bytes(saved.row_ids, saved.row_grads.size, saved.row_grads.dtype)
         return acc
-
-
-@dataclass(frozen=True)
-class AccumulatorSnapshot:
-    """One part's sum of step ``step``: what a checkpoint stores of it."""
-
-    step: int
-    dense: np.ndarray | None
-    dense_count: int
-    row_ids: np.ndarray | None
-    row_grads: np.ndarray | None
-    row_count: int

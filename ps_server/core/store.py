@@ -25,13 +25,12 @@ from typing import Callable, TypeVar
 import numpy as np
 
 from ps_server.core.accumulator import PushStaging, StepAccumulator
-from ps_server.durability.format import LoadedPart, PartSnapshot
 from ps_server.core.errors import RequestError
 from ps_server.core.gate import ApplyGate
 from ps_server.core.info import VariableInfo
 from ps_server.core.initializers import fill_initial_values
 from ps_server.core.optimizers import make_kernel
-from ps_server.durability.spec_log import SpecLog
+from ps_server.core.persistence import LoadedPart, PartSnapshot, SpecRecorder
 from ps_server.core.tables import HashTablePart, pin_tables_rows, read_tables_rows
 from wehub_ps.kernels.rowops import RowGather
 from wehub_ps.kernels.convert import cast_into
@@ -128,7 +127,7 @@ class VariablePart:
             self.slots[name] = slot
         self.initialized = not isinstance(self.spec.initializer, Explicit)
 
-    def snapshot(self) -> "PartSnapshot":
+    def snapshot(self) -> PartSnapshot:
         """A copy of values, slots and counters (the caller holds the apply gate exclusive)."""
         with self.lock:
             return PartSnapshot(self.spec, self.row_start, self.row_end, self.holds_part, self.version,
@@ -138,7 +137,7 @@ class VariablePart:
                                 accumulator=None if self.accumulator is None else self.accumulator.snapshot())
 
     @classmethod
-    def from_checkpoint(cls, loaded: "LoadedPart") -> "VariablePart":
+    def from_checkpoint(cls, loaded: LoadedPart) -> "VariablePart":
         part = cls(loaded.spec, loaded.row_start, loaded.row_end, loaded.holds_part)
         if loaded.value.size != part.elements:
             raise ValueError(f"checkpoint holds {loaded.value.size} elements of {loaded.spec.name!r}, "
@@ -378,7 +377,8 @@ class VariableStore:
     """
 
     def __init__(self, shard_index: int, num_shards: int, memory_limit: int,
-                 gate: ApplyGate | None = None, max_rows: int = 0, max_variables: int = 100_000) -> None:
+                 gate: ApplyGate | None = None, max_rows: int = 0, max_variables: int = 100_000,
+                 spec_log: SpecRecorder | None = None) -> None:
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index} is outside [0, {num_shards})")
         self.shard_index = shard_index
@@ -418,7 +418,7 @@ class VariableStore:
         # append is atomic): subtracted from _held under _lock the next time it is read.
         self._given_back: deque[int] = deque()
         #: Where specs and uploaded initial values are made durable (None: no --checkpoint-dir).
-        self.spec_log: SpecLog | None = None
+        self.spec_log = spec_log
 
     @property
     def reserved_bytes(self) -> int:

@@ -44,7 +44,7 @@ from google.protobuf import json_format
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from ps_server.core.accumulator import AccumulatorSnapshot
+from ps_server.core.persistence import AccumulatorSnapshot, LoadedPart, PartSnapshot
 from wehub_ps.process.logs import event
 from wehub_ps.placement import hash_shards, rows_of
 from wehub_ps.specs import Explicit, VariableSpec
@@ -53,10 +53,8 @@ from wehub_ps.v1 import ps_pb2
 
 __all__ = [
     "CheckpointError",
-    "PartSnapshot",
     "ShardSnapshot",
     "WrittenCheckpoint",
-    "LoadedPart",
     "RestorePlan",
     "write_checkpoint",
     "find_restore_plan",
@@ -79,28 +77,6 @@ _SLOT_SEPARATOR = "@"  # variable names never contain it (see wehub_ps.specs)
 
 class CheckpointError(Exception):
     """A checkpoint is missing, damaged, or cannot be used; the message says which and why."""
-
-
-@dataclass(frozen=True)
-class PartSnapshot:
-    """One variable's part, copied out of the store at the snapshot instant."""
-
-    spec: VariableSpec
-    row_start: int
-    row_end: int
-    holds_part: bool
-    version: int
-    optimizer_steps: int
-    initialized: bool
-    value: np.ndarray
-    slots: dict[str, np.ndarray]
-    #: Dense variables: per-row step counts of sparse Adam updates, if any.
-    row_steps: np.ndarray | None = None
-    #: Hash tables: ids, value, slot:<name>, row_steps, last_access of the live rows.
-    rows: dict[str, np.ndarray] | None = None
-    evicted_rows: int = 0
-    #: Synchronous mode: the open step's sum of gradients (None when empty).
-    accumulator: AccumulatorSnapshot | None = None
 
 
 @dataclass(frozen=True)
@@ -128,10 +104,6 @@ class WrittenCheckpoint:
     bytes: int
     write_seconds: float
     num_shards: int
-
-
-#: A variable part assembled from checkpoint data: the same fields as a snapshot.
-LoadedPart = PartSnapshot
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,6 @@ from safetensors.numpy import save_file
 from ps_server.durability.format import (
     SPEC_LOG_FILE,
     CheckpointError,
-    LoadedPart,
     RestorePlan,
     fsync_path,
     oldest_checkpoint,
@@ -65,6 +64,7 @@ from ps_server.durability.format import (
     spec_to_json,
 )
 from ps_server.core.initializers import fill_initial_values
+from ps_server.core.persistence import LoadedPart
 from ps_server.core.optimizers import make_kernel
 from wehub_ps.process.logs import event
 from wehub_ps.placement import rows_of

@@ -1,0 +1,69 @@
+"""What the core hands the durability layer and takes back from it.
+
+The store copies its parts out as :class:`PartSnapshot` (a checkpoint
+writes them), is rebuilt from :class:`LoadedPart` (a restore reads them),
+and records each new spec and uploaded initial value through a
+:class:`SpecRecorder` (the spec log) before it acknowledges them. The
+checkpoint format lives above the core and imports these types; the core
+never imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from wehub_ps.specs import VariableSpec
+
+__all__ = ["AccumulatorSnapshot", "PartSnapshot", "LoadedPart", "SpecRecorder"]
+
+
+@dataclass(frozen=True)
+class AccumulatorSnapshot:
+    """One part's sum of step ``step``: what a checkpoint stores of it."""
+
+    step: int
+    dense: np.ndarray | None
+    dense_count: int
+    row_ids: np.ndarray | None
+    row_grads: np.ndarray | None
+    row_count: int
+
+
+@dataclass(frozen=True)
+class PartSnapshot:
+    """One variable's part, copied out of the store at the snapshot instant."""
+
+    spec: VariableSpec
+    row_start: int
+    row_end: int
+    holds_part: bool
+    version: int
+    optimizer_steps: int
+    initialized: bool
+    value: np.ndarray
+    slots: dict[str, np.ndarray]
+    #: Dense variables: per-row step counts of sparse Adam updates, if any.
+    row_steps: np.ndarray | None = None
+    #: Hash tables: ids, value, slot:<name>, row_steps, last_access of the live rows.
+    rows: dict[str, np.ndarray] | None = None
+    evicted_rows: int = 0
+    #: Synchronous mode: the open step's sum of gradients (None when empty).
+    accumulator: AccumulatorSnapshot | None = None
+
+
+#: A variable part assembled from checkpoint data: the same fields as a snapshot.
+LoadedPart = PartSnapshot
+
+
+class SpecRecorder(Protocol):
+    """Makes specs and uploaded initial values durable; each call returns once they are."""
+
+    def record_spec(self, spec: VariableSpec) -> None:
+        """Record ``spec``, a variable this shard created."""
+
+    def record_initial_value(self, spec: VariableSpec, row_start: int, row_end: int,
+                             value: np.ndarray) -> None:
+        """Record this shard's rows [row_start, row_end) of ``spec``'s uploaded initial value."""
