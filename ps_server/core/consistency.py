@@ -39,17 +39,29 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ps_server.core.errors import RequestError
+from ps_server.core.gate import ApplyGate
 from ps_server.core.membership import Membership
-from ps_server.core.store import VariableStore
 from wehub_ps.errors import Reason
 from wehub_ps.process.logs import event
 
-__all__ = ["ConsistencyController", "PushDecision", "ConsistencyStats"]
+__all__ = ["ConsistencyController", "PushDecision", "ConsistencyStats", "SteppedVariables"]
 
 log = logging.getLogger("ps_server.core.consistency")
+
+
+class SteppedVariables(Protocol):
+    """What synchronous steps need of the variables (the store): their gate, and each step's sums."""
+
+    gate: ApplyGate
+
+    def apply_accumulated(self, step: int) -> list[str]:
+        """Apply step ``step``'s sums (gate held exclusive); returns the variables updated."""
+
+    def start_step(self, step: int) -> None:
+        """Accumulate ``step`` from now on; sums of another step are discarded."""
 
 
 class PushDecision:
@@ -75,7 +87,7 @@ class ConsistencyStats:
 
 class ConsistencyController:
     def __init__(self, mode: str, staleness: int, backup_workers: int, membership: Membership,
-                 store: VariableStore, expected_workers: int = 0) -> None:
+                 store: SteppedVariables, expected_workers: int = 0) -> None:
         if mode not in ("async", "ssp", "sync"):
             raise ValueError(f"mode must be async, ssp or sync, got {mode!r}")
         self.mode = mode
