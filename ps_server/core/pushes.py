@@ -9,35 +9,78 @@ A stream that breaks midway leaves the chunks before the break applied and
 recorded in the ledger, and a retry of the same push completes it, exactly
 once.
 
-No gRPC here: the service layer feeds decoded messages in.
+No gRPC and no protobuf here: the service layer decodes the messages into
+a :class:`PushStart` and :class:`PushChunk` values and feeds them in.
 """
 
 from __future__ import annotations
 
+import enum
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from ps_server.core.accumulator import PushStaging, staged_rows_bytes
 from ps_server.core.consistency import ConsistencyController, PushDecision
 from ps_server.core.errors import RequestError
-from ps_server.ops.metrics import Metrics
 from ps_server.core.ledger import ClaimResult, PushLedger, PushSession
 from ps_server.core.rows import parse_row_ids
 from ps_server.core.store import VariablePart, VariableStore, check_dtype_allowed
 from ps_server.core.tables import HashTablePart
-from wehub_ps.wire.codec import CodecError, DecodedChunk
 from wehub_ps.dtypes import dtype_name
-from wehub_ps.wire.dtypes import to_numpy_dtype
 from wehub_ps.errors import Reason
-from wehub_ps.v1 import ps_pb2
 
-__all__ = ["PushResult", "ActivePush", "BeginParts", "begin_push", "check_cluster", "max_chunk_records",
-           "max_chunks_per_message"]
+__all__ = ["PushKind", "DeclaredItem", "PushStart", "PushChunk", "PushObserver", "PushResult", "ActivePush",
+           "begin_push", "check_cluster", "max_chunk_records", "max_chunks_per_message"]
 
 MAX_WORKER_ID_LENGTH = 256
+
+
+class PushKind(enum.Enum):
+    GRADIENT = "gradient"  # applied by the variable's optimizer
+    ASSIGN = "assign"  # the variable's explicit initial value
+
+
+#: One variable a push covers on this shard, as its begin declares it: its name, its elements, the
+#: dtype of its chunks (or the code the service found no dtype for, refused as unknown), its row ids
+#: as little-endian int64 bytes (empty: the whole part) and the version the gradient was computed
+#: from (0: not said). A plain tuple, as :data:`PushChunk`.
+DeclaredItem = tuple[str, int, "np.dtype | int", bytes, int]
+
+
+@dataclass(frozen=True)
+class PushStart:
+    """A push's begin: who pushes, which sequence and step, and the variables it covers here."""
+
+    shard_index: int
+    num_shards: int
+    worker_id: str
+    incarnation: str
+    sequence: int
+    step: int
+    #: The kind, or the code the service found no kind for (refused).
+    kind: PushKind | int
+    items: Sequence[DeclaredItem]
+
+
+#: One received chunk: the variable, its dtype (or the code the service found no dtype for, refused
+#: as unknown), the offset and count of its elements and its bytes (a view of the message). A plain
+#: tuple: one is built per chunk of every push, and a named tuple's constructor costs several times
+#: as much.
+PushChunk = tuple[str, "np.dtype | int", int, int, memoryview]
+
+
+class PushObserver(Protocol):
+    """Where pushes report what the server's metrics count."""
+
+    def push_applied(self, seconds: float) -> None:
+        """One message's chunks took ``seconds`` to apply."""
+
+    def push_staleness(self, staleness: list[int]) -> None:
+        """A push began, its gradients this many versions behind each variable's."""
 
 
 @dataclass(frozen=True)
@@ -62,64 +105,6 @@ class _Item:
     local_rows: np.ndarray | None = None
 
 
-class BeginParts:
-    """A PushBegin spread over several messages (``PushBegin.continued``), put together before it is checked.
-
-    A push of more row ids than fit one message keeps one sequence this
-    way, so the ledger claims its chunks as one push. Each part's row ids
-    are booked through ``book`` before they are kept: three times their
-    size, for the ids collected here, the joined begin and the arrays
-    begin_push parses from it, held while the push streams.
-    """
-
-    def __init__(self, first: ps_pb2.PushBegin, book: Callable[[int], None]) -> None:
-        self._book = book
-        self._first = first
-        #: Per variable declared by the first part: its row ids, part by part.
-        self._ids: dict[str, list[bytes]] = {}
-        self._elements: dict[str, int] = {}
-        self._continued = first.continued
-        for item in first.items:
-            self._take(item)
-
-    @property
-    def continued(self) -> bool:
-        """Whether more parts must follow."""
-        return self._continued
-
-    def _take(self, item: ps_pb2.PushItem) -> None:
-        if item.row_ids:
-            self._book(3 * len(item.row_ids))
-        self._ids.setdefault(item.variable, []).append(item.row_ids)
-        self._elements[item.variable] = self._elements.get(item.variable, 0) + item.elements
-
-    def add(self, part: ps_pb2.PushBegin) -> None:
-        """The next part: its items' row ids extend those of the variables the first part declared."""
-        if not part.items or not all(item.row_ids for item in part.items):
-            raise RequestError(Reason.INVALID_REQUEST, "a continuing PushBegin part must carry row ids of "
-                                                       "the variables the first part declared")
-        for item in part.items:
-            if item.variable not in self._ids:
-                raise RequestError(Reason.INVALID_REQUEST,
-                                   f"a continuing PushBegin part names {item.variable!r}, which the first "
-                                   "part did not declare")
-        for item in part.items:
-            self._take(item)
-        self._continued = part.continued
-
-    def whole(self) -> ps_pb2.PushBegin:
-        """The begin as one message (call once the last part came)."""
-        begin = ps_pb2.PushBegin()
-        begin.CopyFrom(self._first)
-        begin.continued = False
-        for item in begin.items:
-            parts = self._ids[item.variable]
-            if len(parts) > 1:
-                item.row_ids = b"".join(parts)
-                item.elements = self._elements[item.variable]
-        return begin
-
-
 def check_cluster(store: VariableStore, shard_index: int, num_shards: int) -> None:
     """Refuse a caller whose address list disagrees with this server."""
     if (shard_index, num_shards) != (store.shard_index, store.num_shards):
@@ -134,13 +119,13 @@ def check_cluster(store: VariableStore, shard_index: int, num_shards: int) -> No
 class ActivePush:
     """One push stream in progress on this shard."""
 
-    def __init__(self, store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin,
+    def __init__(self, store: VariableStore, ledger: PushLedger, begin: PushStart,
                  items: dict[str, _Item], session: PushSession | None,
                  consistency: ConsistencyController | None, decision: str,
-                 metrics: Metrics | None = None) -> None:
+                 observer: PushObserver | None = None) -> None:
         self._store = store
         self._ledger = ledger
-        self._assign = begin.kind == ps_pb2.ASSIGN
+        self._assign = begin.kind is PushKind.ASSIGN
         self._items = items
         self._session = session
         self._consistency = consistency
@@ -150,15 +135,15 @@ class ActivePush:
         self._applied_here = 0
         self._versions: dict[str, int] = {}
         self._dropped = decision == PushDecision.DROP
-        self._metrics = metrics
+        self._observer = observer
         #: An ASSIGN push: whether its upload became a variable's initial value.
         self._installed = False
 
-    def apply(self, chunk: DecodedChunk) -> None:
+    def apply(self, chunk: PushChunk) -> None:
         """Check one chunk and apply it unless this push applied it before."""
         self.apply_many([chunk])
 
-    def apply_many(self, chunks: list[DecodedChunk]) -> None:
+    def apply_many(self, chunks: list[PushChunk]) -> None:
         """Check every chunk of one message, then apply them under one hold of the gate.
 
         A message of a small model carries a chunk per variable; taking the
@@ -181,46 +166,42 @@ class ActivePush:
                 if values.size and self._apply_one(name, item, offset, values):
                     completed = True
                     self._finalize()
-        if self._metrics is not None:
-            self._metrics.apply_seconds.observe(time.perf_counter() - started)
+        if self._observer is not None:
+            self._observer.push_applied(time.perf_counter() - started)
         if completed:
             self._after_complete()
 
-    def _check(self, chunk: DecodedChunk) -> tuple[str, _Item, int, np.ndarray]:
+    def _check(self, chunk: PushChunk) -> tuple[str, _Item, int, np.ndarray]:
         """Everything that can be wrong with a chunk, before anything is applied."""
-        header = chunk.header
-        item = self._items.get(header.variable)
+        variable, wire, offset, count, data = chunk
+        item = self._items.get(variable)
         if item is None:
             raise RequestError(Reason.INVALID_CHUNK,
-                               f"chunk for {header.variable!r}, which this push's begin did not declare")
-        try:
-            wire = to_numpy_dtype(header.dtype)
-        except ValueError:
-            raise RequestError(Reason.INVALID_CHUNK,
-                               f"chunk for {header.variable!r} has unknown dtype {header.dtype}") from None
+                               f"chunk for {variable!r}, which this push's begin did not declare")
+        if type(wire) is int:
+            raise RequestError(Reason.INVALID_CHUNK, f"chunk for {variable!r} has unknown dtype {wire}")
         if wire != item.wire_dtype:
             raise RequestError(
                 Reason.INVALID_CHUNK,
-                f"chunk for {header.variable!r} is {dtype_name(wire)}, but the push declared "
+                f"chunk for {variable!r} is {dtype_name(wire)}, but the push declared "
                 f"{dtype_name(item.wire_dtype)}",
             )
-        offset, count = header.offset, header.count
         if offset + count > item.elements:
             raise RequestError(
                 Reason.INVALID_CHUNK,
-                f"chunk [{offset}, {offset + count}) of {header.variable!r} is outside the "
+                f"chunk [{offset}, {offset + count}) of {variable!r} is outside the "
                 f"{item.elements} elements this push declared",
             )
         width = item.width
         if item.row_ids is not None and (offset % width or count % width):
             raise RequestError(Reason.INVALID_CHUNK,
-                               f"chunk [{offset}, {offset + count}) of {header.variable!r} does not hold "
+                               f"chunk [{offset}, {offset + count}) of {variable!r} does not hold "
                                f"whole rows of {width} elements")
-        try:
-            values = chunk.array()
-        except CodecError as exc:
-            raise RequestError(Reason.INVALID_CHUNK, f"chunk for {header.variable!r}: {exc}") from None
-        return header.variable, item, offset, values
+        if data.nbytes != count * wire.itemsize:
+            raise RequestError(Reason.INVALID_CHUNK,
+                               f"chunk for {variable!r}: chunk carries {data.nbytes} bytes, but {count} "
+                               f"elements of {wire.name} need {count * wire.itemsize}")
+        return variable, item, offset, np.frombuffer(data, dtype=wire, count=count)
 
     def _apply_one(self, name: str, item: _Item, offset: int, values: np.ndarray) -> bool:
         """Apply one checked chunk (the caller holds the gate); True when it completed the push."""
@@ -364,8 +345,8 @@ def max_chunk_records(variables: int, elements: int) -> int:
     return 1024 + variables + elements // 256
 
 
-def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin,
-               consistency: ConsistencyController | None = None, metrics: Metrics | None = None,
+def begin_push(store: VariableStore, ledger: PushLedger, begin: PushStart,
+               consistency: ConsistencyController | None = None, observer: PushObserver | None = None,
                wait_seconds: float | None = None) -> ActivePush:
     """Validate a PushBegin and open (or rejoin) its session; changes nothing on error.
 
@@ -380,71 +361,68 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
         raise RequestError(Reason.INVALID_REQUEST, "incarnation must be a non-empty id of the worker process")
     if begin.sequence < 1:
         raise RequestError(Reason.INVALID_REQUEST, f"sequence must start at 1, got {begin.sequence}")
-    if begin.kind not in (ps_pb2.GRADIENT, ps_pb2.ASSIGN):
+    if type(begin.kind) is not PushKind:
         raise RequestError(Reason.INVALID_REQUEST, f"push kind must be GRADIENT or ASSIGN, got {begin.kind}")
     if not begin.items:
         raise RequestError(Reason.INVALID_REQUEST, "a push must declare at least one variable")
-    assign = begin.kind == ps_pb2.ASSIGN
+    assign = begin.kind is PushKind.ASSIGN
     # A retry of a push that completed before is answered as a duplicate,
     # even when its effect (an initial value) now makes it look invalid; one
     # the ledger wrote off is refused (PUSH_WRITTEN_OFF) before anything else.
     already_done = ledger.check(begin.worker_id, begin.incarnation, begin.sequence)
     items: dict[str, _Item] = {}
     staleness: list[int] = []
-    for declared in begin.items:
-        if declared.variable in items:
-            raise RequestError(Reason.INVALID_REQUEST, f"variable {declared.variable!r} is declared twice")
-        part = store.get(declared.variable)
+    for variable, declared_elements, wire, declared_rows, base_version in begin.items:
+        if variable in items:
+            raise RequestError(Reason.INVALID_REQUEST, f"variable {variable!r} is declared twice")
+        part = store.get(variable)
         row_ids = local_rows = None
-        if declared.row_ids or part.spec.hash_table:
+        if declared_rows or part.spec.hash_table:
             if assign:
                 raise RequestError(Reason.INVALID_REQUEST, "an ASSIGN push cannot address rows")
-            if not declared.row_ids and declared.elements:
+            if not declared_rows and declared_elements:
                 raise RequestError(Reason.INVALID_REQUEST,
-                                   f"{declared.variable!r} is a hash table: push it by rows (push_rows)")
-            row_ids, local_rows = parse_row_ids(part, declared.row_ids, store.shard_index, store.num_shards,
+                                   f"{variable!r} is a hash table: push it by rows (push_rows)")
+            row_ids, local_rows = parse_row_ids(part, declared_rows, store.shard_index, store.num_shards,
                                                 unique=True)
             if part.spec.hash_table and part.max_rows and len(row_ids) > part.max_rows:
                 raise RequestError(Reason.MEMORY_LIMIT,
-                                   f"push of {len(row_ids)} rows of {declared.variable!r} on one shard; the "
+                                   f"push of {len(row_ids)} rows of {variable!r} on one shard; the "
                                    f"table keeps at most {part.max_rows} there (max_rows / --max-rows)")
             expected = len(row_ids) * part.spec.row_elements
         elif not part.holds_part:
             raise RequestError(
                 Reason.INVALID_REQUEST,
-                f"variable {declared.variable!r} has no part on shard {store.shard_index}",
+                f"variable {variable!r} has no part on shard {store.shard_index}",
             )
         else:
             expected = part.elements
-        if declared.elements != expected:
+        if declared_elements != expected:
             if row_ids is not None:
                 raise RequestError(
                     Reason.SHAPE_MISMATCH,
-                    f"push covers {declared.elements} elements of {declared.variable!r}, but "
+                    f"push covers {declared_elements} elements of {variable!r}, but "
                     f"{len(row_ids)} rows of {part.spec.row_elements} elements are {expected}")
             raise RequestError(
                 Reason.SHAPE_MISMATCH,
-                f"push covers {declared.elements} elements of {declared.variable!r}, but this "
+                f"push covers {declared_elements} elements of {variable!r}, but this "
                 f"shard's part (rows {part.row_start}:{part.row_end} of shape "
                 f"{part.spec.shape}) has {part.elements}",
             )
-        try:
-            wire = to_numpy_dtype(declared.wire_dtype)
-        except ValueError:
-            raise RequestError(Reason.DTYPE_MISMATCH,
-                               f"unknown wire dtype {declared.wire_dtype} for {declared.variable!r}") from None
+        if type(wire) is int:
+            raise RequestError(Reason.DTYPE_MISMATCH, f"unknown wire dtype {wire} for {variable!r}")
         check_dtype_allowed(part, wire, assign)
         initialized = part.initialized  # a bool read: no lock needed
         if not assign and not initialized:
             raise RequestError(
                 Reason.NOT_INITIALIZED,
-                f"variable {declared.variable!r} is waiting for its explicit initial value",
+                f"variable {variable!r} is waiting for its explicit initial value",
             )
-        items[declared.variable] = _Item(part, wire, row_ids, expected, part.spec.row_elements, local_rows)
-        if declared.base_version and not assign:
-            staleness.append(max(0, part.version - declared.base_version))
-    if metrics is not None and staleness:
-        metrics.staleness.observe_many(staleness)  # a refused push observes nothing
+        items[variable] = _Item(part, wire, row_ids, expected, part.spec.row_elements, local_rows)
+        if base_version and not assign:
+            staleness.append(max(0, part.version - base_version))
+    if observer is not None and staleness:
+        observer.push_staleness(staleness)  # a refused push observes nothing
     total = sum(item.elements for item in items.values())
     decision = PushDecision.APPLY
     if consistency is not None and not assign and not already_done:
@@ -458,7 +436,7 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
                       lambda nbytes: store.book(nbytes, f"the ledger's record of push {begin.sequence} of "
                                                         f"{begin.worker_id}/{begin.incarnation}"),
                       store.give_back)
-    push = ActivePush(store, ledger, begin, items, session, consistency, decision, metrics)
+    push = ActivePush(store, ledger, begin, items, session, consistency, decision, observer)
     if session is not None and session.finalize_empty():
         with store.gate.shared():
             push._finalize()
@@ -467,7 +445,7 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin
     return push
 
 
-def _begin_upload(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBegin,
+def _begin_upload(store: VariableStore, ledger: PushLedger, begin: PushStart,
                   items: dict[str, _Item], total: int,
                   wait_seconds: float | None = None) -> PushSession | None:
     """The session of an ASSIGN push, with a staging buffer for each part still waiting for its value.
@@ -504,7 +482,7 @@ def _begin_upload(store: VariableStore, ledger: PushLedger, begin: ps_pb2.PushBe
     return session
 
 
-def _decide(store: VariableStore, consistency: ConsistencyController, begin: ps_pb2.PushBegin,
+def _decide(store: VariableStore, consistency: ConsistencyController, begin: PushStart,
             items: dict[str, _Item], wait_seconds: float | None) -> str:
     """The push's consistency decision; a sync push's table rows are pinned for its step.
 

@@ -54,6 +54,14 @@ class Metrics:
         self.checkpoint_seconds.observe(seconds)
         self._last_checkpoint = time.time()
 
+    def push_applied(self, seconds: float) -> None:
+        """One push message's chunks were applied in ``seconds`` (ps_server.core.pushes.PushObserver)."""
+        self.apply_seconds.observe(seconds)
+
+    def push_staleness(self, staleness: list[int]) -> None:
+        """A push began this many versions behind its variables (ps_server.core.pushes.PushObserver)."""
+        self.staleness.observe_many(staleness)
+
     def serve(self, port: int, host: str, certfile: str | None, keyfile: str | None,
               client_ca: str | None = None, token_matches: Callable[[bytes], bool] | None = None) -> int:
         """Serve /metrics on a daemon thread; returns the bound port.

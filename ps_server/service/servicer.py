@@ -21,11 +21,11 @@ import numpy as np
 
 from ps_server.durability.checkpointer import CheckpointRecord
 from ps_server.service.context import ShardContext
+from ps_server.service.push_messages import BeginParts, push_chunks, push_start
 from ps_server.core.errors import RequestError
 from ps_server.ops.metrics import Metrics
 from ps_server.core.pushes import (
     MAX_WORKER_ID_LENGTH,
-    BeginParts,
     begin_push,
     check_cluster,
     max_chunks_per_message,
@@ -594,13 +594,13 @@ class ParameterServerService:
                     if begin.HasField("pull_after"):
                         pull_plan = self._plan_pull_after(begin.pull_after)
                         holds.append(pull_plan[0].hold)
-                    active = begin_push(self._store, self._ledger, begin, self._consistency, self._metrics,
-                                        wait_seconds)
+                    active = begin_push(self._store, self._ledger, push_start(begin), self._consistency,
+                                        self._metrics, wait_seconds)
                 elif active is None:
                     raise RequestError(Reason.INVALID_REQUEST,
                                        "the first message of a push must carry PushBegin" if parts is None
                                        else "a continued PushBegin must be continued by the next message")
-                active.apply_many(chunks)
+                active.apply_many(push_chunks(chunks))
             if active is None:
                 raise RequestError(Reason.INVALID_REQUEST, "empty push stream" if parts is None
                                    else "push stream ended before the last part of its PushBegin")

@@ -14,6 +14,7 @@ from ps_server.core.ledger import PushLedger
 from ps_server.core.pushes import begin_push, check_cluster
 from ps_server.core import store as store_module
 from ps_server.core.store import VariableStore, check_dtype_allowed
+from ps_server.service.push_messages import push_chunk, push_start
 from wehub_ps.wire.codec import DecodedChunk, as_wire_array, byte_view, chunk_ranges, join_pieces
 from wehub_ps.dtypes import BFLOAT16
 from wehub_ps.wire.dtypes import to_wire_dtype
@@ -224,15 +225,16 @@ def test_check_dtype_allowed():
 
 
 def _begin(items, *, sequence=1, kind=ps_pb2.GRADIENT, shard_index=0, num_shards=1,
-           worker_id="worker-0", incarnation="inc-1"):
-    return ps_pb2.PushBegin(
-        worker_id=worker_id, incarnation=incarnation, sequence=sequence,
+           worker_id="worker-0", incarnation="inc-1", step=0):
+    """A PushBegin message as the servicer hands it to the core."""
+    return push_start(ps_pb2.PushBegin(
+        worker_id=worker_id, incarnation=incarnation, sequence=sequence, step=step,
         shard_index=shard_index, num_shards=num_shards, kind=kind,
         items=[ps_pb2.PushItem(variable=name, elements=elements, wire_dtype=wire)
-               for name, elements, wire in items])
+               for name, elements, wire in items]))
 
 
-def _chunks(name: str, values: np.ndarray, chunk_elements: int):
+def _decoded_chunks(name: str, values: np.ndarray, chunk_elements: int) -> list[DecodedChunk]:
     wire = as_wire_array(values)
     out = []
     for offset, count in chunk_ranges(wire.size, chunk_elements):
@@ -240,6 +242,11 @@ def _chunks(name: str, values: np.ndarray, chunk_elements: int):
                                     dtype=to_wire_dtype(wire.dtype), part_elements=wire.size)
         out.append(DecodedChunk(header, byte_view(wire[offset:offset + count])))
     return out
+
+
+def _chunks(name: str, values: np.ndarray, chunk_elements: int):
+    """Chunks of ``values`` as the servicer hands them to the core."""
+    return [push_chunk(chunk) for chunk in _decoded_chunks(name, values, chunk_elements)]
 
 
 @pytest.fixture
@@ -423,13 +430,13 @@ def test_narrow_gradients_are_applied(setup):
 def test_invalid_chunks_are_refused_before_anything_is_applied(setup, mutate, words):
     store, ledger = setup
     push = begin_push(store, ledger, _begin([("a", 40, ps_pb2.FLOAT32)]))
-    (chunk,) = _chunks("a", np.ones(4, np.float32), 4)
+    (chunk,) = _decoded_chunks("a", np.ones(4, np.float32), 4)
     header = ps_pb2.ChunkHeader()
     header.CopyFrom(chunk.header)
     _, data = mutate(header, chunk.data)
     before = store.get("a").value.copy()
     with pytest.raises(RequestError) as info:
-        push.apply(DecodedChunk(header, data))
+        push.apply(push_chunk(DecodedChunk(header, data)))
     assert info.value.reason == Reason.INVALID_CHUNK
     for word in words:
         assert word in info.value.message

@@ -26,6 +26,7 @@ from ps_server.core.ledger import PushLedger
 from ps_server.core.pushes import begin_push
 from ps_server.core.store import VariableStore
 from ps_server.core.tables import HashTablePart
+from ps_server.service.push_messages import push_start
 from wehub_ps.errors import Reason
 from wehub_ps.specs import SGD, Constant, VariableSpec, Zeros
 from wehub_ps.v1 import ps_pb2
@@ -68,8 +69,8 @@ class Shard:
         """A push of 'x' and 'y' by ``worker`` at ``step``: its begin (decided, nothing applied)."""
         self.sequences[worker] = self.sequences.get(worker, 0) + 1
         begin = _begin([("x", SIZE, ps_pb2.FLOAT32), ("y", SIZE, ps_pb2.FLOAT32)],
-                       sequence=self.sequences[worker], worker_id=worker, incarnation=f"inc-{worker}")
-        begin.step = step
+                       sequence=self.sequences[worker], worker_id=worker, incarnation=f"inc-{worker}",
+                       step=step)
         self.membership.seen(worker, f"inc-{worker}", step, pushed=True)
         return begin_push(self.store, self.ledger, begin, self.ctrl)
 
@@ -329,11 +330,11 @@ def _tables_shard(workers: int) -> Shard:
 def _rows_push(shard: Shard, worker: str, step: int, rows: dict[str, np.ndarray]):
     """Begin ``worker``'s push of step ``step`` of rows ``rows[table]`` (the real begin_push)."""
     shard.sequences[worker] = shard.sequences.get(worker, 0) + 1
-    begin = ps_pb2.PushBegin(
+    begin = push_start(ps_pb2.PushBegin(
         worker_id=worker, incarnation=f"inc-{worker}", sequence=shard.sequences[worker], shard_index=0,
         num_shards=1, kind=ps_pb2.GRADIENT, step=step,
         items=[ps_pb2.PushItem(variable=name, elements=len(ids) * WIDTH, wire_dtype=ps_pb2.FLOAT32,
-                               row_ids=ids.astype("<i8").tobytes()) for name, ids in rows.items()])
+                               row_ids=ids.astype("<i8").tobytes()) for name, ids in rows.items()]))
     shard.membership.seen(worker, f"inc-{worker}", step, pushed=True)
     return begin_push(shard.store, shard.ledger, begin, shard.ctrl)
 

@@ -33,6 +33,7 @@ from ps_server.core.errors import RequestError
 from ps_server.core.ledger import ClaimResult, PushLedger
 from ps_server.core.pushes import begin_push
 from ps_server.core.store import VariableStore
+from ps_server.service.push_messages import push_chunk, push_start
 from wehub_ps.wire.codec import DecodedChunk, as_wire_array, byte_view, chunk_ranges
 from wehub_ps.wire.dtypes import to_wire_dtype
 from wehub_ps.errors import Reason
@@ -174,13 +175,13 @@ def _push_begin(items, sequence, worker_id="w", incarnation="inc"):
 
 def _push(store, ledger, items: dict[str, np.ndarray], sequence: int, chunk_elements: int = 4):
     """A complete push through the real push path (which also moves the store's generation)."""
-    push = begin_push(store, ledger, _push_begin(items, sequence))
+    push = begin_push(store, ledger, push_start(_push_begin(items, sequence)))
     for name, values in items.items():
         wire = as_wire_array(values)
         for offset, count in chunk_ranges(wire.size, chunk_elements):
             header = ps_pb2.ChunkHeader(variable=name, offset=offset, count=count,
                                         dtype=to_wire_dtype(wire.dtype), part_elements=wire.size)
-            push.apply(DecodedChunk(header, byte_view(wire[offset:offset + count])))
+            push.apply(push_chunk(DecodedChunk(header, byte_view(wire[offset:offset + count]))))
     return push.finish()
 
 
