@@ -301,7 +301,7 @@ def section_topk(repeats: int, tcp: float, results: dict, ratio: float = 0.01) -
 
 
 def section_apply(repeats: int, memcpy: float, results: dict) -> list[Row]:
-    from ps_server.core.store import VariablePart
+    from ps_server.core.parts import VariablePart
     from wehub_ps.specs import SGD, Adam, VariableSpec
 
     elements = 25_000_000  # 100 MB of float32

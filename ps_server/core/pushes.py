@@ -28,7 +28,8 @@ from ps_server.core.consistency import ConsistencyController, PushDecision
 from ps_server.core.errors import RequestError
 from ps_server.core.ledger import ClaimResult, PushLedger, PushSession
 from ps_server.core.rows import parse_row_ids
-from ps_server.core.store import VariablePart, VariableStore, check_dtype_allowed
+from ps_server.core.parts import VariablePart, check_dtype_allowed
+from ps_server.core.store import VariableStore
 from ps_server.core.tables import HashTablePart
 from wehub_ps.dtypes import dtype_name
 from wehub_ps.errors import Reason

@@ -31,7 +31,8 @@ from ps_server.core.pushes import (
     max_chunks_per_message,
 )
 from ps_server.core.rows import gathered_bytes, parse_row_ids, rows_in_order, unique_ids
-from ps_server.core.store import MemoryHold, VariableInfo
+from ps_server.core.info import VariableInfo
+from ps_server.core.memory import MemoryHold
 from wehub_ps import __version__
 from wehub_ps.wire.codec import (
     EXCHANGE_ERROR,

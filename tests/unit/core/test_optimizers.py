@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ps_server.core.optimizers import make_kernel
-from ps_server.core.store import VariablePart
+from ps_server.core.parts import VariablePart
 from wehub_ps.dtypes import BFLOAT16
 from wehub_ps.placement import FixedShardsPartitioner
 from wehub_ps.specs import SGD, Adagrad, Adam, Constant, Momentum, Uniform, VariableSpec

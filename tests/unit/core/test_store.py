@@ -12,8 +12,9 @@ from ps_server.core.errors import RequestError
 from ps_server.core.initializers import fill_initial_values
 from ps_server.core.ledger import PushLedger
 from ps_server.core.pushes import begin_push, check_cluster
-from ps_server.core import store as store_module
-from ps_server.core.store import VariableStore, check_dtype_allowed
+from ps_server.core import memory as memory_module
+from ps_server.core.parts import check_dtype_allowed
+from ps_server.core.store import VariableStore
 from ps_server.service.push_messages import push_chunk, push_start
 from wehub_ps.wire.codec import DecodedChunk, as_wire_array, byte_view, chunk_ranges, join_pieces
 from wehub_ps.dtypes import BFLOAT16
@@ -133,10 +134,10 @@ def test_a_validated_create_books_its_bytes_and_place_until_used_cancelled_or_ex
     assert store.held_bytes == 0 and [p.spec.name for p in store.parts()] == ["a"]
     # A booking nobody uses expires: its bytes and place come back.
     clock = [0.0]
-    monkeypatch.setattr("ps_server.core.store.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("ps_server.core.memory.time.monotonic", lambda: clock[0])
     store.validate(_spec("e", (50,)), booking="fourth")
     assert store.held_bytes == 200
-    clock[0] = store_module.BOOKING_SECONDS + 1
+    clock[0] = memory_module.BOOKING_SECONDS + 1
     assert store.held_bytes == 0
     store.create(_spec("f", (50,)))
     assert sorted(p.spec.name for p in store.parts()) == ["a", "f"]
@@ -601,18 +602,18 @@ def test_an_abandoned_upload_gives_its_buffer_back_when_the_ledger_forgets_it():
 
 def test_create_fills_outside_the_apply_gate(monkeypatch):
     """A checkpoint (the gate exclusive) completes while a create is still filling its values."""
-    import ps_server.core.store as store_module
+    import ps_server.core.parts as parts_module
 
     store = VariableStore(0, 1, LIMIT)
     filling, release = threading.Event(), threading.Event()
-    original = store_module.fill_initial_values
+    original = parts_module.fill_initial_values
 
     def slow_fill(*args):
         filling.set()
         assert release.wait(30)
         original(*args)
 
-    monkeypatch.setattr(store_module, "fill_initial_values", slow_fill)
+    monkeypatch.setattr(parts_module, "fill_initial_values", slow_fill)
     snapshotted: list[list[str]] = []
 
     def checkpoint() -> None:
@@ -759,7 +760,7 @@ def test_known_names_keeps_only_variables_of_the_shard():
 def test_a_staging_buffer_that_cannot_be_allocated_is_refused_and_books_nothing(monkeypatch):
     """Out of memory allocating an upload's buffer: MEMORY_LIMIT, and the bytes booked for it are
     given back (else every such failure shrinks the shard's limit for good)."""
-    import ps_server.core.store as store_module
+    import ps_server.core.uploads as uploads_module
 
     store = VariableStore(0, 1, LIMIT)
     value = np.arange(8, dtype=np.float32)
@@ -774,7 +775,7 @@ def test_a_staging_buffer_that_cannot_be_allocated_is_refused_and_books_nothing(
         def empty(*args, **kwargs):
             raise MemoryError
 
-    monkeypatch.setattr(store_module, "np", NoMemory())
+    monkeypatch.setattr(uploads_module, "np", NoMemory())
     with pytest.raises(RequestError) as info:
         store.stage_upload(store.get("e"))
     assert info.value.reason == Reason.MEMORY_LIMIT
