@@ -86,6 +86,13 @@ class ConsistencyStats:
 
 
 class ConsistencyController:
+    """The clocks, the step and the waits of one consistency mode; thread-safe.
+
+    Longer than 300 lines because every field is guarded by one condition
+    and each mode's rule reads several of them: split, the invariants of
+    that condition would be spread over classes.
+    """
+
     def __init__(self, mode: str, staleness: int, backup_workers: int, membership: Membership,
                  store: SteppedVariables, expected_workers: int = 0) -> None:
         if mode not in ("async", "ssp", "sync"):

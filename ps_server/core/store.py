@@ -35,6 +35,10 @@ class VariableStore:
     ``memory_limit`` bounds the bytes of values plus optimizer slots: a
     create that would exceed it is refused with MEMORY_LIMIT, so a hostile
     or mistaken shape cannot take the server down.
+
+    Longer than 300 lines because creating, validating, booking and
+    restoring all change the registry (parts, creates in flight, bookings)
+    under its one lock, whose invariants are kept in one class.
     """
 
     def __init__(self, shard_index: int, num_shards: int, memory_limit: int,

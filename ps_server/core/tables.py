@@ -126,7 +126,12 @@ def pin_tables_rows(pins: Sequence[tuple["HashTablePart", np.ndarray]],
 
 
 class HashTablePart:
-    """This shard's rows of one hash table."""
+    """This shard's rows of one hash table.
+
+    Longer than 300 lines because the id index, the rows, their optimizer
+    state, eviction and the step's pins all change together under the
+    table's one lock.
+    """
 
     holds_part = True
     row_start = row_end = 0
