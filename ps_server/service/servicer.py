@@ -14,15 +14,12 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 import grpc
-import numpy as np
 
-from ps_server.durability.checkpointer import CheckpointRecord
-from ps_server.service.context import ShardContext
 from ps_server.core.errors import RequestError
-from ps_server.ops.metrics import Metrics
+from ps_server.core.pulls import PullQuery, UnknownDtype
 from ps_server.core.pushes import (
     MAX_WORKER_ID_LENGTH,
     BeginParts,
@@ -30,37 +27,31 @@ from ps_server.core.pushes import (
     check_cluster,
     max_chunks_per_message,
 )
-from ps_server.core.rows import gathered_bytes, parse_row_ids, rows_in_order, unique_ids
-from ps_server.core.store import MemoryHold, VariableInfo
-from wehub_ps import __version__
+from ps_server.core.store import MemoryHold
+from ps_server.core.workers import check_worker
+from ps_server.service.builders import checkpoint_info, describe_response, variable_info
+from ps_server.service.context import ShardContext
+from ps_server.service.pull_stream import pull_messages
+from wehub_ps.errors import REASON_METADATA_KEY, Reason
+from wehub_ps.specs import SpecError
+from wehub_ps.specs_proto import spec_from_proto
+from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.codec import (
     EXCHANGE_ERROR,
     EXCHANGE_PULL,
     EXCHANGE_PUSH,
     CodecError,
-    OutgoingChunk,
-    RowGather,
     TooManyChunks,
-    byte_view,
-    chunk_ranges,
     decode_envelope,
     decode_push_request,
-    encode_chunk_header,
     encode_envelope,
-    encode_pull_response,
     encode_push_response,
     join_pieces,
     piece_size,
-    pull_response_pieces,
     push_response_pieces,
 )
-from wehub_ps.dtypes import BFLOAT16, VARIABLE_DTYPES, dtype_name
-from wehub_ps.wire.dtypes import to_numpy_dtype, to_wire_dtype
-from wehub_ps.errors import REASON_METADATA_KEY, Reason
+from wehub_ps.wire.dtypes import to_numpy_dtype
 from wehub_ps.wire.rpc import INCARNATION_METADATA_KEY, SERVICE_NAME
-from wehub_ps.specs import SpecError, VariableSpec
-from wehub_ps.specs_proto import spec_from_proto, spec_to_proto
-from wehub_ps.v1 import ps_pb2
 
 __all__ = ["ParameterServerService", "STATUS_BY_REASON"]
 
@@ -89,21 +80,7 @@ STATUS_BY_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.FINISH_NOT_ALLOWED: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
-# Chunks smaller than this are copied out under their lock and packed
-# several to a message; a small model's pull is then one message, not one
-# per variable (a message costs far more than copying a few KiB).
-_PACK_BELOW_BYTES = 64 * 1024
-_MIN_CHUNK_BYTES = 4096
-
 M = TypeVar("M")
-
-
-class _PullPlan(NamedTuple):
-    """A checked pull: what to send, in chunks of ``chunk_bytes``, and the bytes it holds until sent."""
-
-    items: list
-    chunk_bytes: int
-    hold: MemoryHold
 
 
 def _abort(context: grpc.ServicerContext, error: RequestError) -> None:
@@ -129,20 +106,6 @@ def _unary(method: Callable) -> Callable:
     return wrapper
 
 
-def _info_proto(info: VariableInfo) -> ps_pb2.VariableInfo:
-    return ps_pb2.VariableInfo(spec=spec_to_proto(info.spec), row_start=info.row_start,
-                               row_end=info.row_end, version=info.version,
-                               initialized=info.initialized, optimizer_steps=info.optimizer_steps,
-                               num_rows=info.num_rows, evicted_rows=info.evicted_rows)
-
-
-def _checkpoint_proto(record: CheckpointRecord) -> ps_pb2.CheckpointInfo:
-    w = record.written
-    return ps_pb2.CheckpointInfo(checkpoint_id=w.checkpoint_id, path=str(w.path), created_unix=w.created_unix,
-                                 write_seconds=w.write_seconds, pause_seconds=record.pause_seconds,
-                                 bytes=w.bytes, num_shards=w.num_shards)
-
-
 class ParameterServerService:
     """RPC methods only: parse, call the store, frame the answer."""
 
@@ -153,10 +116,10 @@ class ParameterServerService:
         self._lifecycle = context.lifecycle
         self._membership = context.membership
         self._consistency = context.consistency
-        self._metrics = context.metrics if context.metrics is not None else Metrics()
+        self._workers = context.workers
+        self._pulls = context.pulls
+        self._metrics = context.metrics
         self._server_id = context.server_id
-        self._default_chunk_bytes = context.default_chunk_bytes
-        self._max_chunk_bytes = context.max_chunk_bytes
         self._admission = context.admission
         # Guards _open_streams: the contexts of the Exchange streams being served.
         self._streams_lock = threading.Lock()
@@ -250,33 +213,7 @@ class ParameterServerService:
     def describe(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         _parse(ps_pb2.DescribeRequest, request)
         self._lifecycle.check_ready()  # never report a store that is still being restored
-        membership = self._membership
-        response = ps_pb2.DescribeResponse(
-            shard_index=self._store.shard_index, num_shards=self._store.num_shards,
-            server_id=self._server_id, server_version=__version__,
-            variables=[_info_proto(info) for info in self._store.describe()],
-            chunk_bytes_limit=self._max_chunk_bytes,
-            stored_bytes=self._store.reserved_bytes, memory_limit_bytes=self._store.memory_limit,
-            worker_lease_seconds=membership.lease_seconds,
-            workers=[ps_pb2.WorkerInfo(worker_id=r.worker_id, incarnation=r.incarnation, live=r.live,
-                                       seconds_since_seen=membership.seconds_since_seen(r), step=r.step,
-                                       registered_unix=r.registered_unix, pushes=r.pushes)
-                     for r in membership.workers()])
-        c = self._consistency.stats()
-        response.consistency.CopyFrom(ps_pb2.ConsistencyInfo(
-            mode=c.mode, staleness=c.staleness, backup_workers=c.backup_workers, step=c.step, pulls=c.pulls,
-            pulls_blocked=c.pulls_blocked, blocked_seconds=c.blocked_seconds,
-            max_staleness_admitted=c.max_staleness_admitted, dropped_gradients=c.dropped_gradients,
-            steps_applied=c.steps_applied))
-        checkpointer = self._context.checkpointer
-        if checkpointer is not None and checkpointer.last is not None:
-            response.last_checkpoint.CopyFrom(_checkpoint_proto(checkpointer.last))
-        restored = self._context.restored_from
-        if restored is not None:
-            response.restored_from.CopyFrom(ps_pb2.CheckpointInfo(
-                checkpoint_id=",".join(f"{k}:{v}" for k, v in sorted(restored.checkpoint_ids.items())),
-                path=restored.path, created_unix=restored.created_unix, num_shards=restored.num_shards))
-        return response.SerializeToString()
+        return describe_response(self._context).SerializeToString()
 
     @_unary
     def checkpoint(self, request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -291,7 +228,7 @@ class ParameterServerService:
         self._lifecycle.check_accepting()
         record = checkpointer.checkpoint("request")
         assert record is not None
-        return ps_pb2.CheckpointResponse(checkpoint=_checkpoint_proto(record)).SerializeToString()
+        return ps_pb2.CheckpointResponse(checkpoint=checkpoint_info(record)).SerializeToString()
 
     @_unary
     def finish(self, request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -311,23 +248,18 @@ class ParameterServerService:
     @_unary
     def heartbeat(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         msg = _parse(ps_pb2.HeartbeatRequest, request)
-        _check_worker(msg.worker_id, msg.incarnation)
+        check_worker(msg.worker_id, msg.incarnation)
         # No lease or step clock before the restore or after the drain began.
         self._lifecycle.check_accepting()
         if msg.leaving:
             self._membership.leave(msg.worker_id, msg.incarnation)
             return ps_pb2.HeartbeatResponse(lease_seconds=self._membership.lease_seconds,
                                             server_id=self._server_id).SerializeToString()
-        self._seen(msg.worker_id, msg.incarnation, msg.step)
+        self._workers.seen(msg.worker_id, msg.incarnation, msg.step)
         cluster_step = self._consistency.on_heartbeat(msg.worker_id, msg.step)
         return ps_pb2.HeartbeatResponse(lease_seconds=self._membership.lease_seconds, server_id=self._server_id,
                                         cluster_step=cluster_step,
                                         consistency=self._consistency.mode).SerializeToString()
-
-    def _seen(self, worker_id: str, incarnation: str, step: int, pushed: bool = False) -> None:
-        # A push renews a registered worker's lease but registers nobody (see Membership.seen).
-        if self._membership.seen(worker_id, incarnation, step, pushed, register=not pushed):
-            self._consistency.forget(worker_id)  # a restarted worker rejoins at the cluster's step
 
     @_unary
     def create_variable(self, request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -345,13 +277,13 @@ class ParameterServerService:
             existing = self._store.validate(spec, msg.booking)
             response = ps_pb2.CreateVariableResponse(created=False)
             if existing is not None:
-                response.variable.CopyFrom(_info_proto(existing))
+                response.variable.CopyFrom(variable_info(existing))
             return response.SerializeToString()
         info, created = self._store.create(spec)
         if created:
             log.debug("variable created", extra={"fields": {"variable": spec.name,
                                                              "shape": list(spec.shape)}})
-        return ps_pb2.CreateVariableResponse(variable=_info_proto(info), created=created).SerializeToString()
+        return ps_pb2.CreateVariableResponse(variable=variable_info(info), created=created).SerializeToString()
 
     # ---- data path ----
 
@@ -360,11 +292,11 @@ class ParameterServerService:
         try:
             msg = _parse(ps_pb2.PullRequest, request)
             names = [item.variable for item in msg.items]
-            plan = self._plan_pull(msg)
+            plan = self._pulls.plan(_pull_query(msg))
             with plan.hold:
                 # ssp / sync: wait (at most the call's deadline) until this step may read.
                 self._consistency.before_pull(msg.worker_id, msg.step, context.time_remaining())
-                for pieces in self._stream_pull(plan.items, plan.chunk_bytes):
+                for pieces in pull_messages(plan):
                     message = join_pieces(pieces)
                     self._metrics.bytes_sent.inc(len(message))
                     yield message
@@ -377,122 +309,6 @@ class ParameterServerService:
     def _count_pulls(self, names: list[str], outcome: str) -> None:
         # A refused request may name anything: only this shard's variables become label values.
         self._metrics.pulls.add(names if outcome == "ok" else self._store.known_names(names), outcome)
-
-    def _plan_pull(self, msg: ps_pb2.PullRequest, whole_reply: bool = False) -> _PullPlan:
-        """Validate everything before the first byte is sent, and book the bytes the pull will hold.
-
-        ``whole_reply``: the answer is built as one message (Exchange,
-        pull_after), so its bytes are booked too; a Pull stream holds one
-        message at a time.
-        """
-        self._lifecycle.check_accepting()
-        check_cluster(self._store, msg.shard_index, msg.num_shards)
-        if msg.worker_id and msg.incarnation:
-            _check_worker(msg.worker_id, msg.incarnation)
-            self._seen(msg.worker_id, msg.incarnation, msg.step)
-        if not msg.items:
-            raise RequestError(Reason.INVALID_REQUEST, "a pull must name at least one variable")
-        chunk_bytes = msg.chunk_bytes or self._default_chunk_bytes
-        chunk_bytes = max(_MIN_CHUNK_BYTES, min(chunk_bytes, self._max_chunk_bytes))
-        if msg.wire_dtype != ps_pb2.DATA_TYPE_UNSPECIFIED:
-            try:
-                requested = to_numpy_dtype(msg.wire_dtype)
-            except ValueError:
-                raise RequestError(Reason.DTYPE_MISMATCH, f"unknown wire dtype {msg.wire_dtype}") from None
-            if requested not in VARIABLE_DTYPES and requested != BFLOAT16:
-                raise RequestError(Reason.DTYPE_MISMATCH,
-                                   f"variables can be pulled as floating types only, not {dtype_name(requested)}")
-        else:
-            requested = None
-        plan: list = []
-        reply_bytes = 0
-        gathers: list[tuple[int, object, np.ndarray, np.ndarray | None, np.dtype]] = []
-        for item in msg.items:
-            part = self._store.get(item.variable)
-            if item.row_ids or part.spec.hash_table:
-                if not item.row_ids:
-                    raise RequestError(Reason.INVALID_REQUEST,
-                                       f"{item.variable!r} is a hash table: pull it by rows (pull_rows)")
-                ids, local = parse_row_ids(part, item.row_ids, self._store.shard_index, self._store.num_shards,
-                                           unique=False)
-                if not part.initialized:  # a bool read: no lock needed
-                    raise RequestError(Reason.NOT_INITIALIZED, f"variable {item.variable!r} is waiting "
-                                                               "for its explicit initial value")
-                wire = requested or part.spec.dtype
-                reply_bytes += len(ids) * part.spec.row_elements * wire.itemsize
-                if local is not None and wire == part.spec.dtype:
-                    # Rows of a dense part stay where they are: each is copied once, from the
-                    # table into the message as it is joined (under the part's lock). The
-                    # version is read first: it is the rows' or, after a push in between, older.
-                    version = part.version  # (one int read: no lock, no VariableInfo)
-                    plan.append((part, (part.rows_to_send(local), version), None, wire))
-                    continue
-                # Gathered below, each id once, with every other item's rows.
-                unique, inverse = unique_ids(ids)
-                gathers.append((len(plan), part, unique, inverse, wire))
-                plan.append(None)
-                continue
-            if not part.holds_part:
-                raise RequestError(Reason.INVALID_REQUEST,
-                                   f"variable {item.variable!r} has no part on shard {self._store.shard_index}")
-            if not part.initialized:  # a bool read: no lock needed
-                raise RequestError(Reason.NOT_INITIALIZED,
-                                   f"variable {item.variable!r} is waiting for its explicit initial value")
-            end = part.elements if item.count == 0 else item.offset + item.count
-            if item.offset > part.elements or end > part.elements:
-                raise RequestError(
-                    Reason.INVALID_CHUNK,
-                    f"pull range [{item.offset}, {end}) of {item.variable!r} is outside this "
-                    f"shard's part of {part.elements} elements")
-            wire = requested or part.spec.dtype
-            reply_bytes += (end - item.offset) * wire.itemsize
-            plan.append((part, item.offset, end - item.offset, wire))
-        held = sum(gathered_bytes(part, len(unique), inverse, wire)
-                   for _, part, unique, inverse, wire in gathers)
-        hold = self._store.hold(held + (reply_bytes if whole_reply else 0), "this pull's answer")
-        if gathers:
-            # Every request is checked above: read (and, in a hash table, create) all rows at once,
-            # all or nothing, so a refusal leaves nothing behind and the rows are one instant.
-            try:
-                read = self._store.read_rows([(part, unique) for _, part, unique, _, _ in gathers])
-            except BaseException:
-                hold.release()
-                raise
-            for (index, part, _, inverse, wire), (values, version) in zip(gathers, read):
-                plan[index] = (part, (rows_in_order(values, inverse, wire), version), None, wire)
-        return _PullPlan(plan, chunk_bytes, hold)
-
-    def _stream_pull(self, plan, chunk_bytes: int) -> Iterator[list]:
-        """The response messages, each as pieces (codec.pull_response_pieces) to be joined once."""
-        pending: list[OutgoingChunk] = []
-        pending_bytes = 0
-        for part, start, count, wire in plan:
-            if count is None:  # rows: start holds (values, version), read when planned
-                for chunk in _row_chunks(part, *start, wire, chunk_bytes):
-                    if pending and pending_bytes + chunk.data.nbytes > chunk_bytes:
-                        yield pull_response_pieces(pending)
-                        pending, pending_bytes = [], 0
-                    pending.append(chunk)
-                    pending_bytes += chunk.data.nbytes
-                continue
-            wire_enum = to_wire_dtype(wire)
-            per_chunk = max(1, chunk_bytes // wire.itemsize)
-            name, elements = part.spec.name, part.elements
-            for offset, n in chunk_ranges(count, per_chunk):
-                first = start + offset
-                if n * wire.itemsize >= _PACK_BELOW_BYTES:
-                    if pending:
-                        yield pull_response_pieces(pending)
-                        pending, pending_bytes = [], 0
-                    yield part.read(first, n, wire, _chunk_sink(name, first, wire_enum, elements, alone=True))
-                    continue
-                pending.append(part.read(first, n, wire, _chunk_sink(name, first, wire_enum, elements)))
-                pending_bytes += n * wire.itemsize
-                if pending_bytes >= chunk_bytes:
-                    yield pull_response_pieces(pending)
-                    pending, pending_bytes = [], 0
-        if pending:
-            yield pull_response_pieces(pending)
 
     def push(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> bytes:
         try:
@@ -524,8 +340,7 @@ class ParameterServerService:
             if pull_plan is not None:
                 plan, pull_names = pull_plan
                 with plan.hold:
-                    pulled = [piece for pieces in self._stream_pull(plan.items, plan.chunk_bytes)
-                              for piece in pieces]
+                    pulled = [piece for pieces in pull_messages(plan) for piece in pieces]
                 self._count_pulls(pull_names, "ok")
                 self._metrics.bytes_sent.inc(sum(piece_size(p) for p in pulled))
         finally:
@@ -539,14 +354,7 @@ class ParameterServerService:
         """Validate PushBegin.pull_after before the push changes anything."""
         names = [item.variable for item in msg.items]
         try:
-            if self._consistency.mode != "async":
-                raise RequestError(Reason.INVALID_REQUEST,
-                                   f"pull_after needs --consistency async (this server runs "
-                                   f"{self._consistency.mode}): there the next step's pull waits for the "
-                                   "other workers, so pull it separately")
-            if any(item.row_ids for item in msg.items):
-                raise RequestError(Reason.INVALID_REQUEST, "pull_after reads whole dense variables, not rows")
-            plan = self._plan_pull(msg, whole_reply=True)
+            plan = self._pulls.plan_after_push(_pull_query(msg))
         except RequestError as error:
             self._count_pulls(names, error.reason.value)
             raise
@@ -589,7 +397,7 @@ class ParameterServerService:
                                                    "chunks may only follow the last part of a PushBegin")
                             continue
                         begin = parts.whole()
-                    self._seen(begin.worker_id, begin.incarnation, begin.step, pushed=True)
+                    self._workers.seen(begin.worker_id, begin.incarnation, begin.step, pushed=True)
                     names.extend(item.variable for item in begin.items)
                     if begin.HasField("pull_after"):
                         pull_plan = self._plan_pull_after(begin.pull_after)
@@ -625,11 +433,11 @@ class ParameterServerService:
                     msg = _parse(ps_pb2.PullRequest, payload)
                     names = [item.variable for item in msg.items]
                     try:
-                        plan = self._plan_pull(msg, whole_reply=True)
+                        plan = self._pulls.plan(_pull_query(msg), whole_reply=True)
                         with plan.hold:
                             self._consistency.before_pull(msg.worker_id, msg.step, context.time_remaining())
                             # Concatenated PullResponses are one PullResponse (repeated field).
-                            messages = self._stream_pull(plan.items, plan.chunk_bytes)
+                            messages = pull_messages(plan)
                             reply = encode_envelope(request_id, EXCHANGE_PULL,
                                                     [p for pieces in messages for p in pieces])
                     except RequestError as error:
@@ -649,41 +457,13 @@ class ParameterServerService:
             yield reply
 
 
-def _row_chunks(part, values: np.ndarray | RowGather, version: int, wire: np.dtype,
-                chunk_bytes: int) -> Iterator[OutgoingChunk]:
-    """Rows already read (or to be gathered into the message), in whole-row chunks of the wire dtype."""
-    width = part.spec.row_elements
-    rows = len(values.rows) if isinstance(values, RowGather) else len(values)
-    per_chunk = max(1, chunk_bytes // max(1, width * wire.itemsize))
-    wire_enum = to_wire_dtype(wire)
-    for first in range(0, max(rows, 1), per_chunk):
-        if isinstance(values, RowGather):
-            data: memoryview | RowGather = values.select(slice(first, first + per_chunk))
-        else:
-            data = byte_view(np.ascontiguousarray(values[first:first + per_chunk], dtype=wire))
-        header = encode_chunk_header(part.spec.name, first * width, piece_size(data) // wire.itemsize, wire_enum,
-                                     version, rows * width)
-        yield OutgoingChunk(header, data)
-
-
-def _chunk_sink(variable: str, offset: int, wire_enum: int, part_elements: int,
-                alone: bool = False) -> Callable[[np.ndarray, int], object]:
-    """What a pull does with a chunk read under its part's lock: copy it out, with the version it was read at.
-
-    ``alone``: a large chunk becomes its own message, copied straight into
-    it (one copy); a small one is copied out to be packed with others.
-    """
-    def sink(values: np.ndarray, version: int) -> object:
-        header = encode_chunk_header(variable, offset, values.size, wire_enum, version, part_elements)
-        if alone:
-            return [encode_pull_response([OutgoingChunk(header, byte_view(values))])]
-        return OutgoingChunk(header, memoryview(bytes(byte_view(values))))
-    return sink
-
-
-def _check_worker(worker_id: str, incarnation: str) -> None:
-    if not worker_id or len(worker_id) > MAX_WORKER_ID_LENGTH:
-        raise RequestError(Reason.INVALID_REQUEST,
-                           f"worker_id must be 1 to {MAX_WORKER_ID_LENGTH} characters, got {worker_id!r}")
-    if not incarnation or len(incarnation) > MAX_WORKER_ID_LENGTH:
-        raise RequestError(Reason.INVALID_REQUEST, "incarnation must be a non-empty id of the worker process")
+def _pull_query(msg: ps_pb2.PullRequest) -> PullQuery:
+    """A PullRequest's values for :class:`ps_server.core.pulls.PullPlanner`."""
+    wire_dtype = None
+    if msg.wire_dtype != ps_pb2.DATA_TYPE_UNSPECIFIED:
+        try:
+            wire_dtype = to_numpy_dtype(msg.wire_dtype)
+        except ValueError:
+            wire_dtype = UnknownDtype(msg.wire_dtype)
+    return PullQuery(msg.shard_index, msg.num_shards, msg.worker_id, msg.incarnation, msg.step, msg.items,
+                     msg.chunk_bytes, wire_dtype)
