@@ -262,6 +262,7 @@ class PSServer:
                   waited_seconds=grace + _STOP_MARGIN_SECONDS)
         if self.health_server is not None:
             self.health_server.stop(0)
+        self.metrics.stop()
         self._executor.shutdown(wait=False)
         event(log, logging.INFO, "stopped", drained=drained, ended_exchange_streams=ended_streams)
         return drained
