@@ -1,27 +1,20 @@
-"""The gRPC methods of the ParameterServer service, and nothing else.
+"""The gRPC methods of the ParameterServer service: parse the request, call the core, frame the answer.
 
-Every method takes the raw request bytes and parses them itself, so that a
-request that is not a valid message at all gets INVALID_ARGUMENT (gRPC's
-own deserializer would answer INTERNAL). Data-path messages are framed by
-:mod:`wehub_ps.wire.codec` to copy each tensor byte once. Errors leave through
-one table, :data:`STATUS_BY_REASON`, with the reason in trailing metadata.
+Requests are parsed and errors answered as :mod:`ps_server.service.calls`
+says; data-path messages are framed by :mod:`wehub_ps.wire.codec` (pulls
+through :mod:`ps_server.service.pull_stream`) to copy each tensor byte once.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-import threading
-from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from collections.abc import Iterable, Iterator
 
 import grpc
 
 from ps_server.core.errors import RequestError
 from ps_server.core.pulls import PullQuery, UnknownDtype
 from ps_server.core.pushes import (
-    MAX_WORKER_ID_LENGTH,
     BeginParts,
     begin_push,
     check_cluster,
@@ -30,9 +23,10 @@ from ps_server.core.pushes import (
 from ps_server.core.store import MemoryHold
 from ps_server.core.workers import check_worker
 from ps_server.service.builders import checkpoint_info, describe_response, variable_info
+from ps_server.service.calls import STATUS_BY_REASON, CallSlots, abort, parse, unary
 from ps_server.service.context import ShardContext
 from ps_server.service.pull_stream import pull_messages
-from wehub_ps.errors import REASON_METADATA_KEY, Reason
+from wehub_ps.errors import Reason
 from wehub_ps.specs import SpecError
 from wehub_ps.specs_proto import spec_from_proto
 from wehub_ps.v1 import ps_pb2
@@ -51,63 +45,15 @@ from wehub_ps.wire.codec import (
     push_response_pieces,
 )
 from wehub_ps.wire.dtypes import to_numpy_dtype
-from wehub_ps.wire.rpc import INCARNATION_METADATA_KEY, SERVICE_NAME
+from wehub_ps.wire.rpc import SERVICE_NAME
 
-__all__ = ["ParameterServerService", "STATUS_BY_REASON"]
+__all__ = ["ParameterServerService"]
 
 log = logging.getLogger("ps_server.service.servicer")
 
-STATUS_BY_REASON: dict[Reason, grpc.StatusCode] = {
-    Reason.MALFORMED_MESSAGE: grpc.StatusCode.INVALID_ARGUMENT,
-    Reason.INVALID_SPEC: grpc.StatusCode.INVALID_ARGUMENT,
-    Reason.INVALID_CHUNK: grpc.StatusCode.INVALID_ARGUMENT,
-    Reason.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
-    Reason.SHAPE_MISMATCH: grpc.StatusCode.INVALID_ARGUMENT,
-    Reason.DTYPE_MISMATCH: grpc.StatusCode.INVALID_ARGUMENT,
-    Reason.UNKNOWN_VARIABLE: grpc.StatusCode.NOT_FOUND,
-    Reason.SPEC_CONFLICT: grpc.StatusCode.ALREADY_EXISTS,
-    Reason.CLUSTER_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
-    Reason.NOT_INITIALIZED: grpc.StatusCode.FAILED_PRECONDITION,
-    Reason.PUSH_INCOMPLETE: grpc.StatusCode.FAILED_PRECONDITION,
-    # ABORTED: a sequencer check failed; the client must not retry the same push.
-    Reason.PUSH_WRITTEN_OFF: grpc.StatusCode.ABORTED,
-    Reason.TOO_MANY_RPCS: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Reason.EXCHANGE_STREAMS: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Reason.MEMORY_LIMIT: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Reason.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
-    Reason.CHECKPOINTS_DISABLED: grpc.StatusCode.FAILED_PRECONDITION,
-    Reason.STEP_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
-    Reason.FINISH_NOT_ALLOWED: grpc.StatusCode.FAILED_PRECONDITION,
-}
-
-M = TypeVar("M")
-
-
-def _abort(context: grpc.ServicerContext, error: RequestError) -> None:
-    context.set_trailing_metadata(((REASON_METADATA_KEY, error.reason.value),))
-    context.abort(STATUS_BY_REASON[error.reason], error.message)
-
-
-def _parse(message_cls: type[M], raw: bytes) -> M:
-    try:
-        return message_cls.FromString(raw)
-    except Exception as exc:  # DecodeError, or upb's errors for garbage
-        raise RequestError(Reason.MALFORMED_MESSAGE,
-                           f"request is not a valid {message_cls.DESCRIPTOR.full_name}: {exc}") from None
-
-
-def _unary(method: Callable) -> Callable:
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        try:
-            return method(self, request, context)
-        except RequestError as error:
-            _abort(context, error)
-    return wrapper
-
 
 class ParameterServerService:
-    """RPC methods only: parse, call the store, frame the answer."""
+    """RPC methods only: parse, call the core, frame the answer."""
 
     def __init__(self, context: ShardContext) -> None:
         self._context = context
@@ -120,10 +66,7 @@ class ParameterServerService:
         self._pulls = context.pulls
         self._metrics = context.metrics
         self._server_id = context.server_id
-        self._admission = context.admission
-        # Guards _open_streams: the contexts of the Exchange streams being served.
-        self._streams_lock = threading.Lock()
-        self._open_streams: set[grpc.ServicerContext] = set()
+        self._slots = CallSlots(context.admission)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """Handlers with raw-bytes (de)serialisation, named as in the proto.
@@ -131,7 +74,7 @@ class ParameterServerService:
         Each holds a slot of its bound while it runs (ps_server.core.admission):
         Exchange streams one of theirs, every other call an ordinary one.
         """
-        bounded, streaming = self._in_call_slot, self._in_call_slot_streaming
+        bounded, streaming = self._slots.unary, self._slots.streaming
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
             "Describe": grpc.unary_unary_rpc_method_handler(bounded(self.describe)),
             "CreateVariable": grpc.unary_unary_rpc_method_handler(bounded(self.create_variable)),
@@ -139,61 +82,9 @@ class ParameterServerService:
             "Push": grpc.stream_unary_rpc_method_handler(bounded(self.push)),
             "Checkpoint": grpc.unary_unary_rpc_method_handler(bounded(self.checkpoint)),
             "Heartbeat": grpc.unary_unary_rpc_method_handler(bounded(self.heartbeat)),
-            "Exchange": grpc.stream_stream_rpc_method_handler(self._admitted_exchange),
+            "Exchange": grpc.stream_stream_rpc_method_handler(self._slots.exchange(self.exchange)),
             "Finish": grpc.unary_unary_rpc_method_handler(bounded(self.finish)),
         })
-
-    @contextlib.contextmanager
-    def _call_slot(self, context: grpc.ServicerContext) -> Iterator[None]:
-        """An ordinary call's slot for the body; TOO_MANY_RPCS (the call ends) when none is free."""
-        try:
-            self._admission.enter_call()
-        except RequestError as error:
-            _abort(context, error)
-        try:
-            yield
-        finally:
-            self._admission.exit_call()
-
-    def _in_call_slot(self, method: Callable) -> Callable:
-        """``method`` (one answer) holding an ordinary call's slot."""
-
-        def handler(request, context):
-            with self._call_slot(context):
-                return method(request, context)
-        return functools.wraps(method)(handler)
-
-    def _in_call_slot_streaming(self, method: Callable) -> Callable:
-        """``method`` (a stream of answers) holding an ordinary call's slot until its last answer."""
-
-        def handler(request, context):
-            with self._call_slot(context):
-                yield from method(request, context)
-        return functools.wraps(method)(handler)
-
-    def _admitted_exchange(self, request_iterator: Iterable[bytes],
-                           context: grpc.ServicerContext) -> Iterator[bytes]:
-        """:meth:`exchange` holding an Exchange stream's slot; refused at once (EXCHANGE_STREAMS) over a bound."""
-        incarnation = ""
-        for key, value in context.invocation_metadata() or ():
-            if key == INCARNATION_METADATA_KEY:
-                incarnation = value if isinstance(value, str) else value.decode("utf-8", "replace")
-        try:
-            if len(incarnation) > MAX_WORKER_ID_LENGTH:
-                raise RequestError(Reason.INVALID_REQUEST,
-                                   f"{INCARNATION_METADATA_KEY} must be at most {MAX_WORKER_ID_LENGTH} characters")
-            self._admission.enter_stream(incarnation)
-        except RequestError as error:
-            _abort(context, error)
-            return
-        with self._streams_lock:
-            self._open_streams.add(context)
-        try:
-            yield from self.exchange(request_iterator, context)
-        finally:
-            with self._streams_lock:
-                self._open_streams.discard(context)
-            self._admission.exit_stream(incarnation)
 
     def end_exchange_streams(self) -> int:
         """Cancel every open Exchange stream (CANCELLED: clients retry); returns how many.
@@ -201,23 +92,19 @@ class ParameterServerService:
         Called once the final checkpoint has sealed the store: an idle stream
         would otherwise hold gRPC's stop grace period open for nothing.
         """
-        with self._streams_lock:
-            streams = list(self._open_streams)
-        for context in streams:
-            context.cancel()
-        return len(streams)
+        return self._slots.end_exchange_streams()
 
     # ---- control ----
 
-    @_unary
+    @unary
     def describe(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        _parse(ps_pb2.DescribeRequest, request)
+        parse(ps_pb2.DescribeRequest, request)
         self._lifecycle.check_ready()  # never report a store that is still being restored
         return describe_response(self._context).SerializeToString()
 
-    @_unary
+    @unary
     def checkpoint(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        _parse(ps_pb2.CheckpointRequest, request)
+        parse(ps_pb2.CheckpointRequest, request)
         checkpointer = self._context.checkpointer
         if checkpointer is None:
             raise RequestError(Reason.CHECKPOINTS_DISABLED,
@@ -230,9 +117,9 @@ class ParameterServerService:
         assert record is not None
         return ps_pb2.CheckpointResponse(checkpoint=checkpoint_info(record)).SerializeToString()
 
-    @_unary
+    @unary
     def finish(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        msg = _parse(ps_pb2.FinishRequest, request)
+        msg = parse(ps_pb2.FinishRequest, request)
         if not self._context.allow_finish or self._context.finish_requested is None:
             raise RequestError(Reason.FINISH_NOT_ALLOWED,
                                "this ps-server is a long-lived service; start it with --allow-finish "
@@ -245,9 +132,9 @@ class ParameterServerService:
         self._context.finish_requested.set()
         return ps_pb2.FinishResponse().SerializeToString()
 
-    @_unary
+    @unary
     def heartbeat(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        msg = _parse(ps_pb2.HeartbeatRequest, request)
+        msg = parse(ps_pb2.HeartbeatRequest, request)
         check_worker(msg.worker_id, msg.incarnation)
         # No lease or step clock before the restore or after the drain began.
         self._lifecycle.check_accepting()
@@ -261,9 +148,9 @@ class ParameterServerService:
                                         cluster_step=cluster_step,
                                         consistency=self._consistency.mode).SerializeToString()
 
-    @_unary
+    @unary
     def create_variable(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        msg = _parse(ps_pb2.CreateVariableRequest, request)
+        msg = parse(ps_pb2.CreateVariableRequest, request)
         self._lifecycle.check_accepting()
         check_cluster(self._store, msg.shard_index, msg.num_shards)
         try:
@@ -290,7 +177,7 @@ class ParameterServerService:
     def pull(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         names: list[str] = []
         try:
-            msg = _parse(ps_pb2.PullRequest, request)
+            msg = parse(ps_pb2.PullRequest, request)
             names = [item.variable for item in msg.items]
             plan = self._pulls.plan(_pull_query(msg))
             with plan.hold:
@@ -302,7 +189,7 @@ class ParameterServerService:
                     yield message
         except RequestError as error:
             self._count_pulls(names, error.reason.value)
-            _abort(context, error)
+            abort(context, error)
             return
         self._count_pulls(names, "ok")
 
@@ -314,7 +201,7 @@ class ParameterServerService:
         try:
             return join_pieces(self._run_push(request_iterator, context.time_remaining()))
         except RequestError as error:
-            _abort(context, error)
+            abort(context, error)
             return b""
 
     def _run_push(self, messages: Iterable[bytes | memoryview], wait_seconds: float | None = None) -> list:
@@ -430,7 +317,7 @@ class ParameterServerService:
                     raise RequestError(Reason.MALFORMED_MESSAGE,
                                        f"request is not a valid wehub_ps.v1.ExchangeRequest: {exc}") from None
                 if field == EXCHANGE_PULL:
-                    msg = _parse(ps_pb2.PullRequest, payload)
+                    msg = parse(ps_pb2.PullRequest, payload)
                     names = [item.variable for item in msg.items]
                     try:
                         plan = self._pulls.plan(_pull_query(msg), whole_reply=True)
