@@ -89,7 +89,8 @@ class PSServer:
             consistency=self.consistency, workers=workers,
             pulls=PullPlanner(self.store, self.lifecycle, self.consistency, workers,
                               default_chunk_bytes=config.chunk_bytes, max_chunk_bytes=max_chunk_bytes),
-            metrics=self.metrics, admission=Admission(config.max_concurrent_rpcs, config.max_exchange_streams),
+            metrics=self.metrics,
+            admission=Admission(config.max_concurrent_rpcs, config.max_exchange_streams),
             server_id=self.server_id, max_chunk_bytes=max_chunk_bytes, checkpointer=checkpointer,
             restored_from=lambda: self.restored_from, finish_requested=self.finish_requested,
             allow_finish=config.allow_finish)

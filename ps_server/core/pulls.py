@@ -153,7 +153,8 @@ class PullPlanner:
                 if not item.row_ids:
                     raise RequestError(Reason.INVALID_REQUEST,
                                        f"{item.variable!r} is a hash table: pull it by rows (pull_rows)")
-                ids, local = parse_row_ids(part, item.row_ids, store.shard_index, store.num_shards, unique=False)
+                ids, local = parse_row_ids(part, item.row_ids, store.shard_index, store.num_shards,
+                                           unique=False)
                 if not part.initialized:  # a bool read: no lock needed
                     raise RequestError(Reason.NOT_INITIALIZED, f"variable {item.variable!r} is waiting "
                                                                "for its explicit initial value")
@@ -201,7 +202,7 @@ class PullPlanner:
         return PullPlan(reads, chunk_bytes, hold)
 
     def plan_after_push(self, query: PullQuery) -> PullPlan:
-        """Plan a push's pull_after (whole dense variables, async mode only) before the push changes anything."""
+        """Plan a push's pull_after (whole dense variables, async mode only) before the push is applied."""
         if self._consistency.mode != "async":
             raise RequestError(Reason.INVALID_REQUEST,
                                f"pull_after needs --consistency async (this server runs "

@@ -116,7 +116,7 @@ class CallSlots:
         return functools.wraps(method)(handler)
 
     def exchange(self, method: Callable) -> Callable:
-        """``method`` (an Exchange stream) holding a stream's slot; refused at once over a bound (EXCHANGE_STREAMS)."""
+        """``method`` (an Exchange stream) holding a stream's slot; EXCHANGE_STREAMS at once over a bound."""
 
         def handler(request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
             incarnation = ""

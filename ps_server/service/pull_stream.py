@@ -83,8 +83,8 @@ def _row_chunks(part: VariablePart | HashTablePart, values: np.ndarray | RowGath
             data: memoryview | RowGather = values.select(slice(first, first + per_chunk))
         else:
             data = byte_view(np.ascontiguousarray(values[first:first + per_chunk], dtype=wire))
-        header = encode_chunk_header(part.spec.name, first * width, piece_size(data) // wire.itemsize, wire_enum,
-                                     version, rows * width)
+        header = encode_chunk_header(part.spec.name, first * width, piece_size(data) // wire.itemsize,
+                                     wire_enum, version, rows * width)
         yield OutgoingChunk(header, data)
 
 

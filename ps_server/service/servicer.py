@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 import grpc
 
 from ps_server.core.errors import RequestError
-from ps_server.core.pulls import PullQuery, UnknownDtype
+from ps_server.core.pulls import PullPlan, PullQuery, UnknownDtype
 from ps_server.core.pushes import (
     BeginParts,
     begin_push,
@@ -120,7 +120,7 @@ class ParameterServerService:
     @unary
     def finish(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         msg = parse(ps_pb2.FinishRequest, request)
-        if not self._context.allow_finish or self._context.finish_requested is None:
+        if not self._context.allow_finish:
             raise RequestError(Reason.FINISH_NOT_ALLOWED,
                                "this ps-server is a long-lived service; start it with --allow-finish "
                                "for run-to-completion jobs")
@@ -237,8 +237,8 @@ class ParameterServerService:
                                         result.dropped, result.cluster_step)
         return push_response_pieces(response, pulled)
 
-    def _plan_pull_after(self, msg: ps_pb2.PullRequest):
-        """Validate PushBegin.pull_after before the push changes anything."""
+    def _plan_pull_after(self, msg: ps_pb2.PullRequest) -> tuple[PullPlan, list[str]]:
+        """Plan PushBegin.pull_after before the push changes anything; the plan and the variables it names."""
         names = [item.variable for item in msg.items]
         try:
             plan = self._pulls.plan_after_push(_pull_query(msg))
