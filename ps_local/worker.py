@@ -28,7 +28,19 @@ import sys
 from collections.abc import Mapping
 
 from ps_local.examples import EXAMPLES, load_example
-from wehub_ps.cluster import ClusterConfigError, ps_addresses_from_env, task_from_tf_config
+from wehub_ps.cluster import (
+    ADDRESSES_ENV,
+    EXAMPLE_CONFIG_ENV,
+    EXAMPLE_ENV,
+    FINISH_CLUSTER_ENV,
+    LOG_LEVEL_ENV,
+    NUM_WORKERS_ENV,
+    WIRE_DTYPE_ENV,
+    WORKER_INDEX_ENV,
+    ClusterConfigError,
+    ps_addresses_from_env,
+    task_from_tf_config,
+)
 from wehub_ps.process.logs import configure
 from worker_client import PSClient
 
@@ -52,9 +64,9 @@ def _resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[list
     if task is not None and task.task_type in ("worker", "chief"):
         has_chief = "chief" in json.loads(environ["TF_CONFIG"]).get("cluster", {})
         tf_index = task.task_index + (1 if has_chief and task.task_type == "worker" else 0)
-    index = _first_int(args.worker_index, environ.get("PS_WORKER_INDEX"), environ.get("JOB_COMPLETION_INDEX"),
+    index = _first_int(args.worker_index, environ.get(WORKER_INDEX_ENV), environ.get("JOB_COMPLETION_INDEX"),
                        None if tf_index is None else str(tf_index))
-    count = _first_int(args.num_workers, environ.get("PS_NUM_WORKERS"),
+    count = _first_int(args.num_workers, environ.get(NUM_WORKERS_ENV),
                        None if task is None or not task.num_workers else str(task.num_workers))
     if index is None or count is None:
         raise ClusterConfigError("the worker index and count are unknown: pass --worker-index and --num-workers, "
@@ -67,21 +79,21 @@ def _resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[list
 def main(argv: list[str] | None = None) -> int:
     environ = os.environ
     # JSON log lines on stderr: a worker that waits for a server says which and why.
-    configure(environ.get("PS_LOG_LEVEL", "warning"))
+    configure(environ.get(LOG_LEVEL_ENV, "warning"))
     parser = argparse.ArgumentParser(prog="ps-worker", description="Train a built-in example as one worker.")
-    parser.add_argument("--example", default=environ.get("PS_EXAMPLE", "digits"), choices=sorted(EXAMPLES))
+    parser.add_argument("--example", default=environ.get(EXAMPLE_ENV, "digits"), choices=sorted(EXAMPLES))
     parser.add_argument("--addresses", default=None, help="comma-separated host:port of the ps-servers")
     parser.add_argument("--worker-index", default=None)
     parser.add_argument("--num-workers", default=None)
-    parser.add_argument("--config", default=environ.get("PS_EXAMPLE_CONFIG", "{}"),
+    parser.add_argument("--config", default=environ.get(EXAMPLE_CONFIG_ENV, "{}"),
                         help="JSON object of example Config overrides")
-    parser.add_argument("--wire-dtype", default=environ.get("PS_WIRE_DTYPE", "float32"),
+    parser.add_argument("--wire-dtype", default=environ.get(WIRE_DTYPE_ENV, "float32"),
                         help="float32, or bfloat16/float16 on the wire")
     parser.add_argument("--topk-ratio", type=float, default=None,
                         help="send only this fraction of each gradient's rows (error feedback: the rest "
                              "goes with the next push)")
     parser.add_argument("--finish-cluster", action="store_true",
-                        default=environ.get("PS_FINISH_CLUSTER", "").lower() in ("1", "true", "yes"),
+                        default=environ.get(FINISH_CLUSTER_ENV, "").lower() in ("1", "true", "yes"),
                         help="worker 0 ends the job: servers checkpoint and exit 0 once all workers are done")
     args = parser.parse_args(argv)
     try:
@@ -92,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     example = load_example(args.example)
     config = example.Config(**json.loads(args.config))
     wire = None if args.wire_dtype == "float32" else args.wire_dtype
-    env = {**environ, "PS_ADDRESSES": ",".join(addresses)}
+    env = {**environ, ADDRESSES_ENV: ",".join(addresses)}
     with PSClient.from_env(env, worker_id=f"worker-{index}", wire_dtype=wire,
                            topk_ratio=args.topk_ratio) as client:
         example.setup(client, config)

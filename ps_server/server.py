@@ -36,12 +36,14 @@ from ps_server.service.context import RestoredFrom, ShardContext
 from ps_server.core.gate import ApplyGate
 from ps_server.core.lifecycle import Lifecycle
 from ps_server.core.membership import Membership
+from ps_server.core.pulls import PullPlanner
 from ps_server.ops.metrics import Metrics
 from ps_server.core.ledger import PushLedger
 from ps_server.service.servicer import ParameterServerService
 from ps_server.durability.spec_log import SpecLog, replay_spec_logs
 from ps_server.service.standard_services import HealthServicer, add_reflection
 from ps_server.core.store import VariableStore
+from ps_server.core.workers import WorkerPresence
 from wehub_ps.process.logs import event
 from wehub_ps.wire.rpc import SERVICE_NAME
 
@@ -78,15 +80,22 @@ class PSServer:
                                         persist_open_pushes=config.consistency != "sync",
                                         on_written=self.metrics.checkpoint_written,
                                         consistency_state=self.consistency.snapshot)
-        self.context = ShardContext(
-            self.store, self.ledger, self.lifecycle, self.membership, self.consistency, self.server_id,
-            default_chunk_bytes=config.chunk_bytes, max_chunk_bytes=config.max_message_bytes // 2,
-            checkpointer=checkpointer, allow_finish=config.allow_finish)
-        self.context.metrics = self.metrics
-        self.context.admission = Admission(config.max_concurrent_rpcs, config.max_exchange_streams)
         #: Set by a client's finish() (with --allow-finish): the daemon then shuts down.
         self.finish_requested = threading.Event()
-        self.context.finish_requested = self.finish_requested
+        #: The checkpoint the store was restored from (Describe reports it), set by restore().
+        self.restored_from: RestoredFrom | None = None
+        workers = WorkerPresence(self.membership, self.consistency)
+        max_chunk_bytes = config.max_message_bytes // 2
+        self.context = ShardContext(
+            store=self.store, ledger=self.ledger, lifecycle=self.lifecycle, membership=self.membership,
+            consistency=self.consistency, workers=workers,
+            pulls=PullPlanner(self.store, self.lifecycle, self.consistency, workers,
+                              default_chunk_bytes=config.chunk_bytes, max_chunk_bytes=max_chunk_bytes),
+            metrics=self.metrics,
+            admission=Admission(config.max_concurrent_rpcs, config.max_exchange_streams),
+            server_id=self.server_id, max_chunk_bytes=max_chunk_bytes, checkpointer=checkpointer,
+            restored_from=lambda: self.restored_from, finish_requested=self.finish_requested,
+            allow_finish=config.allow_finish)
         self.health = HealthServicer()
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.service = ParameterServerService(self.context)
@@ -186,7 +195,7 @@ class PSServer:
             self.consistency.restore(None)
         if plan.manifests:  # (else only spec logs: variables created before the first checkpoint)
             newest = max(plan.manifests.values(), key=lambda m: m["created_unix"])
-            self.context.restored_from = RestoredFrom(
+            self.restored_from = RestoredFrom(
                 {i: m["checkpoint_id"] for i, m in plan.manifests.items()},
                 ",".join(str(p) for p in plan.checkpoints.values()), newest["created_unix"], plan.num_shards)
         event(log, logging.INFO, "restored", from_num_shards=plan.num_shards, resharded=resharded,
@@ -256,6 +265,7 @@ class PSServer:
                   waited_seconds=grace + _STOP_MARGIN_SECONDS)
         if self.health_server is not None:
             self.health_server.stop(0)
+        self.metrics.stop()
         self._executor.shutdown(wait=False)
         event(log, logging.INFO, "stopped", drained=drained, ended_exchange_streams=ended_streams)
         return drained

@@ -1,9 +1,14 @@
-"""Cluster specs from the environment: TF_CONFIG or PS_ADDRESSES.
+"""Cluster specs from the environment (TF_CONFIG or PS_ADDRESSES), and the names of a worker's settings.
 
 TF_CONFIG is what Kubeflow's TFJob operator and TensorFlow's own tooling
 inject: ``{"cluster": {"ps": [...], "worker": [...], "chief": [...]},
 "task": {"type": "ps", "index": 0}}``. The order of ``cluster.ps`` is the
 shard order.
+
+The ``*_ENV`` names are the environment variables the worker side reads
+(``PSClient.from_env``, ps-admin, ps-local's worker); :data:`WORKER_ENVIRONMENT`
+lists them all, so that ps-server, which warns about PS_* variables it does
+not read, knows them without naming them itself.
 """
 
 from __future__ import annotations
@@ -12,7 +17,40 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ClusterConfigError", "TaskSpec", "ps_addresses_from_env", "task_from_tf_config", "split_host_port"]
+__all__ = ["ClusterConfigError", "TaskSpec", "ps_addresses_from_env", "task_from_tf_config", "split_host_port",
+           "WORKER_ENVIRONMENT", "ADDRESSES_ENV", "WORKER_ID_ENV", "WORKER_INDEX_ENV", "NUM_WORKERS_ENV",
+           "TLS_CA_ENV", "TLS_CERT_ENV", "TLS_KEY_ENV", "SERVER_NAME_ENV", "AUTH_TOKEN_FILE_ENV",
+           "AUTH_TOKEN_ENV", "LOG_LEVEL_ENV", "FINISH_CLUSTER_ENV", "EXAMPLE_ENV", "EXAMPLE_CONFIG_ENV",
+           "WIRE_DTYPE_ENV"]
+
+#: The ps-servers, 'host:port,host:port' in shard order (else TF_CONFIG's cluster.ps).
+ADDRESSES_ENV = "PS_ADDRESSES"
+#: PSClient.from_env: this worker's id (else TF_CONFIG's task type and index).
+WORKER_ID_ENV = "PS_WORKER_ID"
+#: PSClient.from_env: TLS, server name and bearer token of the connections to the servers.
+TLS_CA_ENV = "PS_TLS_CA"
+TLS_CERT_ENV = "PS_TLS_CERT"
+TLS_KEY_ENV = "PS_TLS_KEY"
+SERVER_NAME_ENV = "PS_SERVER_NAME"
+AUTH_TOKEN_FILE_ENV = "PS_AUTH_TOKEN_FILE"
+AUTH_TOKEN_ENV = "PS_AUTH_TOKEN"
+#: ps-local's worker: its index and the number of workers (else JOB_COMPLETION_INDEX or TF_CONFIG).
+WORKER_INDEX_ENV = "PS_WORKER_INDEX"
+NUM_WORKERS_ENV = "PS_NUM_WORKERS"
+#: ps-local's worker: log level; '1' to end the job when training is done; the example, its
+#: config overrides (JSON) and the dtype on the wire.
+LOG_LEVEL_ENV = "PS_LOG_LEVEL"
+FINISH_CLUSTER_ENV = "PS_FINISH_CLUSTER"
+EXAMPLE_ENV = "PS_EXAMPLE"
+EXAMPLE_CONFIG_ENV = "PS_EXAMPLE_CONFIG"
+WIRE_DTYPE_ENV = "PS_WIRE_DTYPE"
+
+#: Every environment variable the worker side reads.
+WORKER_ENVIRONMENT: tuple[str, ...] = (
+    ADDRESSES_ENV, WORKER_ID_ENV, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, SERVER_NAME_ENV, AUTH_TOKEN_FILE_ENV,
+    AUTH_TOKEN_ENV, WORKER_INDEX_ENV, NUM_WORKERS_ENV, LOG_LEVEL_ENV, FINISH_CLUSTER_ENV, EXAMPLE_ENV,
+    EXAMPLE_CONFIG_ENV, WIRE_DTYPE_ENV,
+)
 
 
 class ClusterConfigError(ValueError):
@@ -72,7 +110,7 @@ def task_from_tf_config(environ: Mapping[str, str]) -> TaskSpec | None:
 
 def ps_addresses_from_env(environ: Mapping[str, str]) -> tuple[str, ...]:
     """PS_ADDRESSES ('h:p,h:p') if set, else TF_CONFIG's cluster.ps."""
-    raw = environ.get("PS_ADDRESSES", "").strip()
+    raw = environ.get(ADDRESSES_ENV, "").strip()
     if raw:
         addresses = tuple(a.strip() for a in raw.split(",") if a.strip())
         for address in addresses:

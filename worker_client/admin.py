@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from worker_client.client import PSClient, ShardInfo
 from worker_client.errors import PSError
+from wehub_ps.cluster import ADDRESSES_ENV
 
 __all__ = ["main", "status_table"]
 
@@ -102,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     environ = dict(os.environ)
     if args.addresses:
-        environ["PS_ADDRESSES"] = args.addresses
+        environ[ADDRESSES_ENV] = args.addresses
     try:
         # status reads each shard on its own (connect=False), so a shard that is down hides no other.
         with PSClient.from_env(environ, worker_id="ps-admin", register=False, connect_timeout=args.timeout,

@@ -27,7 +27,19 @@ from typing import Any
 import numpy as np
 
 from wehub_ps.process import allocator
-from wehub_ps.cluster import ClusterConfigError, ps_addresses_from_env, split_host_port, task_from_tf_config
+from wehub_ps.cluster import (
+    AUTH_TOKEN_ENV,
+    AUTH_TOKEN_FILE_ENV,
+    SERVER_NAME_ENV,
+    TLS_CA_ENV,
+    TLS_CERT_ENV,
+    TLS_KEY_ENV,
+    WORKER_ID_ENV,
+    ClusterConfigError,
+    ps_addresses_from_env,
+    split_host_port,
+    task_from_tf_config,
+)
 from wehub_ps.wire.codec import (
     EXCHANGE_PULL,
     EXCHANGE_PUSH,
@@ -511,14 +523,14 @@ class PSClient:
             task = task_from_tf_config(environ)
         except ClusterConfigError as exc:
             raise ValueError(str(exc)) from None
-        for key, variable in (("tls_ca", "PS_TLS_CA"), ("tls_cert", "PS_TLS_CERT"), ("tls_key", "PS_TLS_KEY"),
-                              ("server_name", "PS_SERVER_NAME"), ("auth_token_file", "PS_AUTH_TOKEN_FILE"),
-                              ("auth_token", "PS_AUTH_TOKEN")):
+        for key, variable in (("tls_ca", TLS_CA_ENV), ("tls_cert", TLS_CERT_ENV), ("tls_key", TLS_KEY_ENV),
+                              ("server_name", SERVER_NAME_ENV), ("auth_token_file", AUTH_TOKEN_FILE_ENV),
+                              ("auth_token", AUTH_TOKEN_ENV)):
             if key not in kwargs and environ.get(variable):
                 kwargs[key] = environ[variable]
         if "worker_id" not in kwargs:
-            if environ.get("PS_WORKER_ID"):
-                kwargs["worker_id"] = environ["PS_WORKER_ID"]
+            if environ.get(WORKER_ID_ENV):
+                kwargs["worker_id"] = environ[WORKER_ID_ENV]
             elif task is not None and task.task_type:
                 kwargs["worker_id"] = f"{task.task_type}-{task.task_index}"
         return cls(addresses, **kwargs)

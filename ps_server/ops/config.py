@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from wehub_ps.process.allocator import DEFAULT_ARENA_MAX, DEFAULT_TRIM_THRESHOLD
-from wehub_ps.cluster import ClusterConfigError, split_host_port, task_from_tf_config
+from wehub_ps.cluster import WORKER_ENVIRONMENT, ClusterConfigError, split_host_port, task_from_tf_config
+from wehub_ps.kernels.compiled import COMPILED_LOOPS_ENV
 from wehub_ps.wire.rpc import DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES
 
 __all__ = ["ServerConfig", "ConfigError", "parse_config", "default_memory_limit"]
@@ -282,10 +283,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             values[f.name] = kind(raw) if kind is not str else str(raw)
         except (TypeError, ValueError):
             raise ConfigError(f"{source} must be {kind.__name__}, got {raw!r}") from None
-    known = {_env_name(f.name) for f in fields(ServerConfig)} | {"PS_ADDRESSES", "PS_WORKER_ID", "PS_WORKER_INDEX",
-                                                                  "PS_NUM_WORKERS", "PS_EXAMPLE", "PS_TLS_CA",
-                                                                  "PS_SERVER_NAME", "PS_AUTH_TOKEN",
-                                                                  "PS_FINISH_CLUSTER", "PS_EXAMPLE_CONFIG",
-                                                                  "PS_WIRE_DTYPE", "PS_COMPILED_LOOPS"}
+    # The worker side's settings share the PS_ prefix; those are no misspellings of a server's.
+    known = {_env_name(f.name) for f in fields(ServerConfig)} | set(WORKER_ENVIRONMENT) | {COMPILED_LOOPS_ENV}
     unknown = sorted(k for k in environ if k.startswith("PS_") and k not in known)
     return ServerConfig(**values, unknown_environment=tuple(unknown))  # type: ignore[arg-type]

@@ -27,7 +27,11 @@ _VERSIONS = (0, 1, 2, 3, 5, 10, 20, 50, 100, 1000)
 
 
 class Metrics:
+    """One shard's metrics, and the HTTP server that exports them (its thread started and stopped here)."""
+
     def __init__(self) -> None:
+        self._http: _MetricsServer | None = None
+        self._http_thread: threading.Thread | None = None
         self.registry = CollectorRegistry()
         r = self.registry
         self.pushes = VariableOutcomeCounter("wehub_ps_pushes", "Pushes per variable and outcome (ok, "
@@ -64,7 +68,7 @@ class Metrics:
 
     def serve(self, port: int, host: str, certfile: str | None, keyfile: str | None,
               client_ca: str | None = None, token_matches: Callable[[bytes], bool] | None = None) -> int:
-        """Serve /metrics on a daemon thread; returns the bound port.
+        """Serve /metrics on a thread named ``ps-metrics`` until :meth:`stop`; returns the bound port.
 
         The metrics port guards what the gRPC port guards: over TLS when a
         certificate is given; with ``client_ca`` (--tls-client-ca) only a
@@ -73,6 +77,8 @@ class Metrics:
         without ``Authorization: Bearer <token>`` gets 401 (Prometheus sends
         one from ``authorization.credentials_file``).
         """
+        if self._http is not None:
+            raise RuntimeError("the metrics are served already")
         app = make_wsgi_app(self.registry)
         if token_matches is not None:
             app = _bearer_protected(app, token_matches)
@@ -88,8 +94,21 @@ class Metrics:
             # The handshake runs on the request's own thread (first read), so a
             # client that stalls in it holds that thread only, not the accept loop.
             httpd.socket = context.wrap_socket(httpd.socket, server_side=True, do_handshake_on_connect=False)
-        threading.Thread(target=httpd.serve_forever, name="ps-metrics", daemon=True).start()
+        # A daemon: a process that exits without stop() is not held open by it.
+        thread = threading.Thread(target=httpd.serve_forever, name="ps-metrics", daemon=True)
+        thread.start()
+        self._http, self._http_thread = httpd, thread
         return httpd.server_port
+
+    def stop(self) -> None:
+        """Stop serving /metrics: the port is closed and the thread has ended when this returns."""
+        httpd, thread = self._http, self._http_thread
+        if httpd is None or thread is None:
+            return
+        self._http = self._http_thread = None
+        httpd.shutdown()  # returns once serve_forever has left its loop
+        httpd.server_close()
+        thread.join()
 
 
 class VariableOutcomeCounter:

@@ -1,151 +1,55 @@
-"""The gRPC methods of the ParameterServer service, and nothing else.
+"""The gRPC methods of the ParameterServer service: parse the request, call the core, frame the answer.
 
-Every method takes the raw request bytes and parses them itself, so that a
-request that is not a valid message at all gets INVALID_ARGUMENT (gRPC's
-own deserializer would answer INTERNAL). Data-path messages are framed by
-:mod:`wehub_ps.wire.codec` to copy each tensor byte once. Errors leave through
-one table, :data:`STATUS_BY_REASON`, with the reason in trailing metadata.
+Requests are parsed and errors answered as :mod:`ps_server.service.calls`
+says; data-path messages are framed by :mod:`wehub_ps.wire.codec` (pulls
+through :mod:`ps_server.service.pull_stream`) to copy each tensor byte once.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-import threading
-from collections.abc import Callable, Iterable, Iterator
-from typing import NamedTuple, TypeVar
+from collections.abc import Iterable, Iterator
 
 import grpc
-import numpy as np
 
-from ps_server.durability.checkpointer import CheckpointRecord
-from ps_server.service.context import ShardContext
-from ps_server.service.push_messages import BeginParts, push_chunks, push_start
 from ps_server.core.errors import RequestError
-from ps_server.ops.metrics import Metrics
-from ps_server.core.pushes import (
-    MAX_WORKER_ID_LENGTH,
-    begin_push,
-    check_cluster,
-    max_chunks_per_message,
-)
-from ps_server.core.rows import gathered_bytes, parse_row_ids, rows_in_order, unique_ids
-from ps_server.core.info import VariableInfo
 from ps_server.core.memory import MemoryHold
-from wehub_ps import __version__
+from ps_server.core.pulls import PullPlan, PullQuery, UnknownDtype
+from ps_server.core.pushes import begin_push, check_cluster, max_chunks_per_message
+from ps_server.core.workers import check_worker
+from ps_server.service.builders import checkpoint_info, describe_response, variable_info
+from ps_server.service.calls import STATUS_BY_REASON, CallSlots, abort, parse, unary
+from ps_server.service.context import ShardContext
+from ps_server.service.pull_stream import pull_messages
+from ps_server.service.push_messages import BeginParts, push_chunks, push_start
+from wehub_ps.errors import Reason
+from wehub_ps.specs import SpecError
+from wehub_ps.specs_proto import spec_from_proto
+from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.codec import (
     EXCHANGE_ERROR,
     EXCHANGE_PULL,
     EXCHANGE_PUSH,
     CodecError,
-    OutgoingChunk,
     TooManyChunks,
-    byte_view,
-    chunk_ranges,
     decode_envelope,
     decode_push_request,
-    encode_chunk_header,
     encode_envelope,
-    encode_pull_response,
     encode_push_response,
     join_pieces,
     piece_size,
-    pull_response_pieces,
     push_response_pieces,
 )
-from wehub_ps.kernels.rowops import RowGather
-from wehub_ps.dtypes import BFLOAT16, VARIABLE_DTYPES, dtype_name
-from wehub_ps.wire.dtypes import to_numpy_dtype, to_wire_dtype
-from wehub_ps.errors import REASON_METADATA_KEY, Reason
-from wehub_ps.wire.rpc import INCARNATION_METADATA_KEY, SERVICE_NAME
-from wehub_ps.specs import SpecError, VariableSpec
-from wehub_ps.specs_proto import spec_from_proto, spec_to_proto
-from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.dtypes import to_numpy_dtype
+from wehub_ps.wire.rpc import SERVICE_NAME
 
-__all__ = ["ParameterServerService", "STATUS_BY_REASON"]
+__all__ = ["ParameterServerService"]
 
 log = logging.getLogger("ps_server.service.servicer")
 
-STATUS_BY_REASON: dict[Reason, grpc.StatusCode] = {
-    Reason.MALFORMED_MESSAGE: grpc.StatusCode.INVALID_ARGUMENT,
-    Reason.INVALID_SPEC: grpc.StatusCode.INVALID_ARGUMENT,
-    Reason.INVALID_CHUNK: grpc.StatusCode.INVALID_ARGUMENT,
-    Reason.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
-    Reason.SHAPE_MISMATCH: grpc.StatusCode.INVALID_ARGUMENT,
-    Reason.DTYPE_MISMATCH: grpc.StatusCode.INVALID_ARGUMENT,
-    Reason.UNKNOWN_VARIABLE: grpc.StatusCode.NOT_FOUND,
-    Reason.SPEC_CONFLICT: grpc.StatusCode.ALREADY_EXISTS,
-    Reason.CLUSTER_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
-    Reason.NOT_INITIALIZED: grpc.StatusCode.FAILED_PRECONDITION,
-    Reason.PUSH_INCOMPLETE: grpc.StatusCode.FAILED_PRECONDITION,
-    # ABORTED: a sequencer check failed; the client must not retry the same push.
-    Reason.PUSH_WRITTEN_OFF: grpc.StatusCode.ABORTED,
-    Reason.TOO_MANY_RPCS: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Reason.EXCHANGE_STREAMS: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Reason.MEMORY_LIMIT: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Reason.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
-    Reason.CHECKPOINTS_DISABLED: grpc.StatusCode.FAILED_PRECONDITION,
-    Reason.STEP_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
-    Reason.FINISH_NOT_ALLOWED: grpc.StatusCode.FAILED_PRECONDITION,
-}
-
-# Chunks smaller than this are copied out under their lock and packed
-# several to a message; a small model's pull is then one message, not one
-# per variable (a message costs far more than copying a few KiB).
-_PACK_BELOW_BYTES = 64 * 1024
-_MIN_CHUNK_BYTES = 4096
-
-M = TypeVar("M")
-
-
-class _PullPlan(NamedTuple):
-    """A checked pull: what to send, in chunks of ``chunk_bytes``, and the bytes it holds until sent."""
-
-    items: list
-    chunk_bytes: int
-    hold: MemoryHold
-
-
-def _abort(context: grpc.ServicerContext, error: RequestError) -> None:
-    context.set_trailing_metadata(((REASON_METADATA_KEY, error.reason.value),))
-    context.abort(STATUS_BY_REASON[error.reason], error.message)
-
-
-def _parse(message_cls: type[M], raw: bytes) -> M:
-    try:
-        return message_cls.FromString(raw)
-    except Exception as exc:  # DecodeError, or upb's errors for garbage
-        raise RequestError(Reason.MALFORMED_MESSAGE,
-                           f"request is not a valid {message_cls.DESCRIPTOR.full_name}: {exc}") from None
-
-
-def _unary(method: Callable) -> Callable:
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        try:
-            return method(self, request, context)
-        except RequestError as error:
-            _abort(context, error)
-    return wrapper
-
-
-def _info_proto(info: VariableInfo) -> ps_pb2.VariableInfo:
-    return ps_pb2.VariableInfo(spec=spec_to_proto(info.spec), row_start=info.row_start,
-                               row_end=info.row_end, version=info.version,
-                               initialized=info.initialized, optimizer_steps=info.optimizer_steps,
-                               num_rows=info.num_rows, evicted_rows=info.evicted_rows)
-
-
-def _checkpoint_proto(record: CheckpointRecord) -> ps_pb2.CheckpointInfo:
-    w = record.written
-    return ps_pb2.CheckpointInfo(checkpoint_id=w.checkpoint_id, path=str(w.path), created_unix=w.created_unix,
-                                 write_seconds=w.write_seconds, pause_seconds=record.pause_seconds,
-                                 bytes=w.bytes, num_shards=w.num_shards)
-
 
 class ParameterServerService:
-    """RPC methods only: parse, call the store, frame the answer."""
+    """RPC methods only: parse, call the core, frame the answer."""
 
     def __init__(self, context: ShardContext) -> None:
         self._context = context
@@ -154,14 +58,11 @@ class ParameterServerService:
         self._lifecycle = context.lifecycle
         self._membership = context.membership
         self._consistency = context.consistency
-        self._metrics = context.metrics if context.metrics is not None else Metrics()
+        self._workers = context.workers
+        self._pulls = context.pulls
+        self._metrics = context.metrics
         self._server_id = context.server_id
-        self._default_chunk_bytes = context.default_chunk_bytes
-        self._max_chunk_bytes = context.max_chunk_bytes
-        self._admission = context.admission
-        # Guards _open_streams: the contexts of the Exchange streams being served.
-        self._streams_lock = threading.Lock()
-        self._open_streams: set[grpc.ServicerContext] = set()
+        self._slots = CallSlots(context.admission)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """Handlers with raw-bytes (de)serialisation, named as in the proto.
@@ -169,7 +70,7 @@ class ParameterServerService:
         Each holds a slot of its bound while it runs (ps_server.core.admission):
         Exchange streams one of theirs, every other call an ordinary one.
         """
-        bounded, streaming = self._in_call_slot, self._in_call_slot_streaming
+        bounded, streaming = self._slots.unary, self._slots.streaming
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
             "Describe": grpc.unary_unary_rpc_method_handler(bounded(self.describe)),
             "CreateVariable": grpc.unary_unary_rpc_method_handler(bounded(self.create_variable)),
@@ -177,61 +78,9 @@ class ParameterServerService:
             "Push": grpc.stream_unary_rpc_method_handler(bounded(self.push)),
             "Checkpoint": grpc.unary_unary_rpc_method_handler(bounded(self.checkpoint)),
             "Heartbeat": grpc.unary_unary_rpc_method_handler(bounded(self.heartbeat)),
-            "Exchange": grpc.stream_stream_rpc_method_handler(self._admitted_exchange),
+            "Exchange": grpc.stream_stream_rpc_method_handler(self._slots.exchange(self.exchange)),
             "Finish": grpc.unary_unary_rpc_method_handler(bounded(self.finish)),
         })
-
-    @contextlib.contextmanager
-    def _call_slot(self, context: grpc.ServicerContext) -> Iterator[None]:
-        """An ordinary call's slot for the body; TOO_MANY_RPCS (the call ends) when none is free."""
-        try:
-            self._admission.enter_call()
-        except RequestError as error:
-            _abort(context, error)
-        try:
-            yield
-        finally:
-            self._admission.exit_call()
-
-    def _in_call_slot(self, method: Callable) -> Callable:
-        """``method`` (one answer) holding an ordinary call's slot."""
-
-        def handler(request, context):
-            with self._call_slot(context):
-                return method(request, context)
-        return functools.wraps(method)(handler)
-
-    def _in_call_slot_streaming(self, method: Callable) -> Callable:
-        """``method`` (a stream of answers) holding an ordinary call's slot until its last answer."""
-
-        def handler(request, context):
-            with self._call_slot(context):
-                yield from method(request, context)
-        return functools.wraps(method)(handler)
-
-    def _admitted_exchange(self, request_iterator: Iterable[bytes],
-                           context: grpc.ServicerContext) -> Iterator[bytes]:
-        """:meth:`exchange` holding an Exchange stream's slot; refused at once (EXCHANGE_STREAMS) over a bound."""
-        incarnation = ""
-        for key, value in context.invocation_metadata() or ():
-            if key == INCARNATION_METADATA_KEY:
-                incarnation = value if isinstance(value, str) else value.decode("utf-8", "replace")
-        try:
-            if len(incarnation) > MAX_WORKER_ID_LENGTH:
-                raise RequestError(Reason.INVALID_REQUEST,
-                                   f"{INCARNATION_METADATA_KEY} must be at most {MAX_WORKER_ID_LENGTH} characters")
-            self._admission.enter_stream(incarnation)
-        except RequestError as error:
-            _abort(context, error)
-            return
-        with self._streams_lock:
-            self._open_streams.add(context)
-        try:
-            yield from self.exchange(request_iterator, context)
-        finally:
-            with self._streams_lock:
-                self._open_streams.discard(context)
-            self._admission.exit_stream(incarnation)
 
     def end_exchange_streams(self) -> int:
         """Cancel every open Exchange stream (CANCELLED: clients retry); returns how many.
@@ -239,49 +88,19 @@ class ParameterServerService:
         Called once the final checkpoint has sealed the store: an idle stream
         would otherwise hold gRPC's stop grace period open for nothing.
         """
-        with self._streams_lock:
-            streams = list(self._open_streams)
-        for context in streams:
-            context.cancel()
-        return len(streams)
+        return self._slots.end_exchange_streams()
 
     # ---- control ----
 
-    @_unary
+    @unary
     def describe(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        _parse(ps_pb2.DescribeRequest, request)
+        parse(ps_pb2.DescribeRequest, request)
         self._lifecycle.check_ready()  # never report a store that is still being restored
-        membership = self._membership
-        response = ps_pb2.DescribeResponse(
-            shard_index=self._store.shard_index, num_shards=self._store.num_shards,
-            server_id=self._server_id, server_version=__version__,
-            variables=[_info_proto(info) for info in self._store.describe()],
-            chunk_bytes_limit=self._max_chunk_bytes,
-            stored_bytes=self._store.reserved_bytes, memory_limit_bytes=self._store.memory_limit,
-            worker_lease_seconds=membership.lease_seconds,
-            workers=[ps_pb2.WorkerInfo(worker_id=r.worker_id, incarnation=r.incarnation, live=r.live,
-                                       seconds_since_seen=membership.seconds_since_seen(r), step=r.step,
-                                       registered_unix=r.registered_unix, pushes=r.pushes)
-                     for r in membership.workers()])
-        c = self._consistency.stats()
-        response.consistency.CopyFrom(ps_pb2.ConsistencyInfo(
-            mode=c.mode, staleness=c.staleness, backup_workers=c.backup_workers, step=c.step, pulls=c.pulls,
-            pulls_blocked=c.pulls_blocked, blocked_seconds=c.blocked_seconds,
-            max_staleness_admitted=c.max_staleness_admitted, dropped_gradients=c.dropped_gradients,
-            steps_applied=c.steps_applied))
-        checkpointer = self._context.checkpointer
-        if checkpointer is not None and checkpointer.last is not None:
-            response.last_checkpoint.CopyFrom(_checkpoint_proto(checkpointer.last))
-        restored = self._context.restored_from
-        if restored is not None:
-            response.restored_from.CopyFrom(ps_pb2.CheckpointInfo(
-                checkpoint_id=",".join(f"{k}:{v}" for k, v in sorted(restored.checkpoint_ids.items())),
-                path=restored.path, created_unix=restored.created_unix, num_shards=restored.num_shards))
-        return response.SerializeToString()
+        return describe_response(self._context).SerializeToString()
 
-    @_unary
+    @unary
     def checkpoint(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        _parse(ps_pb2.CheckpointRequest, request)
+        parse(ps_pb2.CheckpointRequest, request)
         checkpointer = self._context.checkpointer
         if checkpointer is None:
             raise RequestError(Reason.CHECKPOINTS_DISABLED,
@@ -292,12 +111,12 @@ class ParameterServerService:
         self._lifecycle.check_accepting()
         record = checkpointer.checkpoint("request")
         assert record is not None
-        return ps_pb2.CheckpointResponse(checkpoint=_checkpoint_proto(record)).SerializeToString()
+        return ps_pb2.CheckpointResponse(checkpoint=checkpoint_info(record)).SerializeToString()
 
-    @_unary
+    @unary
     def finish(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        msg = _parse(ps_pb2.FinishRequest, request)
-        if not self._context.allow_finish or self._context.finish_requested is None:
+        msg = parse(ps_pb2.FinishRequest, request)
+        if not self._context.allow_finish:
             raise RequestError(Reason.FINISH_NOT_ALLOWED,
                                "this ps-server is a long-lived service; start it with --allow-finish "
                                "for run-to-completion jobs")
@@ -309,30 +128,25 @@ class ParameterServerService:
         self._context.finish_requested.set()
         return ps_pb2.FinishResponse().SerializeToString()
 
-    @_unary
+    @unary
     def heartbeat(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        msg = _parse(ps_pb2.HeartbeatRequest, request)
-        _check_worker(msg.worker_id, msg.incarnation)
+        msg = parse(ps_pb2.HeartbeatRequest, request)
+        check_worker(msg.worker_id, msg.incarnation)
         # No lease or step clock before the restore or after the drain began.
         self._lifecycle.check_accepting()
         if msg.leaving:
             self._membership.leave(msg.worker_id, msg.incarnation)
             return ps_pb2.HeartbeatResponse(lease_seconds=self._membership.lease_seconds,
                                             server_id=self._server_id).SerializeToString()
-        self._seen(msg.worker_id, msg.incarnation, msg.step)
+        self._workers.seen(msg.worker_id, msg.incarnation, msg.step)
         cluster_step = self._consistency.on_heartbeat(msg.worker_id, msg.step)
         return ps_pb2.HeartbeatResponse(lease_seconds=self._membership.lease_seconds, server_id=self._server_id,
                                         cluster_step=cluster_step,
                                         consistency=self._consistency.mode).SerializeToString()
 
-    def _seen(self, worker_id: str, incarnation: str, step: int, pushed: bool = False) -> None:
-        # A push renews a registered worker's lease but registers nobody (see Membership.seen).
-        if self._membership.seen(worker_id, incarnation, step, pushed, register=not pushed):
-            self._consistency.forget(worker_id)  # a restarted worker rejoins at the cluster's step
-
-    @_unary
+    @unary
     def create_variable(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        msg = _parse(ps_pb2.CreateVariableRequest, request)
+        msg = parse(ps_pb2.CreateVariableRequest, request)
         self._lifecycle.check_accepting()
         check_cluster(self._store, msg.shard_index, msg.num_shards)
         try:
@@ -346,32 +160,32 @@ class ParameterServerService:
             existing = self._store.validate(spec, msg.booking)
             response = ps_pb2.CreateVariableResponse(created=False)
             if existing is not None:
-                response.variable.CopyFrom(_info_proto(existing))
+                response.variable.CopyFrom(variable_info(existing))
             return response.SerializeToString()
         info, created = self._store.create(spec)
         if created:
             log.debug("variable created", extra={"fields": {"variable": spec.name,
                                                              "shape": list(spec.shape)}})
-        return ps_pb2.CreateVariableResponse(variable=_info_proto(info), created=created).SerializeToString()
+        return ps_pb2.CreateVariableResponse(variable=variable_info(info), created=created).SerializeToString()
 
     # ---- data path ----
 
     def pull(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         names: list[str] = []
         try:
-            msg = _parse(ps_pb2.PullRequest, request)
+            msg = parse(ps_pb2.PullRequest, request)
             names = [item.variable for item in msg.items]
-            plan = self._plan_pull(msg)
+            plan = self._pulls.plan(_pull_query(msg))
             with plan.hold:
                 # ssp / sync: wait (at most the call's deadline) until this step may read.
                 self._consistency.before_pull(msg.worker_id, msg.step, context.time_remaining())
-                for pieces in self._stream_pull(plan.items, plan.chunk_bytes):
+                for pieces in pull_messages(plan):
                     message = join_pieces(pieces)
                     self._metrics.bytes_sent.inc(len(message))
                     yield message
         except RequestError as error:
             self._count_pulls(names, error.reason.value)
-            _abort(context, error)
+            abort(context, error)
             return
         self._count_pulls(names, "ok")
 
@@ -379,127 +193,11 @@ class ParameterServerService:
         # A refused request may name anything: only this shard's variables become label values.
         self._metrics.pulls.add(names if outcome == "ok" else self._store.known_names(names), outcome)
 
-    def _plan_pull(self, msg: ps_pb2.PullRequest, whole_reply: bool = False) -> _PullPlan:
-        """Validate everything before the first byte is sent, and book the bytes the pull will hold.
-
-        ``whole_reply``: the answer is built as one message (Exchange,
-        pull_after), so its bytes are booked too; a Pull stream holds one
-        message at a time.
-        """
-        self._lifecycle.check_accepting()
-        check_cluster(self._store, msg.shard_index, msg.num_shards)
-        if msg.worker_id and msg.incarnation:
-            _check_worker(msg.worker_id, msg.incarnation)
-            self._seen(msg.worker_id, msg.incarnation, msg.step)
-        if not msg.items:
-            raise RequestError(Reason.INVALID_REQUEST, "a pull must name at least one variable")
-        chunk_bytes = msg.chunk_bytes or self._default_chunk_bytes
-        chunk_bytes = max(_MIN_CHUNK_BYTES, min(chunk_bytes, self._max_chunk_bytes))
-        if msg.wire_dtype != ps_pb2.DATA_TYPE_UNSPECIFIED:
-            try:
-                requested = to_numpy_dtype(msg.wire_dtype)
-            except ValueError:
-                raise RequestError(Reason.DTYPE_MISMATCH, f"unknown wire dtype {msg.wire_dtype}") from None
-            if requested not in VARIABLE_DTYPES and requested != BFLOAT16:
-                raise RequestError(Reason.DTYPE_MISMATCH,
-                                   f"variables can be pulled as floating types only, not {dtype_name(requested)}")
-        else:
-            requested = None
-        plan: list = []
-        reply_bytes = 0
-        gathers: list[tuple[int, object, np.ndarray, np.ndarray | None, np.dtype]] = []
-        for item in msg.items:
-            part = self._store.get(item.variable)
-            if item.row_ids or part.spec.hash_table:
-                if not item.row_ids:
-                    raise RequestError(Reason.INVALID_REQUEST,
-                                       f"{item.variable!r} is a hash table: pull it by rows (pull_rows)")
-                ids, local = parse_row_ids(part, item.row_ids, self._store.shard_index, self._store.num_shards,
-                                           unique=False)
-                if not part.initialized:  # a bool read: no lock needed
-                    raise RequestError(Reason.NOT_INITIALIZED, f"variable {item.variable!r} is waiting "
-                                                               "for its explicit initial value")
-                wire = requested or part.spec.dtype
-                reply_bytes += len(ids) * part.spec.row_elements * wire.itemsize
-                if local is not None and wire == part.spec.dtype:
-                    # Rows of a dense part stay where they are: each is copied once, from the
-                    # table into the message as it is joined (under the part's lock). The
-                    # version is read first: it is the rows' or, after a push in between, older.
-                    version = part.version  # (one int read: no lock, no VariableInfo)
-                    plan.append((part, (part.rows_to_send(local), version), None, wire))
-                    continue
-                # Gathered below, each id once, with every other item's rows.
-                unique, inverse = unique_ids(ids)
-                gathers.append((len(plan), part, unique, inverse, wire))
-                plan.append(None)
-                continue
-            if not part.holds_part:
-                raise RequestError(Reason.INVALID_REQUEST,
-                                   f"variable {item.variable!r} has no part on shard {self._store.shard_index}")
-            if not part.initialized:  # a bool read: no lock needed
-                raise RequestError(Reason.NOT_INITIALIZED,
-                                   f"variable {item.variable!r} is waiting for its explicit initial value")
-            end = part.elements if item.count == 0 else item.offset + item.count
-            if item.offset > part.elements or end > part.elements:
-                raise RequestError(
-                    Reason.INVALID_CHUNK,
-                    f"pull range [{item.offset}, {end}) of {item.variable!r} is outside this "
-                    f"shard's part of {part.elements} elements")
-            wire = requested or part.spec.dtype
-            reply_bytes += (end - item.offset) * wire.itemsize
-            plan.append((part, item.offset, end - item.offset, wire))
-        held = sum(gathered_bytes(part, len(unique), inverse, wire)
-                   for _, part, unique, inverse, wire in gathers)
-        hold = self._store.hold(held + (reply_bytes if whole_reply else 0), "this pull's answer")
-        if gathers:
-            # Every request is checked above: read (and, in a hash table, create) all rows at once,
-            # all or nothing, so a refusal leaves nothing behind and the rows are one instant.
-            try:
-                read = self._store.read_rows([(part, unique) for _, part, unique, _, _ in gathers])
-            except BaseException:
-                hold.release()
-                raise
-            for (index, part, _, inverse, wire), (values, version) in zip(gathers, read):
-                plan[index] = (part, (rows_in_order(values, inverse, wire), version), None, wire)
-        return _PullPlan(plan, chunk_bytes, hold)
-
-    def _stream_pull(self, plan, chunk_bytes: int) -> Iterator[list]:
-        """The response messages, each as pieces (codec.pull_response_pieces) to be joined once."""
-        pending: list[OutgoingChunk] = []
-        pending_bytes = 0
-        for part, start, count, wire in plan:
-            if count is None:  # rows: start holds (values, version), read when planned
-                for chunk in _row_chunks(part, *start, wire, chunk_bytes):
-                    if pending and pending_bytes + chunk.data.nbytes > chunk_bytes:
-                        yield pull_response_pieces(pending)
-                        pending, pending_bytes = [], 0
-                    pending.append(chunk)
-                    pending_bytes += chunk.data.nbytes
-                continue
-            wire_enum = to_wire_dtype(wire)
-            per_chunk = max(1, chunk_bytes // wire.itemsize)
-            name, elements = part.spec.name, part.elements
-            for offset, n in chunk_ranges(count, per_chunk):
-                first = start + offset
-                if n * wire.itemsize >= _PACK_BELOW_BYTES:
-                    if pending:
-                        yield pull_response_pieces(pending)
-                        pending, pending_bytes = [], 0
-                    yield part.read(first, n, wire, _chunk_sink(name, first, wire_enum, elements, alone=True))
-                    continue
-                pending.append(part.read(first, n, wire, _chunk_sink(name, first, wire_enum, elements)))
-                pending_bytes += n * wire.itemsize
-                if pending_bytes >= chunk_bytes:
-                    yield pull_response_pieces(pending)
-                    pending, pending_bytes = [], 0
-        if pending:
-            yield pull_response_pieces(pending)
-
     def push(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> bytes:
         try:
             return join_pieces(self._run_push(request_iterator, context.time_remaining()))
         except RequestError as error:
-            _abort(context, error)
+            abort(context, error)
             return b""
 
     def _run_push(self, messages: Iterable[bytes | memoryview], wait_seconds: float | None = None) -> list:
@@ -525,8 +223,7 @@ class ParameterServerService:
             if pull_plan is not None:
                 plan, pull_names = pull_plan
                 with plan.hold:
-                    pulled = [piece for pieces in self._stream_pull(plan.items, plan.chunk_bytes)
-                              for piece in pieces]
+                    pulled = [piece for pieces in pull_messages(plan) for piece in pieces]
                 self._count_pulls(pull_names, "ok")
                 self._metrics.bytes_sent.inc(sum(piece_size(p) for p in pulled))
         finally:
@@ -536,18 +233,11 @@ class ParameterServerService:
                                         result.dropped, result.cluster_step)
         return push_response_pieces(response, pulled)
 
-    def _plan_pull_after(self, msg: ps_pb2.PullRequest):
-        """Validate PushBegin.pull_after before the push changes anything."""
+    def _plan_pull_after(self, msg: ps_pb2.PullRequest) -> tuple[PullPlan, list[str]]:
+        """Plan PushBegin.pull_after before the push changes anything; the plan and the variables it names."""
         names = [item.variable for item in msg.items]
         try:
-            if self._consistency.mode != "async":
-                raise RequestError(Reason.INVALID_REQUEST,
-                                   f"pull_after needs --consistency async (this server runs "
-                                   f"{self._consistency.mode}): there the next step's pull waits for the "
-                                   "other workers, so pull it separately")
-            if any(item.row_ids for item in msg.items):
-                raise RequestError(Reason.INVALID_REQUEST, "pull_after reads whole dense variables, not rows")
-            plan = self._plan_pull(msg, whole_reply=True)
+            plan = self._pulls.plan_after_push(_pull_query(msg))
         except RequestError as error:
             self._count_pulls(names, error.reason.value)
             raise
@@ -590,7 +280,7 @@ class ParameterServerService:
                                                    "chunks may only follow the last part of a PushBegin")
                             continue
                         begin = parts.whole()
-                    self._seen(begin.worker_id, begin.incarnation, begin.step, pushed=True)
+                    self._workers.seen(begin.worker_id, begin.incarnation, begin.step, pushed=True)
                     names.extend(item.variable for item in begin.items)
                     if begin.HasField("pull_after"):
                         pull_plan = self._plan_pull_after(begin.pull_after)
@@ -623,14 +313,14 @@ class ParameterServerService:
                     raise RequestError(Reason.MALFORMED_MESSAGE,
                                        f"request is not a valid wehub_ps.v1.ExchangeRequest: {exc}") from None
                 if field == EXCHANGE_PULL:
-                    msg = _parse(ps_pb2.PullRequest, payload)
+                    msg = parse(ps_pb2.PullRequest, payload)
                     names = [item.variable for item in msg.items]
                     try:
-                        plan = self._plan_pull(msg, whole_reply=True)
+                        plan = self._pulls.plan(_pull_query(msg), whole_reply=True)
                         with plan.hold:
                             self._consistency.before_pull(msg.worker_id, msg.step, context.time_remaining())
                             # Concatenated PullResponses are one PullResponse (repeated field).
-                            messages = self._stream_pull(plan.items, plan.chunk_bytes)
+                            messages = pull_messages(plan)
                             reply = encode_envelope(request_id, EXCHANGE_PULL,
                                                     [p for pieces in messages for p in pieces])
                     except RequestError as error:
@@ -650,41 +340,13 @@ class ParameterServerService:
             yield reply
 
 
-def _row_chunks(part, values: np.ndarray | RowGather, version: int, wire: np.dtype,
-                chunk_bytes: int) -> Iterator[OutgoingChunk]:
-    """Rows already read (or to be gathered into the message), in whole-row chunks of the wire dtype."""
-    width = part.spec.row_elements
-    rows = len(values.rows) if isinstance(values, RowGather) else len(values)
-    per_chunk = max(1, chunk_bytes // max(1, width * wire.itemsize))
-    wire_enum = to_wire_dtype(wire)
-    for first in range(0, max(rows, 1), per_chunk):
-        if isinstance(values, RowGather):
-            data: memoryview | RowGather = values.select(slice(first, first + per_chunk))
-        else:
-            data = byte_view(np.ascontiguousarray(values[first:first + per_chunk], dtype=wire))
-        header = encode_chunk_header(part.spec.name, first * width, piece_size(data) // wire.itemsize, wire_enum,
-                                     version, rows * width)
-        yield OutgoingChunk(header, data)
-
-
-def _chunk_sink(variable: str, offset: int, wire_enum: int, part_elements: int,
-                alone: bool = False) -> Callable[[np.ndarray, int], object]:
-    """What a pull does with a chunk read under its part's lock: copy it out, with the version it was read at.
-
-    ``alone``: a large chunk becomes its own message, copied straight into
-    it (one copy); a small one is copied out to be packed with others.
-    """
-    def sink(values: np.ndarray, version: int) -> object:
-        header = encode_chunk_header(variable, offset, values.size, wire_enum, version, part_elements)
-        if alone:
-            return [encode_pull_response([OutgoingChunk(header, byte_view(values))])]
-        return OutgoingChunk(header, memoryview(bytes(byte_view(values))))
-    return sink
-
-
-def _check_worker(worker_id: str, incarnation: str) -> None:
-    if not worker_id or len(worker_id) > MAX_WORKER_ID_LENGTH:
-        raise RequestError(Reason.INVALID_REQUEST,
-                           f"worker_id must be 1 to {MAX_WORKER_ID_LENGTH} characters, got {worker_id!r}")
-    if not incarnation or len(incarnation) > MAX_WORKER_ID_LENGTH:
-        raise RequestError(Reason.INVALID_REQUEST, "incarnation must be a non-empty id of the worker process")
+def _pull_query(msg: ps_pb2.PullRequest) -> PullQuery:
+    """A PullRequest's values for :class:`ps_server.core.pulls.PullPlanner`."""
+    wire_dtype = None
+    if msg.wire_dtype != ps_pb2.DATA_TYPE_UNSPECIFIED:
+        try:
+            wire_dtype = to_numpy_dtype(msg.wire_dtype)
+        except ValueError:
+            wire_dtype = UnknownDtype(msg.wire_dtype)
+    return PullQuery(msg.shard_index, msg.num_shards, msg.worker_id, msg.incarnation, msg.step, msg.items,
+                     msg.chunk_bytes, wire_dtype)

@@ -397,7 +397,7 @@ def test_a_refused_pull_spanning_several_chunks_creates_no_rows(one):
     """A pull is refused as a whole: rows of its first chunks must not stay behind.
 
     Bug: the service creates rows chunk by chunk while streaming
-    (ParameterServerService._row_chunks), so a pull whose later chunk passes
+    (ps_server.service.pull_stream._row_chunks), so a pull whose later chunk passes
     max_rows leaves the rows of the earlier chunks created.
     """
     with PSClient(one.addresses, chunk_bytes=4096) as client:  # 4 rows of 256 floats per chunk
@@ -415,7 +415,7 @@ def test_lru_never_evicts_rows_of_the_same_request_across_chunks(one):
     succeeds and its last chunk evicts the rows its first chunk just trained
     (the update is acknowledged, then silently gone), and a pull returns
     rows it has already evicted again. The service creates rows per chunk
-    (pushes.ActivePush.apply, service._row_chunks) and protects only the
+    (pushes.ActivePush.apply, pull_stream._row_chunks) and protects only the
     rows of the current chunk.
     """
     with PSClient(one.addresses, chunk_bytes=4096) as client:  # 4 rows of 256 floats per chunk

@@ -23,7 +23,10 @@ from typing import Any
 
 from wehub_ps.process.logs import event
 
-__all__ = ["compiled"]
+__all__ = ["compiled", "COMPILED_LOOPS_ENV"]
+
+#: '0' (or false, no, off) keeps every process on the NumPy paths; read by servers and workers alike.
+COMPILED_LOOPS_ENV = "PS_COMPILED_LOOPS"
 
 log = logging.getLogger("wehub_ps.kernels.compiled")
 
@@ -51,7 +54,7 @@ def compiled(fn: Callable, signatures: Callable[[Any], list] | None = None) -> C
 
 
 def _build(fn: Callable, signatures: Callable[[Any], list] | None) -> Callable | None:
-    if os.environ.get("PS_COMPILED_LOOPS", "1").strip().lower() in ("0", "false", "no", "off"):
+    if os.environ.get(COMPILED_LOOPS_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     try:
         import numba

@@ -755,7 +755,7 @@ def test_last_checkpoint_answers_while_a_write_is_in_progress(tmp_path, monkeypa
     """BUG (ps_server/durability/checkpointer.py, Checkpointer.last / checkpoint): one lock
     both serialises checkpoints and guards ``_last``, and checkpoint() holds it
     for the whole disk write; so ``last`` (read by every Describe RPC,
-    ps_server/service/servicer.py:147) blocks until the write is durable, which for a
+    ps_server/service/builders.py, describe_response) blocks until the write is durable, which for a
     large shard is seconds to minutes: clients connecting meanwhile stall or
     hit their control timeout.
     """

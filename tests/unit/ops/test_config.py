@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from ps_server.ops.config import ConfigError, ServerConfig, default_memory_limit, parse_config
 from wehub_ps.cluster import (
+    WORKER_ENVIRONMENT,
     ClusterConfigError,
     ps_addresses_from_env,
     split_host_port,
     task_from_tf_config,
 )
+from wehub_ps.kernels.compiled import COMPILED_LOOPS_ENV
 from wehub_ps.wire.rpc import DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES
 
 
@@ -274,3 +277,11 @@ def test_misspelled_environment_settings_are_reported_and_abbreviations_refused(
     assert config.checkpoint_dir is None
     with pytest.raises(SystemExit):
         parse_config(["--checkpoint-d", "/x"], {})
+
+
+def test_the_worker_sides_environment_is_not_reported_as_misspelled():
+    server_side = {"PS_" + field.name.upper() for field in dataclasses.fields(ServerConfig)}
+    worker_side = {name: "1" for name in WORKER_ENVIRONMENT if name not in server_side}
+    assert "PS_ADDRESSES" in worker_side and "PS_WORKER_ID" in worker_side
+    config = parse_config([], {**worker_side, COMPILED_LOOPS_ENV: "0", "PS_WORKER_IDS": "w"})
+    assert config.unknown_environment == ("PS_WORKER_IDS",)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import socket
 import threading
+import urllib.request
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -79,3 +81,17 @@ def test_count_histogram_is_exact_under_concurrency():
     assert 't_staleness_bucket{le="5.0"} 5400.0' in text
     assert 't_staleness_bucket{le="+Inf"} 7200.0' in text
     assert "t_staleness_sum 18000.0" in text and "t_staleness_count 7200.0" in text
+
+
+def test_stop_closes_the_port_and_ends_the_thread():
+    metrics = Metrics()
+    port = metrics.serve(0, "127.0.0.1", None, None)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        assert b"wehub_ps_live_workers" in response.read()
+    served_by = [t for t in threading.enumerate() if t.name == "ps-metrics"]
+    assert served_by
+    metrics.stop()
+    assert not any(t.is_alive() for t in served_by)
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", port)) != 0
+    metrics.stop()  # a second stop does nothing
