@@ -28,7 +28,6 @@ from grpc_reflection.v1alpha import reflection
 
 from ps_server.core.admission import Admission
 from ps_server.service.auth import AuthInterceptor, TokenFile
-from ps_server.durability.format import find_restore_plan, load_parts
 from ps_server.durability.checkpointer import Checkpointer
 from ps_server.ops.config import ServerConfig
 from ps_server.core.consistency import ConsistencyController
@@ -39,6 +38,7 @@ from ps_server.core.membership import Membership
 from ps_server.ops.metrics import Metrics
 from ps_server.core.ledger import PushLedger
 from ps_server.service.servicer import ParameterServerService
+from ps_server.durability.restore import find_restore_plan, load_parts
 from ps_server.durability.spec_log import SpecLog, replay_spec_logs
 from ps_server.service.standard_services import HealthServicer, add_reflection
 from ps_server.core.store import VariableStore
@@ -172,8 +172,8 @@ class PSServer:
         if plan is None:
             event(log, logging.INFO, "no checkpoint to restore", checkpoint_dir=config.checkpoint_dir)
             return
-        self.store.restore(replay_spec_logs(plan, load_parts(plan, config.shard_index, config.num_shards),
-                                            config.shard_index, config.num_shards))
+        loaded = load_parts(plan, config.shard_index, config.num_shards)
+        self.store.restore(replay_spec_logs(plan.spec_logs.values(), loaded, config.shard_index, config.num_shards))
         for part in self.store.parts():
             self.metrics.restored_version.labels(part.spec.name).set(part.version)
         resharded = plan.num_shards != config.num_shards

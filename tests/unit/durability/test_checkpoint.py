@@ -1,4 +1,5 @@
-"""Checkpoints on disk (ps_server.durability.format) and when they are taken (ps_server.durability.checkpointer).
+"""Checkpoints on disk (ps_server.durability.format, writer, restore, reshard) and when they are
+taken (ps_server.durability.checkpointer).
 
 Round trips are checked bit for bit (values, optimizer slots, versions,
 optimizer steps, specs), also across a change of the shard count; damaged
@@ -17,17 +18,9 @@ import time
 import numpy as np
 import pytest
 
-from ps_server.durability.format import (
-    MANIFEST_FILE,
-    TENSORS_FILE,
-    CheckpointError,
-    ShardSnapshot,
-    clean_temporaries,
-    find_restore_plan,
-    load_parts,
-    shard_dir,
-    write_checkpoint,
-)
+from ps_server.durability.format import MANIFEST_FILE, TENSORS_FILE, CheckpointError, shard_dir
+from ps_server.durability.restore import find_restore_plan, load_parts
+from ps_server.durability.writer import ShardSnapshot, clean_temporaries, write_checkpoint
 from ps_server.durability.checkpointer import Checkpointer
 from ps_server.core.errors import RequestError
 from ps_server.core.ledger import ClaimResult, PushLedger
@@ -415,7 +408,7 @@ def test_intact_newest_checkpoint_is_used(two_checkpoints):
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(two_checkpoints, damage, caplog):
     root, first, second, older, _ = two_checkpoints
     damage(second.path)
-    with caplog.at_level(logging.ERROR, logger="ps_server.durability.format"):
+    with caplog.at_level(logging.ERROR, logger="ps_server.durability.restore"):
         restored, plan = _restore(root, 0, 1)
     assert plan.checkpoints == {0: first.path}
     assert plan.manifests[0]["checkpoint_id"] == first.checkpoint_id
@@ -556,7 +549,7 @@ def test_no_checkpoints_means_nothing_to_restore(tmp_path):
 
 
 def test_a_stale_checkpoint_of_an_earlier_run_is_not_restored(tmp_path):
-    """BUG (ps_server/durability/format.py, find_restore_plan / _newest_time): a layout
+    """BUG (ps_server/durability/restore.py, find_restore_plan / _newest_time): a layout
     is ranked by the newest checkpoint of *any* of its shards, but each shard
     then loads *its own* newest checkpoint. Sequence: a job ran with 2 shards
     (t=1000), then with 3 (t=2000), then restarts with 2; shard 0 of 2 starts

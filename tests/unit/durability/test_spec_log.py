@@ -13,14 +13,9 @@ import threading
 
 import numpy as np
 
-from ps_server.durability.format import (
-    SPEC_LOG_FILE,
-    ShardSnapshot,
-    find_restore_plan,
-    load_parts,
-    shard_dir,
-    write_checkpoint,
-)
+from ps_server.durability.format import SPEC_LOG_FILE, shard_dir
+from ps_server.durability.restore import find_restore_plan, load_parts
+from ps_server.durability.writer import ShardSnapshot, write_checkpoint
 from ps_server.durability.checkpointer import Checkpointer
 from ps_server.core.ledger import PushLedger
 from ps_server.durability.spec_log import VALUES_DIR, SpecLog, replay_spec_logs
@@ -59,7 +54,8 @@ def _restored(root, shard: int, num_shards: int) -> VariableStore:
     plan = find_restore_plan(root, shard, num_shards)
     assert plan is not None
     store = VariableStore(shard, num_shards, LIMIT)
-    store.restore(replay_spec_logs(plan, load_parts(plan, shard, num_shards), shard, num_shards))
+    loaded = load_parts(plan, shard, num_shards)
+    store.restore(replay_spec_logs(plan.spec_logs.values(), loaded, shard, num_shards))
     return store
 
 
