@@ -1,8 +1,19 @@
-"""What a shard restores on start: which checkpoints, and this shard's parts from them.
+"""What a shard restores on start: which checkpoints, and the state they hold for it.
 
-:func:`find_restore_plan` chooses the checkpoints (and the spec logs to
-replay after them); :func:`load_parts` assembles this shard's variable
-parts from them under any shard count (see ps_server.durability.reshard).
+Restore reads, it never changes anything: :func:`load_restore` chooses the
+checkpoints (:func:`find_restore_plan`), assembles this shard's variable
+parts from them (:func:`load_parts`, under any shard count, see
+ps_server.durability.reshard), replays the spec logs, and returns a
+:class:`RestoredState` for the server to hand to its store, push ledger and
+consistency controller.
+
+What comes back depends on the layout. With the server's own shard count,
+the checkpoint is this shard's own: the values, the exactly-once ledger,
+the consistency controller's step and clocks and, in synchronous mode, the
+step's sums, all of one instant. From another shard count only the values
+carry over: the ledger and the steps start afresh (pushes in flight were
+addressed to the old layout), and the server writes a checkpoint of its own
+layout at once.
 
 No gRPC here.
 """
@@ -31,10 +42,11 @@ from ps_server.durability.format import (
 )
 from ps_server.core.persistence import LoadedPart
 from ps_server.durability.reshard import Source, assemble_part, load_accumulator
+from ps_server.durability.spec_log import replay_spec_logs
 from wehub_ps.process.logs import event
 from wehub_ps.specs import VariableSpec
 
-__all__ = ["RestorePlan", "find_restore_plan", "load_parts"]
+__all__ = ["RestorePlan", "RestoredFrom", "RestoredState", "find_restore_plan", "load_parts", "load_restore"]
 
 log = logging.getLogger("ps_server.durability.restore")
 
@@ -48,6 +60,59 @@ class RestorePlan:
     manifests: dict[int, dict[str, Any]]
     #: old shard index -> shard directory whose spec log to replay (ps_server.durability.spec_log)
     spec_logs: dict[int, Path] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RestoredFrom:
+    """The checkpoints a server restored from, as Describe reports them."""
+
+    checkpoint_ids: dict[int, str]  # old shard index -> checkpoint id
+    path: str  # the checkpoint directories, comma-separated
+    created_unix: float  # of the newest of them
+    num_shards: int  # of the checkpoints (the old layout)
+
+
+@dataclass(frozen=True)
+class RestoredState:
+    """This shard's state from the chosen checkpoints and spec logs, ready to hand to its parts."""
+
+    #: Every variable this shard holds a part of, checkpointed or only logged.
+    parts: list[LoadedPart]
+    #: Shard count of the checkpoints (or spec logs) restored from.
+    from_num_shards: int
+    #: True when that differs from this server's: ledger and steps start afresh.
+    resharded: bool
+    #: Old shard index -> checkpoint directory (empty when only spec logs were found).
+    checkpoints: dict[int, Path]
+    #: The push ledger's entries (PushLedger.restore); empty when resharded.
+    ledger_entries: list[dict[str, Any]]
+    #: The consistency controller's snapshot (ConsistencyController.restore); None starts the steps afresh.
+    consistency: dict[str, Any] | None
+    #: None when only spec logs were found (variables created before the first checkpoint).
+    origin: RestoredFrom | None
+
+
+def load_restore(root: str | os.PathLike, shard_index: int, num_shards: int) -> RestoredState | None:
+    """What shard ``shard_index`` of ``num_shards`` restores from ``root``; None when there is nothing.
+
+    CheckpointError when the chosen checkpoints exist but none is usable.
+    """
+    plan = find_restore_plan(root, shard_index, num_shards)
+    if plan is None:
+        return None
+    parts = replay_spec_logs(plan.spec_logs.values(), load_parts(plan, shard_index, num_shards),
+                             shard_index, num_shards)
+    resharded = plan.num_shards != num_shards
+    own = plan.manifests.get(shard_index) if not resharded else None
+    origin = None
+    if plan.manifests:
+        newest = max(plan.manifests.values(), key=lambda m: m["created_unix"])
+        origin = RestoredFrom({i: m["checkpoint_id"] for i, m in plan.manifests.items()},
+                              ",".join(str(p) for p in plan.checkpoints.values()), newest["created_unix"],
+                              plan.num_shards)
+    return RestoredState(parts, plan.num_shards, resharded, dict(plan.checkpoints),
+                         ledger_entries=own["ledger"]["entries"] if own is not None else [],
+                         consistency=own.get("consistency") if own is not None else None, origin=origin)
 
 
 # ---- choosing ------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ps_server.core.admission import Admission
 from ps_server.durability.checkpointer import Checkpointer
+from ps_server.durability.restore import RestoredFrom
 from ps_server.core.consistency import ConsistencyController
 from ps_server.core.lifecycle import Lifecycle
 from ps_server.core.membership import Membership
@@ -14,15 +15,7 @@ from ps_server.ops.metrics import Metrics
 from ps_server.core.ledger import PushLedger
 from ps_server.core.store import VariableStore
 
-__all__ = ["ShardContext", "RestoredFrom"]
-
-
-@dataclass(frozen=True)
-class RestoredFrom:
-    checkpoint_ids: dict[int, str]  # old shard index -> checkpoint id
-    path: str
-    created_unix: float
-    num_shards: int
+__all__ = ["ShardContext"]
 
 
 @dataclass

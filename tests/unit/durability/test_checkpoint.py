@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from ps_server.durability.format import MANIFEST_FILE, TENSORS_FILE, CheckpointError, shard_dir
-from ps_server.durability.restore import find_restore_plan, load_parts
+from ps_server.durability.restore import RestoredFrom, find_restore_plan, load_parts, load_restore
 from ps_server.durability.writer import ShardSnapshot, clean_temporaries, write_checkpoint
 from ps_server.durability.checkpointer import Checkpointer
 from ps_server.core.errors import RequestError
@@ -493,6 +493,29 @@ def _write_layout(root, num_shards: int, marker: float, created_unix: float, sha
 def _expected_rows(marker: float, shard: int, num_shards: int) -> np.ndarray:
     part = LAYOUT_SPEC.placement(num_shards).part_on(shard)
     return marker + np.arange(part.row_start, part.row_end, dtype=np.float32)
+
+
+def test_the_restored_state_holds_ledger_and_steps_only_for_the_same_layout(tmp_path):
+    entries = [{"worker_id": "w", "incarnation": "i", "done_below": 4, "done_above": [], "open": {}}]
+    consistency = {"mode": "ssp", "step": 3}
+    for i, created_unix in enumerate([100.0, 200.0]):
+        store = _build(i, 2, [LAYOUT_SPEC])
+        write_checkpoint(tmp_path, ShardSnapshot(i, 2, f"server-{i}", store.snapshot(), {"entries": entries},
+                                                 created_unix=created_unix, consistency=consistency), keep=3)
+    assert load_restore(tmp_path / "missing", 0, 2) is None
+
+    own = load_restore(tmp_path, 1, 2)
+    assert not own.resharded and own.from_num_shards == 2
+    assert own.ledger_entries == entries and own.consistency == consistency
+    assert own.checkpoints == {1: shard_dir(tmp_path, 1, 2) / "ckpt-0000000001"}
+    assert own.origin == RestoredFrom({1: "0000000001"}, str(own.checkpoints[1]), 200.0, 2)
+    assert [p.spec.name for p in own.parts] == ["w"]
+
+    other = load_restore(tmp_path, 0, 3)
+    assert other.resharded and other.from_num_shards == 2
+    assert other.ledger_entries == [] and other.consistency is None, "another layout starts afresh"
+    assert other.origin == RestoredFrom({0: "0000000001", 1: "0000000001"},
+                                        ",".join(str(p) for p in other.checkpoints.values()), 200.0, 2)
 
 
 def test_a_server_restores_its_own_newer_layout(tmp_path):
