@@ -29,7 +29,10 @@ Source = tuple[int, dict[str, Any]]
 
 def assemble_part(spec: VariableSpec, sources: list[Source], handles: dict[int, Any], shard_index: int,
                   num_shards: int) -> LoadedPart:
-    """``spec``'s part on ``shard_index`` of ``num_shards``; ``handles`` are the old shards' open tensor files."""
+    """``spec``'s part on ``shard_index`` of ``num_shards``.
+
+    ``handles`` are the old shards' open tensor files, by old shard index.
+    """
     if spec.hash_table:
         return _assemble_table(spec, sources, handles, shard_index, num_shards)
     part = spec.placement(num_shards).part_on(shard_index)
@@ -60,9 +63,10 @@ def load_accumulator(name: str, entry: dict[str, Any], handle: Any) -> Accumulat
     if saved is None:
         return None
     rows = saved["row_count"] > 0
+    dense = handle.get_tensor(tensor_name(name, "acc:dense")) if saved["dense_count"] else None
     return AccumulatorSnapshot(
-        int(saved["step"]), handle.get_tensor(tensor_name(name, "acc:dense")) if saved["dense_count"] else None,
-        int(saved["dense_count"]), handle.get_tensor(tensor_name(name, "acc:row_ids")) if rows else None,
+        int(saved["step"]), dense, int(saved["dense_count"]),
+        handle.get_tensor(tensor_name(name, "acc:row_ids")) if rows else None,
         handle.get_tensor(tensor_name(name, "acc:row_grads")) if rows else None, int(saved["row_count"]))
 
 

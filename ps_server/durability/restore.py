@@ -84,7 +84,8 @@ class RestoredState:
     resharded: bool
     #: Old shard index -> checkpoint directory (empty when only spec logs were found).
     checkpoints: dict[int, Path]
-    #: The push ledger's entries (PushLedger.restore); empty when resharded.
+    #: The push ledger's entries (PushLedger.restore); empty (a fresh ledger) unless this
+    #: shard's own checkpoint was found.
     ledger_entries: list[dict[str, Any]]
     #: The consistency controller's snapshot (ConsistencyController.restore); None starts the steps afresh.
     consistency: dict[str, Any] | None
@@ -207,7 +208,8 @@ def _newest_time(directory: Path) -> float:
         newest = (directory / SPEC_LOG_FILE).stat().st_mtime
     for checkpoint_id in reversed(checkpoint_ids(directory)):
         try:
-            return max(newest, float(read_manifest(checkpoint_path(directory, checkpoint_id))["created_unix"]))
+            manifest = read_manifest(checkpoint_path(directory, checkpoint_id))
+            return max(newest, float(manifest["created_unix"]))
         except (CheckpointError, KeyError, TypeError, ValueError):
             continue
     return newest
