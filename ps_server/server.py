@@ -28,11 +28,10 @@ from grpc_reflection.v1alpha import reflection
 
 from ps_server.core.admission import Admission
 from ps_server.service.auth import AuthInterceptor, TokenFile
-from ps_server.durability.format import find_restore_plan, load_parts
 from ps_server.durability.checkpointer import Checkpointer
 from ps_server.ops.config import ServerConfig
 from ps_server.core.consistency import ConsistencyController
-from ps_server.service.context import RestoredFrom, ShardContext
+from ps_server.service.context import ShardContext
 from ps_server.core.gate import ApplyGate
 from ps_server.core.lifecycle import Lifecycle
 from ps_server.core.membership import Membership
@@ -40,7 +39,8 @@ from ps_server.core.pulls import PullPlanner
 from ps_server.ops.metrics import Metrics
 from ps_server.core.ledger import PushLedger
 from ps_server.service.servicer import ParameterServerService
-from ps_server.durability.spec_log import SpecLog, replay_spec_logs
+from ps_server.durability.restore import RestoredFrom, load_restore
+from ps_server.durability.spec_log import SpecLog
 from ps_server.service.standard_services import HealthServicer, add_reflection
 from ps_server.core.store import VariableStore
 from ps_server.core.workers import WorkerPresence
@@ -177,33 +177,24 @@ class PSServer:
         if not config.checkpoint_dir:
             return
         started = time.perf_counter()
-        plan = find_restore_plan(config.checkpoint_dir, config.shard_index, config.num_shards)
-        if plan is None:
+        restored = load_restore(config.checkpoint_dir, config.shard_index, config.num_shards)
+        if restored is None:
             event(log, logging.INFO, "no checkpoint to restore", checkpoint_dir=config.checkpoint_dir)
             return
-        self.store.restore(replay_spec_logs(plan, load_parts(plan, config.shard_index, config.num_shards),
-                                            config.shard_index, config.num_shards))
+        self.store.restore(restored.parts)
         for part in self.store.parts():
             self.metrics.restored_version.labels(part.spec.name).set(part.version)
-        resharded = plan.num_shards != config.num_shards
-        if not resharded and plan.manifests:
-            manifest = next(iter(plan.manifests.values()))
-            self.ledger.restore(manifest["ledger"]["entries"])
-            # ssp / sync: step, clocks, workers (and, with the parts, the step's sums) of that instant.
-            self.consistency.restore(manifest.get("consistency"))
-        else:  # another layout (or spec logs only): the steps start afresh, like the ledger
-            self.consistency.restore(None)
-        if plan.manifests:  # (else only spec logs: variables created before the first checkpoint)
-            newest = max(plan.manifests.values(), key=lambda m: m["created_unix"])
-            self.restored_from = RestoredFrom(
-                {i: m["checkpoint_id"] for i, m in plan.manifests.items()},
-                ",".join(str(p) for p in plan.checkpoints.values()), newest["created_unix"], plan.num_shards)
-        event(log, logging.INFO, "restored", from_num_shards=plan.num_shards, resharded=resharded,
-              checkpoints={i: str(p) for i, p in plan.checkpoints.items()},
+        self.ledger.restore(restored.ledger_entries)
+        # ssp / sync: step, clocks, workers (and, with the parts, the step's sums) of that instant.
+        self.consistency.restore(restored.consistency)
+        self.restored_from = restored.origin
+        event(log, logging.INFO, "restored", from_num_shards=restored.from_num_shards,
+              resharded=restored.resharded,
+              checkpoints={i: str(p) for i, p in restored.checkpoints.items()},
               variables={p.spec.name: p.version for p in self.store.parts()},
               seconds=round(time.perf_counter() - started, 3))
         assert self.checkpointer is not None
-        if resharded:
+        if restored.resharded:
             # Give the new layout a checkpoint of its own right away.
             self.checkpointer.checkpoint("resharded")
         else:

@@ -44,6 +44,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,6 @@ from safetensors.numpy import save_file
 from ps_server.durability.format import (
     SPEC_LOG_FILE,
     CheckpointError,
-    RestorePlan,
     fsync_path,
     oldest_checkpoint,
     read_manifest,
@@ -205,16 +205,19 @@ def _read_records(directory: Path) -> list[dict[str, Any]]:
     return records
 
 
-def replay_spec_logs(plan: RestorePlan, loaded: list[LoadedPart], shard_index: int,
+def replay_spec_logs(directories: Iterable[Path], loaded: list[LoadedPart], shard_index: int,
                      num_shards: int) -> list[LoadedPart]:
-    """``loaded`` (from the plan's checkpoints) plus every variable the plan's spec logs add.
+    """``loaded`` (from the checkpoints) plus every variable the spec logs in ``directories`` add.
+
+    ``directories`` are the shard directories of the layout restored from
+    (any shard count: the records hold global row ranges).
 
     A variable the checkpoints hold keeps their state; one still waiting for
     its explicit value there takes the logged value when there is one.
     """
     specs: dict[str, VariableSpec] = {}
     values: dict[str, list[dict[str, Any]]] = {}
-    for directory in plan.spec_logs.values():
+    for directory in directories:
         for record in _read_records(directory):
             if record["kind"] == "spec":
                 spec = spec_from_json(record["spec"])

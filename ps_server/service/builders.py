@@ -6,7 +6,8 @@ from ps_server.core.consistency import ConsistencyStats
 from ps_server.core.info import VariableInfo
 from ps_server.core.membership import Membership
 from ps_server.durability.checkpointer import CheckpointRecord
-from ps_server.service.context import RestoredFrom, ShardContext
+from ps_server.durability.restore import RestoredFrom
+from ps_server.service.context import ShardContext
 from wehub_ps import __version__
 from wehub_ps.specs_proto import spec_to_proto
 from wehub_ps.v1 import ps_pb2

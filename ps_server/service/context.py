@@ -15,17 +15,10 @@ from ps_server.core.pulls import PullPlanner
 from ps_server.core.store import VariableStore
 from ps_server.core.workers import WorkerPresence
 from ps_server.durability.checkpointer import Checkpointer
+from ps_server.durability.restore import RestoredFrom
 from ps_server.ops.metrics import Metrics
 
-__all__ = ["ShardContext", "RestoredFrom"]
-
-
-@dataclass(frozen=True)
-class RestoredFrom:
-    checkpoint_ids: dict[int, str]  # old shard index -> checkpoint id
-    path: str
-    created_unix: float
-    num_shards: int
+__all__ = ["ShardContext"]
 
 
 @dataclass(frozen=True)

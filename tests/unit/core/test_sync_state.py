@@ -17,7 +17,7 @@ from test_store import _begin, _chunks
 
 import ps_server.core.membership as membership_module
 from ps_server.core.accumulator import PushStaging
-from ps_server.durability.format import find_restore_plan, load_parts
+from ps_server.durability.restore import find_restore_plan, load_parts
 from ps_server.durability.checkpointer import Checkpointer
 from ps_server.core.consistency import ConsistencyController
 from ps_server.core.errors import RequestError

@@ -1,4 +1,5 @@
-"""Checkpoints on disk (ps_server.durability.format) and when they are taken (ps_server.durability.checkpointer).
+"""Checkpoints on disk (ps_server.durability.format, writer, restore, reshard) and when they are
+taken (ps_server.durability.checkpointer).
 
 Round trips are checked bit for bit (values, optimizer slots, versions,
 optimizer steps, specs), also across a change of the shard count; damaged
@@ -17,17 +18,9 @@ import time
 import numpy as np
 import pytest
 
-from ps_server.durability.format import (
-    MANIFEST_FILE,
-    TENSORS_FILE,
-    CheckpointError,
-    ShardSnapshot,
-    clean_temporaries,
-    find_restore_plan,
-    load_parts,
-    shard_dir,
-    write_checkpoint,
-)
+from ps_server.durability.format import MANIFEST_FILE, TENSORS_FILE, CheckpointError, shard_dir
+from ps_server.durability.restore import RestoredFrom, find_restore_plan, load_parts, load_restore
+from ps_server.durability.writer import ShardSnapshot, clean_temporaries, write_checkpoint
 from ps_server.durability.checkpointer import Checkpointer
 from ps_server.core.errors import RequestError
 from ps_server.core.ledger import ClaimResult, PushLedger
@@ -415,7 +408,7 @@ def test_intact_newest_checkpoint_is_used(two_checkpoints):
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(two_checkpoints, damage, caplog):
     root, first, second, older, _ = two_checkpoints
     damage(second.path)
-    with caplog.at_level(logging.ERROR, logger="ps_server.durability.format"):
+    with caplog.at_level(logging.ERROR, logger="ps_server.durability.restore"):
         restored, plan = _restore(root, 0, 1)
     assert plan.checkpoints == {0: first.path}
     assert plan.manifests[0]["checkpoint_id"] == first.checkpoint_id
@@ -502,6 +495,29 @@ def _expected_rows(marker: float, shard: int, num_shards: int) -> np.ndarray:
     return marker + np.arange(part.row_start, part.row_end, dtype=np.float32)
 
 
+def test_the_restored_state_holds_ledger_and_steps_only_for_the_same_layout(tmp_path):
+    entries = [{"worker_id": "w", "incarnation": "i", "done_below": 4, "done_above": [], "open": {}}]
+    consistency = {"mode": "ssp", "step": 3}
+    for i, created_unix in enumerate([100.0, 200.0]):
+        store = _build(i, 2, [LAYOUT_SPEC])
+        write_checkpoint(tmp_path, ShardSnapshot(i, 2, f"server-{i}", store.snapshot(), {"entries": entries},
+                                                 created_unix=created_unix, consistency=consistency), keep=3)
+    assert load_restore(tmp_path / "missing", 0, 2) is None
+
+    own = load_restore(tmp_path, 1, 2)
+    assert not own.resharded and own.from_num_shards == 2
+    assert own.ledger_entries == entries and own.consistency == consistency
+    assert own.checkpoints == {1: shard_dir(tmp_path, 1, 2) / "ckpt-0000000001"}
+    assert own.origin == RestoredFrom({1: "0000000001"}, str(own.checkpoints[1]), 200.0, 2)
+    assert [p.spec.name for p in own.parts] == ["w"]
+
+    other = load_restore(tmp_path, 0, 3)
+    assert other.resharded and other.from_num_shards == 2
+    assert other.ledger_entries == [] and other.consistency is None, "another layout starts afresh"
+    assert other.origin == RestoredFrom({0: "0000000001", 1: "0000000001"},
+                                        ",".join(str(p) for p in other.checkpoints.values()), 200.0, 2)
+
+
 def test_a_server_restores_its_own_newer_layout(tmp_path):
     _write_layout(tmp_path, 3, 100.0, 1000.0)
     _write_layout(tmp_path, 2, 200.0, 2000.0)
@@ -556,7 +572,7 @@ def test_no_checkpoints_means_nothing_to_restore(tmp_path):
 
 
 def test_a_stale_checkpoint_of_an_earlier_run_is_not_restored(tmp_path):
-    """BUG (ps_server/durability/format.py, find_restore_plan / _newest_time): a layout
+    """BUG (ps_server/durability/restore.py, find_restore_plan / _newest_time): a layout
     is ranked by the newest checkpoint of *any* of its shards, but each shard
     then loads *its own* newest checkpoint. Sequence: a job ran with 2 shards
     (t=1000), then with 3 (t=2000), then restarts with 2; shard 0 of 2 starts

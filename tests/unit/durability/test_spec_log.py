@@ -13,17 +13,12 @@ import threading
 
 import numpy as np
 
-from ps_server.durability.format import (
-    SPEC_LOG_FILE,
-    ShardSnapshot,
-    find_restore_plan,
-    load_parts,
-    shard_dir,
-    write_checkpoint,
-)
+from ps_server.durability.format import SPEC_LOG_FILE, shard_dir
+from ps_server.durability.restore import find_restore_plan, load_restore
+from ps_server.durability.writer import ShardSnapshot, write_checkpoint
 from ps_server.durability.checkpointer import Checkpointer
 from ps_server.core.ledger import PushLedger
-from ps_server.durability.spec_log import VALUES_DIR, SpecLog, replay_spec_logs
+from ps_server.durability.spec_log import VALUES_DIR, SpecLog
 from ps_server.core.store import VariableStore
 from wehub_ps.placement import FixedShardsPartitioner
 from wehub_ps.specs import SGD, Explicit, Normal, VariableSpec
@@ -56,10 +51,10 @@ def _created(root, shard: int, num_shards: int, upload: bool = True) -> Variable
 
 
 def _restored(root, shard: int, num_shards: int) -> VariableStore:
-    plan = find_restore_plan(root, shard, num_shards)
-    assert plan is not None
+    restored = load_restore(root, shard, num_shards)
+    assert restored is not None
     store = VariableStore(shard, num_shards, LIMIT)
-    store.restore(replay_spec_logs(plan, load_parts(plan, shard, num_shards), shard, num_shards))
+    store.restore(restored.parts)
     return store
 
 
