@@ -27,23 +27,23 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ps_server.core.admission import Admission
-from ps_server.service.auth import AuthInterceptor, TokenFile
-from ps_server.durability.checkpointer import Checkpointer
-from ps_server.ops.config import ServerConfig
 from ps_server.core.consistency import ConsistencyController
-from ps_server.service.context import ShardContext
 from ps_server.core.gate import ApplyGate
+from ps_server.core.ledger import PushLedger
 from ps_server.core.lifecycle import Lifecycle
 from ps_server.core.membership import Membership
 from ps_server.core.pulls import PullPlanner
-from ps_server.ops.metrics import Metrics
-from ps_server.core.ledger import PushLedger
-from ps_server.service.servicer import ParameterServerService
-from ps_server.durability.restore import RestoredFrom, load_restore
-from ps_server.durability.spec_log import SpecLog
-from ps_server.service.standard_services import HealthServicer, add_reflection
 from ps_server.core.store import VariableStore
 from ps_server.core.workers import WorkerPresence
+from ps_server.durability.checkpointer import Checkpointer
+from ps_server.durability.restore import RestoredFrom, load_restore
+from ps_server.durability.spec_log import SpecLog
+from ps_server.ops.config import ServerConfig
+from ps_server.ops.metrics import Metrics
+from ps_server.service.auth import AuthInterceptor, TokenFile
+from ps_server.service.context import ShardContext
+from ps_server.service.servicer import ParameterServerService
+from ps_server.service.standard_services import HealthServicer, add_reflection
 from wehub_ps.process.logs import event
 from wehub_ps.wire.rpc import SERVICE_NAME
 

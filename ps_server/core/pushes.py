@@ -27,8 +27,8 @@ from ps_server.core.accumulator import PushStaging, staged_rows_bytes
 from ps_server.core.consistency import ConsistencyController, PushDecision
 from ps_server.core.errors import RequestError
 from ps_server.core.ledger import ClaimResult, PushLedger, PushSession
-from ps_server.core.rows import parse_row_ids
 from ps_server.core.parts import VariablePart, check_dtype_allowed
+from ps_server.core.rows import parse_row_ids
 from ps_server.core.store import VariableStore
 from ps_server.core.tables import HashTablePart
 from wehub_ps.dtypes import dtype_name

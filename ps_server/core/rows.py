@@ -7,8 +7,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ps_server.core.errors import RequestError
-from wehub_ps.kernels.rowops import RowGather
 from wehub_ps.errors import Reason
+from wehub_ps.kernels.rowops import RowGather
 from wehub_ps.placement import hash_shards
 
 __all__ = ["parse_row_ids", "ParsedRows", "MAX_ROWS_PER_REQUEST", "unique_ids", "gathered_bytes",

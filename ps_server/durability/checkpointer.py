@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ps_server.durability.format import shard_dir
-from ps_server.durability.writer import ShardSnapshot, WrittenCheckpoint, clean_temporaries, write_checkpoint
 from ps_server.core.ledger import PushLedger
 from ps_server.core.store import VariableStore
+from ps_server.durability.format import shard_dir
+from ps_server.durability.writer import ShardSnapshot, WrittenCheckpoint, clean_temporaries, write_checkpoint
 from wehub_ps.process.logs import event
 
 __all__ = ["Checkpointer", "CheckpointRecord"]

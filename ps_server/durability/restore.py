@@ -29,6 +29,7 @@ from typing import Any
 
 from safetensors import safe_open
 
+from ps_server.core.persistence import LoadedPart
 from ps_server.durability.format import (
     SPEC_LOG_FILE,
     TENSORS_FILE,
@@ -40,7 +41,6 @@ from ps_server.durability.format import (
     spec_from_json,
     verify,
 )
-from ps_server.core.persistence import LoadedPart
 from ps_server.durability.reshard import Source, assemble_part, load_accumulator
 from ps_server.durability.spec_log import replay_spec_logs
 from wehub_ps.process.logs import event

@@ -52,6 +52,9 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from ps_server.core.initializers import fill_initial_values
+from ps_server.core.optimizers import make_kernel
+from ps_server.core.persistence import LoadedPart
 from ps_server.durability.format import (
     SPEC_LOG_FILE,
     CheckpointError,
@@ -63,11 +66,8 @@ from ps_server.durability.format import (
     spec_from_json,
     spec_to_json,
 )
-from ps_server.core.initializers import fill_initial_values
-from ps_server.core.persistence import LoadedPart
-from ps_server.core.optimizers import make_kernel
-from wehub_ps.process.logs import event
 from wehub_ps.placement import rows_of
+from wehub_ps.process.logs import event
 from wehub_ps.specs import Explicit, VariableSpec
 
 __all__ = ["SpecLog", "replay_spec_logs"]

@@ -14,9 +14,9 @@ import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from wehub_ps.process.allocator import DEFAULT_ARENA_MAX, DEFAULT_TRIM_THRESHOLD
 from wehub_ps.cluster import WORKER_ENVIRONMENT, ClusterConfigError, split_host_port, task_from_tf_config
 from wehub_ps.kernels.compiled import COMPILED_LOOPS_ENV
+from wehub_ps.process.allocator import DEFAULT_ARENA_MAX, DEFAULT_TRIM_THRESHOLD
 from wehub_ps.wire.rpc import DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES
 
 __all__ = ["ServerConfig", "ConfigError", "parse_config", "default_memory_limit"]

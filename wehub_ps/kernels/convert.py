@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from wehub_ps.kernels.compiled import compiled
 from wehub_ps.dtypes import BFLOAT16
+from wehub_ps.kernels.compiled import compiled
 
 __all__ = ["cast_into"]
 

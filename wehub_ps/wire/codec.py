@@ -41,11 +41,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from wehub_ps.kernels.rowops import RowGather
+from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.arrays import as_wire_array, byte_view, chunk_ranges, chunk_view
 from wehub_ps.wire.dtypes import to_numpy_dtype
 from wehub_ps.wire.fresh_bytes import filled_bytes
-from wehub_ps.kernels.rowops import RowGather
-from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.protowire import (
     WIRE_LEN,
     WIRE_VARINT,
