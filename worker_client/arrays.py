@@ -96,7 +96,7 @@ def to_device(array: np.ndarray, gpu: int | None) -> Any:
 
 
 def check_ids(ids: Any, argument: str) -> np.ndarray:
-    """Row ids as a 1-D int64 array (uint64 ids keep their 64-bit patterns); InvalidArgumentError otherwise."""
+    """Row ids as a 1-D int64 array (uint64 ids keep their bit patterns); InvalidArgumentError otherwise."""
     array = to_host(ids, argument)
     if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
         raise InvalidArgumentError(f"{argument} must be a 1-D array of integer ids, got dtype "

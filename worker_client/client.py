@@ -168,8 +168,8 @@ class PSClient:
         sender = PushSender(session, PushFramer(session, self._wire_dtype), prefetches, exchange_lane)
         self._registry = Registry(session, sender.assign)
         self._puller = Puller(session, self._registry, self._gpu, prefetches, self._wire_dtype, exchange_lane)
-        self._pushes = Pushes(session, self._registry, sender, self._puller, self._gpu, self._wire_dtype, topk,
-                              prefetch, exchange_lane)
+        self._pushes = Pushes(session, self._registry, sender, self._puller, self._gpu, self._wire_dtype,
+                              topk, prefetch, exchange_lane)
         try:
             # An observer that skips connecting (ps-admin status) reads each shard on its own.
             lease = DEFAULT_LEASE_SECONDS
@@ -285,7 +285,8 @@ class PSClient:
         ``aggregation`` ('mean' or 'sum') is how synchronous mode combines the
         workers' gradients of a step.
         """
-        return self._registry.create_variable(name, shape, dtype, initializer, optimizer, partitioner, aggregation)
+        return self._registry.create_variable(name, shape, dtype, initializer, optimizer, partitioner,
+                                              aggregation)
 
     def create_embedding(
         self,

@@ -49,7 +49,7 @@ class Prefetch:
 
 
 class Prefetches:
-    """Each thread's last prefetch, and the count of pushes started (a prefetch outlives no push); thread-safe."""
+    """Each thread's last prefetch, and the pushes started (a prefetch outlives no push); thread-safe."""
 
     def __init__(self) -> None:
         # Guards _generation and _kept.

@@ -116,8 +116,8 @@ class Puller:
     def _rows_by_shard(self, variable: Variable, unique_ids: np.ndarray) -> dict[int, slice | np.ndarray]:
         return rows_by_shard(variable, unique_ids, self._session.num_shards)
 
-    def _pull_unique_rows(self, variable: Variable, ids: np.ndarray, order: np.ndarray, sorted_ids: np.ndarray,
-                          first: np.ndarray) -> np.ndarray:
+    def _pull_unique_rows(self, variable: Variable, ids: np.ndarray, order: np.ndarray,
+                          sorted_ids: np.ndarray, first: np.ndarray) -> np.ndarray:
         """pull_rows of ids that repeat: each id fetched once, then copied to every place it was asked."""
         width = variable.spec.row_elements
         unique = sorted_ids[first]
@@ -206,9 +206,9 @@ class Puller:
     def request(self, shard: ShardChannel, items: list[PullItem], step_ahead: int = 0) -> bytes:
         """The serialised PullRequest of ``items`` to ``shard`` (``step_ahead``: for the next step)."""
         session = self._session
-        return pull_request(items, shard_index=shard.index, num_shards=session.num_shards, wire_dtype=self._wire,
-                            chunk_bytes=session.chunk_bytes, worker_id=session.worker_id,
-                            incarnation=session.incarnation if session.register else "",
+        return pull_request(items, shard_index=shard.index, num_shards=session.num_shards,
+                            wire_dtype=self._wire, chunk_bytes=session.chunk_bytes,
+                            worker_id=session.worker_id, incarnation=session.incarnation if session.register else "",
                             step=session.state.step + step_ahead)
 
     def answer_bytes(self, items: list[PullItem]) -> int:
@@ -232,7 +232,8 @@ class Puller:
         chunk_bytes = self._session.chunk_bytes
         for shard, items in pull_by_shard.items():
             items_pushed = pushed.get(shard)
-            if items_pushed is None or not fits_one_message(items_pushed) or self.answer_bytes(items) > chunk_bytes:
+            if (items_pushed is None or not fits_one_message(items_pushed)
+                    or self.answer_bytes(items) > chunk_bytes):
                 return None  # a shard not pushed to, or too big for one message: pull next step
         shards = self._session.shards
         requests = {i: self.request(shards[i], items, step_ahead=1) for i, items in pull_by_shard.items()}

@@ -133,7 +133,7 @@ class PushFramer:
         return sum(i.values.nbytes + len(i.row_ids) for i in items) <= self._session.chunk_bytes
 
     def one_message(self, push: ShardPush) -> list:
-        """A push that fits in one message, as pieces (see :meth:`messages`); joined before another is built."""
+        """A push that fits in one message, as pieces (see :meth:`messages`)."""
         return next(self.messages(push, single=True))
 
     def messages(self, push: ShardPush, single: bool = False) -> Iterator[list]:
@@ -151,7 +151,8 @@ class PushFramer:
         items = push.items
         target = self._wire_dtype
         convert = target is not None and push.kind == ps_pb2.GRADIENT
-        wire_dtypes = [target if convert and item.values.dtype != target else item.values.dtype for item in items]
+        wire_dtypes = [target if convert and item.values.dtype != target else item.values.dtype
+                       for item in items]
         wires = [to_wire_dtype(dtype) for dtype in wire_dtypes]
         chunk_bytes = self._session.chunk_bytes
         *continued, (begin, id_bytes) = self._begin_parts(push, wires, chunk_bytes, single)

@@ -123,13 +123,14 @@ class PushSender:
                         prefetch: Prefetch | None) -> ShardPush:
         # The sequence is taken once: every retry resends the same push,
         # chunked the same way, so the server applies it exactly once.
-        sequence, base_versions, step = self._session.state.push_header(shard_index, (i.name for i in items))
+        sequence, base_versions, step = self._session.state.push_header(shard_index, items)
         if prefetch is None or shard_index not in prefetch.by_shard:
             return ShardPush(shard_index, items, kind, sequence, base_versions, step)
         return ShardPush(shard_index, items, kind, sequence, base_versions, step,
                          prefetch.requests[shard_index], prefetch.by_shard[shard_index])
 
-    def run(self, pushes: dict[int, ShardPush], prefetch: Prefetch | None, outcome: PushOutcome | None) -> None:
+    def run(self, pushes: dict[int, ShardPush], prefetch: Prefetch | None,
+            outcome: PushOutcome | None) -> None:
         """Send ``pushes`` (one per shard) at once, each retried as one push (see _call)."""
         generation = self._prefetches.push_started()
         if outcome is not None:
@@ -239,7 +240,8 @@ class Pushes:
                 return self._sender.send(by_shard, ps_pb2.GRADIENT, self._plan_prefetch(by_shard, next_pull))
             return self._push_topk(by_shard, variables, selected, chosen_from, next_pull)
 
-    def _plan_prefetch(self, by_shard: dict[int, list[PushItem]], next_pull: NextPull | None) -> Prefetch | None:
+    def _plan_prefetch(self, by_shard: dict[int, list[PushItem]],
+                       next_pull: NextPull | None) -> Prefetch | None:
         return self._puller.plan_prefetch(by_shard, next_pull, self._sender.framer.fits_one_message)
 
     def _push_topk(self, by_shard: dict[int, list[PushItem]], variables: dict[str, Variable],
@@ -265,7 +267,8 @@ class Pushes:
             raise
         outcome = PushOutcome()
         try:
-            shards = self._sender.send(by_shard, ps_pb2.GRADIENT, self._plan_prefetch(by_shard, next_pull), outcome)
+            prefetch = self._plan_prefetch(by_shard, next_pull)
+            shards = self._sender.send(by_shard, ps_pb2.GRADIENT, prefetch, outcome)
         except BaseException:
             refused = {shard for shard in by_shard
                        if shard not in outcome.sent or refused_whole(outcome.failed.get(shard))}
@@ -318,7 +321,8 @@ class Pushes:
         for name, grad in gradients.items():
             spec = variables[name].spec
             if spec.hash_table:
-                raise InvalidArgumentError(f"{name!r} is a hash table: send its rows with rows={{name: (ids, grads)}}")
+                raise InvalidArgumentError(
+                    f"{name!r} is a hash table: send its rows with rows={{name: (ids, grads)}}")
             host = downloaded[name] if name in downloaded else self._host(grad, f"gradients[{name!r}]", name)
             check_array(host, spec.shape, spec.dtype, f"gradient for {name!r}")
             if topk is not None and spec.shape:

@@ -96,7 +96,8 @@ class Variable:
         return tuple((p.shard, p.row_start * width, p.row_end * width) for p in self.placement.parts)
 
 
-def rows_by_shard(variable: Variable, unique_ids: np.ndarray, num_shards: int) -> dict[int, slice | np.ndarray]:
+def rows_by_shard(variable: Variable, unique_ids: np.ndarray,
+                  num_shards: int) -> dict[int, slice | np.ndarray]:
     """Positions in ``unique_ids`` (sorted) grouped by the shard that holds each row.
 
     A dense variable's part is a range of rows, so its positions are a
@@ -154,7 +155,8 @@ class Registry:
 
     def _describe_shard(self, shard: ShardChannel) -> ShardInfo:
         session = self._session
-        info, specs = session.call(shard, "describe", lambda: session.describe_once(shard, session.control_timeout))
+        info, specs = session.call(shard, "describe",
+                                   lambda: session.describe_once(shard, session.control_timeout))
         for spec in specs:
             self.remember(spec)
         return info
@@ -215,7 +217,8 @@ class Registry:
     # ---- creating ----
 
     def create_variable(self, name: str, shape: Sequence[int] | int, dtype: str | np.dtype, initializer: Any,
-                        optimizer: Optimizer | None, partitioner: Partitioner | None, aggregation: str) -> Variable:
+                        optimizer: Optimizer | None, partitioner: Partitioner | None,
+                        aggregation: str) -> Variable:
         """PSClient.create_variable: create on every shard, then send an explicit initial value."""
         shape_t = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
         initial: np.ndarray | None = None

@@ -42,7 +42,8 @@ class ReplicaClient(Protocol):
 class ReplicaGroup:
     """R replicas driven by one worker; ``devices`` has one entry per replica."""
 
-    def __init__(self, client: ReplicaClient, devices: Sequence[Any] = ("cpu",), reduce: str = "mean") -> None:
+    def __init__(self, client: ReplicaClient, devices: Sequence[Any] = ("cpu",),
+                 reduce: str = "mean") -> None:
         if not devices:
             raise ValueError("devices must name at least one replica's device, got an empty list")
         if reduce not in ("mean", "sum"):

@@ -107,11 +107,12 @@ class SessionState:
         with self._lock:
             return dict(self._stats)
 
-    def push_header(self, shard_index: int, names: Iterable[str]) -> tuple[int, dict[str, int], int]:
-        """A new push to one shard: its sequence, the base version of each variable, and the step."""
+    def push_header(self, shard_index: int, items: Iterable[Any]) -> tuple[int, dict[str, int], int]:
+        """A new push of ``items`` (each with a ``name``) to one shard: its sequence, the base
+        version of each item's variable, and the step."""
         with self._lock:
             sequence = next(self.sequences[shard_index])
-            base_versions = {name: self._versions.get(name, {}).get(shard_index, 0) for name in names}
+            base_versions = {i.name: self._versions.get(i.name, {}).get(shard_index, 0) for i in items}
             return sequence, base_versions, self._step
 
     def versions(self, name: str) -> dict[int, int]:
@@ -294,7 +295,8 @@ class Session:
                 return ps_pb2.HeartbeatResponse.FromString(shard.heartbeat(request, timeout)).cluster_step
             except PSError as error:  # the next beat, or a retried RPC, will tell more
                 self.token_may_be_rotated(error)  # a rotated token file: the next beat carries the new one
-                log.debug("heartbeat failed", extra={"fields": {"address": shard.address, "error": str(error)}})
+                log.debug("heartbeat failed",
+                          extra={"fields": {"address": shard.address, "error": str(error)}})
                 return 0
 
         steps = self.on_shards(range(len(self.shards)) if shards is None else shards, beat)

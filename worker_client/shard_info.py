@@ -63,6 +63,6 @@ def read_describe(address: str, raw: bytes) -> tuple[ShardInfo, list[VariableSpe
                    "blocked_seconds": c.blocked_seconds, "max_staleness_admitted": c.max_staleness_admitted,
                    "dropped_gradients": c.dropped_gradients, "steps_applied": c.steps_applied}
     info = ShardInfo(address, msg.shard_index, msg.num_shards, msg.server_id, msg.server_version, variables,
-                     msg.chunk_bytes_limit, msg.worker_lease_seconds, workers, checkpoint, restored, consistency,
-                     msg.stored_bytes, msg.memory_limit_bytes)
+                     msg.chunk_bytes_limit, msg.worker_lease_seconds, workers, checkpoint, restored,
+                     consistency, msg.stored_bytes, msg.memory_limit_bytes)
     return info, specs

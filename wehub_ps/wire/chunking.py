@@ -37,7 +37,8 @@ class ChunkPacker(Generic[C, M]):
 
     __slots__ = ("limit", "_frame", "_head", "_pending", "_bytes")
 
-    def __init__(self, frame: Callable[[Any, list[C]], M], limit: int, head: Any = None, used: int = 0) -> None:
+    def __init__(self, frame: Callable[[Any, list[C]], M], limit: int, head: Any = None,
+                 used: int = 0) -> None:
         self.limit = limit
         self._frame = frame
         self._head = head

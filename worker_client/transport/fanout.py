@@ -65,7 +65,7 @@ class ShardCall:
         return self.ordinary()
 
     def run(self, call: Retrying | None, sent: PendingExchange | None = None) -> Any:
-        """Retry attempts through ``call`` until one answers (None: one attempt); the first may already be ``sent``."""
+        """Attempts through ``call`` (None: one attempt) until one answers; the first may be ``sent``."""
         first = [sent]
 
         def attempt() -> Any:
