@@ -19,9 +19,10 @@ import sys
 import time
 from collections.abc import Sequence
 
-from worker_client.client import PSClient, ShardInfo
-from worker_client.errors import PSError
 from wehub_ps.cluster import ADDRESSES_ENV
+from worker_client.client import PSClient
+from worker_client.errors import PSError
+from worker_client.shard_info import ShardInfo
 
 __all__ = ["main", "status_table"]
 
@@ -110,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                retry_timeout=args.timeout, connect=args.command != "status") as client:
             if args.command == "status":
                 infos = client.describe_each(args.timeout)
-                health = [shard.health(args.timeout) for shard in client._shards]
+                health = client.health(args.timeout)
                 print(status_table(infos, health, client.addresses))
                 down = [f"{address}: {info}" for address, info in zip(client.addresses, infos)
                         if not isinstance(info, ShardInfo)]

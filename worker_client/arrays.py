@@ -13,7 +13,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["to_host", "to_device", "parse_device", "is_gpu_array"]
+from wehub_ps.dtypes import dtype_name, parse_dtype
+from worker_client.errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
+
+__all__ = ["to_host", "to_device", "parse_device", "is_gpu_array", "check_ids", "check_array"]
 
 _DLPACK_CPU = 1
 _DLPACK_CUDA = 2
@@ -90,3 +93,23 @@ def to_device(array: np.ndarray, gpu: int | None) -> Any:
     cupy = _cupy()
     with cupy.cuda.Device(gpu):
         return cupy.asarray(array)
+
+
+def check_ids(ids: Any, argument: str) -> np.ndarray:
+    """Row ids as a 1-D int64 array (uint64 ids keep their bit patterns); InvalidArgumentError otherwise."""
+    array = to_host(ids, argument)
+    if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
+        raise InvalidArgumentError(f"{argument} must be a 1-D array of integer ids, got dtype "
+                                   f"{array.dtype} and shape {array.shape}")
+    if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
+        array = array.view(np.int64)  # ids are 64-bit patterns; keep them bit-exact
+    return array.astype(np.int64, copy=False)
+
+
+def check_array(array: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, what: str) -> None:
+    """Raise ShapeMismatchError or DTypeMismatchError unless ``array`` has exactly this shape and dtype."""
+    if array.shape != tuple(shape):
+        raise ShapeMismatchError(f"{what} has shape {array.shape}, expected {tuple(shape)}")
+    if array.dtype != dtype and parse_dtype(array.dtype) != dtype:
+        raise DTypeMismatchError(f"{what} has dtype {dtype_name(array.dtype)}, expected {dtype_name(dtype)}; "
+                                 f"cast it with .astype({dtype_name(dtype)!r})")

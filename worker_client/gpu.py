@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GpuTransfers", "gpu_available"]
+__all__ = ["GpuTransfers", "LazyGpuTransfers", "gpu_available"]
 
 
 def gpu_available() -> bool:
@@ -145,3 +145,18 @@ class GpuTransfers:
             out = cupy.empty(array.shape, dtype=array.dtype)
             out.data.copy_from_device(array.data, array.nbytes)
         return out
+
+
+class LazyGpuTransfers:
+    """One client's GpuTransfers, made on first use of a GPU (CuPy is imported only then); thread-safe."""
+
+    def __init__(self) -> None:
+        # Guards _transfers.
+        self._lock = threading.Lock()
+        self._transfers: GpuTransfers | None = None
+
+    def get(self) -> GpuTransfers:
+        with self._lock:
+            if self._transfers is None:
+                self._transfers = GpuTransfers()
+            return self._transfers

@@ -1,121 +1,258 @@
-"""One shard's part of a pull: the request, and the answer written straight into place.
+"""The pull path: whole variables, rows of a table, and values a push brought back.
 
-Used by a plain pull and by a push that brings the next step's values
-back with it (``PushBegin.pull_after``), so both check the answer the same
-way: every chunk inside its destination, every element received once.
+Each shard involved is asked at once (worker_client.transport.fanout);
+its answer is written chunk by chunk straight into the result
+(worker_client.pull_receiver). Small pulls ride the shard's exchange lane.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
-from wehub_ps.wire.codec import (
-    CodecError,
-    DecodedChunk,
-    decode_pull_response,
-    encode_pull_item,
-    encode_pull_request,
-)
-from wehub_ps.kernels.convert import cast_into
-from wehub_ps.kernels.rowops import put_rows
-from worker_client.errors import PSInternalError
+from wehub_ps.kernels.rowops import put_rows, take_rows
+from wehub_ps.kernels.segments import sort_ids
+from wehub_ps.wire.codec import EXCHANGE_PULL
+from wehub_ps.wire.dtypes import to_wire_dtype
+from worker_client.arrays import check_array, check_ids, parse_device, to_device
+from worker_client.gpu import LazyGpuTransfers
+from worker_client.prefetch import NextPull, Prefetch, Prefetches
+from worker_client.pull_receiver import PullItem, PullReceiver, pull_request
+from worker_client.registry import Registry, Variable, rows_by_shard
+from worker_client.session import Session
+from worker_client.transport.channels import ShardChannel
+from worker_client.transport.fanout import ShardCall
 
-__all__ = ["PullItem", "PullReceiver", "pull_request"]
+__all__ = ["Puller"]
 
 
-@dataclass
-class PullItem:
-    """One variable (or a block of its rows) pulled from one shard into ``dest`` (flat).
+class Puller:
+    """Pulls for one client; thread-safe.
 
-    With ``rows_at``, ``dest`` is a 2-D array and the answer's row i goes to
-    ``dest[rows_at[i]]``: rows pulled in sorted order land in the caller's
-    order with one scatter from the message, no copy in between.
+    ``wire_dtype``: values are asked for in it (the servers convert);
+    ``use_lane``: small pulls use each shard's exchange lane.
     """
 
-    name: str
-    dest: np.ndarray
-    row_ids: np.ndarray | None = None
-    rows_at: np.ndarray | None = None
+    def __init__(self, session: Session, registry: Registry, gpu: LazyGpuTransfers, prefetches: Prefetches,
+                 wire_dtype: np.dtype | None, use_lane: bool) -> None:
+        self._session = session
+        self._registry = registry
+        self._gpu = gpu
+        self._prefetches = prefetches
+        self._wire_dtype = wire_dtype
+        self._wire = to_wire_dtype(wire_dtype) if wire_dtype is not None else 0
+        self._use_lane = use_lane
 
-    @property
-    def size(self) -> int:
-        """Elements the answer carries."""
-        return self.dest.size if self.rows_at is None else len(self.rows_at) * self.dest.shape[1]
+    # ---- whole variables ----
 
+    def pull(self, names: Iterable[str] | str | None, device: Any = None,
+             out: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
+        """PSClient.pull: current values, into ``out`` when given, on ``device`` when given."""
+        gpu = parse_device(device)
+        if out is not None and gpu is not None:
+            raise ValueError("pull: out= receives on the host; it cannot be combined with device=")
+        given = dict(out or {})
+        for name, array in given.items():
+            if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
+                raise TypeError(f"out[{name!r}] must be a C-contiguous numpy array")
+        out, by_shard = self.targets(self._registry.dense(names), gpu, given)
+        self.pull_all(by_shard)
+        return self.deliver(out, gpu)
 
-def pull_request(items: Iterable[PullItem], shard_index: int, num_shards: int, **fields) -> bytes:
-    """The serialised PullRequest for ``items``; ``fields`` are the request's other fields.
+    def targets(self, variables: list[Variable], gpu: int | None, given: Mapping[str, np.ndarray]
+                ) -> tuple[dict[str, np.ndarray], dict[int, list[PullItem]]]:
+        """Host arrays to receive into, and what each shard sends into which part of them.
 
-    Written as bytes (codec.encode_pull_request): a step asks for the same
-    variables every time, and building a protobuf item per variable cost
-    about a microsecond each.
-    """
-    encoded = [encode_pull_item(item.name, _id_bytes(item.row_ids)) for item in items]
-    return encode_pull_request(shard_index, num_shards, encoded, **fields)
+        For a GPU the arrays are this thread's pinned buffers (uploaded on the
+        device's stream by :meth:`deliver`).
+        """
+        transfers = self._gpu.get() if gpu is not None else None
+        out = {}
+        for v in variables:
+            if v.name in given:
+                check_array(given[v.name], v.shape, v.dtype, f"out[{v.name!r}]")
+                out[v.name] = given[v.name]
+            elif transfers is None:
+                out[v.name] = np.empty(v.shape, dtype=v.dtype)
+            else:
+                out[v.name] = transfers.pinned(f"pull:{threading.get_ident()}:{v.name}", v.shape, v.dtype)
+        by_shard: dict[int, list[PullItem]] = {}
+        for v in variables:
+            flat = out[v.name].reshape(-1)
+            for shard, first, end in v.element_ranges:
+                by_shard.setdefault(shard, []).append(PullItem(v.name, flat[first:end]))
+        return out, by_shard
 
+    def deliver(self, out: dict[str, np.ndarray], gpu: int | None) -> dict[str, Any]:
+        """Pulled host arrays as the caller asked for them (uploaded to ``gpu`` when given)."""
+        if gpu is None:
+            return out
+        return self._gpu.get().upload_all(out, gpu)
 
-def _id_bytes(ids: np.ndarray | None) -> bytes:
-    """Row ids as the wire's little-endian int64 (one copy)."""
-    return b"" if ids is None else ids.astype("<i8", copy=False).tobytes()
+    # ---- rows ----
 
+    def pull_rows(self, name: str, ids: Any, device: Any = None) -> Any:
+        """PSClient.pull_rows: rows ``ids`` in the order given; repeated ids are fetched once."""
+        gpu = parse_device(device)
+        variable = self._registry.resolve([name])[0]
+        ids = check_ids(ids, "ids")
+        width = variable.spec.row_elements
+        # Sorted once: the unique ids, and for a dense variable each shard's rows as one slice.
+        order, sorted_ids, first = sort_ids(ids, keep_order_of_repeats=False)
+        if first.all():
+            # No repeats: each shard's rows go from its answer straight to their places.
+            result = np.empty((len(ids), width), dtype=variable.dtype)
+            self.pull_all({shard: [PullItem(name, result, sorted_ids[positions], rows_at=order[positions])]
+                           for shard, positions in self._rows_by_shard(variable, sorted_ids).items()})
+        else:
+            result = self._pull_unique_rows(variable, ids, order, sorted_ids, first)
+        row_shape = variable.shape if variable.spec.hash_table else variable.shape[1:]
+        result = result.reshape((len(ids), *row_shape))
+        return result if gpu is None else to_device(result, gpu)
 
-class PullReceiver:
-    """Copies each received chunk into its item's destination and checks that all came."""
+    def _rows_by_shard(self, variable: Variable, unique_ids: np.ndarray) -> dict[int, slice | np.ndarray]:
+        return rows_by_shard(variable, unique_ids, self._session.num_shards)
 
-    def __init__(self, address: str, items: list[PullItem]) -> None:
-        self.address = address
-        self._expected = {item.name: item for item in items}
-        self.received: dict[str, int] = {}
-        #: The version of each variable as its last chunk was read.
-        self.versions: dict[str, int] = {}
-        self.reset()
+    def _pull_unique_rows(self, variable: Variable, ids: np.ndarray, order: np.ndarray,
+                          sorted_ids: np.ndarray, first: np.ndarray) -> np.ndarray:
+        """pull_rows of ids that repeat: each id fetched once, then copied to every place it was asked."""
+        width = variable.spec.row_elements
+        unique = sorted_ids[first]
+        fetched = np.empty((len(unique), width), dtype=variable.dtype)
+        by_shard: dict[int, list[PullItem]] = {}
+        scattered: list[tuple[np.ndarray, np.ndarray]] = []
+        for shard, positions in self._rows_by_shard(variable, unique).items():
+            if isinstance(positions, slice):
+                dest = fetched[positions]  # received in place
+            else:
+                dest = np.empty((len(positions), width), dtype=variable.dtype)
+                scattered.append((positions, dest))
+            by_shard[shard] = [PullItem(variable.name, dest.reshape(-1), unique[positions])]
+        self.pull_all(by_shard)
+        for positions, dest in scattered:
+            put_rows(fetched, positions, dest)
+        # Row i of the result is fetched row source[i]: one gather (a scatter
+        # through ``order`` took twice as long).
+        source = np.empty(len(ids), dtype=np.intp)
+        source[order] = np.cumsum(first) - 1
+        return take_rows(fetched, source)
 
-    def reset(self) -> None:
-        """Forget a partial answer (before a retry)."""
-        self.received = dict.fromkeys(self._expected, 0)
-        self.versions = {}
+    # ---- the calls ----
 
-    def take_message(self, message: bytes | memoryview) -> None:
-        try:
-            chunks = decode_pull_response(message)
-        except CodecError as exc:
-            raise self._malformed(exc) from exc
-        self.take_chunks(chunks)
+    def pull_all(self, by_shard: dict[int, list[PullItem]]) -> None:
+        """Pull from every shard in ``by_shard`` at once, straight into the items' ``dest``.
 
-    def take_chunks(self, chunks: list[DecodedChunk]) -> None:
-        try:
-            for chunk in chunks:
-                h = chunk.header
-                # Each field read once: a protobuf field read is an attribute lookup and a conversion.
-                name, offset, count = h.variable, h.offset, h.count
-                item = self._expected[name]
-                if offset + count > item.size:
-                    raise CodecError(f"chunk [{offset}, {offset + count}) is outside {item.size} elements")
-                if item.rows_at is None:
-                    cast_into(item.dest[offset:offset + count], chunk.array())
-                else:
-                    width = item.dest.shape[1]
-                    if width and (offset % width or count % width):
-                        raise CodecError(f"chunk [{offset}, {offset + count}) of {name!r} "
-                                         f"is not whole rows of {width}")
-                    if count:  # (rows of no elements: nothing to put)
-                        first = offset // width
-                        put_rows(item.dest, item.rows_at[first:first + count // width],
-                                 chunk.array().reshape(-1, width))
-                self.received[name] += count
-                self.versions[name] = h.version
-        except (CodecError, KeyError) as exc:
-            raise self._malformed(exc) from exc
+        Row ids travel in the request: a shard's ids beyond chunk_bytes go in
+        further requests, one round of requests (one per shard) after another.
+        """
+        rounds = {i: self._requests(items) for i, items in by_shard.items()}
+        shards = self._session.shards
+        for r in range(max((len(requests) for requests in rounds.values()), default=0)):
+            self._session.run_calls(self._call(shards[i], requests[r])
+                                    for i, requests in rounds.items() if r < len(requests))
 
-    def check_complete(self) -> None:
-        short = {name: (self.received[name], item.size) for name, item in self._expected.items()
-                 if self.received[name] != item.size}
-        if short:
-            raise PSInternalError(f"pull from {self.address} ended early: received/expected "
-                                  f"elements {short}", address=self.address)
+    def _requests(self, items: list[PullItem]) -> list[list[PullItem]]:
+        """``items`` as the items of requests that carry at most chunk_bytes of row ids each.
 
-    def _malformed(self, exc: Exception) -> PSInternalError:
-        return PSInternalError(f"pull from {self.address}: malformed response: {exc}", address=self.address)
+        A request names each variable once (the answer is matched by name),
+        so a variable's rows that need several requests are split between them.
+        """
+        max_ids = self._session.chunk_bytes // 8
+        requests: list[list[PullItem]] = [[]]
+        ids_in = 0
+        for item in items:
+            ids = item.row_ids
+            if ids is None or len(ids) <= max_ids - ids_in:
+                requests[-1].append(item)
+                ids_in += 0 if ids is None else len(ids)
+                continue
+            width = item.dest.shape[1] if item.rows_at is not None else item.dest.size // max(1, len(ids))
+            for start in range(0, len(ids), max_ids):
+                end = min(len(ids), start + max_ids)
+                piece = (PullItem(item.name, item.dest, ids[start:end], item.rows_at[start:end])
+                         if item.rows_at is not None
+                         else PullItem(item.name, item.dest[start * width:end * width], ids[start:end]))
+                if requests[-1]:
+                    requests.append([])
+                requests[-1].append(piece)
+                ids_in = end - start
+        return requests
+
+    def _call(self, shard: ShardChannel, items: list[PullItem]) -> ShardCall:
+        session = self._session
+        request = self.request(shard, items)
+        receiver = PullReceiver(shard.address, items)
+        ticket = session.state.take_ticket()
+
+        def ordinary() -> None:
+            receiver.reset()
+            shard.pull(request, session.data_timeout, receiver.take_message)
+
+        def on_lane_answer(answer: memoryview) -> None:
+            receiver.reset()
+            receiver.take_message(answer)
+
+        def finish(_: None) -> None:
+            receiver.check_complete()
+            session.state.record_versions(shard, receiver.versions, ticket)
+
+        small = self._use_lane and self.answer_bytes(items) <= session.chunk_bytes
+        return ShardCall(shard, "pull", ordinary, finish, EXCHANGE_PULL, (lambda: request) if small else None,
+                         on_lane_answer)
+
+    def request(self, shard: ShardChannel, items: list[PullItem], step_ahead: int = 0) -> bytes:
+        """The serialised PullRequest of ``items`` to ``shard`` (``step_ahead``: for the next step)."""
+        session = self._session
+        return pull_request(items, shard_index=shard.index, num_shards=session.num_shards,
+                            wire_dtype=self._wire, chunk_bytes=session.chunk_bytes,
+                            worker_id=session.worker_id, incarnation=session.incarnation if session.register else "",
+                            step=session.state.step + step_ahead)
+
+    def answer_bytes(self, items: list[PullItem]) -> int:
+        """Tensor bytes the answer to a pull of ``items`` carries."""
+        wire = self._wire_dtype.itemsize if self._wire_dtype is not None else None
+        return sum(item.size * (wire or item.dest.dtype.itemsize) for item in items)
+
+    # ---- values a push brings back ----
+
+    def plan_prefetch(self, pushed: Mapping[int, list[Any]], next_pull: NextPull | None,
+                      fits_one_message: Callable[[list[Any]], bool]) -> Prefetch | None:
+        """Where the next step's values go, per shard, or None when the push cannot carry the pull.
+
+        ``pushed``: each shard's push items, ``fits_one_message`` tells
+        whether they are one message (the answer must be one message too).
+        """
+        if next_pull is None:
+            return None
+        variables = self._registry.dense(next_pull.names)
+        out, pull_by_shard = self.targets(variables, next_pull.gpu, {})
+        chunk_bytes = self._session.chunk_bytes
+        for shard, items in pull_by_shard.items():
+            items_pushed = pushed.get(shard)
+            if (items_pushed is None or not fits_one_message(items_pushed)
+                    or self.answer_bytes(items) > chunk_bytes):
+                return None  # a shard not pushed to, or too big for one message: pull next step
+        shards = self._session.shards
+        requests = {i: self.request(shards[i], items, step_ahead=1) for i, items in pull_by_shard.items()}
+        return Prefetch(next_pull, out, pull_by_shard, requests)
+
+    def take_prefetched(self, names: list[str] | None, device: Any) -> dict[str, Any] | None:
+        """The values a step's push brought back, if they are what this step would pull now.
+
+        They must be this thread's, for the same names and device, no push may
+        have started since, and they must be fresh (a loop that pauses between
+        steps, to evaluate say, pulls again).
+        """
+        prefetch = self._prefetches.take()
+        if prefetch is None:
+            return None
+        wanted = NextPull(tuple(names) if names is not None else None, parse_device(device))
+        if prefetch.next_pull != wanted or not prefetch.is_fresh():
+            return None
+        if names is None and set(prefetch.out) != {v.name for v in self._registry.dense(None)}:
+            return None  # variables were created since
+        self._session.state.count("prefetched_steps")
+        return self.deliver(prefetch.out, wanted.gpu)

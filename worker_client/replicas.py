@@ -18,22 +18,32 @@ ones. Without a GPU the same code runs on numpy ("cpu" devices).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from worker_client.arrays import is_gpu_array, parse_device, to_host
+from worker_client.gpu import GpuTransfers
+from worker_client.step import Step
 
-if TYPE_CHECKING:
-    from worker_client.client import PSClient
+__all__ = ["ReplicaClient", "ReplicaGroup", "ReplicaStep"]
 
-__all__ = ["ReplicaGroup", "ReplicaStep"]
+
+class ReplicaClient(Protocol):
+    """What a ReplicaGroup needs of its client (PSClient is one)."""
+
+    def step(self, names: Iterable[str] | None = None, *, device: Any = None) -> Step:
+        """A step: pull on entry, one push of the aggregated gradients."""
+
+    def gpu_transfers(self) -> GpuTransfers:
+        """The client's pinned buffers and device streams, shared so copies to and from GPUs overlap."""
 
 
 class ReplicaGroup:
     """R replicas driven by one worker; ``devices`` has one entry per replica."""
 
-    def __init__(self, client: "PSClient", devices: Sequence[Any] = ("cpu",), reduce: str = "mean") -> None:
+    def __init__(self, client: ReplicaClient, devices: Sequence[Any] = ("cpu",),
+                 reduce: str = "mean") -> None:
         if not devices:
             raise ValueError("devices must name at least one replica's device, got an empty list")
         if reduce not in ("mean", "sum"):
@@ -52,7 +62,7 @@ class ReplicaGroup:
     def place(self, host_params: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:
         """The pulled parameters on each replica's device (a private copy per CPU replica)."""
         gpus = {d for d in self.devices if d is not None}
-        transfers = self.client._gpu_transfers() if gpus else None
+        transfers = self.client.gpu_transfers() if gpus else None
         # The devices' copies run side by side; one wait for them all.
         placed = [{name: value.copy() for name, value in host_params.items()} if device is None
                   else transfers.upload_all(host_params, device, wait=False) for device in self.devices]
@@ -73,7 +83,7 @@ class ReplicaGroup:
         for name in names:
             values = [grads[name] for grads in per_replica]
             if any(is_gpu_array(v) for v in values):
-                transfers = self.client._gpu_transfers()
+                transfers = self.client.gpu_transfers()
                 first = next(d for d in self.devices if d is not None)
                 # CPU replicas' gradients go up in one batch; GPU ones stay where they are.
                 uploaded = transfers.upload_all({str(r): np.asarray(v) for r, v in enumerate(values)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from worker_client.client import PSClient
+from worker_client.pulls import Puller
+from worker_client.pushes import Pushes
+from worker_client.session import Session
 
 __all__ = ["Step"]
 
@@ -16,10 +17,14 @@ class Step:
 
     Call ``step.push(grads)`` once inside the block. Leaving the block by an
     exception pushes nothing, so a failed step never sends half a gradient.
+    A completed step advances the worker's clock (the session's step).
     """
 
-    def __init__(self, client: "PSClient", names: Iterable[str] | None, device: Any) -> None:
-        self._client = client
+    def __init__(self, puller: Puller, pushes: Pushes, session: Session, names: Iterable[str] | None,
+                 device: Any) -> None:
+        self._puller = puller
+        self._pushes = pushes
+        self._session = session
         self._names = list(names) if names is not None else None
         self._device = device
         self.params: dict[str, Any] = {}
@@ -28,18 +33,18 @@ class Step:
 
     def __enter__(self) -> "Step":
         # The previous step's push may have brought these values back already.
-        params = self._client._take_prefetched(self._names, self._device)
-        self.params = params if params is not None else self._client.pull(self._names, device=self._device)
+        params = self._puller.take_prefetched(self._names, self._device)
+        self.params = params if params is not None else self._puller.pull(self._names, device=self._device)
         return self
 
     def push(self, gradients: Mapping[str, Any], rows: Mapping[str, tuple[Any, Any]] | None = None) -> None:
         """Push this step's gradients, dense and sparse (``rows={table: (ids, grads)}``), once."""
         if self.pushed:
             raise RuntimeError("this step already pushed its gradients; start a new step")
-        self._pushed_shards = self._client._push_step(gradients, rows, self._names, self._device)
+        self._pushed_shards = self._pushes.push_step(gradients, rows, self._names, self._device)
         self.pushed = True
 
     def __exit__(self, exc_type, *exc_info: object) -> None:
         if exc_type is None and self.pushed:
-            self._client._finish_step(self._pushed_shards)
+            self._session.finish_step(self._pushed_shards)
         return None

@@ -16,7 +16,7 @@ was sent. Every gradient settled is taken in; the rows sent are owed
 nothing, except rows a shard refused whole, which are owed again. Rows
 sent to a shard that did not answer stay sent: the client sends that same
 push again (same sequence, so the shard's ledger applies exactly what it
-is missing) before its next one (worker_client.client, ``_push_topk``).
+is missing) before its next one (worker_client.pushes, ``Pushes._push_topk``).
 
 The residual is one copy of each variable the worker pushes: the memory
 price of error feedback.

@@ -62,7 +62,7 @@ def test_idle_clients_beyond_both_bounds_lock_out_nobody(cluster_factory, tmp_pa
             clients.append(PSClient(cluster.addresses, worker_id=f"worker-{i}"))
         for client in clients:
             client.pull(["w"])  # small: over the lane when the server takes the stream
-        assert [c._shards[0].lane.refused for c in clients] == [False] * MAX_STREAMS + [True] * (
+        assert [c._session.shards[0].lane.refused for c in clients] == [False] * MAX_STREAMS + [True] * (
             len(clients) - MAX_STREAMS)
         with grpc.insecure_channel(cluster.addresses[0]) as channel:
             _expect_refused(channel, "someone-else", f"--max-exchange-streams {MAX_STREAMS}")

@@ -117,7 +117,7 @@ def test_the_client_raises_push_written_off_and_does_not_retry(cluster_factory):
             # This client's push 1 was cut after its first chunk and written off by 64 later ones.
             _cut_pushes(channel, "w0", client.incarnation, range(1, 2 + MAX_OPEN_PUSHES))
         # The client's next push reuses sequence 1, as a late retry of the cut push would.
-        client._sequences[0] = itertools.count(1)
+        client._session.state.sequences[0] = itertools.count(1)
         retries = client.stats()["retries"]
         with pytest.raises(PushWrittenOffError, match="partly applied") as info:
             client.push({"w": np.ones(8, np.float32)})

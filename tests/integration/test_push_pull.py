@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
-import worker_client.client as client_module
+import worker_client.prefetch as prefetch_module
 from wehub_ps.wire.codec import (
     OutgoingChunk,
     byte_view,
@@ -179,7 +179,7 @@ def test_values_older_than_the_limit_or_for_other_names_are_not_used(cluster, mo
         assert client.stats()["prefetched_steps"] == 2
         _train(client, 1, ["w"])  # different names: pulls
         assert client.stats()["prefetched_steps"] == 2
-        monkeypatch.setattr(client_module, "PREFETCH_MAX_AGE_SECONDS", 0.0)
+        monkeypatch.setattr(prefetch_module, "PREFETCH_MAX_AGE_SECONDS", 0.0)
         _train(client, 3, ["b"])
         assert client.stats()["prefetched_steps"] == 2
     with PSClient(cluster.addresses, worker_id="w1", prefetch=False) as client:

@@ -2,7 +2,7 @@
 
 A dense gradient pushed with ``wire_dtype`` is converted chunk by chunk
 into memory the client reuses from one message to the next (see
-worker_client.client._ConversionArena). Each push here is several
+worker_client.push_framing.ConversionArena). Each push here is several
 messages per shard, so a chunk whose memory were reused before its message
 was sent would carry a neighbour's values. The gradients are integers in
 [-128, 128], exact in bfloat16, float16 and float32, and SGD(lr=1) from

@@ -8,10 +8,14 @@ cost about as much as the Python work of a small request, measured with
 py-spy). Requests that are large, or whose lane is busy, run on the
 executor as ordinary calls. Every request is retried by ``call`` (see
 worker_client.transport.retry); a retry of a lane request is a whole new attempt.
+
+Control calls (describe, create, heartbeat, checkpoint, finish) take the same
+fan-out through :func:`run_on_shards`: no lane, and no retry beyond their own.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -20,7 +24,14 @@ from typing import Any
 from worker_client.transport.lane import LaneRefused
 from worker_client.transport.channels import PendingExchange, ShardChannel
 
-__all__ = ["ShardCall", "run_shard_calls"]
+__all__ = ["ShardCall", "run_on_shards", "run_shard_calls"]
+
+#: How a call is retried: ``call(shard, what, attempt)`` returns the answer of the attempt that succeeded.
+Retrying = Callable[[ShardChannel, str, Callable[[], Any]], Any]
+
+
+def _as_is(answer: Any) -> Any:
+    return answer
 
 
 @dataclass
@@ -32,7 +43,7 @@ class ShardCall:
     #: One attempt by the ordinary (streaming) call; returns the answer.
     ordinary: Callable[[], Any]
     #: What the caller gets for the answer of the last attempt.
-    finish: Callable[[Any], Any]
+    finish: Callable[[Any], Any] = _as_is
     #: The exchange-lane request when the call is small enough (None: never the lane).
     lane_field: int = 0
     lane_payload: Callable[[], Any] | None = None
@@ -53,9 +64,8 @@ class ShardCall:
                 return self.on_lane_answer(answer)
         return self.ordinary()
 
-    def run(self, call: Callable[[ShardChannel, str, Callable[[], Any]], Any],
-            sent: PendingExchange | None = None) -> Any:
-        """Retry attempts through ``call`` until one answers; the first one may already be ``sent``."""
+    def run(self, call: Retrying | None, sent: PendingExchange | None = None) -> Any:
+        """Attempts through ``call`` (None: one attempt) until one answers; the first may be ``sent``."""
         first = [sent]
 
         def attempt() -> Any:
@@ -68,14 +78,24 @@ class ShardCall:
                     pass  # the stream was refused before it read the request: send it otherwise
             return self.attempt()
 
-        return self.finish(call(self.shard, self.what, attempt))
+        return self.finish(attempt() if call is None else call(self.shard, self.what, attempt))
 
 
-def run_shard_calls(calls: Iterable[ShardCall], executor: Executor,
-                    call: Callable[[ShardChannel, str, Callable[[], Any]], Any],
+def run_on_shards(shards: Iterable[ShardChannel], fn: Callable[[ShardChannel], Any],
+                  executor: Executor) -> dict[int, Any]:
+    """``fn(shard)`` on every shard at once; {shard index: result}. Raises the first error by shard order.
+
+    For control calls: ``fn`` retries as it needs to; the first shard's
+    runs on this thread.
+    """
+    return run_shard_calls([ShardCall(shard, "", functools.partial(fn, shard)) for shard in shards], executor)
+
+
+def run_shard_calls(calls: Iterable[ShardCall], executor: Executor, call: Retrying | None = None,
                     errors: dict[int, BaseException] | None = None) -> dict[int, Any]:
     """Run every call at once; {shard index: result}. Raises the first error by shard order.
 
+    ``call`` retries each call's attempts (None: one attempt each).
     ``errors``, when given, receives every shard's error (not just the one raised).
     """
     calls = list(calls)

@@ -10,7 +10,7 @@ from wehub_ps.dtypes import BFLOAT16
 from wehub_ps.wire.dtypes import to_wire_dtype
 from wehub_ps.v1 import ps_pb2
 from worker_client.errors import PSInternalError
-from worker_client.pulls import PullItem, PullReceiver
+from worker_client.pull_receiver import PullItem, PullReceiver
 
 
 def _answer(name: str, values: np.ndarray, offset: int = 0, version: int = 3) -> bytes:

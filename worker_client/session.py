@@ -1,0 +1,382 @@
+"""A worker's session with a cluster: identity, connection, lease, clock and what it has seen.
+
+:class:`Session` holds the shards' channels, checks on connect that the
+address list is the cluster, keeps the worker's lease with a heartbeat
+thread, and runs every call through the retry policy and the one fan-out
+(worker_client.transport.fanout). :class:`SessionState` is the worker's
+clock (its step, each shard's push sequence), the versions it has seen
+(with the tickets that tell a rollback from a late answer), and its counters.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from concurrent import futures
+from typing import Any
+
+from wehub_ps.cluster import ClusterConfigError, split_host_port
+from wehub_ps.specs import VariableSpec
+from wehub_ps.v1 import ps_pb2
+from worker_client.errors import AuthenticationError, ClusterMismatchError, PSError, PSUnavailableError
+from worker_client.shard_info import ShardInfo, read_describe
+from worker_client.transport.channels import ShardChannel
+from worker_client.transport.credentials import BearerToken, tls_material
+from worker_client.transport.fanout import ShardCall, run_on_shards, run_shard_calls
+from worker_client.transport.handshake import diagnose
+from worker_client.transport.retry import RetryPolicy, call_with_retry
+
+__all__ = ["DEFAULT_LEASE_SECONDS", "Session", "SessionState", "check_addresses"]
+
+log = logging.getLogger("worker_client")
+
+#: The worker lease assumed when no server states one (the servers' own default).
+DEFAULT_LEASE_SECONDS = 30.0
+# At most this long to name a TLS mismatch after a failed connect attempt (two handshakes).
+_TLS_CHECK_SECONDS = 5.0
+
+
+def check_addresses(addresses: Sequence[str] | str) -> tuple[str, ...]:
+    """The ps-servers' addresses, position = shard index; ValueError names what is wrong."""
+    if isinstance(addresses, str):
+        addresses = [a.strip() for a in addresses.split(",") if a.strip()]
+    if not addresses:
+        raise ValueError("addresses must list at least one ps-server as 'host:port', got an empty list")
+    for address in addresses:
+        if not isinstance(address, str):
+            raise TypeError(f"addresses must be strings 'host:port', got {address!r}")
+        try:
+            split_host_port(address)
+        except ClusterConfigError as exc:
+            raise ValueError(f"addresses: {exc}") from None
+    if len(set(addresses)) != len(addresses):
+        raise ValueError(f"addresses must not repeat a server, got {list(addresses)}")
+    return tuple(addresses)
+
+
+class SessionState:
+    """The worker's step, push sequences, versions seen and counters, under one lock.
+
+    Versions: calls from several threads can be answered out of order. Each
+    pull or push takes a ticket (the count of calls started) when it starts;
+    a version older than one seen before proves a rollback only when the
+    call that saw it started after the newer version was seen.
+    """
+
+    def __init__(self, num_shards: int) -> None:
+        # Guards every field.
+        self._lock = threading.Lock()
+        self._step = 0
+        #: Per shard, the sequences of this client's pushes (each push takes one, retries keep it).
+        self.sequences = [itertools.count(1) for _ in range(num_shards)]
+        #: Per variable and shard: the newest version seen, and the ticket count when it was seen.
+        self._versions: dict[str, dict[int, int]] = {}
+        self._versions_seen_at: dict[tuple[str, int], int] = {}
+        self._calls_started = 0
+        self._stats = {"retries": 0, "duplicate_acks": 0, "rollbacks": 0, "dropped_pushes": 0,
+                       "prefetched_steps": 0}
+
+    @property
+    def step(self) -> int:
+        with self._lock:
+            return self._step
+
+    def advance_step(self) -> None:
+        with self._lock:
+            self._step += 1
+
+    def adopt_step(self, cluster_step: int) -> None:
+        """Continue at the cluster's step (a (re)joining worker), never going back."""
+        with self._lock:
+            self._step = max(self._step, cluster_step)
+
+    def note_dropped(self, cluster_step: int) -> None:
+        """sync: a push came after its step was applied; continue at the cluster's step (it ends next)."""
+        with self._lock:
+            self._step = max(self._step, cluster_step - 1)
+            self._stats["dropped_pushes"] += 1
+
+    def count(self, counter: str) -> None:
+        with self._lock:
+            self._stats[counter] += 1
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._stats)
+
+    def push_header(self, shard_index: int, items: Iterable[Any]) -> tuple[int, dict[str, int], int]:
+        """A new push of ``items`` (each with a ``name``) to one shard: its sequence, the base
+        version of each item's variable, and the step."""
+        with self._lock:
+            sequence = next(self.sequences[shard_index])
+            base_versions = {i.name: self._versions.get(i.name, {}).get(shard_index, 0) for i in items}
+            return sequence, base_versions, self._step
+
+    def versions(self, name: str) -> dict[int, int]:
+        with self._lock:
+            return dict(self._versions.get(name, {}))
+
+    def take_ticket(self) -> int:
+        with self._lock:
+            ticket = self._calls_started
+            self._calls_started += 1
+            return ticket
+
+    def record_versions(self, shard: ShardChannel, versions: dict[str, int], ticket: int) -> None:
+        """Remember the newest versions; one that went backwards means the server rolled back."""
+        rolled_back = {}
+        with self._lock:
+            for name, version in versions.items():
+                known = self._versions.setdefault(name, {})
+                previous = known.get(shard.index)
+                if previous is not None and version < previous:
+                    if ticket < self._versions_seen_at[name, shard.index]:
+                        continue  # an answer overtaken by a newer one
+                    rolled_back[name] = (previous, version)
+                known[shard.index] = version
+                self._versions_seen_at[name, shard.index] = self._calls_started
+            if rolled_back:
+                self._stats["rollbacks"] += 1
+        if rolled_back:
+            log.warning("ps-server rolled back", extra={"fields": {
+                "address": shard.address, "shard": shard.index,
+                "versions": {n: f"{a} -> {b}" for n, (a, b) in rolled_back.items()},
+                "meaning": "it restarted from a checkpoint; updates after that checkpoint are lost"}})
+
+
+class Session:
+    """The shards of one cluster as one worker (or observer) sees them; thread-safe.
+
+    ``chunk_bytes`` and ``consistency`` are what the servers allow and run,
+    settled by :meth:`connect`. ``closed`` is set by the client's close.
+    """
+
+    def __init__(self, addresses: Sequence[str] | str, worker_id: str, *, register: bool, chunk_bytes: int,
+                 control_timeout: float, data_timeout: float, retry_timeout: float,
+                 tls_ca: str | bytes | None, tls_cert: str | bytes | None, tls_key: str | bytes | None,
+                 server_name: str | None, auth_token: str | None, auth_token_file: str | None) -> None:
+        self.addresses = addresses
+        self.worker_id = worker_id
+        #: A registered client is a worker: it holds a lease and counts in the
+        #: ssp/sync modes. Unregistered ones (evaluators, admin tools) only observe.
+        self.register = register
+        #: New on every construction: tells servers apart retries of this
+        #: process from pushes of an earlier run with the same worker_id.
+        self.incarnation = uuid.uuid4().hex
+        self.chunk_bytes = chunk_bytes
+        #: The servers' --consistency: "async", "ssp" or "sync" (read on connect).
+        self.consistency = "async"
+        self.control_timeout = control_timeout
+        self.data_timeout = data_timeout
+        self.closed = False
+        self._retry = RetryPolicy(timeout=retry_timeout)
+        self._tls = tls_material(tls_ca, tls_cert, tls_key)
+        self._server_name = server_name
+        self._token = BearerToken(auth_token, auth_token_file)
+        credentials = self._tls.channel_credentials() if self._tls is not None else None
+        self.shards = [ShardChannel(i, a, credentials=credentials, server_name=server_name,
+                                    token=self._token, incarnation=self.incarnation,
+                                    request_timeout=data_timeout)
+                       for i, a in enumerate(addresses)]
+        self.executor = futures.ThreadPoolExecutor(
+            max_workers=max(2, 2 * len(self.shards)), thread_name_prefix=f"ps-client-{worker_id}")
+        self.state = SessionState(len(self.shards))
+        self._stop_heartbeat = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shards)
+
+    # ---- calls ----
+
+    def call(self, shard: ShardChannel, what: str, call: Callable[[], Any]) -> Any:
+        """``call()`` retried while the server is unavailable (see :mod:`worker_client.transport.retry`)."""
+        return call_with_retry(call, self._retry, what, shard.address, on_retry=self._count_retry,
+                               also_retry=self.token_may_be_rotated)
+
+    def _count_retry(self) -> None:
+        self.state.count("retries")
+
+    def on_shards(self, shards: Iterable[int], fn: Callable[[ShardChannel], Any]) -> dict[int, Any]:
+        """Run ``fn`` on each shard concurrently; raise the first error by shard order."""
+        return run_on_shards([self.shards[i] for i in shards], fn, self.executor)
+
+    def on_every_shard(self, fn: Callable[[ShardChannel], Any]) -> list[Any]:
+        """``fn`` on every shard concurrently; the results in shard order."""
+        results = run_on_shards(self.shards, fn, self.executor)
+        return [results[i] for i in range(len(self.shards))]
+
+    def run_calls(self, calls: Iterable[ShardCall], errors: dict[int, BaseException] | None = None
+                  ) -> dict[int, Any]:
+        """Data calls (pulls, pushes) to several shards at once, each retried (see transport.fanout)."""
+        return run_shard_calls(calls, self.executor, self.call, errors)
+
+    def token_may_be_rotated(self, error: PSError, changed_only: bool = False) -> bool:
+        """A refused token from a file: re-read the file; whether to retry (see PSClient's docstring).
+
+        ``changed_only`` (connecting): retry only if the file changed, so a wrong token fails at once.
+        """
+        if not isinstance(error, AuthenticationError) or not self._token.from_file:
+            return False
+        changed = self._token.reread()
+        return changed or not changed_only
+
+    # ---- describe and connect ----
+
+    def describe_once(self, shard: ShardChannel, timeout: float) -> tuple[ShardInfo, list[VariableSpec]]:
+        """One Describe of ``shard`` (no retry): its state and its variables' specs."""
+        raw = shard.describe(ps_pb2.DescribeRequest().SerializeToString(), timeout)
+        return read_describe(shard.address, raw)
+
+    def connect(self, timeout: float) -> tuple[float, list[VariableSpec]]:
+        """Check the cluster's identity; the shortest worker lease of the servers, and the specs they hold."""
+        connect_policy = RetryPolicy(timeout=timeout, warn_after=min(10.0, timeout / 2))
+        answers = self.on_shards(range(len(self.shards)), lambda s: call_with_retry(
+            lambda: self._connect_once(s, timeout), connect_policy, "connect", s.address,
+            also_retry=lambda error: self.token_may_be_rotated(error, changed_only=True)))
+        infos = {i: info for i, (info, _) in answers.items()}
+        specs = [spec for _, (_, shard_specs) in sorted(answers.items()) for spec in shard_specs]
+        wrong = [f"{info.address} says it is shard {info.shard_index} of {info.num_shards}"
+                 for i, info in infos.items()
+                 if (info.shard_index, info.num_shards) != (i, len(self.shards))]
+        # Never send a message a server would refuse for its size.
+        limits = [info.chunk_bytes_limit for info in infos.values() if info.chunk_bytes_limit]
+        if limits:
+            self.chunk_bytes = min(self.chunk_bytes, *limits)
+        if wrong:
+            raise ClusterMismatchError(
+                f"the address list {list(self.addresses)} does not match the cluster: "
+                + "; ".join(wrong) + f" (position in the list = shard index, length = {len(self.shards)})")
+        self.consistency = _one_consistency(infos.values())
+        leases = [info.worker_lease_seconds for info in infos.values() if info.worker_lease_seconds > 0]
+        return (min(leases) if leases else DEFAULT_LEASE_SECONDS), specs
+
+    def _connect_once(self, shard: ShardChannel, timeout: float) -> tuple[ShardInfo, list[VariableSpec]]:
+        """One Describe; when it fails as unavailable, PSTLSError if the TLS set-up is the cause."""
+        try:
+            return self.describe_once(shard, self.control_timeout)
+        except PSUnavailableError as error:
+            mismatch = diagnose(shard.address, self._tls, self._server_name, min(_TLS_CHECK_SECONDS, timeout))
+            if mismatch is not None:
+                raise mismatch from error
+            raise
+
+    # ---- lease and clock ----
+
+    def start_heartbeat(self, lease: float) -> None:
+        """Register (continuing at the cluster's step), then renew the lease a third of it apart."""
+        self.heartbeat_all(self.control_timeout, adopt_step=True)
+        self._heartbeat_thread = threading.Thread(
+            target=self._heartbeat_loop, args=(max(0.2, lease / 3),),
+            name=f"ps-heartbeat-{self.worker_id}", daemon=True)
+        self._heartbeat_thread.start()
+
+    def _heartbeat_loop(self, interval: float) -> None:
+        while not self._stop_heartbeat.wait(interval):
+            self.heartbeat_all(min(self.control_timeout, interval))
+
+    def heartbeat_all(self, timeout: float, shards: Iterable[int] | None = None,
+                      adopt_step: bool = False) -> None:
+        """Renew the lease (and report the step) on every shard, in parallel; errors are logged.
+
+        ``adopt_step`` (registration only): continue at the cluster's step. Never
+        later: a shard that finished a step before another must not make this
+        worker skip the step it is still pushing elsewhere.
+        """
+        request = ps_pb2.HeartbeatRequest(worker_id=self.worker_id, incarnation=self.incarnation,
+                                          step=self.state.step).SerializeToString()
+
+        def beat(shard: ShardChannel) -> int:
+            try:
+                return ps_pb2.HeartbeatResponse.FromString(shard.heartbeat(request, timeout)).cluster_step
+            except PSError as error:  # the next beat, or a retried RPC, will tell more
+                self.token_may_be_rotated(error)  # a rotated token file: the next beat carries the new one
+                log.debug("heartbeat failed",
+                          extra={"fields": {"address": shard.address, "error": str(error)}})
+                return 0
+
+        steps = self.on_shards(range(len(self.shards)) if shards is None else shards, beat)
+        cluster_step = max(steps.values(), default=0)
+        if adopt_step and cluster_step:
+            self.state.adopt_step(cluster_step)
+
+    def finish_step(self, pushed_shards: set[int]) -> None:
+        """A step ended. In ssp/sync mode, shards this step did not push to learn the
+        new clock right away (they may be holding other workers' pulls for it)."""
+        self.state.advance_step()
+        if self.consistency != "async":
+            others = [i for i in range(len(self.shards)) if i not in pushed_shards]
+            if others:
+                self.heartbeat_all(self.control_timeout, others)
+
+    def note_cluster_step(self, cluster_step: int, dropped: bool) -> None:
+        """sync: a push that came after its step was applied was dropped; the
+        worker then continues at the cluster's step (its step ends next)."""
+        if dropped and cluster_step:
+            self.state.note_dropped(cluster_step)
+
+    # ---- operator calls and the end ----
+
+    def checkpoint(self) -> list[dict[str, Any]]:
+        """Make every server write a checkpoint now; returns once all are durable."""
+        request = ps_pb2.CheckpointRequest().SerializeToString()
+
+        def on(shard: ShardChannel) -> dict[str, Any]:
+            raw = self.call(shard, "checkpoint", lambda: shard.checkpoint(request, self.data_timeout))
+            c = ps_pb2.CheckpointResponse.FromString(raw).checkpoint
+            return {"address": shard.address, "checkpoint_id": c.checkpoint_id, "path": c.path,
+                    "bytes": c.bytes, "write_seconds": c.write_seconds, "pause_seconds": c.pause_seconds}
+
+        return self.on_every_shard(on)
+
+    def finish(self) -> None:
+        """Every server writes its final checkpoint and exits (servers run with --allow-finish)."""
+        request = ps_pb2.FinishRequest(worker_id=self.worker_id).SerializeToString()
+        self.on_every_shard(lambda s: self.call(s, "finish", lambda: s.finish(request, self.control_timeout)))
+
+    def health(self, timeout: float) -> list[str]:
+        """Each shard's gRPC health status, in shard order (one check each, shard by shard)."""
+        return [shard.health(timeout) for shard in self.shards]
+
+    def close(self) -> None:
+        """Stop the heartbeat, leave the live set, close every channel. Called once."""
+        self._stop_heartbeat.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join()
+            self._say_goodbye()
+        for shard in self.shards:
+            shard.close()
+        self.executor.shutdown(wait=True)
+
+    def _say_goodbye(self) -> None:
+        """Leave the live set now, so synchronous steps stop waiting for this worker."""
+        request = ps_pb2.HeartbeatRequest(worker_id=self.worker_id, incarnation=self.incarnation,
+                                          leaving=True).SerializeToString()
+        for shard in self.shards:
+            try:
+                shard.heartbeat(request, min(2.0, self.control_timeout))
+            except PSError:
+                pass  # the lease expires on its own
+
+
+def _one_consistency(infos: Iterable[ShardInfo]) -> str:
+    """The servers' one consistency mode; ClusterMismatchError when they differ (in mode or its bound)."""
+    infos = list(infos)
+    modes = {info.consistency.get("mode", "async") for info in infos}
+    if len(modes) > 1:
+        raise ClusterMismatchError(f"the servers run different consistency modes {sorted(modes)}; "
+                                   "start every ps-server with the same --consistency")
+    # The mode's bound too: shards with different ones would hold the same step differently.
+    bound = {"ssp": ("staleness", "--staleness"), "sync": ("backup_workers", "--backup-workers")}
+    for key, flag in [bound[mode] for mode in modes if mode in bound]:
+        values = {info.address: info.consistency.get(key, 0) for info in infos}
+        if len(set(values.values())) > 1:
+            raise ClusterMismatchError(
+                f"the servers run with different {flag} ("
+                + ", ".join(f"{address}: {value}" for address, value in values.items())
+                + f"); start every ps-server with the same {flag}")
+    return modes.pop()

@@ -1,0 +1,68 @@
+"""What a ps-server reports about itself (Describe), as plain Python values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from wehub_ps.specs import VariableSpec
+from wehub_ps.specs_proto import spec_from_proto
+from wehub_ps.v1 import ps_pb2
+
+__all__ = ["ShardInfo", "read_describe"]
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What one ps-server reports about itself."""
+
+    address: str
+    shard_index: int
+    num_shards: int
+    server_id: str
+    server_version: str
+    variables: dict[str, dict[str, Any]]
+    chunk_bytes_limit: int = 0
+    worker_lease_seconds: float = 0.0
+    workers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    last_checkpoint: dict[str, Any] | None = None
+    restored_from: dict[str, Any] | None = None
+    consistency: dict[str, Any] = field(default_factory=dict)
+    stored_bytes: int = 0
+    memory_limit_bytes: int = 0
+
+
+def read_describe(address: str, raw: bytes) -> tuple[ShardInfo, list[VariableSpec]]:
+    """A serialised DescribeResponse from ``address``: the shard's state and the specs of its variables."""
+    msg = ps_pb2.DescribeResponse.FromString(raw)
+    variables = {}
+    specs = []
+    for info in msg.variables:
+        spec = spec_from_proto(info.spec)
+        specs.append(spec)
+        variables[spec.name] = {"row_start": info.row_start, "row_end": info.row_end,
+                                "version": info.version, "initialized": info.initialized,
+                                "optimizer_steps": info.optimizer_steps, "num_rows": info.num_rows,
+                                "evicted_rows": info.evicted_rows}
+    workers = {w.worker_id: {"incarnation": w.incarnation, "live": w.live, "step": w.step,
+                             "seconds_since_seen": w.seconds_since_seen, "pushes": w.pushes}
+               for w in msg.workers}
+    checkpoint = None
+    if msg.HasField("last_checkpoint"):
+        c = msg.last_checkpoint
+        checkpoint = {"checkpoint_id": c.checkpoint_id, "path": c.path, "created_unix": c.created_unix,
+                      "bytes": c.bytes, "write_seconds": c.write_seconds, "pause_seconds": c.pause_seconds}
+    restored = None
+    if msg.HasField("restored_from"):
+        r = msg.restored_from
+        restored = {"checkpoint_id": r.checkpoint_id, "path": r.path, "created_unix": r.created_unix,
+                    "num_shards": r.num_shards}
+    c = msg.consistency
+    consistency = {"mode": c.mode or "async", "staleness": c.staleness, "backup_workers": c.backup_workers,
+                   "step": c.step, "pulls": c.pulls, "pulls_blocked": c.pulls_blocked,
+                   "blocked_seconds": c.blocked_seconds, "max_staleness_admitted": c.max_staleness_admitted,
+                   "dropped_gradients": c.dropped_gradients, "steps_applied": c.steps_applied}
+    info = ShardInfo(address, msg.shard_index, msg.num_shards, msg.server_id, msg.server_version, variables,
+                     msg.chunk_bytes_limit, msg.worker_lease_seconds, workers, checkpoint, restored,
+                     consistency, msg.stored_bytes, msg.memory_limit_bytes)
+    return info, specs
