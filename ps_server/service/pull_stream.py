@@ -27,6 +27,7 @@ from wehub_ps.wire.codec import (
     piece_size,
     pull_response_pieces,
 )
+from wehub_ps.wire.chunking import ChunkPacker
 from wehub_ps.wire.dtypes import to_wire_dtype
 
 __all__ = ["pull_messages"]
@@ -38,17 +39,14 @@ _PACK_BELOW_BYTES = 64 * 1024
 def pull_messages(plan: PullPlan) -> Iterator[list]:
     """The response messages, each as pieces (codec.pull_response_pieces) to be joined once."""
     chunk_bytes = plan.chunk_bytes
-    pending: list[OutgoingChunk] = []
-    pending_bytes = 0
+    packer: ChunkPacker[OutgoingChunk, list] = ChunkPacker(_frame, chunk_bytes)
     for read in plan.reads:
         if type(read) is RowsRead:
             part, values, version, wire = read
             for chunk in _row_chunks(part, values, version, wire, chunk_bytes):
-                if pending and pending_bytes + chunk.data.nbytes > chunk_bytes:
-                    yield pull_response_pieces(pending)
-                    pending, pending_bytes = [], 0
-                pending.append(chunk)
-                pending_bytes += chunk.data.nbytes
+                message = packer.add(chunk, chunk.data.nbytes)
+                if message is not None:
+                    yield message
             continue
         part, start, count, wire = read
         wire_enum = to_wire_dtype(wire)
@@ -57,18 +55,24 @@ def pull_messages(plan: PullPlan) -> Iterator[list]:
         for offset, n in chunk_ranges(count, per_chunk):
             first = start + offset
             if n * wire.itemsize >= _PACK_BELOW_BYTES:
-                if pending:
-                    yield pull_response_pieces(pending)
-                    pending, pending_bytes = [], 0
+                message = packer.flush()
+                if message is not None:
+                    yield message
                 yield part.read(first, n, wire, _chunk_sink(name, first, wire_enum, elements, alone=True))
                 continue
-            pending.append(part.read(first, n, wire, _chunk_sink(name, first, wire_enum, elements)))
-            pending_bytes += n * wire.itemsize
-            if pending_bytes >= chunk_bytes:
-                yield pull_response_pieces(pending)
-                pending, pending_bytes = [], 0
-    if pending:
-        yield pull_response_pieces(pending)
+            # Read first (under the part's lock), then packed: a small chunk may end a message past
+            # chunk_bytes by less than _PACK_BELOW_BYTES, and the message goes once it is full.
+            packer.append(part.read(first, n, wire, _chunk_sink(name, first, wire_enum, elements)),
+                          n * wire.itemsize)
+            if packer.full:
+                yield packer.flush()
+    message = packer.flush()
+    if message is not None:
+        yield message
+
+
+def _frame(head: None, chunks: list[OutgoingChunk]) -> list:
+    return pull_response_pieces(chunks)
 
 
 def _row_chunks(part: VariablePart | HashTablePart, values: np.ndarray | RowGather, version: int,
