@@ -28,9 +28,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ps_server.durability.checkpointer import Checkpointer  # noqa: E402
 from ps_server.core.ledger import PushLedger  # noqa: E402
 from ps_server.core.store import VariableStore  # noqa: E402
+from ps_server.durability.checkpointer import Checkpointer  # noqa: E402
 from wehub_ps.placement import MinSizePartitioner  # noqa: E402
 from wehub_ps.specs import SGD, VariableSpec  # noqa: E402
 

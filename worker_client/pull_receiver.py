@@ -12,15 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from wehub_ps.wire.codec import (
-    CodecError,
-    DecodedChunk,
-    decode_pull_response,
-    encode_pull_item,
-    encode_pull_request,
-)
 from wehub_ps.kernels.convert import cast_into
 from wehub_ps.kernels.rowops import put_rows
+from wehub_ps.wire.codec import DecodedChunk, decode_pull_response
+from wehub_ps.wire.protowire import CodecError
+from wehub_ps.wire.small_messages import encode_pull_item, encode_pull_request
 from worker_client.errors import PSInternalError
 
 __all__ = ["PullItem", "PullReceiver", "pull_request"]

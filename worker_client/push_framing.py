@@ -20,17 +20,11 @@ import numpy as np
 from wehub_ps.kernels.convert import cast_into
 from wehub_ps.kernels.rowops import RowGather
 from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.arrays import byte_view, chunk_ranges
 from wehub_ps.wire.chunking import ChunkPacker, split_spans
-from wehub_ps.wire.codec import (
-    OutgoingChunk,
-    byte_view,
-    chunk_ranges,
-    encode_chunk_header,
-    encode_push_begin,
-    encode_push_item,
-    push_request_pieces,
-)
+from wehub_ps.wire.codec import OutgoingChunk, push_request_pieces
 from wehub_ps.wire.dtypes import to_wire_dtype
+from wehub_ps.wire.small_messages import encode_chunk_header, encode_push_begin, encode_push_item
 from worker_client.pull_receiver import PullItem
 from worker_client.session import Session
 

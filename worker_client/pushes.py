@@ -22,7 +22,8 @@ import numpy as np
 from wehub_ps.kernels.rowops import RowGather, take_rows
 from wehub_ps.kernels.segments import sort_ids, sum_sorted
 from wehub_ps.v1 import ps_pb2
-from wehub_ps.wire.codec import EXCHANGE_PUSH, as_wire_array, join_pieces, split_push_response
+from wehub_ps.wire.arrays import as_wire_array
+from wehub_ps.wire.codec import EXCHANGE_PUSH, join_pieces, split_push_response
 from worker_client.arrays import check_array, check_ids, is_gpu_array, parse_device, to_host
 from worker_client.errors import InvalidArgumentError, PSError, PSUnavailableError, PushWrittenOffError
 from worker_client.gpu import LazyGpuTransfers

@@ -37,7 +37,7 @@ from wehub_ps.specs import (
 )
 from wehub_ps.specs_proto import spec_to_proto
 from wehub_ps.v1 import ps_pb2
-from wehub_ps.wire.codec import as_wire_array, byte_view
+from wehub_ps.wire.arrays import as_wire_array, byte_view
 from worker_client.arrays import to_host
 from worker_client.errors import (
     DTypeMismatchError,

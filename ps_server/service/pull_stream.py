@@ -17,18 +17,17 @@ import numpy as np
 from ps_server.core.pulls import PullPlan, RowsRead
 from ps_server.core.store import VariablePart
 from ps_server.core.tables import HashTablePart
+from wehub_ps.kernels.rowops import RowGather
+from wehub_ps.wire.arrays import byte_view, chunk_ranges
+from wehub_ps.wire.chunking import ChunkPacker
 from wehub_ps.wire.codec import (
     OutgoingChunk,
-    RowGather,
-    byte_view,
-    chunk_ranges,
-    encode_chunk_header,
     encode_pull_response,
     piece_size,
     pull_response_pieces,
 )
-from wehub_ps.wire.chunking import ChunkPacker
 from wehub_ps.wire.dtypes import to_wire_dtype
+from wehub_ps.wire.small_messages import encode_chunk_header
 
 __all__ = ["pull_messages"]
 

@@ -30,18 +30,18 @@ from wehub_ps.wire.codec import (
     EXCHANGE_ERROR,
     EXCHANGE_PULL,
     EXCHANGE_PUSH,
-    CodecError,
     TooManyChunks,
     decode_envelope,
     decode_push_request,
     encode_envelope,
-    encode_push_response,
     join_pieces,
     piece_size,
     push_response_pieces,
 )
 from wehub_ps.wire.dtypes import to_numpy_dtype
+from wehub_ps.wire.protowire import CodecError
 from wehub_ps.wire.rpc import SERVICE_NAME
+from wehub_ps.wire.small_messages import encode_push_response
 
 __all__ = ["ParameterServerService"]
 

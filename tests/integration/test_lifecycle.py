@@ -16,25 +16,24 @@ import numpy as np
 import pytest
 from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from ps_server import ServerConfig, create_server
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from ps_server import ServerConfig, create_server
+from wehub_ps.errors import REASON_METADATA_KEY
+from wehub_ps.specs import VariableSpec
+from wehub_ps.specs_proto import spec_to_proto
+from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.arrays import byte_view
 from wehub_ps.wire.codec import (
     EXCHANGE_ERROR,
     EXCHANGE_PULL,
     EXCHANGE_PUSH,
     OutgoingChunk,
-    byte_view,
     decode_envelope,
     encode_envelope,
     encode_push_request,
 )
-from wehub_ps.errors import REASON_METADATA_KEY
 from wehub_ps.wire.rpc import method_path
-from wehub_ps.specs import VariableSpec
-from wehub_ps.specs_proto import spec_to_proto
-from wehub_ps.v1 import ps_pb2
 from worker_client import SGD, PSClient, PSUnavailableError
 
 SERVICE = "wehub_ps.v1.ParameterServer"

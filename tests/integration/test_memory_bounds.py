@@ -16,7 +16,6 @@ last, because the ledger keeps holding their bytes.
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import urllib.request
@@ -26,25 +25,26 @@ import grpc
 import numpy as np
 import pytest
 
+from wehub_ps.errors import REASON_METADATA_KEY
+from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.arrays import byte_view
 from wehub_ps.wire.codec import (
     EXCHANGE_ERROR,
     EXCHANGE_PULL,
     OutgoingChunk,
-    byte_view,
     decode_envelope,
     decode_pull_response,
-    encode_chunk_header,
     encode_envelope,
+    encode_push_request,
+)
+from wehub_ps.wire.rpc import method_path
+from wehub_ps.wire.small_messages import (
+    encode_chunk_header,
     encode_pull_item,
     encode_pull_request,
     encode_push_begin,
     encode_push_item,
-    encode_push_request,
 )
-from wehub_ps.errors import REASON_METADATA_KEY
-from wehub_ps.placement import hash_shards
-from wehub_ps.wire.rpc import method_path
-from wehub_ps.v1 import ps_pb2
 from worker_client import SGD, PSClient, ResourceExhaustedError, Uniform
 
 MiB = 1 << 20

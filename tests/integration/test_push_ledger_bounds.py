@@ -15,18 +15,18 @@ import grpc
 import numpy as np
 import pytest
 
+from wehub_ps.errors import REASON_METADATA_KEY
+from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.arrays import byte_view
 from wehub_ps.wire.codec import (
     EXCHANGE_ERROR,
     EXCHANGE_PUSH,
     OutgoingChunk,
-    byte_view,
     decode_envelope,
     encode_envelope,
     encode_push_request,
 )
-from wehub_ps.errors import REASON_METADATA_KEY
 from wehub_ps.wire.rpc import method_path
-from wehub_ps.v1 import ps_pb2
 from worker_client import SGD, PSClient, PushWrittenOffError
 
 MAX_OPEN_PUSHES = 64  # PushLedger's default, the bound under test

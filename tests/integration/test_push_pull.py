@@ -15,16 +15,11 @@ import numpy as np
 import pytest
 
 import worker_client.prefetch as prefetch_module
-from wehub_ps.wire.codec import (
-    OutgoingChunk,
-    byte_view,
-    decode_pull_response,
-    encode_push_request,
-    split_push_response,
-)
 from wehub_ps.errors import REASON_METADATA_KEY
-from wehub_ps.wire.rpc import method_path
 from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.arrays import byte_view
+from wehub_ps.wire.codec import OutgoingChunk, decode_pull_response, encode_push_request, split_push_response
+from wehub_ps.wire.rpc import method_path
 from worker_client import SGD, PSClient
 
 LR = 0.5

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from faults import randomized
 from faults.layout import MODES
 from faults.schedule import KINDS

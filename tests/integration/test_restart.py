@@ -11,9 +11,10 @@ import grpc
 import numpy as np
 import pytest
 
-from wehub_ps.wire.codec import OutgoingChunk, byte_view, encode_push_request
-from wehub_ps.wire.rpc import method_path
 from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.arrays import byte_view
+from wehub_ps.wire.codec import OutgoingChunk, encode_push_request
+from wehub_ps.wire.rpc import method_path
 from worker_client import SGD, Adam, Momentum, PSClient, PSUnavailableError
 
 

@@ -15,10 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ps_testing import free_port
 from tls_material import make_tls_material
 
-from wehub_ps.wire.codec import OutgoingChunk, byte_view, encode_push_request
 from wehub_ps.errors import REASON_METADATA_KEY
-from wehub_ps.wire.rpc import method_path
 from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.arrays import byte_view
+from wehub_ps.wire.codec import OutgoingChunk, encode_push_request
+from wehub_ps.wire.rpc import method_path
 from worker_client import (
     SGD,
     AuthenticationError,

@@ -27,11 +27,11 @@ The output is ordinary protobuf (a test compares it with
 tag is read from the generated descriptors at import
 (:func:`wehub_ps.wire.protowire.field_tag`).
 
-This module is the one import point of the data-path framing: it also
-exports what its parts define, the small-message encoders
+Its parts: the protobuf wire-format primitives and :class:`CodecError`
+(:mod:`~wehub_ps.wire.protowire`), the small-message encoders
 (:mod:`~wehub_ps.wire.small_messages`), the array views
-(:mod:`~wehub_ps.wire.arrays`) and :class:`CodecError`
-(:mod:`~wehub_ps.wire.protowire`).
+(:mod:`~wehub_ps.wire.arrays`) and the packing of chunks into messages
+(:mod:`~wehub_ps.wire.chunking`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import numpy as np
 
 from wehub_ps.kernels.rowops import RowGather
 from wehub_ps.v1 import ps_pb2
-from wehub_ps.wire.arrays import as_wire_array, byte_view, chunk_ranges, chunk_view
+from wehub_ps.wire.arrays import chunk_view
 from wehub_ps.wire.dtypes import to_numpy_dtype
 from wehub_ps.wire.fresh_bytes import filled_bytes
 from wehub_ps.wire.protowire import (
@@ -58,17 +58,8 @@ from wehub_ps.wire.protowire import (
     tag,
     varint,
 )
-from wehub_ps.wire.small_messages import (
-    encode_chunk_header,
-    encode_pull_item,
-    encode_pull_request,
-    encode_push_begin,
-    encode_push_item,
-    encode_push_response,
-)
 
 __all__ = [
-    "CodecError",
     "TooManyChunks",
     "DecodedChunk",
     "OutgoingChunk",
@@ -82,18 +73,8 @@ __all__ = [
     "split_push_response",
     "decode_pull_response",
     "decode_push_request",
-    "as_wire_array",
-    "chunk_view",
-    "chunk_ranges",
-    "byte_view",
     "encode_envelope",
     "decode_envelope",
-    "encode_chunk_header",
-    "encode_push_item",
-    "encode_push_begin",
-    "encode_pull_item",
-    "encode_pull_request",
-    "encode_push_response",
 ]
 
 # Tags written and field numbers read, from the generated descriptors.

@@ -14,8 +14,8 @@ from typing import TypeVar
 import grpc
 
 from wehub_ps.wire.rpc import INCARNATION_METADATA_KEY, MAX_MESSAGE_BYTES, SERVICE_NAME, method_path
-from worker_client.transport.credentials import BearerToken
 from worker_client.errors import PSError, translate_rpc_error
+from worker_client.transport.credentials import BearerToken
 from worker_client.transport.lane import ExchangeLane
 
 __all__ = ["ShardChannel"]

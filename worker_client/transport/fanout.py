@@ -21,8 +21,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-from worker_client.transport.lane import LaneRefused
 from worker_client.transport.channels import PendingExchange, ShardChannel
+from worker_client.transport.lane import LaneRefused
 
 __all__ = ["ShardCall", "run_on_shards", "run_shard_calls"]
 

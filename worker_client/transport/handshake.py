@@ -24,8 +24,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from wehub_ps.cluster import ClusterConfigError, split_host_port
-from worker_client.transport.credentials import TlsMaterial
 from worker_client.errors import PSTLSError, TLSProblem
+from worker_client.transport.credentials import TlsMaterial
 
 __all__ = ["diagnose"]
 

@@ -39,9 +39,9 @@ from typing import Any
 
 import grpc
 
-from wehub_ps.wire.codec import EXCHANGE_ERROR, decode_envelope, encode_envelope
-from wehub_ps.v1 import ps_pb2
 from wehub_ps.errors import Reason
+from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.codec import EXCHANGE_ERROR, decode_envelope, encode_envelope
 from worker_client.errors import PSUnavailableError, error_for, translate_rpc_error
 
 __all__ = ["ExchangeLane", "LaneRefused"]

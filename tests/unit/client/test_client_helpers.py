@@ -8,7 +8,6 @@ import pytest
 
 from wehub_ps.errors import REASON_METADATA_KEY, Reason
 from worker_client.arrays import parse_device, to_device, to_host
-from worker_client.transport.credentials import BearerToken
 from worker_client.errors import (
     AuthenticationError,
     ClusterMismatchError,
@@ -25,6 +24,7 @@ from worker_client.errors import (
     VariableNotFoundError,
     translate_rpc_error,
 )
+from worker_client.transport.credentials import BearerToken
 
 
 class FakeRpcError(grpc.RpcError):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from wehub_ps.wire.codec import OutgoingChunk, encode_pull_response
 from wehub_ps.dtypes import BFLOAT16
-from wehub_ps.wire.dtypes import to_wire_dtype
 from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.codec import OutgoingChunk, encode_pull_response
+from wehub_ps.wire.dtypes import to_wire_dtype
 from worker_client.errors import PSInternalError
 from worker_client.pull_receiver import PullItem, PullReceiver
 

@@ -8,17 +8,15 @@ import threading
 import numpy as np
 import pytest
 
+from ps_server.core import memory as memory_module
 from ps_server.core.errors import RequestError
 from ps_server.core.initializers import fill_initial_values
 from ps_server.core.ledger import PushLedger
-from ps_server.core.pushes import begin_push, check_cluster
-from ps_server.core import memory as memory_module
 from ps_server.core.parts import check_dtype_allowed
+from ps_server.core.pushes import begin_push, check_cluster
 from ps_server.core.store import VariableStore
 from ps_server.service.push_messages import push_chunk, push_start
-from wehub_ps.wire.codec import DecodedChunk, as_wire_array, byte_view, chunk_ranges, join_pieces
 from wehub_ps.dtypes import BFLOAT16
-from wehub_ps.wire.dtypes import to_wire_dtype
 from wehub_ps.errors import Reason
 from wehub_ps.placement import FixedShardsPartitioner, rows_of
 from wehub_ps.specs import (
@@ -34,6 +32,9 @@ from wehub_ps.specs import (
     Zeros,
 )
 from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.arrays import as_wire_array, byte_view, chunk_ranges
+from wehub_ps.wire.codec import DecodedChunk, join_pieces
+from wehub_ps.wire.dtypes import to_wire_dtype
 
 LIMIT = 1 << 30
 

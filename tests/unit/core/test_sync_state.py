@@ -17,15 +17,15 @@ from test_store import _begin, _chunks
 
 import ps_server.core.membership as membership_module
 from ps_server.core.accumulator import PushStaging
-from ps_server.durability.restore import find_restore_plan, load_parts
-from ps_server.durability.checkpointer import Checkpointer
 from ps_server.core.consistency import ConsistencyController
 from ps_server.core.errors import RequestError
-from ps_server.core.membership import Membership
 from ps_server.core.ledger import PushLedger
+from ps_server.core.membership import Membership
 from ps_server.core.pushes import begin_push
 from ps_server.core.store import VariableStore
 from ps_server.core.tables import HashTablePart
+from ps_server.durability.checkpointer import Checkpointer
+from ps_server.durability.restore import find_restore_plan, load_parts
 from ps_server.service.push_messages import push_start
 from wehub_ps.errors import Reason
 from wehub_ps.specs import SGD, Constant, VariableSpec, Zeros

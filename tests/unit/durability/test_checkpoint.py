@@ -18,17 +18,15 @@ import time
 import numpy as np
 import pytest
 
-from ps_server.durability.format import MANIFEST_FILE, TENSORS_FILE, CheckpointError, shard_dir
-from ps_server.durability.restore import RestoredFrom, find_restore_plan, load_parts, load_restore
-from ps_server.durability.writer import ShardSnapshot, clean_temporaries, write_checkpoint
-from ps_server.durability.checkpointer import Checkpointer
 from ps_server.core.errors import RequestError
 from ps_server.core.ledger import ClaimResult, PushLedger
 from ps_server.core.pushes import begin_push
 from ps_server.core.store import VariableStore
+from ps_server.durability.checkpointer import Checkpointer
+from ps_server.durability.format import MANIFEST_FILE, TENSORS_FILE, CheckpointError, shard_dir
+from ps_server.durability.restore import RestoredFrom, find_restore_plan, load_parts, load_restore
+from ps_server.durability.writer import ShardSnapshot, clean_temporaries, write_checkpoint
 from ps_server.service.push_messages import push_chunk, push_start
-from wehub_ps.wire.codec import DecodedChunk, as_wire_array, byte_view, chunk_ranges
-from wehub_ps.wire.dtypes import to_wire_dtype
 from wehub_ps.errors import Reason
 from wehub_ps.placement import FixedShardsPartitioner, MinSizePartitioner, rows_of, stable_hash64
 from wehub_ps.specs import (
@@ -44,6 +42,9 @@ from wehub_ps.specs import (
     VariableSpec,
 )
 from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.arrays import as_wire_array, byte_view, chunk_ranges
+from wehub_ps.wire.codec import DecodedChunk
+from wehub_ps.wire.dtypes import to_wire_dtype
 
 LIMIT = 1 << 30
 

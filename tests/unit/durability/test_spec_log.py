@@ -13,13 +13,13 @@ import threading
 
 import numpy as np
 
+from ps_server.core.ledger import PushLedger
+from ps_server.core.store import VariableStore
+from ps_server.durability.checkpointer import Checkpointer
 from ps_server.durability.format import SPEC_LOG_FILE, shard_dir
 from ps_server.durability.restore import find_restore_plan, load_restore
-from ps_server.durability.writer import ShardSnapshot, write_checkpoint
-from ps_server.durability.checkpointer import Checkpointer
-from ps_server.core.ledger import PushLedger
 from ps_server.durability.spec_log import VALUES_DIR, SpecLog
-from ps_server.core.store import VariableStore
+from ps_server.durability.writer import ShardSnapshot, write_checkpoint
 from wehub_ps.placement import FixedShardsPartitioner
 from wehub_ps.specs import SGD, Explicit, Normal, VariableSpec
 

@@ -10,9 +10,9 @@ import textwrap
 import numpy as np
 import pytest
 
+from wehub_ps.dtypes import BFLOAT16
 from wehub_ps.kernels.compiled import compiled
 from wehub_ps.kernels.convert import _f32_to_bf16, cast_into
-from wehub_ps.dtypes import BFLOAT16
 
 SPECIAL_BITS = [0x00000000, 0x80000000, 0x7F800000, 0xFF800000,  # zeros, infinities
                 0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0xFF800001, 0xFFFFFFFF, 0x7F80FFFF,  # NaNs

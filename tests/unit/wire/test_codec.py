@@ -8,35 +8,34 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from wehub_ps.dtypes import BFLOAT16
+from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.arrays import as_wire_array, byte_view, chunk_ranges, chunk_view
 from wehub_ps.wire.codec import (
     BATCH_BELOW_BYTES,
     EXCHANGE_ERROR,
     EXCHANGE_PULL,
     EXCHANGE_PUSH,
-    CodecError,
     DecodedChunk,
     OutgoingChunk,
     TooManyChunks,
-    as_wire_array,
-    byte_view,
-    chunk_ranges,
-    chunk_view,
     decode_envelope,
     decode_pull_response,
     decode_push_request,
-    encode_chunk_header,
     encode_envelope,
+    encode_pull_response,
+    encode_push_request,
+)
+from wehub_ps.wire.dtypes import to_numpy_dtype, to_wire_dtype
+from wehub_ps.wire.protowire import CodecError
+from wehub_ps.wire.small_messages import (
+    encode_chunk_header,
     encode_pull_item,
     encode_pull_request,
-    encode_pull_response,
     encode_push_begin,
     encode_push_item,
-    encode_push_request,
     encode_push_response,
 )
-from wehub_ps.dtypes import BFLOAT16
-from wehub_ps.wire.dtypes import to_numpy_dtype, to_wire_dtype
-from wehub_ps.v1 import ps_pb2
 
 SETTINGS = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

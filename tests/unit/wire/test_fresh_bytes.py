@@ -7,9 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from wehub_ps.kernels.rowops import RowGather
+from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.arrays import byte_view
 from wehub_ps.wire.codec import (
     OutgoingChunk,
-    byte_view,
     decode_envelope,
     decode_push_request,
     encode_envelope,
@@ -18,9 +20,7 @@ from wehub_ps.wire.codec import (
     piece_size,
     push_request_pieces,
 )
-from wehub_ps.kernels.rowops import RowGather
 from wehub_ps.wire.fresh_bytes import filled_bytes
-from wehub_ps.v1 import ps_pb2
 
 
 def test_filled_bytes_holds_what_the_fill_wrote():

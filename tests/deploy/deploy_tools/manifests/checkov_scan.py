@@ -13,7 +13,6 @@ from .k8s_objects import ref
 from .kustomize import dump_all
 from .schema_validation import CRD_ALLOWLIST, embedded_core_objects
 
-
 #: Each input is scanned twice in the same run: as it is, and with every skip
 #: removed (file names with this marker), to tell a needed skip from a stale one.
 NOSKIP = ".noskip"

@@ -3,10 +3,8 @@ NetworkPolicies, probes and references must fit the pods they are about."""
 
 from __future__ import annotations
 
-
 from .k8s_objects import find, label_selector_matches, map_selector_matches, namespace_of, ref
 from .pod_templates import PodUnit, container_ports, pod_units, secret_keys, unit_has_port
-
 
 SCALABLE_CONTROLLERS = {"Deployment", "ReplicaSet", "StatefulSet", "ReplicationController"}
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-
 #: The metrics ps-server exports: name -> (type, labels).
 METRICS = {
     "wehub_ps_pushes_total": ("counter", {"variable", "outcome"}),

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import yaml
 
-
 #: The repository root (this file is tests/deploy/deploy_tools/manifests/kustomize.py).
 REPO = Path(__file__).resolve().parents[4]
 

@@ -11,7 +11,6 @@ from typing import Any
 
 from .k8s_objects import find, namespace_of, ref
 
-
 POD_TEMPLATE_KINDS = {"Deployment", "ReplicaSet", "StatefulSet", "DaemonSet", "Job"}
 
 

@@ -7,7 +7,6 @@ import copy
 
 from .k8s_objects import ref
 
-
 #: Oldest Kubernetes release the manifests must validate against (StatefulSet
 #: pod-index label: 1.28+; native gRPC probes: 1.27+).
 K8S_MIN_VERSION = "1.33"

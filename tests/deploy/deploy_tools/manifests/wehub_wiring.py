@@ -18,7 +18,6 @@ from .pod_templates import (
     secret_keys,
 )
 
-
 POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
 COMPLETION_INDEX_FIELDS = {
     "metadata.annotations['batch.kubernetes.io/job-completion-index']",

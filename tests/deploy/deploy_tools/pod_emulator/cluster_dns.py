@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 from .pod_plan import Pod
 
-
 CLUSTER_DOMAIN = "cluster.local"
 
 

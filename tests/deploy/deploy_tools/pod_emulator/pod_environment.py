@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 from .errors import ContractError, HarnessError
 
-
 _REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
 

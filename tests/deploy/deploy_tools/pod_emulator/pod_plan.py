@@ -15,7 +15,6 @@ from .pod_environment import PodMeta, expand, pod_meta, resolve_env
 from .pod_volumes import Identity, Mount, identity_of, materialize_volumes, rewrite_path
 from .workloads import executable, program_container
 
-
 #: What the image (deploy/Dockerfile) puts in every container's environment,
 #: and its WORKDIR. HOME and the working directory are under /tmp, which the
 #: pods mount as an emptyDir, so they are rewritten like any mounted path.
