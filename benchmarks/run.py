@@ -32,6 +32,10 @@ gpu       (skipped without CuPy and a CUDA GPU) the GPU path: the pull's upload 
 
 Each figure is printed with its baseline, the ratio and the target; the exit
 status does not depend on targets (the machines are shared and noisy).
+
+Longer than 500 lines because it is the list of sections, one function of
+30-60 lines each, beside the table they print; what they share (servers,
+baselines, CPU accounting) is in common.py, the GPU path in bench_gpu.py.
 """
 
 from __future__ import annotations
