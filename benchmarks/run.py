@@ -1,6 +1,6 @@
 """Every performance target of wehub-ps, each as a ratio to a baseline of the same run.
 
-Run from the repository root (about 3-4 minutes on 2 cores)::
+Run from the repository root (about a minute on 2 cores)::
 
     python benchmarks/run.py [--json results.json] [--plot docs/throughput.png] [--only dense,step]
 
