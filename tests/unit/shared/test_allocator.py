@@ -73,8 +73,11 @@ def test_bad_thresholds_are_refused(kwargs, words):
 
 
 # Eight threads allocate outside the GIL (ctypes releases it), as gRPC's
-# threads do: glibc gives each thread that finds the arenas locked a new
-# one, up to 8 per core. malloc_info lists one <heap> per arena.
+# threads do: glibc gives a thread's first malloc a new arena while there
+# are fewer than its limit (8 per core), and hands the arena of a thread
+# that ended to the next one. The barrier keeps all eight alive, each with
+# its arena, whatever the scheduler does on a busy machine. malloc_info
+# lists one <heap> per arena.
 _ARENAS = textwrap.dedent("""
     import ctypes, os, re, sys, tempfile, threading
     from wehub_ps.process.allocator import keep_freed_buffers
@@ -85,7 +88,11 @@ _ARENAS = textwrap.dedent("""
     libc.free.argtypes = (ctypes.c_void_p,)
     libc.fopen.restype, libc.fopen.argtypes = ctypes.c_void_p, (ctypes.c_char_p, ctypes.c_char_p)
     libc.malloc_info.argtypes, libc.fclose.argtypes = (ctypes.c_int, ctypes.c_void_p), (ctypes.c_void_p,)
+    together = threading.Barrier(8)
     def churn():
+        first = libc.malloc(256 << 10)
+        together.wait()
+        libc.free(first)
         for _ in range(3000):
             libc.free(libc.malloc(256 << 10))
     threads = [threading.Thread(target=churn) for _ in range(8)]
