@@ -5,13 +5,17 @@
 #
 #   deploy/gen-secrets.sh                      # into deploy/base/secrets/
 #   deploy/gen-secrets.sh --namespace team-a   # SANs for another namespace
+#   deploy/gen-secrets.sh --replicas 4         # SANs for ps-0 .. ps-3
 #   deploy/gen-secrets.sh --token-only --force # rotate the token, keep the certificates
 #
 # Writes, into OUT (default deploy/base/secrets):
 #   ca.crt, ca.key          a private CA (keep ca.key safe: it can mint certificates)
-#   server.crt, server.key  ps-server certificate, serverAuth; SANs: ps, *.ps,
-#                           *.ps.<ns>.svc.cluster.local and ps.<ns>.svc.cluster.local
-#                           for every namespace given, localhost, 127.0.0.1
+#   server.crt, server.key  ps-server certificate, serverAuth; SANs: ps, every
+#                           pod ps-<i>.ps for i < REPLICAS, and for every
+#                           namespace NS: ps-<i>.ps.NS, ps-<i>.ps.NS.svc,
+#                           ps-<i>.ps.NS.svc.cluster.local, ps.NS, ps.NS.svc,
+#                           ps.NS.svc.cluster.local, *.ps.NS.svc,
+#                           *.ps.NS.svc.cluster.local; localhost, 127.0.0.1
 #   client.crt, client.key  worker certificate for mutual TLS, clientAuth
 #   token                   32 random bytes, hex, no trailing newline
 #
@@ -20,6 +24,9 @@
 #   --namespace NS    namespace for the cluster-local SANs; repeatable
 #                     (default: wehub-ps wehub-ps-train wehub-ps-tfjob, the
 #                     namespaces of deploy/overlays/*, deploy/jobset, deploy/tfjob)
+#   --replicas N      number of ps-server pods to name (ps-0 .. ps-<N-1>);
+#                     default: $WEHUB_PS_REPLICAS, else the replicas of the
+#                     StatefulSet in deploy/base/ps-statefulset.yaml
 #   --days N          certificate validity in days (default 365)
 #   --token-only      only (re)write the token
 #   --force           overwrite existing files (default: refuse)
@@ -33,13 +40,15 @@ days=365
 token_only=0
 force=0
 namespaces=()
+replicas="${WEHUB_PS_REPLICAS:-}"
 
-usage() { sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,34p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="${2:?--out needs a directory}"; shift 2 ;;
     --namespace) namespaces+=("${2:?--namespace needs a name}"); shift 2 ;;
+    --replicas) replicas="${2:?--replicas needs a number}"; shift 2 ;;
     --days) days="${2:?--days needs a number}"; shift 2 ;;
     --token-only) token_only=1; shift ;;
     --force) force=1; shift ;;
@@ -50,6 +59,17 @@ done
 if [ ${#namespaces[@]} -eq 0 ]; then
   namespaces=(wehub-ps wehub-ps-train wehub-ps-tfjob)
 fi
+if [ -z "$replicas" ]; then
+  # The StatefulSet's own `spec.replicas` line (two spaces in), so the names
+  # follow the manifest; an overlay that scales it needs --replicas.
+  statefulset="$here/base/ps-statefulset.yaml"
+  replicas="$(sed -n 's/^  replicas: *\([0-9][0-9]*\) *$/\1/p' "$statefulset" 2>/dev/null | head -n 1)"
+  if [ -z "$replicas" ]; then
+    echo "gen-secrets.sh: no replicas in $statefulset; pass --replicas N" >&2
+    exit 2
+  fi
+fi
+case "$replicas" in ''|*[!0-9]*|0) echo "gen-secrets.sh: --replicas must be a positive number, got $replicas" >&2; exit 2 ;; esac
 case "$days" in ''|*[!0-9]*) echo "gen-secrets.sh: --days must be a number, got $days" >&2; exit 2 ;; esac
 command -v openssl >/dev/null || { echo "gen-secrets.sh: openssl not found" >&2; exit 1; }
 
@@ -78,9 +98,21 @@ trap 'rm -rf "$work"' EXIT
 openssl rand -hex 32 | tr -d '\n' > "$work/token"
 
 if [ "$token_only" = 0 ]; then
-  sans="DNS:ps,DNS:*.ps"
+  # Every pod by name: OpenSSL clients (curl, Python's ssl, Prometheus) match
+  # a wildcard against one label and only with two labels after it, so
+  # `*.ps` would never match ps-0.ps for them. The namespaced wildcards are
+  # kept: they match (for OpenSSL too) exactly the pods of the headless
+  # Service `ps` by their full names, such as the JobSet's train-ps-0-0.
+  sans="DNS:ps"
+  for ((i = 0; i < replicas; i++)); do
+    sans="$sans,DNS:ps-$i.ps"
+  done
   for ns in "${namespaces[@]}"; do
-    sans="$sans,DNS:ps.$ns.svc.cluster.local,DNS:*.ps.$ns.svc.cluster.local,DNS:*.ps.$ns.svc"
+    sans="$sans,DNS:ps.$ns,DNS:ps.$ns.svc,DNS:ps.$ns.svc.cluster.local"
+    for ((i = 0; i < replicas; i++)); do
+      sans="$sans,DNS:ps-$i.ps.$ns,DNS:ps-$i.ps.$ns.svc,DNS:ps-$i.ps.$ns.svc.cluster.local"
+    done
+    sans="$sans,DNS:*.ps.$ns.svc,DNS:*.ps.$ns.svc.cluster.local"
   done
   sans="$sans,DNS:localhost,IP:127.0.0.1"
 

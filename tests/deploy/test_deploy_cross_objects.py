@@ -170,6 +170,10 @@ def _addresses_count(o):
     _kind(o, "StatefulSet")["spec"]["replicas"] = 3
 
 
+def _more_pods_than_named(o):
+    _kind(o, "StatefulSet")["spec"]["replicas"] = 3
+
+
 def _addresses_renamed(o):
     # what a namePrefix in an overlay would do: names change, env values do not
     _kind(o, "StatefulSet")["metadata"]["name"] = "team-a-ps"
@@ -321,6 +325,7 @@ BROKEN = [
     ("overlays/cpu", _token_key, "has no key 'auth-token'"),
     ("overlays/cpu", _cert_not_mounted, "/etc/ssl/tls.crt is not on any volume mount"),
     ("overlays/cpu", _server_name, "PS_SERVER_NAME='wehub-ps' is not among"),
+    ("overlays/cpu", _more_pods_than_named, "does not name the pod 'ps-2.ps'"),
     ("overlays/cpu", _worker_holds_server_key, "workers hold the servers' private key"),
     ("overlays/cpu", _no_client_cert, "require a client certificate"),
     ("overlays/cpu", _egress_blocked, "no NetworkPolicy lets it out"),

@@ -1,9 +1,11 @@
 """deploy/gen-secrets.sh: the certificates and token it writes are what the
-manifests promise, and they really work for gRPC with mutual TLS under the
-server name the workers verify (`ps`)."""
+manifests promise, they really work for gRPC with mutual TLS under the
+server name the workers verify (`ps`), and OpenSSL clients (Python's ssl,
+curl, Prometheus) accept them under every pod's name and no other."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from concurrent import futures
 from pathlib import Path
@@ -13,15 +15,28 @@ from deploy_tools.availability import require
 
 require("yaml", "PyYAML")
 
-from deploy_tools.manifests.kustomize import DEPLOY  # noqa: E402
-from deploy_tools.manifests.tls_material import cert_sans, generated_secret_problems  # noqa: E402
+from deploy_tools.manifests.kustomize import DEPLOY, copy_deploy  # noqa: E402
+from deploy_tools.manifests.tls_handshake import openssl_name_verdict  # noqa: E402
+from deploy_tools.manifests.tls_material import (  # noqa: E402
+    cert_sans,
+    generated_secret_problems,
+    statefulset_replicas,
+)
 
 SCRIPT = DEPLOY / "gen-secrets.sh"
 
 
-def gen(out: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), "--out", str(out), *args], capture_output=True, text=True,
-                          timeout=120, check=check)
+def gen(out: Path, *args: str, check: bool = True, script: Path = SCRIPT,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "WEHUB_PS_REPLICAS"} | (env or {})
+    return subprocess.run(["bash", str(script), "--out", str(out), *args], capture_output=True, text=True,
+                          timeout=120, check=check, env=environ)
+
+
+def verdict(secrets: Path, name: str) -> str:
+    """'' when Python's ssl module verifies the server certificate for ``name``."""
+    read = {f: (secrets / f).read_bytes() for f in ("ca.crt", "server.crt", "server.key")}
+    return openssl_name_verdict(read["ca.crt"], read["server.crt"], read["server.key"], name)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +55,66 @@ def test_namespaces_can_be_chosen(tmp_path, openssl_cli):
     assert generated_secret_problems(tmp_path, ["team-a"]) == []
     sans = cert_sans((tmp_path / "server.crt").read_bytes())
     assert "*.ps.wehub-ps.svc.cluster.local" not in sans
+
+
+# --- the names OpenSSL clients verify ------------------------------------
+
+OPENSSL_ACCEPTED = [
+    "ps", "ps-0.ps", "ps-1.ps", "ps-0.ps.wehub-ps", "ps-1.ps.wehub-ps.svc",
+    "ps-1.ps.wehub-ps.svc.cluster.local", "ps-0.ps.wehub-ps-train.svc.cluster.local",
+    "ps-1.ps.wehub-ps-tfjob", "ps.wehub-ps", "ps.wehub-ps.svc.cluster.local",
+    # the JobSet's pods, by their full names (namespaced wildcard)
+    "train-ps-0-1.ps.wehub-ps-train.svc.cluster.local", "train-ps-0-0.ps.wehub-ps-train.svc",
+    "localhost",
+]
+OPENSSL_REJECTED = [
+    "ps-2.ps",  # beyond the StatefulSet's replicas
+    "ps-2.ps.wehub-ps",  # the same, namespaced (full names ending in .svc match the wildcard)
+    "x.ps",  # no single-label wildcard
+    "train-ps-0-0.ps",  # the JobSet's short name: only its full name is covered
+    "ps-0.ps.team-a.svc.cluster.local",  # a namespace not asked for
+    "a.ps-0.ps.wehub-ps.svc",  # a wildcard covers one label only
+    "wehub",
+]
+
+
+def test_default_replicas_are_the_statefulsets():
+    assert statefulset_replicas() == 2, "update OPENSSL_ACCEPTED/OPENSSL_REJECTED for the new replica count"
+
+
+@pytest.mark.parametrize("name", OPENSSL_ACCEPTED)
+def test_openssl_clients_verify_every_pod_name(secrets, name):
+    assert verdict(secrets, name) == ""
+
+
+@pytest.mark.parametrize("name", OPENSSL_REJECTED)
+def test_openssl_clients_reject_names_outside_the_set(secrets, name):
+    assert "Hostname mismatch" in verdict(secrets, name)
+
+
+def test_replicas_can_be_chosen_by_argument_or_environment(tmp_path, openssl_cli):
+    gen(tmp_path / "arg", "--replicas", "3")
+    gen(tmp_path / "env", env={"WEHUB_PS_REPLICAS": "3"})
+    for out in (tmp_path / "arg", tmp_path / "env"):
+        assert generated_secret_problems(out, replicas=3) == []
+        assert verdict(out, "ps-2.ps") == ""
+        assert verdict(out, "ps-2.ps.wehub-ps.svc.cluster.local") == ""
+        assert "Hostname mismatch" in verdict(out, "ps-3.ps")
+    # the argument wins over the environment
+    gen(tmp_path / "both", "--replicas", "1", env={"WEHUB_PS_REPLICAS": "3"})
+    assert "Hostname mismatch" in verdict(tmp_path / "both", "ps-1.ps")
+
+
+def test_default_replicas_follow_the_statefulset(tmp_path, openssl_cli):
+    deploy = copy_deploy(tmp_path / "copy")
+    manifest = deploy / "base" / "ps-statefulset.yaml"
+    text = manifest.read_text()
+    assert "\n  replicas: 2\n" in text
+    manifest.write_text(text.replace("\n  replicas: 2\n", "\n  replicas: 4\n"))
+    gen(tmp_path / "out", script=deploy / "gen-secrets.sh")
+    assert generated_secret_problems(tmp_path / "out", replicas=4) == []
+    assert verdict(tmp_path / "out", "ps-3.ps") == ""
+    assert "Hostname mismatch" in verdict(tmp_path / "out", "ps-4.ps")
 
 
 def test_existing_files_are_kept_unless_forced(tmp_path, openssl_cli):
@@ -61,6 +136,10 @@ def test_bad_arguments_are_refused(tmp_path, openssl_cli):
     assert result.returncode == 2 and "--days" in result.stderr
     result = gen(tmp_path, "--bogus", check=False)
     assert result.returncode == 2 and "unknown argument" in result.stderr
+    for replicas in ("0", "two"):
+        result = gen(tmp_path, "--replicas", replicas, check=False)
+        assert result.returncode == 2 and "--replicas" in result.stderr
+    assert not any(tmp_path.iterdir())
 
 
 # --- a real mutual-TLS gRPC handshake with the generated material ---------

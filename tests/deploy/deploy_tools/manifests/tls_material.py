@@ -11,6 +11,9 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+import yaml
+
+from .kustomize import DEPLOY
 from .pod_templates import PodUnit, is_ps_server, is_ps_worker, pod_units, resolve_env
 from .wehub_wiring import secret_file
 
@@ -39,10 +42,12 @@ def cert_ext(pem: bytes, ext: str) -> str:
 
 
 def name_matches_san(name: str, sans: Iterable[str]) -> bool:
+    """OpenSSL's rule: a wildcard stands for one whole label and needs two labels after it."""
     for san in sans:
         if san == name:
             return True
-        if san.startswith("*.") and "." in name and name.split(".", 1)[1] == san[2:]:
+        if (san.startswith("*.") and san.count(".") >= 2 and "." in name
+                and name.split(".", 1)[1] == san[2:]):
             return True
     return False
 
@@ -63,6 +68,19 @@ def key_matches_cert(key_pem: bytes, cert_pem: bytes) -> bool:
     pub_from_key = openssl("pkey", "-pubout", stdin=key_pem).stdout
     pub_from_cert = openssl("x509", "-noout", "-pubkey", stdin=cert_pem).stdout
     return bool(pub_from_key) and pub_from_key == pub_from_cert
+
+
+def pod_names(unit: PodUnit) -> list[str]:
+    """The names a client may verify a server pod under: a StatefulSet pod's short and
+    full names, a JobSet pod's full name (TFJob pods are reached through per-replica
+    Services, verified as the server name the workers use)."""
+    names = []
+    for host in unit.hostnames:
+        if unit.controller == "StatefulSet":
+            names.append(host)
+        if unit.controller in ("StatefulSet", "JobSet") and unit.namespace:
+            names.append(f"{host}.{unit.namespace}.svc.cluster.local")
+    return names
 
 
 def _secret_bytes(secret: dict, key: str) -> bytes:
@@ -96,6 +114,11 @@ def tls_problems(objects: list[dict]) -> list[str]:
             continue
         if not key_matches_cert(key, cert):
             problems.append(f"{where}: PS_TLS_KEY does not belong to PS_TLS_CERT")
+        sans = cert_sans(cert)
+        for name in pod_names(unit):
+            if not name_matches_san(name, sans):
+                problems.append(f"{where}: the server certificate does not name the pod {name!r} "
+                                "(deploy/gen-secrets.sh --replicas / --namespace)")
         if client_ca is None:
             problems.append(f"{where}: no PS_TLS_CLIENT_CA: clients are not authenticated by certificate")
         if not isinstance(env.get("PS_AUTH_TOKEN_FILE"), str):
@@ -135,15 +158,28 @@ def tls_problems(objects: list[dict]) -> list[str]:
 DEFAULT_NAMESPACES = ("wehub-ps", "wehub-ps-train", "wehub-ps-tfjob")
 
 
-def required_sans(namespaces: Iterable[str]) -> set[str]:
-    sans = {"ps", "*.ps", "localhost", "127.0.0.1"}
+def statefulset_replicas(deploy: Path = DEPLOY) -> int:
+    """The replicas of the StatefulSet ``ps`` in deploy/base: the pods gen-secrets.sh names by default."""
+    statefulset = yaml.safe_load((deploy / "base" / "ps-statefulset.yaml").read_text())
+    return int(statefulset["spec"]["replicas"])
+
+
+def required_sans(namespaces: Iterable[str], replicas: int) -> set[str]:
+    """The service ``ps`` and every pod ``ps-<i>`` by its short and its namespaced names."""
+    sans = {"ps", "localhost", "127.0.0.1"} | {f"ps-{i}.ps" for i in range(replicas)}
     for ns in namespaces:
-        sans.add(f"*.ps.{ns}.svc.cluster.local")
+        sans |= {f"ps.{ns}", f"ps.{ns}.svc", f"ps.{ns}.svc.cluster.local"}
+        for i in range(replicas):
+            sans |= {f"ps-{i}.ps.{ns}", f"ps-{i}.ps.{ns}.svc", f"ps-{i}.ps.{ns}.svc.cluster.local"}
     return sans
 
 
-def generated_secret_problems(directory: Path, namespaces: Iterable[str] = DEFAULT_NAMESPACES) -> list[str]:
-    """What deploy/gen-secrets.sh wrote is a usable CA, server and client certificate and token."""
+def generated_secret_problems(directory: Path, namespaces: Iterable[str] = DEFAULT_NAMESPACES,
+                              replicas: int | None = None) -> list[str]:
+    """What deploy/gen-secrets.sh wrote is a usable CA, server and client certificate and token;
+    ``replicas`` defaults to the StatefulSet's."""
+    if replicas is None:
+        replicas = statefulset_replicas()
     problems = []
     names = ("ca.crt", "ca.key", "server.crt", "server.key", "client.crt", "client.key", "token")
     for name in names:
@@ -166,7 +202,7 @@ def generated_secret_problems(directory: Path, namespaces: Iterable[str] = DEFAU
             problems.append(f"{cert}.crt lacks the extended key usage {usage!r}")
         if not key_matches_cert(read[f"{cert}.key"], read[f"{cert}.crt"]):
             problems.append(f"{cert}.key does not belong to {cert}.crt")
-    missing = required_sans(namespaces) - set(cert_sans(read["server.crt"]))
+    missing = required_sans(namespaces, replicas) - set(cert_sans(read["server.crt"]))
     if missing:
         problems.append(f"server.crt lacks the subject alternative names {sorted(missing)}")
     token = read["token"]
