@@ -59,7 +59,7 @@ done
 if [ ${#namespaces[@]} -eq 0 ]; then
   namespaces=(wehub-ps wehub-ps-train wehub-ps-tfjob)
 fi
-if [ -z "$replicas" ]; then
+if [ -z "$replicas" ] && [ "$token_only" = 0 ]; then
   # The StatefulSet's own `spec.replicas` line (two spaces in), so the names
   # follow the manifest; an overlay that scales it needs --replicas.
   statefulset="$here/base/ps-statefulset.yaml"
@@ -69,7 +69,11 @@ if [ -z "$replicas" ]; then
     exit 2
   fi
 fi
-case "$replicas" in ''|*[!0-9]*|0) echo "gen-secrets.sh: --replicas must be a positive number, got $replicas" >&2; exit 2 ;; esac
+if [ "$token_only" = 0 ]; then
+  case "$replicas" in ''|*[!0-9]*) echo "gen-secrets.sh: --replicas must be a positive number, got $replicas" >&2; exit 2 ;; esac
+  replicas=$((10#$replicas))  # decimal even with leading zeros
+  [ "$replicas" -gt 0 ] || { echo "gen-secrets.sh: --replicas must be a positive number, got $replicas" >&2; exit 2; }
+fi
 case "$days" in ''|*[!0-9]*) echo "gen-secrets.sh: --days must be a number, got $days" >&2; exit 2 ;; esac
 command -v openssl >/dev/null || { echo "gen-secrets.sh: openssl not found" >&2; exit 1; }
 
