@@ -432,9 +432,13 @@ class PSClient:
         self._session.closed = True
         unfinished = self._pushes.unfinished
         if unfinished:  # top-k pushes no later push completed (see worker_client.pushes)
-            log.warning("top-k push left unfinished", extra={"fields": {
-                "shards": sorted(unfinished),
-                "meaning": "the client was closed before a push completed them; they may be partly applied"}})
+            addresses = [self._session.shards[shard].address for shard in sorted(unfinished)]
+            log.warning("top-k push left unfinished on ps-server %s: the client was closed before a later "
+                        "push completed it; it may be partly applied", ", ".join(addresses),
+                        extra={"fields": {
+                            "shards": sorted(unfinished), "addresses": addresses,
+                            "meaning": "the client was closed before a push completed them; they may be "
+                                       "partly applied"}})
         self._session.close()
 
     def __enter__(self) -> "PSClient":

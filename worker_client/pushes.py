@@ -305,9 +305,10 @@ class Pushes:
                 error = outcome.failed.get(shard)
                 if shard in outcome.delivered or (error is not None and not may_complete_later(error)):
                     if shard not in outcome.delivered:
-                        log.warning("a top-k push sent again was refused; its rows are dropped",
-                                    extra={"fields": {"address": self._session.shards[shard].address,
-                                                      "error": str(error)}})
+                        address = self._session.shards[shard].address
+                        log.warning("a top-k push sent again was refused by ps-server %s; its rows are "
+                                    "dropped: %s", address, error,
+                                    extra={"fields": {"address": address, "error": str(error)}})
                     del self.unfinished[shard]
 
     def _add_dense(self, gradients: Mapping[str, Any], variables: dict[str, Variable],

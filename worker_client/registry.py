@@ -303,9 +303,9 @@ class Registry:
             try:
                 self._create_on(shard, spec, validate_only=True, booking=booking, cancel=True)
             except PSError as exc:
-                log.debug("create_variable: booking not given back (it expires)",
-                          extra={"fields": {"variable": spec.name, "address": shard.address,
-                                            "error": str(exc)}})
+                log.debug("create_variable %r: ps-server %s kept its booking (it expires): %s", spec.name,
+                          shard.address, exc, extra={"fields": {
+                              "variable": spec.name, "address": shard.address, "error": str(exc)}})
         self._session.on_shards(shards, cancel)
 
     def _create_on(self, shard: ShardChannel, spec: VariableSpec, validate_only: bool = False,

@@ -141,10 +141,12 @@ class SessionState:
             if rolled_back:
                 self._stats["rollbacks"] += 1
         if rolled_back:
-            log.warning("ps-server rolled back", extra={"fields": {
-                "address": shard.address, "shard": shard.index,
-                "versions": {n: f"{a} -> {b}" for n, (a, b) in rolled_back.items()},
-                "meaning": "it restarted from a checkpoint; updates after that checkpoint are lost"}})
+            versions = {n: f"{a} -> {b}" for n, (a, b) in rolled_back.items()}
+            meaning = "it restarted from a checkpoint; updates after that checkpoint are lost"
+            log.warning("ps-server rolled back: %s (shard %d): %s (versions %s)", shard.address, shard.index,
+                        meaning, ", ".join(f"{n} {v}" for n, v in versions.items()), extra={"fields": {
+                            "address": shard.address, "shard": shard.index, "versions": versions,
+                            "meaning": meaning}})
 
 
 class Session:
@@ -172,7 +174,8 @@ class Session:
         self.control_timeout = control_timeout
         self.data_timeout = data_timeout
         self.closed = False
-        self._retry = RetryPolicy(timeout=retry_timeout)
+        # Warned about while waiting from 10 s on, or half a shorter retry_timeout: never silent.
+        self._retry = RetryPolicy(timeout=retry_timeout, warn_after=min(10.0, retry_timeout / 2))
         self._tls = tls_material(tls_ca, tls_cert, tls_key)
         self._server_name = server_name
         self._token = BearerToken(auth_token, auth_token_file)
@@ -234,7 +237,8 @@ class Session:
 
     def connect(self, timeout: float) -> tuple[float, list[VariableSpec]]:
         """Check the cluster's identity; the shortest worker lease of the servers, and the specs they hold."""
-        connect_policy = RetryPolicy(timeout=timeout, warn_after=min(10.0, timeout / 2))
+        connect_policy = RetryPolicy(timeout=timeout, warn_after=min(10.0, timeout / 2),
+                                     timeout_setting="connect_timeout")
         answers = self.on_shards(range(len(self.shards)), lambda s: call_with_retry(
             lambda: self._connect_once(s, timeout), connect_policy, "connect", s.address,
             also_retry=lambda error: self.token_may_be_rotated(error, changed_only=True)))
@@ -295,8 +299,8 @@ class Session:
                 return ps_pb2.HeartbeatResponse.FromString(shard.heartbeat(request, timeout)).cluster_step
             except PSError as error:  # the next beat, or a retried RPC, will tell more
                 self.token_may_be_rotated(error)  # a rotated token file: the next beat carries the new one
-                log.debug("heartbeat failed",
-                          extra={"fields": {"address": shard.address, "error": str(error)}})
+                log.debug("heartbeat to ps-server %s failed (the next beat tries again): %s", shard.address,
+                          error, extra={"fields": {"address": shard.address, "error": str(error)}})
                 return 0
 
         steps = self.on_shards(range(len(self.shards)) if shards is None else shards, beat)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from ps_testing import ROOT, child_env, free_port
 
 from ps_server import ServerConfig, create_server
 from wehub_ps.v1 import ps_pb2
-from worker_client import SGD, FailedPreconditionError, PSClient, PSError
+from worker_client import SGD, FailedPreconditionError, PSClient, PSError, PSUnavailableError
 
 
 @pytest.fixture
@@ -187,3 +188,50 @@ def test_server_logs_are_quiet_json_lines(cluster_factory, tmp_path):
     assert all({"ts", "level", "event"} <= set(e) for e in events), lines
     assert all(e["level"] in ("info", "warning", "error") for e in events)
     assert len(events) <= 12, "\n".join(lines)
+
+
+# Long enough that a warning is sure: the client warns from half the timeout on, and its retries are at
+# most 3 s (RetryPolicy.max_backoff) apart, so at least one of them fails in the second half.
+_WAIT = 7.0
+
+
+def _closed_port_address() -> str:
+    """A loopback address nothing listens on: connections to it are refused at once."""
+    return f"127.0.0.1:{free_port()}"
+
+
+def _waiting_messages(caplog) -> list[str]:
+    """The client's 'waiting for ps-server' warnings as a plain logging.basicConfig() prints them."""
+    formatter = logging.Formatter(logging.BASIC_FORMAT)
+    return [formatter.format(r) for r in caplog.records
+            if r.name == "worker_client" and r.levelno == logging.WARNING and "waiting for" in r.getMessage()]
+
+
+def test_waiting_to_connect_is_logged_in_words(caplog):
+    """The connect's warning says which server, which call and what failed, in the text itself."""
+    address = _closed_port_address()
+    with caplog.at_level(logging.WARNING, logger="worker_client"):
+        with pytest.raises(PSUnavailableError, match="connect_timeout 7s") as info:
+            PSClient([address], worker_id="w", connect_timeout=_WAIT)
+    messages = _waiting_messages(caplog)
+    assert messages, "no warning while waiting for a server that refuses connections"
+    for message, record in zip(messages, [r for r in caplog.records if "waiting for" in r.getMessage()]):
+        assert f"waiting for ps-server {address} (call connect)" in message
+        assert "Connection refused" in message and "UNAVAILABLE" in message
+        assert record.fields["error"] in message  # the last error, whole
+        assert record.fields["address"] == address and record.fields["call"] == "connect"
+    assert address in str(info.value)
+
+
+def test_waiting_in_a_call_is_logged_in_words(caplog):
+    """A call on a client that did not connect first (as ps-admin's status) waits with the same words."""
+    address = _closed_port_address()
+    with PSClient([address], worker_id="w", connect=False, register=False, retry_timeout=_WAIT) as client:
+        with caplog.at_level(logging.WARNING, logger="worker_client"):
+            with pytest.raises(PSUnavailableError, match="retry_timeout 7s"):
+                client.pull(["w"])
+    messages = _waiting_messages(caplog)
+    assert messages, "no warning while retrying against a server that refuses connections"
+    for message in messages:
+        assert f"waiting for ps-server {address} (call describe)" in message
+        assert "Connection refused" in message and "giving up after 7s (retry_timeout)" in message

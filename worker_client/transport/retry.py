@@ -7,7 +7,10 @@ DEADLINE_EXCEEDED (a server restarting, a connection cut) the client backs
 off exponentially with full jitter and tries again, up to ``timeout``
 seconds in total: a restarting ps-server makes workers wait, not crash.
 Waiting is never silent: past ``warn_after`` seconds each retry logs which
-server it waits for and why, at most every ``warn_every`` seconds. A caller
+server it waits for, in which call, and the last error, at most every
+``warn_every`` seconds; the text says it all (a plain
+``logging.basicConfig()`` shows it) and the same values are in the
+record's structured ``fields``. A caller
 may name other errors worth waiting out the same way (``also_retry``: the
 client's refused bearer token while its token file may still be rotated).
 """
@@ -37,6 +40,8 @@ class RetryPolicy:
     max_backoff: float = 3.0
     warn_after: float = 10.0
     warn_every: float = 10.0
+    #: The client argument that sets ``timeout``, named in the warning and the final error.
+    timeout_setting: str = "retry_timeout"
 
     def __post_init__(self) -> None:
         for name in ("timeout", "initial_backoff", "max_backoff", "warn_after", "warn_every"):
@@ -70,13 +75,15 @@ def call_with_retry(call: Callable[[], T], policy: RetryPolicy, what: str, addre
             if waited >= policy.timeout:
                 raise type(error)(
                     f"{error} — gave up after {attempts} attempts over {waited:.1f}s "
-                    f"(retry_timeout {policy.timeout:g}s)", address=error.address, reason=error.reason,
-                    code=error.code) from error
+                    f"({policy.timeout_setting} {policy.timeout:g}s)", address=error.address,
+                    reason=error.reason, code=error.code) from error
             if waited >= policy.warn_after and waited - last_warning >= policy.warn_every:
                 last_warning = waited
-                log.warning("waiting for ps-server", extra={"fields": {
-                    "address": address, "call": what, "waited_seconds": round(waited, 1),
-                    "attempts": attempts, "error": str(error), "gives_up_after": policy.timeout}})
+                log.warning("waiting for ps-server %s (call %s): %d attempts over %.1fs, giving up after %gs "
+                            "(%s); last error: %s", address, what, attempts, waited, policy.timeout,
+                            policy.timeout_setting, error, extra={"fields": {
+                                "address": address, "call": what, "waited_seconds": round(waited, 1),
+                                "attempts": attempts, "error": str(error), "gives_up_after": policy.timeout}})
             if on_retry is not None:
                 on_retry()
             delay = min(random.uniform(0, backoff), policy.timeout - waited)

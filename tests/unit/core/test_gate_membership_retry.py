@@ -520,6 +520,10 @@ def test_waiting_is_logged_after_warn_after(fake_time, full_backoff, caplog):
         assert record.fields["gives_up_after"] == 6.0
         assert "ps-server" in record.getMessage()
     assert [r.fields["attempts"] for r in warnings] == [3, 7, 11]
+    # The text alone says it all, as a plain logging.basicConfig() prints it.
+    assert [r.getMessage() for r in warnings][0] == (
+        "waiting for ps-server ps-3:7777 (call pull): 3 attempts over 1.0s, giving up after 6s (retry_timeout); "
+        "last error: attempt 3 failed")
 
 
 def test_no_warning_before_warn_after(fake_time, full_backoff, caplog):
