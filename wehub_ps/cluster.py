@@ -8,7 +8,10 @@ shard order.
 The ``*_ENV`` names are the environment variables the worker side reads
 (``PSClient.from_env``, ps-admin, ps-local's worker); :data:`WORKER_ENVIRONMENT`
 lists them all, so that ps-server, which warns about PS_* variables it does
-not read, knows them without naming them itself.
+not read, knows them without naming them itself. :data:`CLUSTER_ENVIRONMENT`
+and :data:`CONNECTION_ENVIRONMENT` say what each of ``PSClient.from_env``'s
+means: it reads them from there, and ps-admin's ``--help`` lists them from
+there, so the two cannot disagree.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ClusterConfigError", "TaskSpec", "ps_addresses_from_env", "task_from_tf_config", "split_host_port",
+__all__ = ["ClusterConfigError", "TaskSpec", "ps_addresses_from_env", "task_from_tf_config",
+           "split_host_port", "EnvSetting", "CLUSTER_ENVIRONMENT", "CONNECTION_ENVIRONMENT", "TF_CONFIG_ENV",
            "WORKER_ENVIRONMENT", "ADDRESSES_ENV", "WORKER_ID_ENV", "WORKER_INDEX_ENV", "NUM_WORKERS_ENV",
            "TLS_CA_ENV", "TLS_CERT_ENV", "TLS_KEY_ENV", "SERVER_NAME_ENV", "AUTH_TOKEN_FILE_ENV",
            "AUTH_TOKEN_ENV", "LOG_LEVEL_ENV", "FINISH_CLUSTER_ENV", "EXAMPLE_ENV", "EXAMPLE_CONFIG_ENV",
@@ -25,6 +29,8 @@ __all__ = ["ClusterConfigError", "TaskSpec", "ps_addresses_from_env", "task_from
 
 #: The ps-servers, 'host:port,host:port' in shard order (else TF_CONFIG's cluster.ps).
 ADDRESSES_ENV = "PS_ADDRESSES"
+#: TensorFlow's cluster spec: the servers (cluster.ps) and this process's task.
+TF_CONFIG_ENV = "TF_CONFIG"
 #: PSClient.from_env: this worker's id (else TF_CONFIG's task type and index).
 WORKER_ID_ENV = "PS_WORKER_ID"
 #: PSClient.from_env: TLS, server name and bearer token of the connections to the servers.
@@ -50,6 +56,37 @@ WORKER_ENVIRONMENT: tuple[str, ...] = (
     ADDRESSES_ENV, WORKER_ID_ENV, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, SERVER_NAME_ENV, AUTH_TOKEN_FILE_ENV,
     AUTH_TOKEN_ENV, WORKER_INDEX_ENV, NUM_WORKERS_ENV, LOG_LEVEL_ENV, FINISH_CLUSTER_ENV, EXAMPLE_ENV,
     EXAMPLE_CONFIG_ENV, WIRE_DTYPE_ENV,
+)
+
+
+@dataclass(frozen=True)
+class EnvSetting:
+    """An environment variable of the worker side: its name, the PSClient argument it fills (if any),
+    and what it means, as ``--help`` texts show it."""
+
+    name: str
+    argument: str
+    meaning: str
+
+
+#: Where PSClient.from_env finds the servers and the worker's id, in the order it looks.
+CLUSTER_ENVIRONMENT: tuple[EnvSetting, ...] = (
+    EnvSetting(ADDRESSES_ENV, "addresses", "the ps-servers, 'host:port,host:port' in shard order"),
+    EnvSetting(TF_CONFIG_ENV, "addresses",
+               "TensorFlow's cluster spec: the servers are its cluster.ps when PS_ADDRESSES is unset"),
+    EnvSetting(WORKER_ID_ENV, "worker_id", "this worker's id (else TF_CONFIG's task type and index)"),
+)
+
+#: What PSClient.from_env reads for its connections to the servers (an argument given wins).
+CONNECTION_ENVIRONMENT: tuple[EnvSetting, ...] = (
+    EnvSetting(TLS_CA_ENV, "tls_ca", "CA certificate (PEM file) that verifies the servers; turns TLS on"),
+    EnvSetting(TLS_CERT_ENV, "tls_cert", "client certificate (PEM file), for servers with --tls-client-ca"),
+    EnvSetting(TLS_KEY_ENV, "tls_key", "the client certificate's private key (PEM file)"),
+    EnvSetting(SERVER_NAME_ENV, "server_name",
+               "the name the servers' certificate must hold (else each address's host)"),
+    EnvSetting(AUTH_TOKEN_FILE_ENV, "auth_token_file",
+               "file holding the bearer token (--auth-token-file); read again when a server refuses it"),
+    EnvSetting(AUTH_TOKEN_ENV, "auth_token", "the bearer token itself (the file is preferred)"),
 )
 
 
@@ -88,7 +125,7 @@ def _parse_tf_config(raw: str) -> dict:
 
 def task_from_tf_config(environ: Mapping[str, str]) -> TaskSpec | None:
     """The task described by TF_CONFIG, or None when TF_CONFIG is unset."""
-    raw = environ.get("TF_CONFIG")
+    raw = environ.get(TF_CONFIG_ENV)
     if not raw:
         return None
     config = _parse_tf_config(raw)

@@ -6,9 +6,9 @@
     ps-admin finish                 # run-to-completion jobs: servers checkpoint and exit 0
 
 Addresses, TLS and token come from flags or from the same environment as the
-workers (PS_ADDRESSES or TF_CONFIG, PS_TLS_CA, PS_TLS_CERT, PS_TLS_KEY,
-PS_SERVER_NAME, PS_AUTH_TOKEN_FILE). ps-admin connects as an observer: it
-never counts as a worker.
+workers; ``--help`` lists those variables, taken from the tables in
+wehub_ps.cluster by which PSClient.from_env reads them. ps-admin connects as
+an observer: it never counts as a worker.
 """
 
 from __future__ import annotations
@@ -17,14 +17,20 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections import ChainMap
+from collections.abc import Mapping, Sequence
 
-from wehub_ps.cluster import ADDRESSES_ENV
+from wehub_ps.cluster import ADDRESSES_ENV, CLUSTER_ENVIRONMENT, CONNECTION_ENVIRONMENT, EnvSetting
 from worker_client.client import PSClient
 from worker_client.errors import PSError
 from worker_client.shard_info import ShardInfo
 
-__all__ = ["main", "status_table"]
+__all__ = ["ENVIRONMENT", "main", "status_table"]
+
+#: The environment variables ps-admin reads (through PSClient.from_env); it is
+#: always the observer "ps-admin", so no variable naming a worker is among them.
+ENVIRONMENT: tuple[EnvSetting, ...] = tuple(
+    setting for setting in CLUSTER_ENVIRONMENT + CONNECTION_ENVIRONMENT if setting.argument != "worker_id")
 
 
 def _age(created_unix: float) -> str:
@@ -93,22 +99,32 @@ def status_table(infos: Sequence[ShardInfo | PSError], health: Sequence[str],
     return text + f"\n\nconsistency: {mode}"
 
 
+def _environment_help() -> str:
+    width = max(len(setting.name) for setting in ENVIRONMENT)
+    lines = [f"  {setting.name.ljust(width)}  {setting.meaning}" for setting in ENVIRONMENT]
+    return "Environment (a flag wins over its variable):\n" + "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ps-admin", description="Inspect and operate a wehub-ps cluster.",
-        epilog=f"Exit status: 0 done; 1 error; {EXIT_SHARD_DOWN} (status) a shard did not answer: the "
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_environment_help() + "\n\n"
+               f"Exit status: 0 done; 1 error; {EXIT_SHARD_DOWN} (status) a shard did not answer: the\n"
                "others are shown, its row says UNREACHABLE (or its health).")
     parser.add_argument("command", choices=("status", "checkpoint", "finish"))
     parser.add_argument("--addresses", help="comma-separated host:port of the ps-servers (else PS_ADDRESSES)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the servers")
     args = parser.parse_args(argv)
-    environ = dict(os.environ)
+    environ: Mapping[str, str] = os.environ
     if args.addresses:
-        environ[ADDRESSES_ENV] = args.addresses
+        environ = ChainMap({ADDRESSES_ENV: args.addresses}, environ)
     try:
         # status reads each shard on its own (connect=False), so a shard that is down hides no other.
+        # keep_freed_buffers=False: ps-admin moves no large arrays, so malloc stays as it is.
         with PSClient.from_env(environ, worker_id="ps-admin", register=False, connect_timeout=args.timeout,
-                               retry_timeout=args.timeout, connect=args.command != "status") as client:
+                               retry_timeout=args.timeout, connect=args.command != "status",
+                               keep_freed_buffers=False) as client:
             if args.command == "status":
                 infos = client.describe_each(args.timeout)
                 health = client.health(args.timeout)

@@ -20,12 +20,7 @@ from typing import Any
 import numpy as np
 
 from wehub_ps.cluster import (
-    AUTH_TOKEN_ENV,
-    AUTH_TOKEN_FILE_ENV,
-    SERVER_NAME_ENV,
-    TLS_CA_ENV,
-    TLS_CERT_ENV,
-    TLS_KEY_ENV,
+    CONNECTION_ENVIRONMENT,
     WORKER_ID_ENV,
     ClusterConfigError,
     ps_addresses_from_env,
@@ -186,18 +181,21 @@ class PSClient:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **kwargs: Any) -> "PSClient":
-        """Build from PS_ADDRESSES or TF_CONFIG; worker id from PS_WORKER_ID or TF_CONFIG's task."""
+        """Build from PS_ADDRESSES or TF_CONFIG; worker id from PS_WORKER_ID or TF_CONFIG's task.
+
+        The connection's settings come from the variables of
+        :data:`wehub_ps.cluster.CONNECTION_ENVIRONMENT` (PS_TLS_*, PS_SERVER_NAME,
+        PS_AUTH_TOKEN_FILE, PS_AUTH_TOKEN) unless given as arguments.
+        """
         environ = os.environ if environ is None else environ
         try:
             addresses = ps_addresses_from_env(environ)
             task = task_from_tf_config(environ)
         except ClusterConfigError as exc:
             raise ValueError(str(exc)) from None
-        for key, variable in (("tls_ca", TLS_CA_ENV), ("tls_cert", TLS_CERT_ENV), ("tls_key", TLS_KEY_ENV),
-                              ("server_name", SERVER_NAME_ENV), ("auth_token_file", AUTH_TOKEN_FILE_ENV),
-                              ("auth_token", AUTH_TOKEN_ENV)):
-            if key not in kwargs and environ.get(variable):
-                kwargs[key] = environ[variable]
+        for setting in CONNECTION_ENVIRONMENT:
+            if setting.argument not in kwargs and environ.get(setting.name):
+                kwargs[setting.argument] = environ[setting.name]
         if "worker_id" not in kwargs:
             if environ.get(WORKER_ID_ENV):
                 kwargs["worker_id"] = environ[WORKER_ID_ENV]

@@ -235,3 +235,84 @@ def test_waiting_in_a_call_is_logged_in_words(caplog):
     for message in messages:
         assert f"waiting for ps-server {address} (call describe)" in message
         assert "Connection refused" in message and "giving up after 7s (retry_timeout)" in message
+
+
+# Runs ps-admin with os.environ replaced by a mapping that notes every name this repository's code
+# reads (not numba's or grpc's own), then writes those names as JSON to argv[1].
+_RECORD_ENVIRONMENT = r"""
+import collections.abc, json, os, pathlib, sys
+
+ROOT = pathlib.Path.cwd().resolve()
+PASSING = ("collections", "_collections_abc", "os.py")  # frames between a reader and the mapping
+
+
+class Recording(collections.abc.MutableMapping):
+    def __init__(self, environ):
+        self._environ, self.read = environ, set()
+
+    def _note(self, key):
+        frame = sys._getframe(2)
+        while frame is not None and any(part in frame.f_code.co_filename for part in PASSING):
+            frame = frame.f_back
+        if frame is None or frame.f_code.co_filename.startswith("<"):  # the import machinery, frozen
+            return
+        where = pathlib.Path(frame.f_code.co_filename).resolve()
+        if ROOT in where.parents and "site-packages" not in where.parts:
+            self.read.add(key)
+
+    def __getitem__(self, key):
+        self._note(key)
+        return self._environ[key]
+
+    def get(self, key, default=None):
+        self._note(key)
+        return self._environ.get(key, default)
+
+    def __contains__(self, key):
+        self._note(key)
+        return key in self._environ
+
+    def __setitem__(self, key, value):
+        self._environ[key] = value
+
+    def __delitem__(self, key):
+        del self._environ[key]
+
+    def __iter__(self):
+        return iter(self._environ)
+
+    def __len__(self):
+        return len(self._environ)
+
+    def copy(self):
+        return dict(self._environ)
+
+
+recording = os.environ = Recording(os.environ)
+from worker_client.admin import main
+
+statuses = [main(["status", "--timeout", "20"]), main(["checkpoint", "--timeout", "20"]),
+            main(["status", "--timeout", "20", "--addresses", os.environ["PS_ADDRESSES"]])]
+pathlib.Path(sys.argv[1]).write_text(json.dumps({"read": sorted(recording.read), "statuses": statuses}))
+"""
+
+
+def test_ps_admin_help_names_every_variable_it_reads(cluster_factory, tmp_path):
+    cluster = cluster_factory(2, "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-interval", "0")
+    with PSClient(cluster.addresses, worker_id="trainer") as client:
+        client.create_variable("w", shape=(1000, 300), optimizer=SGD(learning_rate=0.1))
+    record = tmp_path / "read.json"
+    result = subprocess.run([sys.executable, "-c", _RECORD_ENVIRONMENT, str(record)], capture_output=True,
+                            text=True, cwd=str(ROOT), timeout=120,
+                            env=child_env({"PS_ADDRESSES": ",".join(cluster.addresses)}))
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(record.read_text())
+    assert seen["statuses"] == [0, 0, 0], result.stderr
+    read = set(seen["read"])
+    # The recording works: it saw what PSClient.from_env looks up.
+    assert {"PS_ADDRESSES", "TF_CONFIG", "PS_TLS_CA", "PS_TLS_CERT", "PS_TLS_KEY", "PS_SERVER_NAME",
+            "PS_AUTH_TOKEN_FILE", "PS_AUTH_TOKEN"} <= read
+    usage = subprocess.run([sys.executable, "-m", "worker_client.admin", "--help"], capture_output=True,
+                           text=True, cwd=str(ROOT), env=child_env(), timeout=60).stdout
+    listed = {line.split()[0] for line in usage.splitlines() if line.startswith("  ") and line.split()}
+    assert read <= listed, f"ps-admin reads {sorted(read - listed)} but --help does not list them:\n{usage}"
