@@ -1,6 +1,8 @@
 """``ps-admin``: the whole cluster as a readable table, and operator actions.
 
-    ps-admin status                 # each shard: health, variables, bytes, versions, workers, checkpoint;
+    ps-admin status                 # each shard: health, variables known and held, bytes, versions,
+                                    # workers, checkpoint; in ssp/sync mode also each shard's step,
+                                    # dropped gradients and largest staleness admitted;
                                     # a shard that does not answer is shown UNREACHABLE (exit status 3)
     ps-admin checkpoint             # every shard writes a checkpoint now
     ps-admin finish                 # run-to-completion jobs: servers checkpoint and exit 0
@@ -19,6 +21,7 @@ import sys
 import time
 from collections import ChainMap
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from wehub_ps.cluster import ADDRESSES_ENV, CLUSTER_ENVIRONMENT, CONNECTION_ENVIRONMENT, EnvSetting
 from worker_client.client import PSClient
@@ -59,23 +62,27 @@ def status_table(infos: Sequence[ShardInfo | PSError], health: Sequence[str],
 
     ``infos[i]`` is shard i's state, or the error it answered Describe with
     (its row then shows only its address and ``health``); ``addresses``
-    names those shards.
+    names those shards. "variables" counts the variables a shard knows,
+    "held" those it holds a part of. In ssp and sync mode a second table
+    gives each shard's step and what its mode decided, and a line the
+    cluster's step, dropped gradients and largest staleness.
     """
-    shards = [["shard", "address", "health", "variables", "stored MB", "limit MB", "versions", "live workers",
-               "last checkpoint", "restored from"]]
+    shards = [["shard", "address", "health", "variables", "held", "stored MB", "limit MB", "versions",
+               "live workers", "last checkpoint", "restored from"]]
     workers: dict[str, dict] = {}
     answered = [info for info in infos if isinstance(info, ShardInfo)]
     for i, (info, state) in enumerate(zip(infos, health)):
         if not isinstance(info, ShardInfo):
             shards.append([f"{i}/{len(infos)}", addresses[i] if i < len(addresses) else "?", state,
-                           *["-"] * 7])
+                           *["-"] * 8])
             continue
         versions = [v["version"] for v in info.variables.values() if v["row_end"] or v["num_rows"]]
         checkpoint = info.last_checkpoint
         restored = info.restored_from
         shards.append([
             f"{info.shard_index}/{info.num_shards}", info.address, state, str(len(info.variables)),
-            f"{info.stored_bytes / 1e6:.1f}", f"{info.memory_limit_bytes / 1e6:.0f}",
+            str(sum(1 for v in info.variables.values() if _held(v))), f"{info.stored_bytes / 1e6:.1f}",
+            f"{info.memory_limit_bytes / 1e6:.0f}",
             f"{min(versions)}..{max(versions)}" if versions else "-",
             str(sum(1 for w in info.workers.values() if w["live"])),
             f"{checkpoint['checkpoint_id']} ({_age(checkpoint['created_unix'])})" if checkpoint else "none",
@@ -96,7 +103,51 @@ def status_table(infos: Sequence[ShardInfo | PSError], health: Sequence[str],
                          f"{record['seconds_since_seen']:.1f}s ago"])
         text += "\n\n" + _table(rows)
     mode = answered[0].consistency.get("mode", "async") if answered else "unknown"
+    if mode in ("ssp", "sync"):
+        return text + "\n\n" + _steps_table(answered) + "\n\n" + _steps_summary(mode, answered)
     return text + f"\n\nconsistency: {mode}"
+
+
+def _held(variable: dict[str, Any]) -> bool:
+    """Whether a shard holds part of this variable: rows of a dense one, or a hash table (every shard has
+    a part of each table, its ids spread over the shards)."""
+    return bool(variable.get("hash_table")) or variable["row_end"] > variable["row_start"]
+
+
+def _steps_table(infos: Sequence[ShardInfo]) -> str:
+    """Each shard's step and what its consistency mode decided (ssp and sync)."""
+    rows = [["shard", "step", "steps applied", "dropped gradients", "largest staleness", "pulls blocked"]]
+    for info in infos:
+        c = info.consistency
+        rows.append([f"{info.shard_index}/{info.num_shards}", str(c["step"]), str(c["steps_applied"]),
+                     str(c["dropped_gradients"]), str(c["max_staleness_admitted"]),
+                     f"{c['pulls_blocked']} of {c['pulls']}"])
+    return _table(rows)
+
+
+def _steps_summary(mode: str, infos: Sequence[ShardInfo]) -> str:
+    """The cluster's step, the gradients dropped and the largest staleness admitted, each with its meaning."""
+    steps = [info.consistency["step"] for info in infos]
+    step = str(steps[0]) if min(steps) == max(steps) else f"{min(steps)}..{max(steps)}"
+    first = infos[0].consistency
+    if mode == "sync":
+        setting = f"sync (backup workers {first['backup_workers']})"
+        step_meaning = "the step being accumulated"
+    else:
+        setting = f"ssp (staleness bound {first['staleness']})"
+        step_meaning = "the slowest live worker's clock"
+    if min(steps) != max(steps):
+        step_meaning += "; the shards differ"
+    rows = [
+        ("cluster step", step, step_meaning),
+        ("dropped gradients", str(sum(info.consistency["dropped_gradients"] for info in infos)),
+         "pushes that came after their step was applied, summed over shards"),
+        ("largest staleness", str(max(info.consistency["max_staleness_admitted"] for info in infos)),
+         "steps a pull was admitted ahead of the slowest live worker"),
+    ]
+    width = max(len(value) for _, value, _ in rows)
+    return f"consistency: {setting}\n" + "\n".join(
+        f"  {name:<17}  {value.rjust(width)}  ({meaning})" for name, value, meaning in rows)
 
 
 def _environment_help() -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -316,3 +317,84 @@ def test_ps_admin_help_names_every_variable_it_reads(cluster_factory, tmp_path):
                            text=True, cwd=str(ROOT), env=child_env(), timeout=60).stdout
     listed = {line.split()[0] for line in usage.splitlines() if line.startswith("  ") and line.split()}
     assert read <= listed, f"ps-admin reads {sorted(read - listed)} but --help does not list them:\n{usage}"
+
+
+def _admin_status(addresses: list[str]) -> str:
+    result = subprocess.run([sys.executable, "-m", "worker_client.admin", "status", "--addresses",
+                             ",".join(addresses)], capture_output=True, text=True, cwd=str(ROOT),
+                            env=child_env(), timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def _shard_row(status: str, shard: str, table_header: str) -> list[str]:
+    """The row of ``shard`` ("0/2") in the table whose header starts with ``table_header``, cut into cells."""
+    table = next(t for t in status.split("\n\n") if t.startswith(table_header))
+    row = next(line for line in table.splitlines() if line.startswith(shard + " "))
+    return re.split(r"\s{2,}", row.strip())
+
+
+def _summary(status: str) -> dict[str, str]:
+    """'cluster step', 'dropped gradients', 'largest staleness' -> the value ps-admin shows."""
+    lines = status[status.index("consistency: "):].splitlines()
+    return {" ".join(line.split()[:2]): line.split()[2] for line in lines[1:]}
+
+
+def _create_three(client: PSClient) -> int:
+    """A variable on both shards, one whole on one shard and a table (a part on every shard).
+
+    Returns the shard holding the small one."""
+    client.create_variable("big", shape=(1000, 300), optimizer=SGD(learning_rate=0.1))
+    small = client.create_variable("small", shape=(8,), optimizer=SGD(learning_rate=0.1))
+    client.create_embedding("emb", dim=4)
+    assert len(small.placement.parts) == 1
+    return small.placement.parts[0].shard
+
+
+def _check_variables(status: str, small_on: int) -> None:
+    for shard in (0, 1):
+        cells = _shard_row(status, f"{shard}/2", "shard  address")
+        assert cells[3:5] == ["3", "3" if shard == small_on else "2"], cells  # known, held
+
+
+def test_ps_admin_status_in_sync_mode_shows_the_step_and_dropped_gradients(cluster_factory):
+    """Two workers, one backup: the first worker's push applies step 0, the second's comes late and is
+    dropped on both shards."""
+    cluster = cluster_factory(2, "--consistency", "sync", "--backup-workers", "1", "--expected-workers", "2")
+    with PSClient(cluster.addresses, worker_id="chief", register=False) as chief:
+        small_on = _create_three(chief)
+    with PSClient(cluster.addresses, worker_id="fast") as fast, \
+            PSClient(cluster.addresses, worker_id="late") as late:
+        gradient = np.ones((1000, 300), np.float32)
+        with fast.step(["big"]) as step:
+            step.push({"big": gradient})
+        with late.step(["big"]) as step:
+            step.push({"big": gradient})
+        assert late.stats()["dropped_pushes"] == 2
+        status = _admin_status(cluster.addresses)
+    _check_variables(status, small_on)
+    assert "consistency: sync (backup workers 1)" in status
+    for shard in ("0/2", "1/2"):  # step, steps applied, dropped gradients, largest staleness
+        assert _shard_row(status, shard, "shard  step")[1:5] == ["1", "1", "1", "0"]
+    assert _summary(status) == {"cluster step": "1", "dropped gradients": "2", "largest staleness": "0"}
+
+
+def test_ps_admin_status_in_ssp_mode_shows_the_step_and_the_largest_staleness(cluster_factory):
+    """Staleness bound 2: one worker runs three steps ahead of the other, its third pull two steps ahead."""
+    cluster = cluster_factory(2, "--consistency", "ssp", "--staleness", "2", "--expected-workers", "2")
+    with PSClient(cluster.addresses, worker_id="chief", register=False) as chief:
+        small_on = _create_three(chief)
+    with PSClient(cluster.addresses, worker_id="ahead") as ahead, \
+            PSClient(cluster.addresses, worker_id="behind") as behind:
+        gradient = np.ones((1000, 300), np.float32)
+        for _ in range(3):
+            with ahead.step(["big"]) as step:
+                step.push({"big": gradient})
+        with behind.step(["big"]) as step:
+            step.push({"big": gradient})
+        status = _admin_status(cluster.addresses)
+    _check_variables(status, small_on)
+    assert "consistency: ssp (staleness bound 2)" in status
+    for shard in ("0/2", "1/2"):  # step (the slowest clock), steps applied, dropped, largest staleness
+        assert _shard_row(status, shard, "shard  step")[1:5] == ["1", "0", "0", "2"]
+    assert _summary(status) == {"cluster step": "1", "dropped gradients": "0", "largest staleness": "2"}

@@ -1,11 +1,15 @@
-"""ps-admin's help (no servers)."""
+"""ps-admin's help and status tables, from hand-made shard states (no servers)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
 from wehub_ps.cluster import CLUSTER_ENVIRONMENT, CONNECTION_ENVIRONMENT, WORKER_ID_ENV
-from worker_client.admin import ENVIRONMENT, main
+from worker_client.admin import ENVIRONMENT, main, status_table
+from worker_client.errors import PSUnavailableError
+from worker_client.shard_info import ShardInfo
 
 
 def _help(capsys) -> str:
@@ -24,3 +28,67 @@ def test_help_lists_the_variables_of_the_shared_tables(capsys):
         assert setting.meaning in line
     for name in ("PS_TLS_CA", "PS_TLS_CERT", "PS_TLS_KEY", "PS_AUTH_TOKEN_FILE", "PS_ADDRESSES", "TF_CONFIG"):
         assert name in text
+
+
+def _variable(rows: tuple[int, int], hash_table: bool = False, version: int = 0) -> dict:
+    return {"row_start": rows[0], "row_end": rows[1], "version": version, "initialized": True,
+            "optimizer_steps": 0, "num_rows": 0, "evicted_rows": 0, "hash_table": hash_table}
+
+
+def _shard(index: int, variables: dict, consistency: dict, num_shards: int = 2) -> ShardInfo:
+    return ShardInfo(f"ps-{index}:7000", index, num_shards, "id", "0", variables, consistency=consistency,
+                     stored_bytes=10**6, memory_limit_bytes=10**9)
+
+
+def _sync(step: int, dropped: int, staleness: int = 0, mode: str = "sync") -> dict:
+    return {"mode": mode, "staleness": 2, "backup_workers": 1, "step": step, "pulls": 5, "pulls_blocked": 1,
+            "blocked_seconds": 0.1, "max_staleness_admitted": staleness, "dropped_gradients": dropped,
+            "steps_applied": step}
+
+
+def _cell(text: str, row_start: str, header: str) -> str:
+    """The cell of column ``header`` in the row starting with ``row_start`` of the table that has that
+    column (columns are 2+ spaces apart)."""
+    for table in text.split("\n\n"):
+        lines = table.splitlines()
+        columns = re.split(r"\s{2,}", lines[0])
+        if header in columns:
+            row = next(line for line in lines[2:] if line.startswith(row_start))
+            return dict(zip(columns, re.split(r"\s{2,}", row)))[header]
+    raise AssertionError(f"no column {header!r} in\n{text}")
+
+
+def test_variables_known_and_held():
+    """Shard 1 knows the small dense variable but holds no part of it; every shard holds a table's part."""
+    variables = [{"big": _variable((0, 500)), "small": _variable((0, 8)), "emb": _variable((0, 0), True)},
+                 {"big": _variable((500, 1000)), "small": _variable((0, 0)), "emb": _variable((0, 0), True)}]
+    text = status_table([_shard(i, v, {"mode": "async"}) for i, v in enumerate(variables)],
+                        ["SERVING", "SERVING"])
+    assert [(_cell(text, f"{i}/2", "variables"), _cell(text, f"{i}/2", "held")) for i in (0, 1)] == \
+        [("3", "3"), ("3", "2")]
+    assert text.endswith("consistency: async")
+
+
+def test_sync_status_shows_the_step_drops_and_staleness():
+    infos = [_shard(0, {}, _sync(7, 2)), _shard(1, {}, _sync(7, 3))]
+    text = status_table(infos, ["SERVING", "SERVING"])
+    assert _cell(text, "0/2", "dropped gradients") == "2" and _cell(text, "1/2", "dropped gradients") == "3"
+    assert _cell(text, "1/2", "steps applied") == "7" and _cell(text, "0/2", "pulls blocked") == "1 of 5"
+    summary = text[text.index("consistency: "):].splitlines()
+    assert summary[0] == "consistency: sync (backup workers 1)"
+    assert summary[1].split()[:3] == ["cluster", "step", "7"]
+    assert summary[2].split()[:3] == ["dropped", "gradients", "5"]
+    assert summary[3].split()[:3] == ["largest", "staleness", "0"]
+
+
+def test_ssp_status_with_shards_at_different_steps_and_one_down():
+    infos = [_shard(0, {}, _sync(3, 0, 2, "ssp"), 3), _shard(1, {}, _sync(4, 0, 1, "ssp"), 3),
+             PSUnavailableError("down", address="ps-2:7000")]
+    text = status_table(infos, ["SERVING", "SERVING", "UNREACHABLE"], ["ps-0:7000", "ps-1:7000", "ps-2:7000"])
+    assert _cell(text, "2/3", "health") == "UNREACHABLE" and _cell(text, "2/3", "held") == "-"
+    assert [_cell(text, f"{i}/3", "largest staleness") for i in (0, 1)] == ["2", "1"]
+    assert "2/3" not in text[text.index("steps applied"):]  # a shard that did not answer has no step
+    summary = text[text.index("consistency: "):].splitlines()
+    assert summary[0] == "consistency: ssp (staleness bound 2)"
+    assert summary[1].split()[:3] == ["cluster", "step", "3..4"] and "shards differ" in summary[1]
+    assert summary[3].split()[:3] == ["largest", "staleness", "2"]
