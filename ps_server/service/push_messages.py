@@ -18,25 +18,11 @@ from ps_server.core.pushes import PushChunk, PushKind, PushStart
 from wehub_ps.errors import Reason
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.codec import DecodedChunk
-from wehub_ps.wire.dtypes import to_numpy_dtype
+from wehub_ps.wire.dtypes import WIRE_TO_NUMPY
 
 __all__ = ["BeginParts", "push_start", "push_chunk", "push_chunks"]
 
 _KINDS = {ps_pb2.GRADIENT: PushKind.GRADIENT, ps_pb2.ASSIGN: PushKind.ASSIGN}
-
-
-def _known_dtypes() -> dict[int, np.dtype]:
-    known = {}
-    for code in ps_pb2.DataType.values():
-        try:
-            known[code] = to_numpy_dtype(code)
-        except ValueError:
-            pass  # DATA_TYPE_UNSPECIFIED
-    return known
-
-
-#: Wire dtype code -> numpy dtype; one lookup per chunk.
-_DTYPES = _known_dtypes()
 
 
 class BeginParts:
@@ -97,7 +83,6 @@ class BeginParts:
         return begin
 
 
-
 def push_start(begin: ps_pb2.PushBegin) -> PushStart:
     """The core's view of a whole ``PushBegin``."""
     return PushStart(begin.shard_index, begin.num_shards, begin.worker_id, begin.incarnation, begin.sequence,
@@ -110,7 +95,7 @@ def push_chunk(chunk: DecodedChunk) -> PushChunk:
     """The core's view of one decoded chunk (its data stays a view of the message)."""
     header = chunk.header
     code = header.dtype
-    return header.variable, _DTYPES.get(code, code), header.offset, header.count, chunk.data
+    return header.variable, WIRE_TO_NUMPY.get(code, code), header.offset, header.count, chunk.data
 
 
 def push_chunks(chunks: list[DecodedChunk]) -> list[PushChunk]:
@@ -120,4 +105,4 @@ def push_chunks(chunks: list[DecodedChunk]) -> list[PushChunk]:
 
 def _dtype(code: int) -> np.dtype | int:
     """The numpy dtype of a wire dtype code, or the code itself when it names none."""
-    return _DTYPES.get(code, code)
+    return WIRE_TO_NUMPY.get(code, code)

@@ -7,10 +7,10 @@ import numpy as np
 from wehub_ps.dtypes import BFLOAT16
 from wehub_ps.v1 import ps_pb2
 
-__all__ = ["to_numpy_dtype", "to_wire_dtype"]
+__all__ = ["WIRE_TO_NUMPY", "to_numpy_dtype", "to_wire_dtype"]
 
-# Every dtype is little-endian on the wire.
-_WIRE_TO_NUMPY: dict[int, np.dtype] = {
+#: Wire DataType -> numpy dtype; every dtype is little-endian on the wire.
+WIRE_TO_NUMPY: dict[int, np.dtype] = {
     ps_pb2.FLOAT32: np.dtype("<f4"),
     ps_pb2.FLOAT64: np.dtype("<f8"),
     ps_pb2.FLOAT16: np.dtype("<f2"),
@@ -25,12 +25,12 @@ _WIRE_TO_NUMPY: dict[int, np.dtype] = {
     ps_pb2.UINT64: np.dtype("<u8"),
     ps_pb2.BOOL: np.dtype("?"),
 }
-_NUMPY_TO_WIRE: dict[np.dtype, int] = {dt: wire for wire, dt in _WIRE_TO_NUMPY.items()}
+_NUMPY_TO_WIRE: dict[np.dtype, int] = {dt: wire for wire, dt in WIRE_TO_NUMPY.items()}
 
 def to_numpy_dtype(wire: int) -> np.dtype:
     """The little-endian numpy dtype of a wire DataType; ValueError if unknown."""
     try:
-        return _WIRE_TO_NUMPY[wire]
+        return WIRE_TO_NUMPY[wire]
     except KeyError:
         raise ValueError(f"unknown wire dtype {wire!r}") from None
 
