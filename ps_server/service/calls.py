@@ -44,6 +44,7 @@ STATUS_BY_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.EXCHANGE_STREAMS: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.MEMORY_LIMIT: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
+    Reason.NOT_PRIMARY: grpc.StatusCode.UNAVAILABLE,
     Reason.CHECKPOINTS_DISABLED: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.STEP_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     Reason.FINISH_NOT_ALLOWED: grpc.StatusCode.FAILED_PRECONDITION,
