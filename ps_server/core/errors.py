@@ -14,7 +14,9 @@ class RequestError(Exception):
     in :mod:`ps_server.service.servicer`) and sends ``message`` as the details.
     """
 
-    def __init__(self, reason: Reason, message: str) -> None:
+    def __init__(self, reason: Reason, message: str, trailers: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
+        #: Further trailing metadata of the refusal (NOT_PRIMARY: the primary's address).
+        self.trailers = trailers

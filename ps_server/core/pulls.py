@@ -22,6 +22,7 @@ import numpy as np
 from ps_server.core.consistency import ConsistencyController
 from ps_server.core.errors import RequestError
 from ps_server.core.lifecycle import Lifecycle
+from ps_server.core.ordering import UNLOGGED, ChangeLog
 from ps_server.core.pushes import check_cluster
 from ps_server.core.rows import RowGather, gathered_bytes, parse_row_ids, rows_in_order, unique_ids
 from ps_server.core.store import MemoryHold, VariablePart, VariableStore
@@ -118,8 +119,11 @@ class PullPlanner:
     """Checks pulls and plans their reads on one shard."""
 
     def __init__(self, store: VariableStore, lifecycle: Lifecycle, consistency: ConsistencyController,
-                 workers: WorkerPresence, default_chunk_bytes: int, max_chunk_bytes: int) -> None:
+                 workers: WorkerPresence, default_chunk_bytes: int, max_chunk_bytes: int,
+                 changes: ChangeLog = UNLOGGED) -> None:
         self._store = store
+        #: A replicated shard's order of changes: reading hash-table rows changes the tables.
+        self._changes = changes
         self._lifecycle = lifecycle
         self._consistency = consistency
         self._workers = workers
@@ -193,13 +197,24 @@ class PullPlanner:
             # Every request is checked above: read (and, in a hash table, create) all rows at once,
             # all or nothing, so a refusal leaves nothing behind and the rows are one instant.
             try:
-                read = store.read_rows([(g.part, g.unique) for g in gathers])
+                read = self._read_rows(gathers)
             except BaseException:
                 hold.release()
                 raise
             for g, (values, version) in zip(gathers, read):
                 reads[g.index] = RowsRead(g.part, rows_in_order(values, g.inverse, g.wire), version, g.wire)
         return PullPlan(reads, chunk_bytes, hold)
+
+    def _read_rows(self, gathers: list[_Gather]) -> list[tuple[np.ndarray, int]]:
+        """The rows of every gather; reads of hash tables are changes, logged in the shard's order."""
+        reads = [(g.part, g.unique) for g in gathers]
+        tables = [(g.part.spec.name, g.unique) for g in gathers if isinstance(g.part, HashTablePart)]
+        if not tables:
+            return self._store.read_rows(reads)
+        with self._changes.ordered():
+            read = self._store.read_rows(reads)
+            self._changes.table_rows_read(tables)
+        return read
 
     def plan_after_push(self, query: PullQuery) -> PullPlan:
         """Plan a push's pull_after (whole dense variables, async mode only) before the push is applied."""

@@ -70,4 +70,7 @@ def describe_response(context: ShardContext) -> ps_pb2.DescribeResponse:
     restored = context.restored_from()
     if restored is not None:
         response.restored_from.CopyFrom(restored_info(restored))
+    replication = context.role.status()
+    if replication is not None:
+        response.replication.CopyFrom(replication)
     return response

@@ -55,7 +55,7 @@ M = TypeVar("M")
 
 def abort(context: grpc.ServicerContext, error: RequestError) -> None:
     """End the call with the status of ``error``'s reason, the reason in trailing metadata."""
-    context.set_trailing_metadata(((REASON_METADATA_KEY, error.reason.value),))
+    context.set_trailing_metadata(((REASON_METADATA_KEY, error.reason.value), *error.trailers))
     context.abort(STATUS_BY_REASON[error.reason], error.message)
 
 

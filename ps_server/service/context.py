@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ps_server.core.admission import Admission
 from ps_server.core.consistency import ConsistencyController
@@ -17,6 +17,7 @@ from ps_server.core.workers import WorkerPresence
 from ps_server.durability.checkpointer import Checkpointer
 from ps_server.durability.restore import RestoredFrom
 from ps_server.ops.metrics import Metrics
+from ps_server.service.roles import SingleReplica, ShardRole
 
 __all__ = ["ShardContext"]
 
@@ -43,3 +44,5 @@ class ShardContext:
     #: Set by a client's finish() when ``allow_finish`` (--allow-finish): the daemon then shuts down.
     finish_requested: threading.Event
     allow_finish: bool
+    #: This replica's role in its shard's replica set (SingleReplica: unreplicated).
+    role: ShardRole = field(default_factory=SingleReplica)

@@ -22,6 +22,7 @@ from ps_server.service.calls import STATUS_BY_REASON, CallSlots, abort, parse, u
 from ps_server.service.context import ShardContext
 from ps_server.service.pull_stream import pull_messages
 from ps_server.service.push_messages import BeginParts, push_chunks, push_start
+from ps_server.service.roles import ShardRole
 from wehub_ps.errors import Reason
 from wehub_ps.specs import SpecError
 from wehub_ps.specs_proto import spec_from_proto
@@ -62,6 +63,7 @@ class ParameterServerService:
         self._pulls = context.pulls
         self._metrics = context.metrics
         self._server_id = context.server_id
+        self._role = context.role
         self._slots = CallSlots(context.admission)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
@@ -94,13 +96,16 @@ class ParameterServerService:
 
     @unary
     def describe(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        parse(ps_pb2.DescribeRequest, request)
+        msg = parse(ps_pb2.DescribeRequest, request)
+        if not msg.any_replica:
+            self._role.check_primary()
         self._lifecycle.check_ready()  # never report a store that is still being restored
         return describe_response(self._context).SerializeToString()
 
     @unary
     def checkpoint(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         parse(ps_pb2.CheckpointRequest, request)
+        self._role.check_primary()
         checkpointer = self._context.checkpointer
         if checkpointer is None:
             raise RequestError(Reason.CHECKPOINTS_DISABLED,
@@ -116,6 +121,7 @@ class ParameterServerService:
     @unary
     def finish(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         msg = parse(ps_pb2.FinishRequest, request)
+        self._role.check_primary()
         if not self._context.allow_finish:
             raise RequestError(Reason.FINISH_NOT_ALLOWED,
                                "this ps-server is a long-lived service; start it with --allow-finish "
@@ -132,6 +138,7 @@ class ParameterServerService:
     def heartbeat(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         msg = parse(ps_pb2.HeartbeatRequest, request)
         check_worker(msg.worker_id, msg.incarnation)
+        self._role.check_primary()
         # No lease or step clock before the restore or after the drain began.
         self._lifecycle.check_accepting()
         if msg.leaving:
@@ -147,6 +154,7 @@ class ParameterServerService:
     @unary
     def create_variable(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         msg = parse(ps_pb2.CreateVariableRequest, request)
+        self._role.check_primary()
         self._lifecycle.check_accepting()
         check_cluster(self._store, msg.shard_index, msg.num_shards)
         try:
@@ -162,7 +170,12 @@ class ParameterServerService:
             if existing is not None:
                 response.variable.CopyFrom(variable_info(existing))
             return response.SerializeToString()
-        info, created = self._store.create(spec)
+        role = self._role
+        with role.ordered():
+            info, created = self._store.create(spec)
+            # A variable another call created may still be on its way to the backups: wait for it too.
+            sequence = role.variable_created(msg.spec) if created else role.last_sequence()
+        role.acknowledge(sequence, context.time_remaining())
         if created:
             log.debug("variable created", extra={"fields": {"variable": spec.name,
                                                              "shape": list(spec.shape)}})
@@ -175,6 +188,7 @@ class ParameterServerService:
         try:
             msg = parse(ps_pb2.PullRequest, request)
             names = [item.variable for item in msg.items]
+            self._role.check_primary()
             plan = self._pulls.plan(_pull_query(msg))
             with plan.hold:
                 # ssp / sync: wait (at most the call's deadline) until this step may read.
@@ -246,9 +260,10 @@ class ParameterServerService:
     def _apply_push(self, messages: Iterable[bytes | memoryview], names: list[str],
                     holds: list[MemoryHold], wait_seconds: float | None = None):
         """Apply the push; ``names`` and ``holds`` (of its pull_after answer) are filled as it goes."""
+        self._role.check_primary()
         received = 0
         pull_plan = None
-        with self._lifecycle.push_in_flight():
+        with self._lifecycle.push_in_flight(), _LoggedStream(self._role) as logged:
             active = None
             parts: BeginParts | None = None  # a begin spread over several messages, until it is whole
             for raw in messages:
@@ -287,15 +302,28 @@ class ParameterServerService:
                         holds.append(pull_plan[0].hold)
                     active = begin_push(self._store, self._ledger, push_start(begin), self._consistency,
                                         self._metrics, wait_seconds)
+                    logged.begin = begin
                 elif active is None:
                     raise RequestError(Reason.INVALID_REQUEST,
                                        "the first message of a push must carry PushBegin" if parts is None
                                        else "a continued PushBegin must be continued by the next message")
-                active.apply_many(push_chunks(chunks))
+                if logged.replicated:
+                    if chunks:
+                        with logged.ordered():
+                            active.apply_many(push_chunks(chunks))
+                            logged.applied(raw)
+                else:
+                    active.apply_many(push_chunks(chunks))
             if active is None:
                 raise RequestError(Reason.INVALID_REQUEST, "empty push stream" if parts is None
                                    else "push stream ended before the last part of its PushBegin")
-            result = active.finish()
+            if logged.replicated:
+                with logged.ordered():
+                    result = active.finish()
+                    logged.ended()
+                self._role.acknowledge(logged.sequence, wait_seconds)
+            else:
+                result = active.finish()
         return result, received, pull_plan
 
     def exchange(self, request_iterator: Iterable[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -312,6 +340,7 @@ class ParameterServerService:
                 except CodecError as exc:
                     raise RequestError(Reason.MALFORMED_MESSAGE,
                                        f"request is not a valid wehub_ps.v1.ExchangeRequest: {exc}") from None
+                self._role.check_primary()
                 if field == EXCHANGE_PULL:
                     msg = parse(ps_pb2.PullRequest, payload)
                     names = [item.variable for item in msg.items]
@@ -338,6 +367,53 @@ class ParameterServerService:
                 reply = encode_envelope(request_id, EXCHANGE_ERROR, ps_pb2.ExchangeError(
                     code=status.value[0], reason=error.reason.value, message=error.message).SerializeToString())
             yield reply
+
+
+class _LoggedStream:
+    """One push stream's records in a replicated shard's log (nothing when unreplicated).
+
+    Each applied message is logged in the same hold of the shard's order as
+    its apply; the stream's begin goes with its first record. A stream that
+    breaks after logging anything logs its end too, so the backups let go of
+    it as the primary did.
+    """
+
+    def __init__(self, role: ShardRole) -> None:
+        self._role = role
+        self.replicated = role.replicated
+        self._stream = role.next_stream() if self.replicated else 0
+        #: The push's whole begin, once decoded.
+        self.begin: ps_pb2.PushBegin | None = None
+        self._begin_logged = False
+        self._ended = False
+        #: The sequence of the stream's newest record.
+        self.sequence = 0
+
+    def __enter__(self) -> _LoggedStream:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if self.replicated and self._begin_logged and not self._ended:
+            with self._role.ordered():
+                self._role.push_ended(self._stream, None, False)
+
+    def ordered(self):
+        return self._role.ordered()
+
+    def applied(self, message: bytes | memoryview) -> None:
+        """Under ``ordered``: one message's chunks were applied."""
+        self.sequence = self._role.push_applied(self._stream, self._first_begin(), bytes(message))
+
+    def ended(self) -> None:
+        """Under ``ordered``: the push finished."""
+        self._ended = True
+        self.sequence = self._role.push_ended(self._stream, self._first_begin(), True)
+
+    def _first_begin(self) -> ps_pb2.PushBegin | None:
+        if self._begin_logged:
+            return None
+        self._begin_logged = True
+        return self.begin
 
 
 def _pull_query(msg: ps_pb2.PullRequest) -> PullQuery:

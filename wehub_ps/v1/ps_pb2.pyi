@@ -242,11 +242,13 @@ class VariableInfo(_message.Message):
     def __init__(self, spec: _Optional[_Union[VariableSpec, _Mapping]] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., optimizer_steps: _Optional[int] = ..., num_rows: _Optional[int] = ..., evicted_rows: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("any_replica",)
+    ANY_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    any_replica: bool
+    def __init__(self, any_replica: _Optional[bool] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "server_id", "server_version", "variables", "chunk_bytes_limit", "workers", "worker_lease_seconds", "last_checkpoint", "restored_from", "consistency", "stored_bytes", "memory_limit_bytes")
+    __slots__ = ("shard_index", "num_shards", "server_id", "server_version", "variables", "chunk_bytes_limit", "workers", "worker_lease_seconds", "last_checkpoint", "restored_from", "consistency", "stored_bytes", "memory_limit_bytes", "replication")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +262,7 @@ class DescribeResponse(_message.Message):
     CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     server_id: str
@@ -273,7 +276,46 @@ class DescribeResponse(_message.Message):
     consistency: ConsistencyInfo
     stored_bytes: int
     memory_limit_bytes: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., server_id: _Optional[str] = ..., server_version: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., chunk_bytes_limit: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., worker_lease_seconds: _Optional[float] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., restored_from: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., consistency: _Optional[_Union[ConsistencyInfo, _Mapping]] = ..., stored_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ...) -> None: ...
+    replication: ReplicaStatus
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., server_id: _Optional[str] = ..., server_version: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., chunk_bytes_limit: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., worker_lease_seconds: _Optional[float] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., restored_from: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., consistency: _Optional[_Union[ConsistencyInfo, _Mapping]] = ..., stored_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., replication: _Optional[_Union[ReplicaStatus, _Mapping]] = ...) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("replica_index", "replicas", "role", "epoch", "primary_address", "applied_sequence", "backups", "etcd_reachable")
+    REPLICA_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    BACKUPS_FIELD_NUMBER: _ClassVar[int]
+    ETCD_REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    replica_index: int
+    replicas: int
+    role: str
+    epoch: int
+    primary_address: str
+    applied_sequence: int
+    backups: _containers.RepeatedCompositeFieldContainer[BackupStatus]
+    etcd_reachable: bool
+    def __init__(self, replica_index: _Optional[int] = ..., replicas: _Optional[int] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., primary_address: _Optional[str] = ..., applied_sequence: _Optional[int] = ..., backups: _Optional[_Iterable[_Union[BackupStatus, _Mapping]]] = ..., etcd_reachable: _Optional[bool] = ...) -> None: ...
+
+class BackupStatus(_message.Message):
+    __slots__ = ("replica_index", "address", "in_sync", "acknowledged_sequence", "lag_records", "lag_bytes", "lag_seconds")
+    REPLICA_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    IN_SYNC_FIELD_NUMBER: _ClassVar[int]
+    ACKNOWLEDGED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    LAG_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    LAG_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    replica_index: int
+    address: str
+    in_sync: bool
+    acknowledged_sequence: int
+    lag_records: int
+    lag_bytes: int
+    lag_seconds: float
+    def __init__(self, replica_index: _Optional[int] = ..., address: _Optional[str] = ..., in_sync: _Optional[bool] = ..., acknowledged_sequence: _Optional[int] = ..., lag_records: _Optional[int] = ..., lag_bytes: _Optional[int] = ..., lag_seconds: _Optional[float] = ...) -> None: ...
 
 class FinishRequest(_message.Message):
     __slots__ = ("worker_id",)
@@ -584,3 +626,101 @@ class ExchangeResponse(_message.Message):
     push: PushResponse
     error: ExchangeError
     def __init__(self, id: _Optional[int] = ..., pull: _Optional[_Union[PullResponse, _Mapping]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ..., error: _Optional[_Union[ExchangeError, _Mapping]] = ...) -> None: ...
+
+class FollowRequest(_message.Message):
+    __slots__ = ("start", "applied")
+    START_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    start: FollowStart
+    applied: int
+    def __init__(self, start: _Optional[_Union[FollowStart, _Mapping]] = ..., applied: _Optional[int] = ...) -> None: ...
+
+class FollowStart(_message.Message):
+    __slots__ = ("shard_index", "num_shards", "replica_index", "incarnation", "address", "epoch")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_INDEX_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    num_shards: int
+    replica_index: int
+    incarnation: str
+    address: str
+    epoch: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., replica_index: _Optional[int] = ..., incarnation: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class ReplicationMessage(_message.Message):
+    __slots__ = ("epoch", "snapshot_file", "snapshot_done", "record", "ping")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FILE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_DONE_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    PING_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    snapshot_file: SnapshotFile
+    snapshot_done: int
+    record: ReplicationRecord
+    ping: int
+    def __init__(self, epoch: _Optional[int] = ..., snapshot_file: _Optional[_Union[SnapshotFile, _Mapping]] = ..., snapshot_done: _Optional[int] = ..., record: _Optional[_Union[ReplicationRecord, _Mapping]] = ..., ping: _Optional[int] = ...) -> None: ...
+
+class SnapshotFile(_message.Message):
+    __slots__ = ("path", "offset", "last", "data")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offset: int
+    last: bool
+    data: bytes
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., last: _Optional[bool] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReplicationRecord(_message.Message):
+    __slots__ = ("sequence", "push", "push_end", "rows_read", "created")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    PUSH_END_FIELD_NUMBER: _ClassVar[int]
+    ROWS_READ_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    push: PushApplied
+    push_end: PushEnded
+    rows_read: TableRowsRead
+    created: VariableSpec
+    def __init__(self, sequence: _Optional[int] = ..., push: _Optional[_Union[PushApplied, _Mapping]] = ..., push_end: _Optional[_Union[PushEnded, _Mapping]] = ..., rows_read: _Optional[_Union[TableRowsRead, _Mapping]] = ..., created: _Optional[_Union[VariableSpec, _Mapping]] = ...) -> None: ...
+
+class PushApplied(_message.Message):
+    __slots__ = ("stream", "begin", "message")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    begin: PushBegin
+    message: bytes
+    def __init__(self, stream: _Optional[int] = ..., begin: _Optional[_Union[PushBegin, _Mapping]] = ..., message: _Optional[bytes] = ...) -> None: ...
+
+class PushEnded(_message.Message):
+    __slots__ = ("stream", "begin", "completed")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    begin: PushBegin
+    completed: bool
+    def __init__(self, stream: _Optional[int] = ..., begin: _Optional[_Union[PushBegin, _Mapping]] = ..., completed: _Optional[bool] = ...) -> None: ...
+
+class TableRowsRead(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableRows]
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ...) -> None: ...
+
+class TableRows(_message.Message):
+    __slots__ = ("variable", "ids")
+    VARIABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    variable: str
+    ids: bytes
+    def __init__(self, variable: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...

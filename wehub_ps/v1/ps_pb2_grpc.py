@@ -410,3 +410,90 @@ class ParameterServer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ReplicationStub:
+    """Between the replicas of one shard (ps-server --replicas R > 1): a backup
+    follows the shard's primary. The primary sends a snapshot (the files of a
+    checkpoint) and then every update in the order it applied them; the backup
+    applies the same updates with the same code and acknowledges each. A push
+    is acknowledged to its worker only once every in-sync backup acknowledged it.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Follow = channel.stream_stream(
+                '/wehub_ps.v1.Replication/Follow',
+                request_serializer=wehub__ps_dot_v1_dot_ps__pb2.FollowRequest.SerializeToString,
+                response_deserializer=wehub__ps_dot_v1_dot_ps__pb2.ReplicationMessage.FromString,
+                _registered_method=True)
+
+
+class ReplicationServicer:
+    """Between the replicas of one shard (ps-server --replicas R > 1): a backup
+    follows the shard's primary. The primary sends a snapshot (the files of a
+    checkpoint) and then every update in the order it applied them; the backup
+    applies the same updates with the same code and acknowledges each. A push
+    is acknowledged to its worker only once every in-sync backup acknowledged it.
+    """
+
+    def Follow(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ReplicationServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Follow': grpc.stream_stream_rpc_method_handler(
+                    servicer.Follow,
+                    request_deserializer=wehub__ps_dot_v1_dot_ps__pb2.FollowRequest.FromString,
+                    response_serializer=wehub__ps_dot_v1_dot_ps__pb2.ReplicationMessage.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'wehub_ps.v1.Replication', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('wehub_ps.v1.Replication', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Replication:
+    """Between the replicas of one shard (ps-server --replicas R > 1): a backup
+    follows the shard's primary. The primary sends a snapshot (the files of a
+    checkpoint) and then every update in the order it applied them; the backup
+    applies the same updates with the same code and acknowledges each. A push
+    is acknowledged to its worker only once every in-sync backup acknowledged it.
+    """
+
+    @staticmethod
+    def Follow(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/wehub_ps.v1.Replication/Follow',
+            wehub__ps_dot_v1_dot_ps__pb2.FollowRequest.SerializeToString,
+            wehub__ps_dot_v1_dot_ps__pb2.ReplicationMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

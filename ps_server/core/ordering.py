@@ -1,0 +1,44 @@
+"""The one order in which a shard's state changes, for its replicas.
+
+A replicated shard (ps-server --replicas > 1) applies every change in a
+total order and ships each to its backups in that order, so they apply the
+same changes with the same code and hold the same bits. Most changes are
+ordered by the service layer (pushes, variable creation); the one the core
+makes on its own is a pull of hash-table rows, which creates missing rows and
+refreshes the tables' LRU order. The pull planner reports those through
+:class:`ChangeLog`; an unreplicated shard uses :data:`UNLOGGED`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+import numpy as np
+
+__all__ = ["ChangeLog", "UNLOGGED"]
+
+
+class ChangeLog(Protocol):
+    """Where a shard's changes are put in order."""
+
+    def ordered(self) -> AbstractContextManager[None]:
+        """Held while a change is applied and logged: no other change comes between."""
+
+    def table_rows_read(self, reads: Sequence[tuple[str, np.ndarray]]) -> None:
+        """A pull read these rows (unique int64 ids) of these hash tables, creating missing ones."""
+
+
+class _Unlogged:
+    """An unreplicated shard: changes need no order beyond their locks."""
+
+    def ordered(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def table_rows_read(self, reads: Sequence[tuple[str, np.ndarray]]) -> None:
+        return None
+
+
+UNLOGGED: ChangeLog = _Unlogged()
