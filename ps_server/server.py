@@ -32,16 +32,18 @@ from ps_server.core.gate import ApplyGate
 from ps_server.core.ledger import PushLedger
 from ps_server.core.lifecycle import Lifecycle
 from ps_server.core.membership import Membership
+from ps_server.core.ordering import UNLOGGED
 from ps_server.core.pulls import PullPlanner
 from ps_server.core.store import VariableStore
 from ps_server.core.workers import WorkerPresence
 from ps_server.durability.checkpointer import Checkpointer
-from ps_server.durability.restore import RestoredFrom, load_restore
+from ps_server.durability.restore import RestoredFrom, RestoredState, load_restore
 from ps_server.durability.spec_log import SpecLog
 from ps_server.ops.config import ServerConfig
 from ps_server.ops.metrics import Metrics
 from ps_server.service.auth import AuthInterceptor, TokenFile
 from ps_server.service.context import ShardContext
+from ps_server.service.roles import ShardRole, SingleReplica
 from ps_server.service.servicer import ParameterServerService
 from ps_server.service.standard_services import HealthServicer, add_reflection
 from wehub_ps.process.logs import event
@@ -86,16 +88,25 @@ class PSServer:
         self.restored_from: RestoredFrom | None = None
         workers = WorkerPresence(self.membership, self.consistency)
         max_chunk_bytes = config.max_message_bytes // 2
+        #: --replicas > 1: this process's role in its shard's replica set (ps_server.replication).
+        self.replica = None
+        role: ShardRole = SingleReplica()
+        if config.replicas > 1:
+            from ps_server.replication.wiring import ReplicaWiring
+
+            self.replica = ReplicaWiring(self)
+            role = self.replica.role
         self.context = ShardContext(
             store=self.store, ledger=self.ledger, lifecycle=self.lifecycle, membership=self.membership,
             consistency=self.consistency, workers=workers,
             pulls=PullPlanner(self.store, self.lifecycle, self.consistency, workers,
-                              default_chunk_bytes=config.chunk_bytes, max_chunk_bytes=max_chunk_bytes),
+                              default_chunk_bytes=config.chunk_bytes, max_chunk_bytes=max_chunk_bytes,
+                              changes=self.replica.role if self.replica is not None else UNLOGGED),
             metrics=self.metrics,
             admission=Admission(config.max_concurrent_rpcs, config.max_exchange_streams),
             server_id=self.server_id, max_chunk_bytes=max_chunk_bytes, checkpointer=checkpointer,
             restored_from=lambda: self.restored_from, finish_requested=self.finish_requested,
-            allow_finish=config.allow_finish)
+            allow_finish=config.allow_finish, role=role)
         self.health = HealthServicer()
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.service = ParameterServerService(self.context)
@@ -131,7 +142,10 @@ class PSServer:
                                        maximum_concurrent_rpcs=slots)
         self.grpc_server.add_generic_rpc_handlers((self.service.generic_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
-        add_reflection(self.grpc_server, (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME))
+        services = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        if self.replica is not None:
+            services += (self.replica.add_service(self.grpc_server),)
+        add_reflection(self.grpc_server, services)
         address = f"{config.host}:{config.port}"
         self.port = _bind(self.grpc_server, address, server_credentials(config))
         # kubelet's native gRPC probes cannot speak TLS: health alone, plaintext, on its own port.
@@ -155,8 +169,17 @@ class PSServer:
             self.health.set(name, status)
 
     def start(self) -> None:
-        """Restore, then serve; health turns SERVING once requests can be answered."""
+        """Restore, then serve; health turns SERVING once requests can be answered.
+
+        A replica (--replicas > 1) serves as soon as its transport is up: its
+        role (ps_server.replication) then follows the shard's primary, or is
+        elected and restores from its checkpoints when it holds nothing.
+        """
         self.start_transport()
+        if self.replica is not None:
+            self.mark_serving()
+            self.replica.start()
+            return
         self.restore()
         self.mark_serving()
 
@@ -181,12 +204,7 @@ class PSServer:
         if restored is None:
             event(log, logging.INFO, "no checkpoint to restore", checkpoint_dir=config.checkpoint_dir)
             return
-        self.store.restore(restored.parts)
-        for part in self.store.parts():
-            self.metrics.restored_version.labels(part.spec.name).set(part.version)
-        self.ledger.restore(restored.ledger_entries)
-        # ssp / sync: step, clocks, workers (and, with the parts, the step's sums) of that instant.
-        self.consistency.restore(restored.consistency)
+        self.install(restored)
         self.restored_from = restored.origin
         event(log, logging.INFO, "restored", from_num_shards=restored.from_num_shards,
               resharded=restored.resharded,
@@ -199,6 +217,15 @@ class PSServer:
             self.checkpointer.checkpoint("resharded")
         else:
             self.checkpointer.mark_restored()
+
+    def install(self, restored: RestoredState) -> None:
+        """Replace the shard's state with a restored one (a checkpoint, or a replica's snapshot)."""
+        self.store.restore(restored.parts)
+        for part in self.store.parts():
+            self.metrics.restored_version.labels(part.spec.name).set(part.version)
+        self.ledger.restore(restored.ledger_entries)
+        # ssp / sync: step, clocks, workers (and, with the parts, the step's sums) of that instant.
+        self.consistency.restore(restored.consistency)
 
     def mark_serving(self) -> None:
         """Ready for work: accept requests, health SERVING, port file written."""
@@ -232,6 +259,8 @@ class PSServer:
         Returns True when every push in flight finished within the drain timeout.
         """
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.replica is not None:
+            self.replica.stop()
         event(log, logging.INFO, "draining", pushes_in_flight=self.lifecycle.in_flight)
         self.consistency.close()  # pulls waiting for a step give up
         drained = self.lifecycle.drain(self.config.drain_timeout)

@@ -104,6 +104,17 @@ class ServerConfig:
     metrics_port: int = 0
     max_variables: int = 100_000
     allow_finish: bool = False
+    replicas: int = 1
+    replica_index: int = 0
+    etcd_endpoints: str = ""
+    job_name: str = "wehub-ps"
+    advertise_address: str = ""
+    primary_lease_seconds: int = 2
+    replication_timeout: float = 5.0
+    max_backup_bytes: int = 256 << 20
+    etcd_ca: str | None = None
+    etcd_cert: str | None = None
+    etcd_key: str | None = None
     #: PS_* variables that no setting reads (a misspelling?); logged at start.
     unknown_environment: tuple[str, ...] = ()
 
@@ -150,6 +161,41 @@ class ServerConfig:
             raise ConfigError(f"--max-rows must be >= 0, got {self.max_rows}")
         if self.consistency not in ("async", "ssp", "sync"):
             raise ConfigError(f"--consistency must be async, ssp or sync, got {self.consistency!r}")
+        self._check_replication()
+
+    def _check_replication(self) -> None:
+        if not 1 <= self.replicas <= 9:
+            raise ConfigError(f"--replicas must be in [1, 9], got {self.replicas}")
+        if not 0 <= self.replica_index < self.replicas:
+            raise ConfigError(f"--replica-index must be in [0, {self.replicas}) for --replicas {self.replicas}, "
+                              f"got {self.replica_index}")
+        if self.replicas == 1:
+            return
+        if not self.etcd_endpoints:
+            raise ConfigError("--replicas > 1 needs --etcd-endpoints 'host:port,...': the replicas elect "
+                              "their primary through etcd")
+        if self.consistency == "sync":
+            raise ConfigError("--replicas > 1 runs with --consistency async or ssp; sync steps are not "
+                              "replicated (use one replica per shard, and checkpoints, for sync training)")
+        if not self.job_name or "/" in self.job_name:
+            raise ConfigError(f"--job-name must be a non-empty name without '/', got {self.job_name!r}")
+        if not 1 <= self.primary_lease_seconds <= 60:
+            raise ConfigError(f"--primary-lease-seconds must be in [1, 60], got {self.primary_lease_seconds}")
+        if not math.isfinite(self.replication_timeout) or self.replication_timeout <= 0:
+            raise ConfigError(f"--replication-timeout must be positive seconds, got {self.replication_timeout}")
+        if self.max_backup_bytes < 1 << 20:
+            raise ConfigError(f"--max-backup-bytes must be at least 1 MiB, got {self.max_backup_bytes}")
+        if self.tls_cert and not self.tls_client_ca:
+            raise ConfigError("replicas with TLS (--tls-cert) also need --tls-client-ca: backups present this "
+                              "server's certificate to their primary and check the primary's against that CA")
+        if bool(self.etcd_cert) != bool(self.etcd_key):
+            raise ConfigError("--etcd-cert and --etcd-key go together: give both or neither")
+        if self.etcd_cert and not self.etcd_ca:
+            raise ConfigError("--etcd-cert (client certificate for etcd) needs --etcd-ca")
+        for flag, value in (("--etcd-ca", self.etcd_ca), ("--etcd-cert", self.etcd_cert),
+                            ("--etcd-key", self.etcd_key)):
+            if value and not os.path.isfile(value):
+                raise ConfigError(f"{flag} {value!r} is not a readable file")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
         if self.tls_client_ca and not self.tls_cert:
@@ -214,6 +260,24 @@ _HELP = {
     "metrics_port": "serve Prometheus metrics on this port; 0 = off",
     "max_variables": "variables this shard holds at most; more is RESOURCE_EXHAUSTED",
     "allow_finish": "let a client's finish() make this server write its final checkpoint and exit 0 (jobs)",
+    "replicas": "processes per shard: one primary and replicas - 1 backups that apply every update and "
+                "take over when the primary dies (needs --etcd-endpoints)",
+    "replica_index": "this process's index in its shard's replica set, 0-based",
+    "etcd_endpoints": "etcd's client addresses, 'host:port,...' (replicas > 1): the primary's lease and the "
+                      "elections",
+    "job_name": "names this cluster's keys in etcd (/wehub-ps/<job-name>/...)",
+    "advertise_address": "'host:port' other replicas and workers reach this one at; default the host name "
+                         "and the bound port",
+    "primary_lease_seconds": "TTL of the primary's etcd lease: a primary that stopped renewing it is replaced "
+                             "this long after (when its port still answers); shorter fails over sooner, "
+                             "longer rides out slower etcd",
+    "replication_timeout": "seconds a backup may leave an update unanswered before the primary drops it from "
+                           "the in-sync set (it catches up again)",
+    "max_backup_bytes": "bytes of updates queued for one backup at most; a backup further behind is cut off "
+                        "and catches up from a snapshot",
+    "etcd_ca": "PEM CA bundle that signed etcd's certificate: talk to etcd over TLS",
+    "etcd_cert": "PEM client certificate for etcd (mutual TLS)",
+    "etcd_key": "PEM private key of --etcd-cert",
 }
 
 

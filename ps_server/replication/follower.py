@@ -1,0 +1,105 @@
+"""A backup's side of the Follow stream: load the snapshot, apply every record, answer each message.
+
+Records are applied one at a time, in the primary's order, on this
+stream's thread (see records.RecordApplier). Each message is answered
+with the sequence applied so far: the primary waits for that before it
+acknowledges a change to its worker, and reads it as proof that this
+backup still follows it (see role.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from ps_server.durability.restore import RestoredState
+from ps_server.replication.records import Divergence, RecordApplier
+from ps_server.replication.role import LeaderInfo, ReplicaRole
+from ps_server.replication.snapshots import SnapshotReceiver
+from wehub_ps.process.logs import event
+from wehub_ps.v1 import ps_pb2, ps_pb2_grpc
+
+__all__ = ["Follower"]
+
+log = logging.getLogger("ps_server.replication")
+
+
+class Follower:
+    def __init__(self, role: ReplicaRole, shard_index: int, num_shards: int, applier: RecordApplier,
+                 install: Callable[[RestoredState], None], open_channel: Callable[[str], grpc.Channel],
+                 snapshot_parent: str | None = None, metadata: Callable[[], tuple] | None = None) -> None:
+        self._role = role
+        self._shard_index = shard_index
+        self._num_shards = num_shards
+        self._applier = applier
+        self._install = install
+        self._open_channel = open_channel
+        self._snapshot_parent = snapshot_parent
+        self._metadata = metadata or (lambda: ())
+        self._call: grpc.Future | None = None
+
+    def follow(self, leader: LeaderInfo) -> str:
+        """Follow ``leader`` until the stream ends; says why it ended."""
+        role = self._role
+        settings = role.settings
+        answers: queue.SimpleQueue[ps_pb2.FollowRequest | None] = queue.SimpleQueue()
+        start = ps_pb2.FollowRequest(start=ps_pb2.FollowStart(
+            shard_index=self._shard_index, num_shards=self._num_shards, replica_index=settings.replica_index,
+            incarnation=settings.incarnation, address=settings.address, epoch=role.epoch))
+
+        def requests() -> Iterator[ps_pb2.FollowRequest]:
+            yield start
+            while (answer := answers.get()) is not None:
+                yield answer
+
+        self._applier.forget_streams()
+        channel = self._open_channel(leader.address)
+        receiver: SnapshotReceiver | None = None
+        call = ps_pb2_grpc.ReplicationStub(channel).Follow(requests(), metadata=self._metadata() or None)
+        event(log, logging.INFO, "following the primary", primary=leader.address, epoch=leader.epoch)
+        try:
+            for message in call:
+                if message.epoch < role.epoch:
+                    return f"the primary's term {message.epoch} is older than {role.epoch}"
+                kind = message.WhichOneof("kind")
+                if kind == "snapshot_file":
+                    if receiver is None:
+                        receiver = SnapshotReceiver(self._shard_index, self._num_shards, self._snapshot_parent)
+                    receiver.add(message.snapshot_file)
+                elif kind == "snapshot_done":
+                    if receiver is None:
+                        return "the primary sent no snapshot"
+                    state = receiver.load()
+                    role.install(lambda: self._install(state))
+                    event(log, logging.INFO, "snapshot loaded", sequence=message.snapshot_done,
+                          bytes=receiver.bytes_received)
+                    receiver.close()
+                    receiver = None
+                    role.applied = message.snapshot_done
+                    role.has_state = True
+                elif kind == "record":
+                    record = message.record
+                    if not role.has_state or record.sequence != role.applied + 1:
+                        event(log, logging.ERROR, "record out of order", sequence=record.sequence,
+                              applied=role.applied)
+                        return "a record out of order"
+                    try:
+                        self._applier.apply(record)
+                    except Divergence as error:
+                        event(log, logging.ERROR, "cannot apply the primary's change", error=str(error))
+                        return "a change could not be applied"
+                    role.applied = record.sequence
+                answers.put(ps_pb2.FollowRequest(applied=role.applied))
+                role.answered_primary(role.applied)
+            return "the primary ended the stream"
+        except grpc.RpcError as error:
+            return f"stream broke: {error.code().name} {error.details()}"
+        finally:
+            answers.put(None)
+            call.cancel()
+            channel.close()
+            if receiver is not None:
+                receiver.close()

@@ -1,0 +1,96 @@
+"""The primary's side of a backup's Follow stream: a snapshot, then every change, and the answers.
+
+Every message sent is answered by one FollowRequest carrying the backup's
+applied sequence; answers are read on their own thread so a slow sender
+never hides a live backup. The stream ends when the backup goes, falls too
+far behind (its link is cut), or this replica stops leading.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+
+import grpc
+
+from ps_server.core.errors import RequestError
+from ps_server.replication.log import BackupLink
+from ps_server.replication.role import PRIMARY, ReplicaRole
+from ps_server.replication.snapshots import SnapshotSender
+from ps_server.service.calls import abort
+from wehub_ps.errors import Reason
+from wehub_ps.process.logs import event
+from wehub_ps.v1 import ps_pb2, ps_pb2_grpc
+
+__all__ = ["ReplicationService"]
+
+log = logging.getLogger("ps_server.replication")
+
+
+class ReplicationService(ps_pb2_grpc.ReplicationServicer):
+    def __init__(self, role: ReplicaRole, shard_index: int, num_shards: int, take_snapshot, ping_seconds: float,
+                 snapshot_parent: str | None = None) -> None:
+        self._role = role
+        self._shard = (shard_index, num_shards)
+        self._take_snapshot = take_snapshot
+        self._ping_seconds = ping_seconds
+        self._snapshot_parent = snapshot_parent
+
+    def Follow(self, request_iterator: Iterator[ps_pb2.FollowRequest], context: grpc.ServicerContext
+               ) -> Iterator[ps_pb2.ReplicationMessage]:
+        first = next(request_iterator, None)
+        try:
+            if first is None or first.WhichOneof("kind") != "start":
+                raise RequestError(Reason.INVALID_REQUEST, "a Follow stream starts with FollowStart")
+            start = first.start
+            if (start.shard_index, start.num_shards) != self._shard:
+                raise RequestError(Reason.CLUSTER_MISMATCH,
+                                   f"this replica serves shard {self._shard[0]} of {self._shard[1]}, the backup "
+                                   f"is of shard {start.shard_index} of {start.num_shards}")
+            link, snapshot = self._role.attach(start, self._take_snapshot)
+        except RequestError as error:
+            abort(context, error)
+            return
+        answers = threading.Thread(target=_read_answers, args=(request_iterator, link),
+                                   name=f"ps-backup-answers-{start.replica_index}", daemon=True)
+        answers.start()
+        epoch = self._role.epoch
+        sender = None
+        try:
+            sender = SnapshotSender(snapshot, self._snapshot_parent)
+            for piece in sender.pieces():
+                link.sending(link.start_sequence)
+                yield ps_pb2.ReplicationMessage(epoch=epoch, snapshot_file=piece)
+            sender.close()
+            link.sending(link.start_sequence)
+            yield ps_pb2.ReplicationMessage(epoch=epoch, snapshot_done=link.start_sequence)
+            while link.closed is None and self._role.state == PRIMARY and context.is_active():
+                batch = link.take(self._ping_seconds)
+                if not batch:
+                    if link.closed is None:
+                        link.sending(link.sent_sequence)
+                        yield ps_pb2.ReplicationMessage(epoch=epoch, ping=link.sent_sequence)
+                    continue
+                for record in batch:
+                    link.sending(record.sequence)
+                    yield ps_pb2.ReplicationMessage(epoch=epoch, record=record)
+        finally:
+            if sender is not None:
+                sender.close()
+            link.close(link.closed or "the stream ended")
+            self._role.detach(link)
+            event(log, logging.INFO, "backup stream ended", replica_index=link.replica_index,
+                  why=link.closed, acknowledged=link.acknowledged)
+
+
+def _read_answers(requests: Iterator[ps_pb2.FollowRequest], link: BackupLink) -> None:
+    try:
+        for request in requests:
+            if request.WhichOneof("kind") == "applied":
+                link.answered(request.applied)
+    except grpc.RpcError:
+        pass
+    except Exception:  # a malformed answer ends the stream like a broken one
+        log.exception("backup answer unreadable")
+    link.close(link.closed or "the backup's side of the stream ended")

@@ -1,0 +1,147 @@
+"""The primary's log: one order for every change, and what each backup has of it.
+
+The primary applies a change and appends its record in one hold of the
+order lock (:meth:`UpdateLog.ordered`), so the sequence numbers are the
+order the changes were applied in; every attached backup gets the records
+in that order. Records are held only until each backup acknowledged them,
+up to a byte bound per backup: a backup that falls further behind is cut
+off (it catches up again from a snapshot) instead of growing the primary.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from wehub_ps.v1 import ps_pb2
+
+__all__ = ["UpdateLog", "BackupLink"]
+
+
+class BackupLink:
+    """One backup as its primary sees it: records queued for it, what it acknowledged, when it was alive.
+
+    Every message the primary sends (a snapshot piece, a record, a ping) is
+    acknowledged by exactly one answer, in order, so the n-th answer says
+    the backup was alive after the n-th message was sent: ``proof`` is the
+    send time of the newest message answered.
+    """
+
+    def __init__(self, replica_index: int, incarnation: str, address: str, max_bytes: int,
+                 on_change: Callable[[], None]) -> None:
+        self.replica_index = replica_index
+        self.incarnation = incarnation
+        self.address = address
+        self._max_bytes = max_bytes
+        self._on_change = on_change
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[ps_pb2.ReplicationRecord, int]] = deque()
+        self.queued_bytes = 0
+        #: The newest sequence the backup applied (and acknowledged).
+        self.acknowledged = 0
+        #: The sequence the backup's snapshot holds: records after it are queued from the start.
+        self.start_sequence = 0
+        #: The newest sequence sent (or in the snapshot).
+        self.sent_sequence = 0
+        self._unanswered: deque[float] = deque()
+        #: monotonic send time of the newest message the backup answered (0: none yet).
+        self.proof = 0.0
+        #: When the oldest message still unanswered was sent (0: none outstanding).
+        self.waiting_since = 0.0
+        #: Why the link is closed (None while open).
+        self.closed: str | None = None
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return self.replica_index, self.incarnation
+
+    def enqueue(self, record: ps_pb2.ReplicationRecord, nbytes: int) -> None:
+        """Called in the log's order; a backup past its byte bound is cut off."""
+        with self._cond:
+            if self.closed is not None:
+                return
+            if self.queued_bytes + nbytes > self._max_bytes and self._queue:
+                self._close_locked(f"more than {self._max_bytes} bytes of changes not yet sent to it")
+                return
+            self._queue.append((record, nbytes))
+            self.queued_bytes += nbytes
+            self._cond.notify_all()
+
+    def take(self, timeout: float) -> list[ps_pb2.ReplicationRecord]:
+        """The queued records (waiting up to ``timeout`` for one); [] on timeout or once closed."""
+        with self._cond:
+            if not self._queue and self.closed is None:
+                self._cond.wait(timeout)
+            records = [record for record, _ in self._queue]
+            self._queue.clear()
+            self.queued_bytes = 0
+            return records
+
+    def sending(self, sequence: int) -> None:
+        """A message is handed to the stream; it brings the backup to ``sequence``."""
+        now = time.monotonic()
+        with self._cond:
+            if not self._unanswered:
+                self.waiting_since = now
+            self._unanswered.append(now)
+            self.sent_sequence = max(self.sent_sequence, sequence)
+
+    def answered(self, applied: int) -> None:
+        """The backup answered the oldest unanswered message: it has applied up to ``applied``."""
+        with self._cond:
+            if self._unanswered:
+                self.proof = self._unanswered.popleft()
+            self.waiting_since = self._unanswered[0] if self._unanswered else 0.0
+            self.acknowledged = max(self.acknowledged, applied)
+        self._on_change()
+
+    def close(self, why: str) -> None:
+        with self._cond:
+            self._close_locked(why)
+        self._on_change()
+
+    def _close_locked(self, why: str) -> None:
+        if self.closed is None:
+            self.closed = why
+            self._queue.clear()
+            self.queued_bytes = 0
+            self._cond.notify_all()
+
+
+class UpdateLog:
+    """Numbers the primary's changes in the order they were applied and queues them for its backups."""
+
+    def __init__(self, sequence: int = 0) -> None:
+        #: Held while a change is applied and appended (never while waiting for anything else).
+        self._order = threading.Lock()
+        self.sequence = sequence
+        self.bytes_logged = 0
+        self._links: list[BackupLink] = []
+
+    def ordered(self) -> threading.Lock:
+        return self._order
+
+    def append(self, record: ps_pb2.ReplicationRecord, nbytes: int) -> int:
+        """The caller holds ``ordered()``: give ``record`` the next sequence and queue it for every backup."""
+        self.sequence += 1
+        record.sequence = self.sequence
+        self.bytes_logged += nbytes
+        for link in self._links:
+            link.enqueue(record, nbytes)
+        return self.sequence
+
+    def attach(self, link: BackupLink) -> int:
+        """The caller holds ``ordered()`` (with the snapshot taken in the same hold): records from now on
+        go to ``link``; returns the sequence the snapshot holds."""
+        link.start_sequence = link.sent_sequence = self.sequence
+        self._links = [*self._links, link]
+        return self.sequence
+
+    def detach(self, link: BackupLink) -> None:
+        with self._order:
+            self._links = [other for other in self._links if other is not link]
+
+    def links(self) -> list[BackupLink]:
+        return list(self._links)

@@ -1,0 +1,482 @@
+"""A replica's role in its shard: backup, candidate, primary, and the moves between them.
+
+Coordination is etcd's (``ps_server.coordination``): the primary holds the
+shard's leader key on its lease; the key's creation revision is the term's
+epoch; the in-sync set (``isr``) lists the replicas that hold every
+acknowledged change, and only they may be elected.
+
+Safety rests on two rules. (1) A change is acknowledged to a worker only
+once every in-sync backup applied it, and the primary shrinks the in-sync
+set in etcd (a transaction fenced on its own leader key) before it stops
+waiting for a backup; so whoever is elected holds every acknowledged
+change. (2) A primary acknowledges only while it can prove no other replica
+can have been elected: its etcd lease is valid (last confirmed keepalive's
+send time + TTL), or every in-sync backup answered a message sent less than
+a TTL ago — a backup promises not to campaign for a TTL after it answered
+its primary, unless the primary's process is gone (its port refuses
+connections), when the backup revokes the primary's lease and campaigns at
+once. So training goes on while etcd is down as long as the backups answer,
+and a primary that was frozen or cut off acknowledges nothing once its
+proof lapsed.
+
+A replica that starts following a primary (at start, after its stream
+broke, or deposed) is sent a snapshot that replaces its whole state, then
+the changes after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ps_server.core.errors import RequestError
+from ps_server.replication import records
+from ps_server.replication.log import BackupLink, UpdateLog
+from wehub_ps.errors import Reason
+from wehub_ps.process.logs import event
+from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.rpc import PRIMARY_METADATA_KEY
+
+__all__ = ["ReplicaRole", "ReplicaSettings", "Coordination", "LeaderInfo"]
+
+log = logging.getLogger("ps_server.replication")
+
+
+class LeaderInfo(Protocol):
+    replica_index: int
+    address: str
+    incarnation: str
+    epoch: int
+
+
+class Coordination(Protocol):
+    """What the role needs of etcd (ps_server.coordination.ShardCoordinator)."""
+
+    def start(self) -> None: ...
+    def lease_valid_until(self) -> float: ...
+    def leader(self) -> LeaderInfo | None: ...
+    def watch_leader(self, callback: Callable[[LeaderInfo | None], None]) -> None: ...
+    def may_campaign(self) -> bool: ...
+    def campaign(self) -> int | None: ...
+    def set_in_sync(self, epoch: int, members: list[tuple[int, str]]) -> bool: ...
+    def revoke_leader(self, leader: LeaderInfo) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    replica_index: int
+    replicas: int
+    #: How other replicas reach this one ('host:port').
+    address: str
+    #: This process (its ps-server id): a restarted replica is a new member.
+    incarnation: str
+    lease_seconds: float
+    #: A backup that leaves a message unanswered this long is dropped from the in-sync set.
+    replication_timeout: float
+    #: Changes queued for one backup at most before it is cut off (it catches up again).
+    max_backup_bytes: int
+
+
+#: Roles, as Describe and ps-admin show them.
+STARTING, CATCHING_UP, BACKUP, CANDIDATE, PRIMARY, DEPOSED = (
+    "starting", "catching-up", "backup", "candidate", "primary", "deposed")
+
+# A primary's proof of its lease ends this much before the TTL does (clock rates, scheduling).
+_PROOF_MARGIN = 0.1
+
+
+class ReplicaRole:
+    """One replica's state machine; implements ps_server.service.roles.ShardRole and core.ordering.ChangeLog."""
+
+    replicated = True
+
+    def __init__(self, settings: ReplicaSettings, become_primary: Callable[[bool], None]) -> None:
+        """``become_primary(has_state)`` readies the store to serve (restoring from disk when it holds
+        nothing). Before ``start``: ``follow`` runs a backup's stream until it ends and says why, and
+        ``connect`` gives the address others reach this replica at and its etcd coordination."""
+        self.settings = settings
+        self._coordination: Coordination | None = None
+        self._become_primary = become_primary
+        self.follow: Callable[[LeaderInfo], str] | None = None
+        self._state = STARTING
+        #: Called with the new state on every change (health, metrics).
+        self.on_state: Callable[[str], None] = lambda state: None
+        self._epoch = 0
+        self._leader: LeaderInfo | None = None
+        self._log: UpdateLog | None = None
+        self._streams = itertools.count(1)
+        #: Primary: backups attached to the log, and those of them in the in-sync set.
+        self._links: dict[tuple[int, str], BackupLink] = {}
+        self._in_sync: set[tuple[int, str]] = set()
+        self._acks = threading.Condition()
+        #: Backup: the newest sequence applied, and when the primary was last answered.
+        self.applied = 0
+        self.has_state = False
+        self._answered_at = 0.0
+        self._primary_gone = False
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._monitor: threading.Thread | None = None
+        self.failovers = 0
+        self.last_election_seconds = 0.0
+
+    # ---- lifecycle ----
+
+    def connect(self, address: str, coordination: Coordination) -> None:
+        self.settings = dataclasses.replace(self.settings, address=address)
+        self._coordination = coordination
+
+    def start(self) -> None:
+        assert self._coordination is not None and self.follow is not None, "connect() and follow first"
+        self._coordination.start()
+        self._coordination.watch_leader(self._leader_changed)
+        self._thread = threading.Thread(target=self._run, name="ps-replica", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        with self._acks:
+            self._acks.notify_all()
+        for link in list(self._links.values()):
+            link.close("the primary is stopping")
+        self._coordination.close()
+
+    def _set_state(self, state: str) -> None:
+        if state != self._state:
+            self._state = state
+            self.on_state(state)
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def leader(self) -> LeaderInfo | None:
+        return self._leader
+
+    def _leader_changed(self, leader: LeaderInfo | None) -> None:
+        if leader is not None and leader.epoch > self._epoch and self._state == PRIMARY:
+            self._deposed(f"replica {leader.replica_index} was elected (epoch {leader.epoch})")
+        if leader is not None:
+            self._leader = leader
+            self._epoch = max(self._epoch, leader.epoch)
+        self._wake.set()
+
+    # ---- the backup / candidate loop ----
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.clear()
+            if self._state == PRIMARY:
+                self._wake.wait(1.0)
+                continue
+            leader = self._coordination.leader()
+            if leader is not None:
+                self._leader = leader
+                self._epoch = max(self._epoch, leader.epoch)
+            if (leader is not None and leader.replica_index == self.settings.replica_index
+                    and leader.incarnation != self.settings.incarnation):
+                self._revoke(leader, "the leader key belongs to this replica's previous process")
+                continue
+            if leader is not None and leader.incarnation != self.settings.incarnation:
+                self._follow_leader(leader)
+                continue
+            if leader is None and self._may_campaign():
+                self._campaign()
+                continue
+            self._wake.wait(0.05)
+
+    def _follow_leader(self, leader: LeaderInfo) -> None:
+        self._set_state(CATCHING_UP)
+        self._primary_gone = False
+        assert self.follow is not None
+        why = self.follow(leader)
+        if self._stopping.is_set():
+            return
+        event(log, logging.WARNING, "stream from the primary ended", primary=leader.address,
+              epoch=leader.epoch, why=why, applied=self.applied)
+        if _refuses_connections(leader.address):
+            # The primary's process is gone: nothing can be acknowledged there any more.
+            self._primary_gone = True
+            self._revoke(leader, "the primary's port refuses connections")
+        self._set_state(CANDIDATE if self.has_state else STARTING)
+        self._wake.wait(0.02)
+
+    def _revoke(self, leader: LeaderInfo, why: str) -> None:
+        event(log, logging.WARNING, "revoking a gone primary's lease", primary=leader.address,
+              epoch=leader.epoch, why=why)
+        try:
+            self._coordination.revoke_leader(leader)
+        except Exception as error:  # etcd unreachable: the lease's TTL ends it instead
+            event(log, logging.WARNING, "could not revoke the primary's lease", error=str(error))
+            self._wake.wait(0.1)
+
+    def install(self, install: Callable[[], None]) -> None:
+        """Replace the state with a snapshot's; a deposed primary's calls still in flight are shut out."""
+        log_ = self._log
+        with log_.ordered() if log_ is not None else contextlib.nullcontext():
+            install()
+            self._log = None
+
+    def answered_primary(self, applied: int) -> None:
+        """The follower answered a message of its primary (the promise not to campaign starts anew)."""
+        self.applied = applied
+        self._answered_at = time.monotonic()
+        if self._state == CATCHING_UP and self.has_state:
+            self._set_state(BACKUP)
+
+    def _may_campaign(self) -> bool:
+        promised_until = self._answered_at + self.settings.lease_seconds
+        if not self._primary_gone and time.monotonic() < promised_until:
+            return False
+        try:
+            return self._coordination.may_campaign()
+        except Exception as error:
+            event(log, logging.DEBUG, "cannot campaign while etcd is unreachable", error=str(error))
+            return False
+
+    def _campaign(self) -> None:
+        started = time.monotonic()
+        self._set_state(CANDIDATE)
+        try:
+            epoch = self._coordination.campaign()
+        except Exception as error:
+            event(log, logging.WARNING, "campaign failed", error=str(error))
+            return
+        if epoch is None:
+            return
+        self._become_primary(self.has_state)
+        self._log = UpdateLog(self.applied)
+        self._epoch = epoch
+        self._in_sync = set()
+        self._set_state(PRIMARY)
+        self.has_state = True
+        self.last_election_seconds = time.monotonic() - started
+        if self._answered_at:
+            self.failovers += 1
+        self._monitor = threading.Thread(target=self._watch_backups, name="ps-replica-monitor", daemon=True)
+        self._monitor.start()
+        event(log, logging.WARNING if self._answered_at else logging.INFO, "elected primary", epoch=epoch,
+              sequence=self.applied, replica_index=self.settings.replica_index,
+              election_seconds=round(self.last_election_seconds, 3))
+
+    # ---- ShardRole: what the RPC methods ask ----
+
+    def check_primary(self) -> None:
+        if self._state != PRIMARY:
+            raise self._not_primary(f"this replica is {self._state}, not the shard's primary")
+
+    def _not_primary(self, why: str) -> RequestError:
+        leader = self._leader
+        if leader is not None and leader.incarnation != self.settings.incarnation:
+            return RequestError(Reason.NOT_PRIMARY, f"{why}; the primary is {leader.address}",
+                                ((PRIMARY_METADATA_KEY, leader.address),))
+        return RequestError(Reason.NOT_PRIMARY, f"{why}; no primary is known yet (an election is under way)")
+
+    @contextlib.contextmanager
+    def ordered(self) -> Iterator[None]:
+        log_ = self._log
+        if log_ is None:
+            raise self._not_primary(f"this replica is {self._state}")
+        with log_.ordered():
+            if self._state != PRIMARY:  # deposed while this call waited for the order
+                raise self._not_primary(f"this replica is {self._state}")
+            yield
+
+    def next_stream(self) -> int:
+        return next(self._streams)
+
+    def push_applied(self, stream: int, begin: ps_pb2.PushBegin | None, message: bytes) -> int:
+        return self._append(*records.push_applied(stream, begin, message))
+
+    def push_ended(self, stream: int, begin: ps_pb2.PushBegin | None, completed: bool) -> int:
+        return self._append(*records.push_ended(stream, begin, completed))
+
+    def variable_created(self, spec: ps_pb2.VariableSpec) -> int:
+        return self._append(*records.variable_created(spec))
+
+    def table_rows_read(self, reads: list[tuple[str, np.ndarray]]) -> None:
+        self._append(*records.rows_read(reads))
+
+    def _append(self, record: ps_pb2.ReplicationRecord, nbytes: int) -> int:
+        assert self._log is not None
+        return self._log.append(record, nbytes)
+
+    def last_sequence(self) -> int:
+        return self._log.sequence if self._log is not None else self.applied
+
+    def acknowledge(self, sequence: int, timeout: float | None) -> None:
+        """Return once every in-sync backup applied ``sequence`` and this replica can prove it leads."""
+        deadline = time.monotonic() + (timeout if timeout is not None else 3600.0)
+        with self._acks:
+            while True:
+                if self._state != PRIMARY:
+                    raise self._not_primary("this replica stopped being the primary before the change "
+                                            "was confirmed; retry it (it is applied at most once)")
+                pending = [key for key in self._in_sync
+                           if key in self._links and self._links[key].acknowledged < sequence]
+                if not pending:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise self._not_primary(f"backups {sorted(k[0] for k in pending)} did not confirm the "
+                                            "change in time; retry it (it is applied at most once)")
+                self._acks.wait(min(remaining, 0.1))
+        if not self.proves_lease():
+            raise self._not_primary("this replica cannot prove it is still the primary (neither etcd nor "
+                                    "every in-sync backup confirmed it within the lease)")
+
+    def proves_lease(self) -> bool:
+        now = time.monotonic()
+        if self._coordination.lease_valid_until() > now:
+            return True
+        links = [self._links[key] for key in self._in_sync if key in self._links]
+        if not links:
+            return False
+        valid_for = self.settings.lease_seconds * (1 - _PROOF_MARGIN)
+        return min(link.proof for link in links) + valid_for > now
+
+    # ---- the primary's backups ----
+
+    def attach(self, start: ps_pb2.FollowStart, snapshot: Callable[[], object]) -> tuple[BackupLink, object]:
+        """A backup asks to follow: refuse unless primary; else its link and a snapshot in one instant."""
+        if start.epoch > self._epoch and self._state == PRIMARY:
+            self._deposed(f"a backup knows a newer term ({start.epoch} > {self._epoch})")
+        self.check_primary()
+        assert self._log is not None
+        link = BackupLink(start.replica_index, start.incarnation, start.address,
+                          self.settings.max_backup_bytes, self._notify)
+        with self._log.ordered():
+            taken = snapshot()
+            self._log.attach(link)
+        old = self._links.get(link.key)
+        if old is not None:
+            old.close("replaced by a new stream of the same backup")
+        self._links[link.key] = link
+        event(log, logging.INFO, "backup attached", replica_index=start.replica_index, address=start.address,
+              sequence=link.start_sequence)
+        return link, taken
+
+    def detach(self, link: BackupLink) -> None:
+        if self._log is not None:
+            self._log.detach(link)
+        self._notify()
+
+    def _notify(self) -> None:
+        with self._acks:
+            self._acks.notify_all()
+
+    def _watch_backups(self) -> None:
+        """Primary: grow the in-sync set with caught-up backups, shrink it by failed ones (etcd first)."""
+        while not self._stopping.is_set() and self._state == PRIMARY:
+            self._stopping.wait(0.05)
+            log_ = self._log
+            assert log_ is not None
+            now = time.monotonic()
+            for key, link in list(self._links.items()):
+                if (link.closed is None and key in self._in_sync and link.waiting_since
+                        and now - link.waiting_since > self.settings.replication_timeout):
+                    link.close(f"no answer for {self.settings.replication_timeout:g}s")
+            failed = {key for key in self._in_sync if key not in self._links or self._links[key].closed}
+            caught_up = {key for key, link in self._links.items()
+                         if key not in self._in_sync and link.closed is None
+                         and link.acknowledged >= log_.sequence and link.acknowledged >= link.start_sequence
+                         and link.proof}
+            if failed or caught_up:
+                self._change_in_sync(failed, caught_up)
+            for key, link in list(self._links.items()):
+                if link.closed is not None and key not in self._in_sync:
+                    del self._links[key]
+
+    def _change_in_sync(self, failed: set[tuple[int, str]], caught_up: set[tuple[int, str]]) -> None:
+        # Grow locally first (acknowledgements wait for the newcomer from now on), shrink after etcd agreed.
+        with self._acks:
+            self._in_sync |= caught_up
+        members = sorted((self._in_sync - failed) | {(self.settings.replica_index, self.settings.incarnation)})
+        try:
+            written = self._coordination.set_in_sync(self._epoch, [list(m) for m in members])
+        except Exception as error:
+            event(log, logging.WARNING, "cannot update the in-sync set while etcd is unreachable",
+                  failed=sorted(k[0] for k in failed), caught_up=sorted(k[0] for k in caught_up), error=str(error))
+            return
+        if not written:
+            self._deposed("the in-sync set could not be written: another replica leads")
+            return
+        with self._acks:
+            self._in_sync -= failed
+            self._acks.notify_all()
+        for key in failed:
+            event(log, logging.WARNING, "backup left the in-sync set", replica_index=key[0],
+                  why=self._links[key].closed if key in self._links else "detached")
+        for key in caught_up:
+            event(log, logging.INFO, "backup in sync", replica_index=key[0])
+
+    def lease_lost(self) -> None:
+        """The coordinator found this replica's etcd lease gone."""
+        if self._state == PRIMARY:
+            self._deposed("its etcd lease expired")
+
+    def _deposed(self, why: str) -> None:
+        if self._state == DEPOSED:
+            return
+        self._set_state(DEPOSED)
+        event(log, logging.ERROR, "no longer the primary; following the new one", why=why, epoch=self._epoch)
+        with self._acks:
+            self._acks.notify_all()
+        for link in list(self._links.values()):
+            link.close("this replica is no longer the primary")
+        self._links = {}
+        self._in_sync = set()
+        self.has_state = False
+        self._wake.set()
+
+    # ---- status ----
+
+    def status(self) -> ps_pb2.ReplicaStatus:
+        leader = self._leader
+        status = ps_pb2.ReplicaStatus(
+            replica_index=self.settings.replica_index, replicas=self.settings.replicas, role=self._state,
+            epoch=self._epoch, applied_sequence=self.last_sequence(),
+            etcd_reachable=self._coordination.lease_valid_until() > time.monotonic())
+        if self._state == PRIMARY:
+            status.primary_address = self.settings.address
+            now = time.monotonic()
+            sequence = self.last_sequence()
+            for key, link in sorted(self._links.items()):
+                status.backups.append(ps_pb2.BackupStatus(
+                    replica_index=link.replica_index, address=link.address, in_sync=key in self._in_sync,
+                    acknowledged_sequence=link.acknowledged, lag_records=max(0, sequence - link.acknowledged),
+                    lag_bytes=link.queued_bytes,
+                    lag_seconds=now - link.waiting_since if link.waiting_since else 0.0))
+        elif leader is not None:
+            status.primary_address = leader.address
+        return status
+
+
+def _refuses_connections(address: str, timeout: float = 0.3) -> bool:
+    """True when nothing listens at ``address`` any more (its host answered with a refusal)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False  # unreachable or slow: not proof; the lease decides
