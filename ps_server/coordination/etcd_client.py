@@ -123,6 +123,10 @@ class EtcdClient:
     def endpoints(self) -> list[str]:
         return list(self._endpoints)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     # --- keys -----------------------------------------------------------------------------------
 
     def get(self, key: str | bytes) -> KeyValue | None:
@@ -222,12 +226,13 @@ class EtcdClient:
                        name=name).start()
 
     def _open_watch(self, requests: Iterator[etcd_pb2.WatchRequest]) -> Any:
-        self._check_open()
         return self._connection().watch.Watch(requests)
 
     def _note_stream_failure(self, error: grpc.RpcError) -> None:
         if error.code() in _UNREACHABLE:
-            self._rotate(self._connection().endpoint)
+            with self._lock:
+                failed = self._endpoints[self._current]
+            self._rotate(failed)
 
     # --- plumbing -------------------------------------------------------------------------------
 
@@ -239,12 +244,10 @@ class EtcdClient:
         for connection in connections:
             connection.channel.close()
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise CoordinationError("the etcd client is closed", unreachable=True)
-
     def _connection(self) -> _Connection:
         with self._lock:
+            if self._closed:
+                raise CoordinationError("the etcd client is closed", unreachable=True)
             endpoint = self._endpoints[self._current]
             connection = self._connections.get(endpoint)
             if connection is None:
@@ -261,7 +264,6 @@ class EtcdClient:
         """One call, on each endpoint in turn until one answers."""
         failures = []
         for _ in range(len(self._endpoints)):
-            self._check_open()
             connection = self._connection()
             try:
                 return pick(connection)(request, timeout=timeout or self.timeout)

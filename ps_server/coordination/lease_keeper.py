@@ -84,6 +84,8 @@ class LeaseKeeper:
             try:
                 ttl = self._client.keepalive(self.lease.id, timeout=max(self._interval * 2, 0.2))
             except CoordinationError as error:
+                if self._client.closed:  # the process is shutting down
+                    return
                 self._note_unreachable(error, sent)
                 wait = self._interval
                 continue

@@ -63,8 +63,8 @@ def _load(kv: KeyValue) -> dict:
     except ValueError as error:
         raise ValueError(f"etcd key {kv.key.decode(errors='replace')} holds no JSON: {error}") from error
     if not isinstance(data, dict):
-        kind = type(data).__name__
-        raise ValueError(f"etcd key {kv.key.decode(errors='replace')} holds a JSON {kind}, not an object")
+        message = f"etcd key {kv.key.decode(errors='replace')} holds a JSON {type(data).__name__}, not an object"
+        raise ValueError(message)  # noqa: TRY004 - bad content of the right type, as for bad JSON
     return data
 
 

@@ -11,11 +11,11 @@ import threading
 import time
 
 import pytest
-
 from etcd_server import EtcdTls
-from ps_server.coordination import CoordinationError, EtcdClient, Leader, ShardCoordinator
 from ps_testing import ROOT, child_env, free_port
 from tls_material import make_tls_material
+
+from ps_server.coordination import CoordinationError, EtcdClient, Leader, ShardCoordinator
 
 pytestmark = pytest.mark.timeout(120)
 
