@@ -57,7 +57,9 @@ def etcd_factory(tmp_path):
     """
     binary = etcd_binary()
     if binary is None:
-        message = "etcd is not installed: apt-get install etcd-server, or set ETCD_BINARY to an etcd binary"
+        message = ("etcd is not installed: apt-get install etcd-server, or set ETCD_BINARY to an etcd binary"
+                   if not os.environ.get("ETCD_BINARY") else
+                   f"ETCD_BINARY={os.environ['ETCD_BINARY']} is not an executable file")
         if os.environ.get("WEHUB_PS_REQUIRE_ETCD") == "1":
             pytest.fail(f"{message} (WEHUB_PS_REQUIRE_ETCD=1 requires it)")
         pytest.skip(message)

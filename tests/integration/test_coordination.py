@@ -64,6 +64,10 @@ def test_first_campaign_wins_and_the_second_is_refused(replicas):
     assert second.leader() == Leader(0, "127.0.0.1:7000", 10, epoch, second.leader().lease)
     in_sync = second.in_sync()
     assert (in_sync.epoch, in_sync.members) == (epoch, ((0, 10),))
+    second.set_state("catching-up")
+    members = first.shard_state().members
+    assert [(m.replica_index, m.incarnation, m.state) for m in members.values()] == [
+        (0, 10, "starting"), (1, 20, "catching-up")]
 
 
 def test_each_term_has_a_larger_epoch(replicas):
