@@ -7,6 +7,7 @@ test starts is stopped by PID at teardown.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
@@ -17,6 +18,7 @@ for path in (str(_ROOT), str(_ROOT / "tests")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
+from etcd_server import EtcdServer, EtcdTls, etcd_binary  # noqa: E402
 from ps_testing import ClusterFactory  # noqa: E402
 
 
@@ -45,3 +47,37 @@ def fake_cupy(monkeypatch):
     module = fake_cupy_module(cuda)
     monkeypatch.setitem(sys.modules, "cupy", module)
     return cuda, module
+
+
+@pytest.fixture
+def etcd_factory(tmp_path):
+    """``etcd_factory(tls=None) -> EtcdServer``: a started etcd (tests/etcd_server.py); killed at teardown.
+
+    Skips when etcd is not installed, except under WEHUB_PS_REQUIRE_ETCD=1 (CI), where that fails.
+    """
+    binary = etcd_binary()
+    if binary is None:
+        message = ("etcd is not installed: apt-get install etcd-server, or set ETCD_BINARY to an etcd binary"
+                   if not os.environ.get("ETCD_BINARY") else
+                   f"ETCD_BINARY={os.environ['ETCD_BINARY']} is not an executable file")
+        if os.environ.get("WEHUB_PS_REQUIRE_ETCD") == "1":
+            pytest.fail(f"{message} (WEHUB_PS_REQUIRE_ETCD=1 requires it)")
+        pytest.skip(message)
+    servers: list[EtcdServer] = []
+
+    def start(tls: EtcdTls | None = None) -> EtcdServer:
+        server = EtcdServer(tmp_path / f"etcd-{len(servers)}", binary, tls)
+        servers.append(server)
+        return server.start()
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.kill()
+
+
+@pytest.fixture
+def etcd_server(etcd_factory) -> EtcdServer:
+    """A running single-member etcd on loopback (1 s leases allowed)."""
+    return etcd_factory()

@@ -37,6 +37,9 @@ LAYERS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("package facade", ("wehub_ps.__init__",)),
     ],
     "ps_server": [
+        # A leaf beside the rest: etcd and shard elections, no shard state.
+        ("coordination: generated etcd stubs", ("ps_server.coordination.etcdpb",)),
+        ("coordination: etcd client, leases, shard elections", ("ps_server.coordination",)),
         ("core: state and rules", ("ps_server.core",)),
         ("durability: checkpoints and the spec log", ("ps_server.durability",)),
         ("settings and instruments", ("ps_server.ops.config", "ps_server.ops.metrics")),
@@ -185,6 +188,16 @@ def _importable(prefixes: tuple[str, ...]) -> list[str]:
         if any(_covers(prefix, module) for prefix in prefixes) and not module.endswith("__main__"):
             names.append(module[: -len(".__init__")] if _is_package(module) else module)
     return sorted(names)
+
+
+def test_coordination_is_a_leaf():
+    """ps_server.coordination uses gRPC, its own stubs and the pure shared modules, nothing else of ours."""
+    allowed = ("ps_server.coordination",) + tuple(p for p in NO_WIRE if p.startswith("wehub_ps."))
+    problems = [f"{module} imports {target}"
+                for module, path in MODULES.items() if _covers("ps_server.coordination", module)
+                for target in sorted(_imports(module, path))
+                if target.split(".", 1)[0] in PACKAGES and not any(_covers(a, target) for a in allowed)]
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.timeout(600)

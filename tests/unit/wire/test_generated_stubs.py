@@ -1,4 +1,4 @@
-"""The committed stubs in wehub_ps/v1 are exactly what protoc makes of protos/."""
+"""The committed stubs (wehub_ps/v1, ps_server/coordination/etcdpb) are what protoc makes of protos/."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ def test_generated_code_matches_protos(tmp_path):
             f"--grpc_python_out={tmp_path}", *map(str, protos)]
     assert protoc.main(args) == 0
     generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.py*"))
-    committed = sorted(p.relative_to(ROOT) for p in (ROOT / "wehub_ps" / "v1").glob("*_pb2*.py*"))
+    stub_directories = sorted({ROOT / p.relative_to(tmp_path).parent for p in tmp_path.rglob("*_pb2*.py*")})
+    committed = sorted(p.relative_to(ROOT) for d in stub_directories for p in d.glob("*_pb2*.py*"))
     assert [str(p) for p in generated] == [str(p) for p in committed]
     for path in generated:
         assert (tmp_path / path).read_bytes() == (ROOT / path).read_bytes(), (
             f"{path} is stale: regenerate with `python -m grpc_tools.protoc -Iprotos --python_out=. "
-            "--pyi_out=. --grpc_python_out=. protos/wehub_ps/v1/*.proto`")
+            "--pyi_out=. --grpc_python_out=. $(find protos -name '*.proto')`")

@@ -1,0 +1,335 @@
+"""One replica's view of its shard's replica set in etcd: membership, leader election, the in-sync set.
+
+Safety rests on etcd transactions, never on this process's own view:
+
+- a campaign succeeds only if no leader key exists and the isr is unchanged
+  since it was read (and, when it counted on no isr member being alive,
+  that those members' keys are unchanged too);
+- the isr is written only in a transaction fenced on the leader key's
+  create_revision (the epoch) and lease, so a deposed leader's write fails;
+- the leader key lives on the leader's lease: a leader that stops renewing
+  loses it after the TTL, and ``lease_valid_until()`` tells the leader when
+  to stop acknowledging before that can happen.
+
+Eligibility (``may_campaign``): a replica may lead when it is in the isr;
+or, with a fresh state (empty at first start, or just restored from the
+latest checkpoint), when no isr exists yet or no isr member is alive (no
+``members/<i>`` key with the isr entry's incarnation): every in-sync copy is
+gone, and the shard restarts from its checkpoint.
+
+Thread-safety: every method may be called from any thread. Callbacks run on
+the keeper's thread (``on_lease_lost``) or a watcher's (``watch_leader``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ps_server.coordination.errors import CoordinationError
+from ps_server.coordination.etcd_client import EtcdClient
+from ps_server.coordination.etcd_ops import WatchEvent, create_revision_is, delete_op, mod_revision_is, put_op
+from ps_server.coordination.etcdpb import etcd_pb2
+from ps_server.coordination.lease_keeper import LeaseKeeper
+from ps_server.coordination.records import InSync, Leader, Member, ReplicaId, ShardKeys
+from ps_server.coordination.watch import Watcher
+from wehub_ps.process.logs import event
+
+__all__ = ["ShardCoordinator", "ShardState", "eligible"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShardState:
+    """One consistent read of the shard's keys (at etcd revision ``revision``)."""
+
+    leader: Leader | None
+    in_sync: InSync | None
+    members: dict[int, Member]
+    member_revisions: dict[int, int]
+    revision: int
+
+
+def eligible(replica: ReplicaId, in_sync: InSync | None, members: dict[int, Member],
+             state_is_fresh: bool) -> bool:
+    """Whether ``replica`` may campaign, by the rule in this module's docstring."""
+    if in_sync is not None and replica in in_sync.members:
+        return True
+    if not state_is_fresh:
+        return False
+    if in_sync is None:
+        return True
+    return not any(r in members and members[r].incarnation == i for r, i in in_sync.members)
+
+
+def _lease_is(key: str, lease: int) -> etcd_pb2.Compare:
+    return etcd_pb2.Compare(result=etcd_pb2.Compare.EQUAL, target=etcd_pb2.Compare.LEASE, key=key.encode(),
+                            lease=lease)
+
+
+class ShardCoordinator:
+    """Replica ``replica_index`` (process ``incarnation``) of shard ``shard_index`` of job ``job``.
+
+    ``address``: where the other replicas and the clients reach this one.
+    ``lease_ttl``: seconds without renewal after which etcd drops this
+    replica (and its leadership); failover takes about this long when a
+    process freezes, and immediately when its death is seen (revoke_leader).
+    ``on_lease_lost``: called once when etcd reports the lease gone; the
+    process must then stop serving as this incarnation.
+    The client is shared and stays open after ``close()``.
+    """
+
+    def __init__(self, client: EtcdClient, *, job: str, shard_index: int, replica_index: int,
+                 incarnation: int, address: str, lease_ttl: int = 2,
+                 on_lease_lost: Callable[[], None] | None = None,
+                 state: str = "starting") -> None:
+        if not isinstance(lease_ttl, int) or lease_ttl < 1:
+            raise ValueError(f"lease_ttl must be a whole number of seconds >= 1, got {lease_ttl!r}")
+        self._client = client
+        self.keys = ShardKeys(job, shard_index)
+        self.replica_index = replica_index
+        self.incarnation = incarnation
+        self.address = address
+        self.lease_ttl = lease_ttl
+        self._on_lease_lost = on_lease_lost
+        self._state = state
+        self._lock = threading.Lock()
+        self._keeper: LeaseKeeper | None = None
+        self._epoch: int | None = None
+        self._watchers: list[Watcher] = []
+        self._closed = False
+        self._name = f"shard-{shard_index}-replica-{replica_index}"
+
+    @property
+    def replica_id(self) -> ReplicaId:
+        return (self.replica_index, self.incarnation)
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch of the term this replica won and still holds as far as it knows, else None."""
+        with self._lock:
+            return self._epoch
+
+    # --- membership and lease -------------------------------------------------------------------
+
+    def start(self) -> ShardCoordinator:
+        """Take a lease, renew it from a thread, announce this replica (CoordinationError: etcd away)."""
+        with self._lock:
+            if self._keeper is not None or self._closed:
+                return self
+        sent = time.monotonic()
+        lease = self._client.lease_grant(self.lease_ttl)
+        if lease.ttl > self.lease_ttl:
+            event(_log, logging.WARNING, "etcd raised the lease TTL to its minimum (1.5 election timeouts): "
+                  "failover after a freeze takes longer; lower etcd's --election-timeout to allow the TTL "
+                  "asked",
+                  asked=self.lease_ttl, granted=lease.ttl)
+        keeper = LeaseKeeper(self._client, lease, granted_at=sent, on_lost=self._lease_lost,
+                             name=f"{self._name}-keepalive")
+        try:
+            self._client.put(self.keys.member(self.replica_index), self._member().encode(), lease=lease.id)
+        except CoordinationError:
+            self._revoke_quietly(lease.id)
+            raise
+        with self._lock:
+            self._keeper = keeper.start()
+        event(_log, logging.INFO, "joined the replica set", shard=self.keys.shard_index,
+              replica=self.replica_index, incarnation=self.incarnation, lease=f"{lease.id:x}", ttl=lease.ttl)
+        return self
+
+    def lease_valid_until(self) -> float:
+        """``time.monotonic()`` until which the lease surely holds: a leader acknowledges only before it."""
+        keeper = self._require_keeper()
+        return keeper.valid_until()
+
+    @property
+    def lease_lost(self) -> bool:
+        keeper = self._keeper
+        return keeper is not None and keeper.lost
+
+    def set_state(self, state: str) -> None:
+        """Publish this replica's state (e.g. catching-up, in-sync) in its member key."""
+        keeper = self._require_keeper()
+        self._state = state
+        self._client.put(self.keys.member(self.replica_index), self._member().encode(), lease=keeper.lease.id)
+
+    def shard_state(self) -> ShardState:
+        """Leader, isr and live members in one read."""
+        kvs, revision = self._client.range(self.keys.prefix, prefix=True)
+        leader = in_sync = None
+        members: dict[int, Member] = {}
+        member_revisions: dict[int, int] = {}
+        for kv in kvs:
+            key = kv.key.decode()
+            if key == self.keys.leader:
+                leader = Leader.from_kv(kv)
+            elif key == self.keys.isr:
+                in_sync = InSync.from_kv(kv)
+            elif key.startswith(self.keys.members_prefix):
+                member = Member.from_kv(kv)
+                members[member.replica_index] = member
+                member_revisions[member.replica_index] = kv.mod_revision
+        return ShardState(leader, in_sync, members, member_revisions, revision)
+
+    # --- leader ---------------------------------------------------------------------------------
+
+    def leader(self) -> Leader | None:
+        kv = self._client.get(self.keys.leader)
+        return Leader.from_kv(kv) if kv is not None else None
+
+    def watch_leader(self, callback: Callable[[Leader | None], None]) -> Watcher:
+        """Call ``callback`` now with the current leader, then on every change (None: no leader).
+
+        The later calls run on a thread named ``shard-<i>-replica-<r>-leader-watch``; ``close()`` stops it.
+        """
+        kvs, revision = self._client.range(self.keys.leader)
+        callback(Leader.from_kv(kvs[0]) if kvs else None)
+
+        def on_event(change: WatchEvent) -> None:
+            callback(Leader.from_kv(change.kv) if change.kind == "put" else None)
+
+        watcher = self._client.watch(self.keys.leader, on_event, start_revision=revision + 1,
+                                     name=f"{self._name}-leader-watch")
+        with self._lock:
+            closed = self._closed
+            self._watchers.append(watcher)
+        if closed:
+            watcher.stop()
+        return watcher
+
+    def may_campaign(self, state_is_fresh: bool) -> bool:
+        """Whether this replica may lead now (see the module docstring); a campaign re-checks atomically."""
+        state = self.shard_state()
+        return eligible(self.replica_id, state.in_sync, state.members, state_is_fresh)
+
+    def campaign(self, state_is_fresh: bool) -> int | None:
+        """Try to become leader: the new epoch when won, None when not eligible or someone else leads.
+
+        Winning also writes isr = [this replica]. A winner that was not in the
+        isr (``in_sync()`` read before) must restore from the checkpoint.
+        """
+        keeper = self._require_keeper()
+        state = self.shard_state()
+        if state.leader is not None:
+            return None
+        if not eligible(self.replica_id, state.in_sync, state.members, state_is_fresh):
+            return None
+        compare = [create_revision_is(self.keys.leader, 0),
+                   mod_revision_is(self.keys.isr, state.in_sync.mod_revision if state.in_sync else 0)]
+        if state.in_sync is not None and self.replica_id not in state.in_sync.members:
+            # Counting on no isr member being alive: none of their keys may have changed meanwhile.
+            compare += [mod_revision_is(self.keys.member(r), state.member_revisions.get(r, 0))
+                        for r in sorted({r for r, _ in state.in_sync.members})]
+        success = [put_op(self.keys.leader, Leader.encode(self.replica_index, self.address, self.incarnation),
+                          lease=keeper.lease.id),
+                   put_op(self.keys.isr, InSync.encode([self.replica_id], epoch=None))]
+        try:
+            result = self._client.txn(compare, success)
+        except CoordinationError as error:
+            if error.code == "NOT_FOUND":  # our lease is gone; the keeper reports it
+                return None
+            if not error.unreachable:
+                raise
+            return self._won_despite_lost_answer(keeper.lease.id)
+        if not result.succeeded:
+            return None
+        with self._lock:
+            self._epoch = result.revision
+        from_isr = state.in_sync is not None and self.replica_id in state.in_sync.members
+        event(_log, logging.WARNING, "won the election", shard=self.keys.shard_index,
+              replica=self.replica_index, epoch=result.revision, from_isr=from_isr)
+        return result.revision
+
+    def _won_despite_lost_answer(self, lease_id: int) -> int | None:
+        """After a campaign whose answer was lost: the epoch if the leader key is ours (None if not).
+
+        Raises CoordinationError again while etcd stays away.
+        """
+        leader = self.leader()
+        if leader is None or leader.lease != lease_id or leader.incarnation != self.incarnation:
+            return None
+        with self._lock:
+            self._epoch = leader.epoch
+        return leader.epoch
+
+    def revoke_leader(self, leader: Leader) -> bool:
+        """Revoke the lease of ``leader``'s term (its process is seen dead): failover need not wait the TTL.
+
+        False when that term already ended. Only the lease the leader key of
+        that epoch is on is revoked, never a later term's.
+        """
+        kv = self._client.get(self.keys.leader)
+        if kv is None or kv.create_revision != leader.epoch:
+            return False
+        revoked = self._client.lease_revoke(kv.lease)
+        if revoked:
+            event(_log, logging.WARNING, "revoked the lease of a dead leader", shard=self.keys.shard_index,
+                  leader=leader.replica_index, epoch=leader.epoch, by=self.replica_index)
+        return revoked
+
+    def resign(self) -> bool:
+        """Give up leadership (delete the leader key if this replica's term still holds it)."""
+        with self._lock:
+            epoch, self._epoch = self._epoch, None
+        if epoch is None:
+            return False
+        fenced = [create_revision_is(self.keys.leader, epoch)]
+        result = self._client.txn(fenced, [delete_op(self.keys.leader)])
+        return result.succeeded
+
+    # --- in-sync set ----------------------------------------------------------------------------
+
+    def in_sync(self) -> InSync | None:
+        """The isr, or None before the first leader was elected."""
+        kv = self._client.get(self.keys.isr)
+        return InSync.from_kv(kv) if kv is not None else None
+
+    def set_in_sync(self, epoch: int, members: Sequence[ReplicaId]) -> bool:
+        """Write the isr as leader of ``epoch``; False when this replica no longer holds that term."""
+        keeper = self._require_keeper()
+        compare = [create_revision_is(self.keys.leader, epoch), _lease_is(self.keys.leader, keeper.lease.id)]
+        result = self._client.txn(compare, [put_op(self.keys.isr, InSync.encode(list(members), epoch))])
+        return result.succeeded
+
+    # --- ending ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the watches and the keeper, revoke the lease (leaving the set and the lead); idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            watchers, self._watchers = self._watchers, []
+            keeper, self._epoch = self._keeper, None
+        for watcher in watchers:
+            watcher.stop()
+        if keeper is not None:
+            keeper.stop()
+            if not keeper.lost:
+                self._revoke_quietly(keeper.lease.id)
+
+    def _revoke_quietly(self, lease_id: int) -> None:
+        try:
+            self._client.lease_revoke(lease_id)
+        except CoordinationError as error:
+            event(_log, logging.WARNING, "could not revoke the lease; etcd drops it after its TTL",
+                  lease=f"{lease_id:x}", error=str(error))
+
+    def _lease_lost(self) -> None:
+        with self._lock:
+            self._epoch = None
+        if self._on_lease_lost is not None:
+            self._on_lease_lost()
+
+    def _member(self) -> Member:
+        return Member(self.replica_index, self.address, self.incarnation, self._state)
+
+    def _require_keeper(self) -> LeaseKeeper:
+        keeper = self._keeper
+        if keeper is None:
+            raise RuntimeError("ShardCoordinator.start() must run first")
+        return keeper

@@ -1,0 +1,91 @@
+"""The election rules and key records of ps_server.coordination, without etcd."""
+
+from __future__ import annotations
+
+import pytest
+
+from ps_server.coordination import CoordinationError, EtcdClient, InSync, KeyValue, Leader, Member, ShardKeys
+from ps_server.coordination.etcd_ops import prefix_end
+from ps_server.coordination.lease_keeper import safety_margin
+from ps_server.coordination.shard import eligible
+
+ISR = InSync(epoch=7, members=((0, 10), (1, 20)))
+
+
+def _member(replica_index: int, incarnation: int) -> Member:
+    return Member(replica_index, f"h:{replica_index}", incarnation, "in-sync")
+
+
+def test_an_isr_member_may_campaign_whatever_its_state():
+    assert eligible((1, 20), ISR, {0: _member(0, 10)}, state_is_fresh=False)
+
+
+def test_outside_the_isr_only_a_fresh_state_and_only_when_every_isr_member_is_gone():
+    assert not eligible((2, 30), ISR, {0: _member(0, 10)}, state_is_fresh=True)
+    assert not eligible((2, 30), ISR, {}, state_is_fresh=False)
+    assert eligible((2, 30), ISR, {}, state_is_fresh=True)
+    # A restarted replica (same slot, new incarnation) is not the in-sync process.
+    assert eligible((2, 30), ISR, {0: _member(0, 11), 1: _member(1, 21)}, state_is_fresh=True)
+    assert not eligible((0, 11), ISR, {1: _member(1, 20)}, state_is_fresh=True)
+
+
+def test_before_any_isr_a_fresh_state_may_campaign():
+    assert eligible((0, 1), None, {}, state_is_fresh=True)
+    assert not eligible((0, 1), None, {}, state_is_fresh=False)
+
+
+def _kv(key: str, value: bytes, create: int, mod: int, lease: int = 0) -> KeyValue:
+    return KeyValue(key.encode(), value, create, mod, 1, lease)
+
+
+def test_records_round_trip_and_the_epoch_comes_from_etcd_revisions():
+    keys = ShardKeys("job", 3)
+    assert (keys.leader, keys.isr, keys.member(2)) == (
+        "/wehub-ps/job/shard/3/leader", "/wehub-ps/job/shard/3/isr", "/wehub-ps/job/shard/3/members/2")
+    leader = Leader.from_kv(_kv(keys.leader, Leader.encode(1, "h:1", 20), create=42, mod=42, lease=9))
+    assert leader == Leader(1, "h:1", 20, epoch=42, lease=9)
+    member = Member.from_kv(_kv(keys.member(2), _member(2, 5).encode(), 3, 3))
+    assert member == _member(2, 5)
+    written = InSync.from_kv(_kv(keys.isr, InSync.encode([(1, 20)], epoch=42), 5, 50))
+    assert written == InSync(42, ((1, 20),), 50)
+    # A campaign's isr has no epoch field: the same transaction created the leader key.
+    by_campaign = InSync.from_kv(_kv(keys.isr, InSync.encode([(1, 20)], epoch=None), 5, 61))
+    assert by_campaign.epoch == 61
+
+
+def test_records_refuse_what_is_not_theirs():
+    with pytest.raises(ValueError, match="no JSON"):
+        Leader.from_kv(_kv("/x/leader", b"not json", 1, 1))
+    with pytest.raises(ValueError, match="not an object"):
+        InSync.from_kv(_kv("/x/isr", b"[1]", 1, 1))
+    with pytest.raises(ValueError, match="job name"):
+        ShardKeys("a/b", 0)
+
+
+def test_prefix_end_is_etcds_rule():
+    assert prefix_end(b"/a/") == b"/a0"
+    assert prefix_end(b"a\xff") == b"b"
+    assert prefix_end(b"\xff\xff") == b"\0"
+
+
+def test_the_safety_margin_grows_with_the_ttl():
+    assert safety_margin(1) == pytest.approx(0.15)
+    assert safety_margin(2) == pytest.approx(0.25)
+
+
+def test_client_arguments_are_checked_before_any_call(tmp_path):
+    with pytest.raises(CoordinationError, match="no etcd endpoint"):
+        EtcdClient([" "])
+    with pytest.raises(CoordinationError, match="give both or neither"):
+        EtcdClient(["127.0.0.1:2379"], cert=tmp_path / "c.crt")
+    with pytest.raises(CoordinationError, match="cannot read the etcd CA certificate"):
+        EtcdClient(["127.0.0.1:2379"], ca=tmp_path / "missing.crt")
+
+
+def test_the_lease_ttl_is_whole_seconds_of_at_least_one():
+    from ps_server.coordination import ShardCoordinator
+
+    for ttl in (0, 1.5):
+        with pytest.raises(ValueError, match="lease_ttl"):
+            ShardCoordinator(EtcdClient(["127.0.0.1:2379"]), job="j", shard_index=0, replica_index=0,
+                             incarnation=1, address="h:1", lease_ttl=ttl)
