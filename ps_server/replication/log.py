@@ -29,7 +29,7 @@ class BackupLink:
     send time of the newest message answered.
     """
 
-    def __init__(self, replica_index: int, incarnation: str, address: str, max_bytes: int,
+    def __init__(self, replica_index: int, incarnation: int, address: str, max_bytes: int,
                  on_change: Callable[[], None]) -> None:
         self.replica_index = replica_index
         self.incarnation = incarnation
@@ -54,7 +54,7 @@ class BackupLink:
         self.closed: str | None = None
 
     @property
-    def key(self) -> tuple[int, str]:
+    def key(self) -> tuple[int, int]:
         return self.replica_index, self.incarnation
 
     def enqueue(self, record: ps_pb2.ReplicationRecord, nbytes: int) -> None:

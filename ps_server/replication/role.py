@@ -55,7 +55,7 @@ log = logging.getLogger("ps_server.replication")
 class LeaderInfo(Protocol):
     replica_index: int
     address: str
-    incarnation: str
+    incarnation: int
     epoch: int
 
 
@@ -66,9 +66,10 @@ class Coordination(Protocol):
     def lease_valid_until(self) -> float: ...
     def leader(self) -> LeaderInfo | None: ...
     def watch_leader(self, callback: Callable[[LeaderInfo | None], None]) -> None: ...
-    def may_campaign(self) -> bool: ...
-    def campaign(self) -> int | None: ...
-    def set_in_sync(self, epoch: int, members: list[tuple[int, str]]) -> bool: ...
+    def may_campaign(self, state_is_fresh: bool) -> bool: ...
+    def campaign(self, state_is_fresh: bool) -> int | None: ...
+    def set_state(self, state: str) -> None: ...
+    def set_in_sync(self, epoch: int, members: list[tuple[int, int]]) -> bool: ...
     def revoke_leader(self, leader: LeaderInfo) -> None: ...
     def close(self) -> None: ...
 
@@ -79,8 +80,8 @@ class ReplicaSettings:
     replicas: int
     #: How other replicas reach this one ('host:port').
     address: str
-    #: This process (its ps-server id): a restarted replica is a new member.
-    incarnation: str
+    #: This process (drawn at its start): a restarted replica is a new member.
+    incarnation: int
     lease_seconds: float
     #: A backup that leaves a message unanswered this long is dropped from the in-sync set.
     replication_timeout: float
@@ -117,8 +118,8 @@ class ReplicaRole:
         self._log: UpdateLog | None = None
         self._streams = itertools.count(1)
         #: Primary: backups attached to the log, and those of them in the in-sync set.
-        self._links: dict[tuple[int, str], BackupLink] = {}
-        self._in_sync: set[tuple[int, str]] = set()
+        self._links: dict[tuple[int, int], BackupLink] = {}
+        self._in_sync: set[tuple[int, int]] = set()
         self._acks = threading.Condition()
         #: Backup: the newest sequence applied, and when the primary was last answered.
         self.applied = 0
@@ -207,6 +208,7 @@ class ReplicaRole:
         self._set_state(CATCHING_UP)
         self._primary_gone = False
         assert self.follow is not None
+        started = time.monotonic()
         why = self.follow(leader)
         if self._stopping.is_set():
             return
@@ -217,7 +219,8 @@ class ReplicaRole:
             self._primary_gone = True
             self._revoke(leader, "the primary's port refuses connections")
         self._set_state(CANDIDATE if self.has_state else STARTING)
-        self._wake.wait(0.02)
+        if not self._primary_gone and time.monotonic() - started < 1.0:
+            self._wake.wait(0.25)  # a primary that refuses at once (still starting): not a busy loop
 
     def _revoke(self, leader: LeaderInfo, why: str) -> None:
         event(log, logging.WARNING, "revoking a gone primary's lease", primary=leader.address,
@@ -247,7 +250,7 @@ class ReplicaRole:
         if not self._primary_gone and time.monotonic() < promised_until:
             return False
         try:
-            return self._coordination.may_campaign()
+            return self._coordination.may_campaign(not self.has_state)
         except Exception as error:
             event(log, logging.DEBUG, "cannot campaign while etcd is unreachable", error=str(error))
             return False
@@ -256,7 +259,7 @@ class ReplicaRole:
         started = time.monotonic()
         self._set_state(CANDIDATE)
         try:
-            epoch = self._coordination.campaign()
+            epoch = self._coordination.campaign(not self.has_state)
         except Exception as error:
             event(log, logging.WARNING, "campaign failed", error=str(error))
             return
@@ -405,13 +408,13 @@ class ReplicaRole:
                 if link.closed is not None and key not in self._in_sync:
                     del self._links[key]
 
-    def _change_in_sync(self, failed: set[tuple[int, str]], caught_up: set[tuple[int, str]]) -> None:
+    def _change_in_sync(self, failed: set[tuple[int, int]], caught_up: set[tuple[int, int]]) -> None:
         # Grow locally first (acknowledgements wait for the newcomer from now on), shrink after etcd agreed.
         with self._acks:
             self._in_sync |= caught_up
         members = sorted((self._in_sync - failed) | {(self.settings.replica_index, self.settings.incarnation)})
         try:
-            written = self._coordination.set_in_sync(self._epoch, [list(m) for m in members])
+            written = self._coordination.set_in_sync(self._epoch, members)
         except Exception as error:
             event(log, logging.WARNING, "cannot update the in-sync set while etcd is unreachable",
                   failed=sorted(k[0] for k in failed), caught_up=sorted(k[0] for k in caught_up), error=str(error))

@@ -10,6 +10,7 @@ released and removed once sent.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -36,11 +37,17 @@ def take_snapshot(store: VariableStore, ledger: PushLedger, consistency: Consist
                              {"entries": ledger.snapshot(True)}, consistency=consistency.snapshot())
 
 
+def _private_directory(prefix: str, parent: str | None) -> Path:
+    if parent is not None:
+        os.makedirs(parent, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+
+
 class SnapshotSender:
     """Writes a snapshot to a private directory and yields it as SnapshotFile pieces."""
 
     def __init__(self, snapshot: ShardSnapshot, parent: str | None = None) -> None:
-        self._root = Path(tempfile.mkdtemp(prefix=".replica-snapshot-", dir=parent))
+        self._root = _private_directory(".replica-snapshot-", parent)
         try:
             write_checkpoint(self._root, snapshot, keep=1)
         except BaseException:
@@ -70,7 +77,7 @@ class SnapshotReceiver:
     def __init__(self, shard_index: int, num_shards: int, parent: str | None = None) -> None:
         self._shard_index = shard_index
         self._num_shards = num_shards
-        self._root = Path(tempfile.mkdtemp(prefix=".replica-catch-up-", dir=parent))
+        self._root = _private_directory(".replica-catch-up-", parent)
         self.bytes_received = 0
 
     def add(self, piece: ps_pb2.SnapshotFile) -> None:

@@ -9,22 +9,26 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2
 
+from ps_server.core.consistency import ConsistencyController
+from ps_server.core.ledger import PushLedger
+from ps_server.core.store import VariableStore
+from ps_server.durability.restore import RestoredState
+from ps_server.ops.config import ServerConfig
 from ps_server.replication.follower import Follower
 from ps_server.replication.leader import ReplicationService
 from ps_server.replication.records import RecordApplier
 from ps_server.replication.role import BACKUP, PRIMARY, ReplicaRole, ReplicaSettings
 from ps_server.replication.snapshots import take_snapshot
+from ps_server.service.auth import TokenFile
+from ps_server.service.standard_services import HealthServicer
 from wehub_ps.process.logs import event
 from wehub_ps.v1 import ps_pb2, ps_pb2_grpc
 from wehub_ps.wire.rpc import MAX_MESSAGE_BYTES, SERVICE_NAME
-
-if TYPE_CHECKING:
-    from ps_server.server import PSServer
 
 __all__ = ["ReplicaWiring"]
 
@@ -33,13 +37,29 @@ log = logging.getLogger("ps_server.replication")
 REPLICATION_SERVICE = ps_pb2.DESCRIPTOR.services_by_name["Replication"].full_name
 
 
+class ReplicatedServer(Protocol):
+    """What a replica takes from its ps-server (ps_server.server.PSServer)."""
+
+    config: ServerConfig
+    server_id: str
+    store: VariableStore
+    ledger: PushLedger
+    consistency: ConsistencyController
+    health: HealthServicer
+    tokens: TokenFile | None
+    port: int
+
+    def install(self, restored: RestoredState) -> None: ...
+    def restore(self) -> None: ...
+
+
 class ReplicaWiring:
-    def __init__(self, server: PSServer) -> None:
+    def __init__(self, server: ReplicatedServer) -> None:
         self._server = server
         config = server.config
         settings = ReplicaSettings(
             replica_index=config.replica_index, replicas=config.replicas, address="",
-            incarnation=server.server_id, lease_seconds=float(config.primary_lease_seconds),
+            incarnation=int(server.server_id[:12], 16), lease_seconds=float(config.primary_lease_seconds),
             replication_timeout=config.replication_timeout, max_backup_bytes=config.max_backup_bytes)
         self.role = ReplicaRole(settings, self._become_primary)
         self.role.on_state = self._state_changed
@@ -66,8 +86,8 @@ class ReplicaWiring:
         client = EtcdClient([e.strip() for e in config.etcd_endpoints.split(",") if e.strip()],
                             ca=config.etcd_ca, cert=config.etcd_cert, key=config.etcd_key)
         self._coordination = ShardCoordinator(
-            client, job_name=config.job_name, shard_index=config.shard_index,
-            replica_index=config.replica_index, address=address, incarnation=server.server_id,
+            client, job=config.job_name, shard_index=config.shard_index,
+            replica_index=config.replica_index, address=address, incarnation=self.role.settings.incarnation,
             lease_ttl=config.primary_lease_seconds, on_lease_lost=self.role.lease_lost)
         self.role.connect(address, self._coordination)
         self.role.follow = Follower(self.role, config.shard_index, config.num_shards, self._applier,
@@ -89,6 +109,11 @@ class ReplicaWiring:
 
     def _state_changed(self, state: str) -> None:
         """Health: '' SERVING on the primary and in-sync backups; the service's name on the primary only."""
+        if self._coordination is not None:
+            try:
+                self._coordination.set_state(state)
+            except Exception as error:  # etcd away: the member key keeps its last state
+                event(log, logging.DEBUG, "could not publish the replica's state", error=str(error))
         serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
         health = self._server.health
         health.set("", serving if state in (PRIMARY, BACKUP) else not_serving)

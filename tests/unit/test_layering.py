@@ -44,6 +44,7 @@ LAYERS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("durability: checkpoints and the spec log", ("ps_server.durability",)),
         ("settings and instruments", ("ps_server.ops.config", "ps_server.ops.metrics")),
         ("service: gRPC in and out", ("ps_server.service",)),
+        ("replication: replica roles, the update log, the Follow stream", ("ps_server.replication",)),
         ("composition root", ("ps_server.server",)),
         ("entry points", ("ps_server.ops", "ps_server.__init__", "ps_server.__main__")),
     ],

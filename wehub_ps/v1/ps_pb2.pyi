@@ -646,10 +646,10 @@ class FollowStart(_message.Message):
     shard_index: int
     num_shards: int
     replica_index: int
-    incarnation: str
+    incarnation: int
     address: str
     epoch: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., replica_index: _Optional[int] = ..., incarnation: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., replica_index: _Optional[int] = ..., incarnation: _Optional[int] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ReplicationMessage(_message.Message):
     __slots__ = ("epoch", "snapshot_file", "snapshot_done", "record", "ping")

@@ -1,0 +1,155 @@
+"""Replicated shards for tests: R ps-server processes per shard on fixed loopback ports, one etcd.
+
+Each replica has its own directory (port file, log, checkpoints) and a port
+picked once, so a killed replica restarts where workers expect it.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ps_testing import ServerProcess, free_port
+from safetensors import safe_open
+
+from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.rpc import method_path
+
+PRIMARY_SERVICE = "wehub_ps.v1.ParameterServer"
+
+
+@dataclass
+class Replica:
+    shard_index: int
+    replica_index: int
+    process: ServerProcess
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> Replica:
+        self.process.start(self.port)
+        return self
+
+    def launch(self) -> None:
+        self.process.launch(self.port)
+
+    def health(self, service: str = PRIMARY_SERVICE, timeout: float = 2.0) -> int | None:
+        """The health status of ``service`` here (the ParameterServer: SERVING on the primary only)."""
+        try:
+            with grpc.insecure_channel(self.address) as channel:
+                return health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+        except grpc.RpcError:
+            return None
+
+    def is_primary(self) -> bool:
+        return self.health() == health_pb2.HealthCheckResponse.SERVING
+
+    def is_ready(self) -> bool:
+        """Primary, or a backup in sync."""
+        return self.health("") == health_pb2.HealthCheckResponse.SERVING
+
+    def running(self) -> bool:
+        popen = self.process.popen
+        return popen is not None and popen.poll() is None
+
+    def status(self, timeout: float = 5.0) -> ps_pb2.ReplicaStatus:
+        """This replica's Describe (asked of any replica): its role, epoch, sequence and backups."""
+        with grpc.insecure_channel(self.address) as channel:
+            raw = channel.unary_unary(method_path("Describe"))(
+                ps_pb2.DescribeRequest(any_replica=True).SerializeToString(), timeout=timeout)
+        return ps_pb2.DescribeResponse.FromString(raw).replication
+
+    def newest_checkpoint(self) -> pathlib.Path:
+        shard_dirs = sorted((self.process.workdir / "checkpoints").glob("shard-*"))
+        checkpoints = sorted(p for d in shard_dirs for p in d.glob("ckpt-*"))
+        assert checkpoints, f"replica {self.replica_index} of shard {self.shard_index} wrote no checkpoint"
+        return checkpoints[-1]
+
+
+def checkpoint_contents(path: pathlib.Path) -> tuple[dict[str, np.ndarray], dict]:
+    """A checkpoint's tensors (values, optimizer slots) and the manifest's state (variables, ledger)."""
+    with safe_open(str(path / "tensors.safetensors"), framework="numpy") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    manifest = json.loads((path / "manifest.json").read_text())
+    return tensors, {key: manifest[key] for key in ("variables", "ledger", "consistency") if key in manifest}
+
+
+@dataclass
+class ReplicatedCluster:
+    """``num_shards`` shards of ``replicas`` processes each; stop() ends them all (by PID)."""
+
+    workdir: pathlib.Path
+    etcd_endpoint: str
+    num_shards: int
+    replicas: int
+    extra_args: tuple[str, ...] = ()
+    lease_seconds: int = 1
+    job: str = field(default_factory=lambda: f"test-{uuid.uuid4().hex[:8]}")
+    shards: list[list[Replica]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for shard in range(self.num_shards):
+            members = []
+            for index in range(self.replicas):
+                directory = self.workdir / f"shard-{shard}-replica-{index}"
+                directory.mkdir(parents=True, exist_ok=True)
+                args = ("--replicas", str(self.replicas), "--replica-index", str(index),
+                        "--etcd-endpoints", self.etcd_endpoint, "--job-name", self.job,
+                        "--primary-lease-seconds", str(self.lease_seconds),
+                        "--checkpoint-dir", str(directory / "checkpoints"), *self.extra_args)
+                members.append(Replica(shard, index, ServerProcess(shard, self.num_shards, directory, args),
+                                       free_port()))
+            self.shards.append(members)
+
+    def start(self) -> ReplicatedCluster:
+        for replica in self.all():
+            replica.launch()
+        for replica in self.all():
+            replica.process.wait_ready()
+        self.wait_all_ready()
+        return self
+
+    def all(self) -> list[Replica]:
+        return [replica for members in self.shards for replica in members]
+
+    @property
+    def addresses(self) -> str:
+        """PS_ADDRESSES' replicated form: shards by ',', replicas of a shard by '|'."""
+        return ",".join("|".join(r.address for r in members) for members in self.shards)
+
+    def primary(self, shard: int, timeout: float = 30.0) -> Replica:
+        deadline = time.monotonic() + timeout
+        while True:
+            for replica in self.shards[shard]:
+                if replica.running() and replica.is_primary():
+                    return replica
+            if time.monotonic() > deadline:
+                raise AssertionError(f"shard {shard} has no primary after {timeout}s:\n" + self.logs(shard))
+            time.sleep(0.02)
+
+    def wait_all_ready(self, timeout: float = 60.0) -> None:
+        """Every running replica is the primary or a backup in sync."""
+        deadline = time.monotonic() + timeout
+        while not all(r.is_ready() for r in self.all() if r.running()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"replicas not in sync after {timeout}s:\n" + self.logs())
+            time.sleep(0.05)
+
+    def logs(self, shard: int | None = None) -> str:
+        chosen = self.all() if shard is None else self.shards[shard]
+        return "\n".join(f"--- shard {r.shard_index} replica {r.replica_index}\n{r.process.log_text()[-6000:]}"
+                         for r in chosen)
+
+    def stop(self) -> None:
+        for replica in self.all():
+            replica.process.stop()
