@@ -9,6 +9,7 @@ backup still follows it (see role.py).
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 from collections.abc import Callable, Iterator
@@ -72,8 +73,7 @@ class Follower:
                 elif kind == "snapshot_done":
                     if receiver is None:
                         return "the primary sent no snapshot"
-                    state = receiver.load()
-                    role.install(lambda: self._install(state))
+                    role.install(functools.partial(self._install, receiver.load()))
                     event(log, logging.INFO, "snapshot loaded", sequence=message.snapshot_done,
                           bytes=receiver.bytes_received)
                     receiver.close()

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from wehub_ps.v1 import ps_pb2
 
-__all__ = ["UpdateLog", "BackupLink"]
+__all__ = ["BackupLink", "UpdateLog"]
 
 
 class BackupLink:

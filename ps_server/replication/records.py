@@ -25,7 +25,7 @@ from wehub_ps.specs_proto import spec_from_proto
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.codec import decode_push_request
 
-__all__ = ["push_applied", "push_ended", "rows_read", "variable_created", "RecordApplier", "Divergence"]
+__all__ = ["Divergence", "RecordApplier", "push_applied", "push_ended", "rows_read", "variable_created"]
 
 #: Bytes a record costs beyond its payload (headers, the begin of a small push).
 RECORD_OVERHEAD = 128

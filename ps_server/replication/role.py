@@ -39,6 +39,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ps_server.coordination import CoordinationError
 from ps_server.core.errors import RequestError
 from ps_server.replication import records
 from ps_server.replication.log import BackupLink, UpdateLog
@@ -47,7 +48,7 @@ from wehub_ps.process.logs import event
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.rpc import PRIMARY_METADATA_KEY
 
-__all__ = ["ReplicaRole", "ReplicaSettings", "Coordination", "LeaderInfo"]
+__all__ = ["Coordination", "LeaderInfo", "ReplicaRole", "ReplicaSettings"]
 
 log = logging.getLogger("ps_server.replication")
 
@@ -142,6 +143,7 @@ class ReplicaRole:
     def start(self) -> None:
         assert self._coordination is not None and self.follow is not None, "connect() and follow first"
         self._coordination.start()
+        self.on_state(self._state)  # published once the coordination can
         self._coordination.watch_leader(self._leader_changed)
         self._thread = threading.Thread(target=self._run, name="ps-replica", daemon=True)
         self._thread.start()
@@ -188,7 +190,15 @@ class ReplicaRole:
             if self._state == PRIMARY:
                 self._wake.wait(1.0)
                 continue
-            leader = self._coordination.leader()
+            try:
+                leader = self._coordination.leader()
+            except CoordinationError as error:
+                # etcd away: a backup keeps following the primary it knows (elections wait for etcd).
+                leader = self._leader if self._leader is not None and not self._primary_gone else None
+                if leader is None:
+                    event(log, logging.DEBUG, "etcd unreachable; waiting to learn the primary", error=str(error))
+                    self._wake.wait(0.2)
+                    continue
             if leader is not None:
                 self._leader = leader
                 self._epoch = max(self._epoch, leader.epoch)
@@ -227,7 +237,7 @@ class ReplicaRole:
               epoch=leader.epoch, why=why)
         try:
             self._coordination.revoke_leader(leader)
-        except Exception as error:  # etcd unreachable: the lease's TTL ends it instead
+        except CoordinationError as error:  # etcd unreachable: the lease's TTL ends it instead
             event(log, logging.WARNING, "could not revoke the primary's lease", error=str(error))
             self._wake.wait(0.1)
 
@@ -251,7 +261,7 @@ class ReplicaRole:
             return False
         try:
             return self._coordination.may_campaign(not self.has_state)
-        except Exception as error:
+        except CoordinationError as error:
             event(log, logging.DEBUG, "cannot campaign while etcd is unreachable", error=str(error))
             return False
 
@@ -260,7 +270,7 @@ class ReplicaRole:
         self._set_state(CANDIDATE)
         try:
             epoch = self._coordination.campaign(not self.has_state)
-        except Exception as error:
+        except CoordinationError as error:
             event(log, logging.WARNING, "campaign failed", error=str(error))
             return
         if epoch is None:
@@ -415,7 +425,7 @@ class ReplicaRole:
         members = sorted((self._in_sync - failed) | {(self.settings.replica_index, self.settings.incarnation)})
         try:
             written = self._coordination.set_in_sync(self._epoch, members)
-        except Exception as error:
+        except CoordinationError as error:
             event(log, logging.WARNING, "cannot update the in-sync set while etcd is unreachable",
                   failed=sorted(k[0] for k in failed), caught_up=sorted(k[0] for k in caught_up), error=str(error))
             return

@@ -23,7 +23,7 @@ from ps_server.durability.restore import RestoredState, load_restore
 from ps_server.durability.writer import ShardSnapshot, write_checkpoint
 from wehub_ps.v1 import ps_pb2
 
-__all__ = ["take_snapshot", "SnapshotSender", "SnapshotReceiver", "SNAPSHOT_PIECE_BYTES"]
+__all__ = ["SNAPSHOT_PIECE_BYTES", "SnapshotReceiver", "SnapshotSender", "take_snapshot"]
 
 #: Bytes of a file per message (1 MiB: the chunk size gRPC Python streams fastest, see docs/benchmarks.md).
 SNAPSHOT_PIECE_BYTES = 1 << 20

@@ -14,6 +14,7 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2
 
+from ps_server.coordination import CoordinationError, EtcdClient, ShardCoordinator
 from ps_server.core.consistency import ConsistencyController
 from ps_server.core.ledger import PushLedger
 from ps_server.core.store import VariableStore
@@ -78,22 +79,21 @@ class ReplicaWiring:
         return REPLICATION_SERVICE
 
     def start(self) -> None:
-        from ps_server.coordination import EtcdClient, ShardCoordinator
-
         server = self._server
         config = server.config
         address = config.advertise_address or f"{_advertised_host(config.host)}:{server.port}"
         client = EtcdClient([e.strip() for e in config.etcd_endpoints.split(",") if e.strip()],
                             ca=config.etcd_ca, cert=config.etcd_cert, key=config.etcd_key)
-        self._coordination = ShardCoordinator(
+        self._state_changed(self.role.state)  # health before anything is known: not serving
+        coordination = ShardCoordinator(
             client, job=config.job_name, shard_index=config.shard_index,
             replica_index=config.replica_index, address=address, incarnation=self.role.settings.incarnation,
             lease_ttl=config.primary_lease_seconds, on_lease_lost=self.role.lease_lost)
-        self.role.connect(address, self._coordination)
+        self.role.connect(address, coordination)
         self.role.follow = Follower(self.role, config.shard_index, config.num_shards, self._applier,
                                     server.install, self._open_channel, config.checkpoint_dir or None,
                                     self._metadata).follow
-        self._state_changed(self.role.state)
+        self._coordination = coordination
         self.role.start()
         event(log, logging.INFO, "replica started", replica_index=config.replica_index,
               replicas=config.replicas, address=address, job_name=config.job_name,
@@ -112,7 +112,7 @@ class ReplicaWiring:
         if self._coordination is not None:
             try:
                 self._coordination.set_state(state)
-            except Exception as error:  # etcd away: the member key keeps its last state
+            except CoordinationError as error:  # etcd away: the member key keeps its last state
                 event(log, logging.DEBUG, "could not publish the replica's state", error=str(error))
         serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
         health = self._server.health

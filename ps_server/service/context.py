@@ -17,7 +17,7 @@ from ps_server.core.workers import WorkerPresence
 from ps_server.durability.checkpointer import Checkpointer
 from ps_server.durability.restore import RestoredFrom
 from ps_server.ops.metrics import Metrics
-from ps_server.service.roles import SingleReplica, ShardRole
+from ps_server.service.roles import ShardRole, SingleReplica
 
 __all__ = ["ShardContext"]
 
