@@ -147,8 +147,8 @@ class ReplicatedCluster:
 
     def logs(self, shard: int | None = None) -> str:
         chosen = self.all() if shard is None else self.shards[shard]
-        return "\n".join(f"--- shard {r.shard_index} replica {r.replica_index}\n{r.process.log_text()[-6000:]}"
-                         for r in chosen)
+        return "\n".join(f"--- shard {r.shard_index} replica {r.replica_index}\n"
+                         f"{r.process.log_text()[-6000:]}" for r in chosen)
 
     def stop(self) -> None:
         for replica in self.all():

@@ -68,7 +68,8 @@ class Follower:
                 kind = message.WhichOneof("kind")
                 if kind == "snapshot_file":
                     if receiver is None:
-                        receiver = SnapshotReceiver(self._shard_index, self._num_shards, self._snapshot_parent)
+                        receiver = SnapshotReceiver(self._shard_index, self._num_shards,
+                                                    self._snapshot_parent)
                     receiver.add(message.snapshot_file)
                 elif kind == "snapshot_done":
                     if receiver is None:

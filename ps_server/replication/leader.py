@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
 from ps_server.core.errors import RequestError
+from ps_server.durability.writer import ShardSnapshot
 from ps_server.replication.log import BackupLink
 from ps_server.replication.role import PRIMARY, ReplicaRole
 from ps_server.replication.snapshots import SnapshotSender
@@ -29,7 +30,8 @@ log = logging.getLogger("ps_server.replication")
 
 
 class ReplicationService(ps_pb2_grpc.ReplicationServicer):
-    def __init__(self, role: ReplicaRole, shard_index: int, num_shards: int, take_snapshot, ping_seconds: float,
+    def __init__(self, role: ReplicaRole, shard_index: int, num_shards: int,
+                 take_snapshot: Callable[[], ShardSnapshot], ping_seconds: float,
                  snapshot_parent: str | None = None) -> None:
         self._role = role
         self._shard = (shard_index, num_shards)
@@ -46,8 +48,8 @@ class ReplicationService(ps_pb2_grpc.ReplicationServicer):
             start = first.start
             if (start.shard_index, start.num_shards) != self._shard:
                 raise RequestError(Reason.CLUSTER_MISMATCH,
-                                   f"this replica serves shard {self._shard[0]} of {self._shard[1]}, the backup "
-                                   f"is of shard {start.shard_index} of {start.num_shards}")
+                                   f"this replica serves shard {self._shard[0]} of {self._shard[1]}, the "
+                                   f"backup is of shard {start.shard_index} of {start.num_shards}")
             link, snapshot = self._role.attach(start, self._take_snapshot)
         except RequestError as error:
             abort(context, error)

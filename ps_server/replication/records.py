@@ -12,8 +12,11 @@ controller and never waits.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
+from ps_server.core.consistency import ConsistencyController
 from ps_server.core.errors import RequestError
 from ps_server.core.ledger import PushLedger
 from ps_server.core.pushes import ActivePush, begin_push, max_chunks_per_message
@@ -25,7 +28,8 @@ from wehub_ps.specs_proto import spec_from_proto
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.codec import decode_push_request
 
-__all__ = ["Divergence", "RecordApplier", "push_applied", "push_ended", "rows_read", "variable_created"]
+__all__ = ["Divergence", "RecordApplier", "consistency_state", "push_applied", "push_ended", "rows_read",
+           "variable_created"]
 
 #: Bytes a record costs beyond its payload (headers, the begin of a small push).
 RECORD_OVERHEAD = 128
@@ -64,6 +68,11 @@ def variable_created(spec: ps_pb2.VariableSpec) -> tuple[ps_pb2.ReplicationRecor
     return record, RECORD_OVERHEAD + spec.ByteSize()
 
 
+def consistency_state(state: dict) -> tuple[ps_pb2.ReplicationRecord, int]:
+    record = ps_pb2.ReplicationRecord(consistency=json.dumps(state, sort_keys=True))
+    return record, RECORD_OVERHEAD + len(record.consistency)
+
+
 class Divergence(Exception):
     """A record the backup could not apply as the primary did: its state can no longer be trusted."""
 
@@ -71,9 +80,10 @@ class Divergence(Exception):
 class RecordApplier:
     """A backup's side of the log: applies records in order, one at a time (one thread)."""
 
-    def __init__(self, store: VariableStore, ledger: PushLedger) -> None:
+    def __init__(self, store: VariableStore, ledger: PushLedger, consistency: ConsistencyController) -> None:
         self._store = store
         self._ledger = ledger
+        self._consistency = consistency
         #: Push streams open on the primary, by the primary's stream number.
         self._streams: dict[int, ActivePush | None] = {}
 
@@ -95,6 +105,8 @@ class RecordApplier:
                 self._store.read_rows(reads)
             elif op == "created":
                 self._store.create(spec_from_proto(record.created))
+            elif op == "consistency":
+                self._consistency.restore(json.loads(record.consistency))
             else:
                 raise Divergence(f"record {record.sequence} carries no change this backup knows ({op})")
         except (RequestError, SpecError) as error:

@@ -99,7 +99,7 @@ _PROOF_MARGIN = 0.1
 
 
 class ReplicaRole:
-    """One replica's state machine; implements ps_server.service.roles.ShardRole and core.ordering.ChangeLog."""
+    """One replica's state machine: a ps_server.service.roles.ShardRole and a core.ordering.ChangeLog."""
 
     replicated = True
 
@@ -131,8 +131,14 @@ class ReplicaRole:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._monitor: threading.Thread | None = None
+        #: ssp: the consistency controller's state (steps, clocks, workers), logged whenever it changed.
+        self.consistency_state: Callable[[], dict] | None = None
+        self._logged_consistency: dict | None = None
         self.failovers = 0
         self.last_election_seconds = 0.0
+        self.last_failover_seconds = 0.0
+        #: When this backup lost its primary's stream (monotonic; 0: following, or never had one).
+        self._lost_at = 0.0
 
     # ---- lifecycle ----
 
@@ -196,7 +202,8 @@ class ReplicaRole:
                 # etcd away: a backup keeps following the primary it knows (elections wait for etcd).
                 leader = self._leader if self._leader is not None and not self._primary_gone else None
                 if leader is None:
-                    event(log, logging.DEBUG, "etcd unreachable; waiting to learn the primary", error=str(error))
+                    event(log, logging.DEBUG, "etcd unreachable; waiting to learn the primary",
+                          error=str(error))
                     self._wake.wait(0.2)
                     continue
             if leader is not None:
@@ -222,6 +229,7 @@ class ReplicaRole:
         why = self.follow(leader)
         if self._stopping.is_set():
             return
+        self._lost_at = time.monotonic()
         event(log, logging.WARNING, "stream from the primary ended", primary=leader.address,
               epoch=leader.epoch, why=why, applied=self.applied)
         if _refuses_connections(leader.address):
@@ -281,14 +289,17 @@ class ReplicaRole:
         self._in_sync = set()
         self._set_state(PRIMARY)
         self.has_state = True
-        self.last_election_seconds = time.monotonic() - started
-        if self._answered_at:
+        now = time.monotonic()
+        self.last_election_seconds = now - started
+        if self._answered_at and self._lost_at:
             self.failovers += 1
+            self.last_failover_seconds = now - self._lost_at
         self._monitor = threading.Thread(target=self._watch_backups, name="ps-replica-monitor", daemon=True)
         self._monitor.start()
         event(log, logging.WARNING if self._answered_at else logging.INFO, "elected primary", epoch=epoch,
               sequence=self.applied, replica_index=self.settings.replica_index,
-              election_seconds=round(self.last_election_seconds, 3))
+              election_seconds=round(self.last_election_seconds, 3),
+              failover_seconds=round(self.last_failover_seconds, 3) if self._lost_at else None)
 
     # ---- ShardRole: what the RPC methods ask ----
 
@@ -356,6 +367,14 @@ class ReplicaRole:
             raise self._not_primary("this replica cannot prove it is still the primary (neither etcd nor "
                                     "every in-sync backup confirmed it within the lease)")
 
+    def lease_proven(self) -> bool:
+        """Whether etcd confirmed this replica's lease within its TTL."""
+        try:
+            coordination = self._coordination
+            return coordination is not None and coordination.lease_valid_until() > time.monotonic()
+        except RuntimeError:  # not started yet
+            return False
+
     def proves_lease(self) -> bool:
         now = time.monotonic()
         if self._coordination.lease_valid_until() > now:
@@ -414,20 +433,36 @@ class ReplicaRole:
                          and link.proof}
             if failed or caught_up:
                 self._change_in_sync(failed, caught_up)
+            self._log_consistency()
             for key, link in list(self._links.items()):
                 if link.closed is not None and key not in self._in_sync:
                     del self._links[key]
+
+    def _log_consistency(self) -> None:
+        if self.consistency_state is None:
+            return
+        state = self.consistency_state()
+        if state == self._logged_consistency:
+            return
+        try:
+            with self.ordered():
+                self._append(*records.consistency_state(state))
+        except RequestError:
+            return  # deposed meanwhile
+        self._logged_consistency = state
 
     def _change_in_sync(self, failed: set[tuple[int, int]], caught_up: set[tuple[int, int]]) -> None:
         # Grow locally first (acknowledgements wait for the newcomer from now on), shrink after etcd agreed.
         with self._acks:
             self._in_sync |= caught_up
-        members = sorted((self._in_sync - failed) | {(self.settings.replica_index, self.settings.incarnation)})
+        me = (self.settings.replica_index, self.settings.incarnation)
+        members = sorted((self._in_sync - failed) | {me})
         try:
             written = self._coordination.set_in_sync(self._epoch, members)
         except CoordinationError as error:
             event(log, logging.WARNING, "cannot update the in-sync set while etcd is unreachable",
-                  failed=sorted(k[0] for k in failed), caught_up=sorted(k[0] for k in caught_up), error=str(error))
+                  failed=sorted(k[0] for k in failed), caught_up=sorted(k[0] for k in caught_up),
+                  error=str(error))
             return
         if not written:
             self._deposed("the in-sync set could not be written: another replica leads")
@@ -467,7 +502,7 @@ class ReplicaRole:
         status = ps_pb2.ReplicaStatus(
             replica_index=self.settings.replica_index, replicas=self.settings.replicas, role=self._state,
             epoch=self._epoch, applied_sequence=self.last_sequence(),
-            etcd_reachable=self._coordination.lease_valid_until() > time.monotonic())
+            etcd_reachable=self.lease_proven())
         if self._state == PRIMARY:
             status.primary_address = self.settings.address
             now = time.monotonic()

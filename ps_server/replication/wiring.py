@@ -20,8 +20,10 @@ from ps_server.core.ledger import PushLedger
 from ps_server.core.store import VariableStore
 from ps_server.durability.restore import RestoredState
 from ps_server.ops.config import ServerConfig
+from ps_server.ops.metrics import Metrics
 from ps_server.replication.follower import Follower
 from ps_server.replication.leader import ReplicationService
+from ps_server.replication.observe import ReplicationCollector
 from ps_server.replication.records import RecordApplier
 from ps_server.replication.role import BACKUP, PRIMARY, ReplicaRole, ReplicaSettings
 from ps_server.replication.snapshots import take_snapshot
@@ -44,6 +46,7 @@ class ReplicatedServer(Protocol):
     config: ServerConfig
     server_id: str
     store: VariableStore
+    metrics: Metrics
     ledger: PushLedger
     consistency: ConsistencyController
     health: HealthServicer
@@ -64,8 +67,11 @@ class ReplicaWiring:
             replication_timeout=config.replication_timeout, max_backup_bytes=config.max_backup_bytes)
         self.role = ReplicaRole(settings, self._become_primary)
         self.role.on_state = self._state_changed
-        self._applier = RecordApplier(server.store, server.ledger)
+        self._applier = RecordApplier(server.store, server.ledger, server.consistency)
+        if config.consistency == "ssp":
+            self.role.consistency_state = server.consistency.snapshot
         self._coordination = None
+        server.metrics.registry.register(ReplicationCollector(self.role))
 
     def add_service(self, grpc_server: grpc.Server) -> str:
         """Register the Replication service; its name (for reflection)."""
@@ -114,7 +120,8 @@ class ReplicaWiring:
                 self._coordination.set_state(state)
             except CoordinationError as error:  # etcd away: the member key keeps its last state
                 event(log, logging.DEBUG, "could not publish the replica's state", error=str(error))
-        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         health = self._server.health
         health.set("", serving if state in (PRIMARY, BACKUP) else not_serving)
         health.set(SERVICE_NAME, serving if state == PRIMARY else not_serving)

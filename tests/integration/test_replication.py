@@ -27,8 +27,8 @@ def replicated(tmp_path, etcd_server):
     clusters: list[ReplicatedCluster] = []
 
     def make(num_shards: int = 1, replicas: int = 2, *extra_args: str) -> ReplicatedCluster:
-        cluster = ReplicatedCluster(tmp_path / f"replicated-{len(clusters)}", etcd_server.endpoint, num_shards,
-                                    replicas, tuple(extra_args))
+        cluster = ReplicatedCluster(tmp_path / f"replicated-{len(clusters)}", etcd_server.endpoint,
+                                    num_shards, replicas, tuple(extra_args))
         clusters.append(cluster)
         return cluster.start()
 
@@ -57,7 +57,8 @@ def test_a_backup_refuses_workers_and_names_the_primary(replicated):
     backup = next(r for r in cluster.shards[0] if r is not primary)
     with grpc.insecure_channel(backup.address) as channel:
         with pytest.raises(grpc.RpcError) as refused:
-            channel.unary_unary(method_path("Describe"))(ps_pb2.DescribeRequest().SerializeToString(), timeout=5)
+            describe = channel.unary_unary(method_path("Describe"))
+            describe(ps_pb2.DescribeRequest().SerializeToString(), timeout=5)
     trailers = dict(refused.value.trailing_metadata())
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert trailers[REASON_METADATA_KEY] == "NOT_PRIMARY"
