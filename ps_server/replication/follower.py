@@ -21,7 +21,9 @@ from ps_server.replication.records import Divergence, RecordApplier
 from ps_server.replication.role import LeaderInfo, ReplicaRole
 from ps_server.replication.snapshots import SnapshotReceiver
 from wehub_ps.process.logs import event
-from wehub_ps.v1 import ps_pb2, ps_pb2_grpc
+from ps_server.replication.leader import FOLLOW_PATH
+from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.replication import answer, decode_record_message
 
 __all__ = ["Follower"]
 
@@ -46,12 +48,12 @@ class Follower:
         """Follow ``leader`` until the stream ends; says why it ended."""
         role = self._role
         settings = role.settings
-        answers: queue.SimpleQueue[ps_pb2.FollowRequest | None] = queue.SimpleQueue()
+        answers: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         start = ps_pb2.FollowRequest(start=ps_pb2.FollowStart(
             shard_index=self._shard_index, num_shards=self._num_shards, replica_index=settings.replica_index,
-            incarnation=settings.incarnation, address=settings.address, epoch=role.epoch))
+            incarnation=settings.incarnation, address=settings.address, epoch=role.epoch)).SerializeToString()
 
-        def requests() -> Iterator[ps_pb2.FollowRequest]:
+        def requests() -> Iterator[bytes]:
             yield start
             while (answer := answers.get()) is not None:
                 yield answer
@@ -59,30 +61,14 @@ class Follower:
         self._applier.forget_streams()
         channel = self._open_channel(leader.address)
         receiver: SnapshotReceiver | None = None
-        call = ps_pb2_grpc.ReplicationStub(channel).Follow(requests(), metadata=self._metadata() or None)
+        call = channel.stream_stream(FOLLOW_PATH)(requests(), metadata=self._metadata() or None)
         event(log, logging.INFO, "following the primary", primary=leader.address, epoch=leader.epoch)
         try:
-            for message in call:
-                if message.epoch < role.epoch:
-                    return f"the primary's term {message.epoch} is older than {role.epoch}"
-                kind = message.WhichOneof("kind")
-                if kind == "snapshot_file":
-                    if receiver is None:
-                        receiver = SnapshotReceiver(self._shard_index, self._num_shards,
-                                                    self._snapshot_parent)
-                    receiver.add(message.snapshot_file)
-                elif kind == "snapshot_done":
-                    if receiver is None:
-                        return "the primary sent no snapshot"
-                    role.install(functools.partial(self._install, receiver.load()))
-                    event(log, logging.INFO, "snapshot loaded", sequence=message.snapshot_done,
-                          bytes=receiver.bytes_received)
-                    receiver.close()
-                    receiver = None
-                    role.applied = message.snapshot_done
-                    role.has_state = True
-                elif kind == "record":
-                    record = message.record
+            for raw in call:
+                record = decode_record_message(raw)
+                if record is not None:
+                    if record.epoch < role.epoch:
+                        return f"the primary's term {record.epoch} is older than {role.epoch}"
                     if not role.has_state or record.sequence != role.applied + 1:
                         event(log, logging.ERROR, "record out of order", sequence=record.sequence,
                               applied=role.applied)
@@ -93,7 +79,27 @@ class Follower:
                         event(log, logging.ERROR, "cannot apply the primary's change", error=str(error))
                         return "a change could not be applied"
                     role.applied = record.sequence
-                answers.put(ps_pb2.FollowRequest(applied=role.applied))
+                else:
+                    message = ps_pb2.ReplicationMessage.FromString(raw)
+                    if message.epoch < role.epoch:
+                        return f"the primary's term {message.epoch} is older than {role.epoch}"
+                    kind = message.WhichOneof("kind")
+                    if kind == "snapshot_file":
+                        if receiver is None:
+                            receiver = SnapshotReceiver(self._shard_index, self._num_shards,
+                                                        self._snapshot_parent)
+                        receiver.add(message.snapshot_file)
+                    elif kind == "snapshot_done":
+                        if receiver is None:
+                            return "the primary sent no snapshot"
+                        role.install(functools.partial(self._install, receiver.load()))
+                        event(log, logging.INFO, "snapshot loaded", sequence=message.snapshot_done,
+                              bytes=receiver.bytes_received)
+                        receiver.close()
+                        receiver = None
+                        role.applied = message.snapshot_done
+                        role.has_state = True
+                answers.put(answer(role.applied))
                 role.answered_primary(role.applied)
             return "the primary ended the stream"
         except grpc.RpcError as error:

@@ -22,14 +22,20 @@ from ps_server.replication.snapshots import SnapshotSender
 from ps_server.service.calls import abort
 from wehub_ps.errors import Reason
 from wehub_ps.process.logs import event
-from wehub_ps.v1 import ps_pb2, ps_pb2_grpc
+from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.replication import decode_answer, record_message
 
-__all__ = ["ReplicationService"]
+__all__ = ["ReplicationService", "REPLICATION_SERVICE", "FOLLOW_PATH"]
+
+REPLICATION_SERVICE = ps_pb2.DESCRIPTOR.services_by_name["Replication"].full_name
+FOLLOW_PATH = f"/{REPLICATION_SERVICE}/Follow"
 
 log = logging.getLogger("ps_server.replication")
 
 
-class ReplicationService(ps_pb2_grpc.ReplicationServicer):
+class ReplicationService:
+    """Follow, with raw-bytes (de)serialisation: records are framed around the pushes' own bytes."""
+
     def __init__(self, role: ReplicaRole, shard_index: int, num_shards: int,
                  take_snapshot: Callable[[], ShardSnapshot], ping_seconds: float,
                  snapshot_parent: str | None = None) -> None:
@@ -39,10 +45,14 @@ class ReplicationService(ps_pb2_grpc.ReplicationServicer):
         self._ping_seconds = ping_seconds
         self._snapshot_parent = snapshot_parent
 
-    def Follow(self, request_iterator: Iterator[ps_pb2.FollowRequest], context: grpc.ServicerContext
-               ) -> Iterator[ps_pb2.ReplicationMessage]:
-        first = next(request_iterator, None)
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(REPLICATION_SERVICE, {
+            "Follow": grpc.stream_stream_rpc_method_handler(self.follow)})
+
+    def follow(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        raw = next(request_iterator, None)
         try:
+            first = _parse(raw) if raw is not None else None
             if first is None or first.WhichOneof("kind") != "start":
                 raise RequestError(Reason.INVALID_REQUEST, "a Follow stream starts with FollowStart")
             start = first.start
@@ -63,20 +73,20 @@ class ReplicationService(ps_pb2_grpc.ReplicationServicer):
             sender = SnapshotSender(snapshot, self._snapshot_parent)
             for piece in sender.pieces():
                 link.sending(link.start_sequence)
-                yield ps_pb2.ReplicationMessage(epoch=epoch, snapshot_file=piece)
+                yield ps_pb2.ReplicationMessage(epoch=epoch, snapshot_file=piece).SerializeToString()
             sender.close()
             link.sending(link.start_sequence)
-            yield ps_pb2.ReplicationMessage(epoch=epoch, snapshot_done=link.start_sequence)
+            yield ps_pb2.ReplicationMessage(epoch=epoch, snapshot_done=link.start_sequence).SerializeToString()
             while link.closed is None and self._role.state == PRIMARY and context.is_active():
                 batch = link.take(self._ping_seconds)
                 if not batch:
                     if link.closed is None:
                         link.sending(link.sent_sequence)
-                        yield ps_pb2.ReplicationMessage(epoch=epoch, ping=link.sent_sequence)
+                        yield ps_pb2.ReplicationMessage(epoch=epoch, ping=link.sent_sequence).SerializeToString()
                     continue
-                for record in batch:
-                    link.sending(record.sequence)
-                    yield ps_pb2.ReplicationMessage(epoch=epoch, record=record)
+                for sequence, record in batch:
+                    link.sending(sequence)
+                    yield record_message(epoch, record)
         finally:
             if sender is not None:
                 sender.close()
@@ -86,12 +96,20 @@ class ReplicationService(ps_pb2_grpc.ReplicationServicer):
                   why=link.closed, acknowledged=link.acknowledged)
 
 
-def _read_answers(requests: Iterator[ps_pb2.FollowRequest], link: BackupLink) -> None:
+def _parse(raw: bytes) -> ps_pb2.FollowRequest:
     try:
-        for request in requests:
+        return decode_answer(raw)
+    except Exception as exc:  # DecodeError, or upb's errors for garbage
+        raise RequestError(Reason.MALFORMED_MESSAGE, f"not a valid wehub_ps.v1.FollowRequest: {exc}") from None
+
+
+def _read_answers(requests: Iterator[bytes], link: BackupLink) -> None:
+    try:
+        for raw in requests:
+            request = _parse(raw)
             if request.WhichOneof("kind") == "applied":
                 link.answered(request.applied)
-    except grpc.RpcError:
+    except (grpc.RpcError, RequestError):
         pass
     except Exception:  # a malformed answer ends the stream like a broken one
         log.exception("backup answer unreadable")

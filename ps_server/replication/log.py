@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.replication import record_pieces
 
 __all__ = ["BackupLink", "UpdateLog"]
 
@@ -37,7 +37,8 @@ class BackupLink:
         self._max_bytes = max_bytes
         self._on_change = on_change
         self._cond = threading.Condition()
-        self._queue: deque[tuple[ps_pb2.ReplicationRecord, int]] = deque()
+        #: (sequence, the record as pieces, its bytes)
+        self._queue: deque[tuple[int, list, int]] = deque()
         self.queued_bytes = 0
         #: The newest sequence the backup applied (and acknowledged).
         self.acknowledged = 0
@@ -57,7 +58,7 @@ class BackupLink:
     def key(self) -> tuple[int, int]:
         return self.replica_index, self.incarnation
 
-    def enqueue(self, record: ps_pb2.ReplicationRecord, nbytes: int) -> None:
+    def enqueue(self, sequence: int, record: list, nbytes: int) -> None:
         """Called in the log's order; a backup past its byte bound is cut off."""
         with self._cond:
             if self.closed is not None:
@@ -65,16 +66,16 @@ class BackupLink:
             if self.queued_bytes + nbytes > self._max_bytes and self._queue:
                 self._close_locked(f"more than {self._max_bytes} bytes of changes not yet sent to it")
                 return
-            self._queue.append((record, nbytes))
+            self._queue.append((sequence, record, nbytes))
             self.queued_bytes += nbytes
             self._cond.notify_all()
 
-    def take(self, timeout: float) -> list[ps_pb2.ReplicationRecord]:
-        """The queued records (waiting up to ``timeout`` for one); [] on timeout or once closed."""
+    def take(self, timeout: float) -> list[tuple[int, list]]:
+        """The queued (sequence, record) (waiting up to ``timeout`` for one); [] on timeout or once closed."""
         with self._cond:
             if not self._queue and self.closed is None:
                 self._cond.wait(timeout)
-            records = [record for record, _ in self._queue]
+            records = [(sequence, record) for sequence, record, _ in self._queue]
             self._queue.clear()
             self.queued_bytes = 0
             return records
@@ -123,13 +124,14 @@ class UpdateLog:
     def ordered(self) -> threading.Lock:
         return self._order
 
-    def append(self, record: ps_pb2.ReplicationRecord, nbytes: int) -> int:
-        """The caller holds ``ordered()``: give ``record`` the next sequence and queue it for every backup."""
+    def append(self, op: list, nbytes: int) -> int:
+        """The caller holds ``ordered()``: give the change ``op`` (a record's op as pieces, see
+        wehub_ps.wire.replication) the next sequence and queue it for every backup."""
         self.sequence += 1
-        record.sequence = self.sequence
+        record = record_pieces(self.sequence, op)
         self.bytes_logged += nbytes
         for link in self._links:
-            link.enqueue(record, nbytes)
+            link.enqueue(self.sequence, record, nbytes)
         return self.sequence
 
     def attach(self, link: BackupLink) -> int:

@@ -27,6 +27,8 @@ from wehub_ps.specs import SpecError
 from wehub_ps.specs_proto import spec_from_proto
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.codec import decode_push_request
+from wehub_ps.wire.protowire import CodecError
+from wehub_ps.wire.replication import PushView, RecordView, other_op, push_op
 
 __all__ = ["Divergence", "RecordApplier", "consistency_state", "push_applied", "push_ended", "rows_read",
            "variable_created"]
@@ -34,43 +36,44 @@ __all__ = ["Divergence", "RecordApplier", "consistency_state", "push_applied", "
 #: Bytes a record costs beyond its payload (headers, the begin of a small push).
 RECORD_OVERHEAD = 128
 
-
-def push_applied(stream: int, begin: ps_pb2.PushBegin | None, message: bytes
-                 ) -> tuple[ps_pb2.ReplicationRecord, int]:
-    record = ps_pb2.ReplicationRecord(push=ps_pb2.PushApplied(stream=stream, message=message))
-    size = len(message) + RECORD_OVERHEAD
-    if begin is not None:
-        record.push.begin.CopyFrom(begin)
-        size += begin.ByteSize()
-    return record, size
+#: A record's op as pieces to frame (wehub_ps.wire.replication), and the bytes it holds.
+Op = tuple[list, int]
 
 
-def push_ended(stream: int, begin: ps_pb2.PushBegin | None, completed: bool
-               ) -> tuple[ps_pb2.ReplicationRecord, int]:
+def push_applied(stream: int, begin: ps_pb2.PushBegin | None, message: bytes | memoryview,
+                 completed: bool) -> Op:
+    """A push message applied (``completed``: and the push finished with it); the message is not copied."""
+    begin_bytes = begin.SerializeToString() if begin is not None else None
+    op = push_op(stream, begin_bytes, message, completed)
+    return op, RECORD_OVERHEAD + sum(len(p) if isinstance(p, bytes) else p.nbytes for p in op)
+
+
+def push_ended(stream: int, begin: ps_pb2.PushBegin | None, completed: bool) -> Op:
     record = ps_pb2.ReplicationRecord(push_end=ps_pb2.PushEnded(stream=stream, completed=completed))
-    size = RECORD_OVERHEAD
     if begin is not None:
         record.push_end.begin.CopyFrom(begin)
-        size += begin.ByteSize()
-    return record, size
+    return _small(record)
 
 
-def rows_read(reads: list[tuple[str, np.ndarray]]) -> tuple[ps_pb2.ReplicationRecord, int]:
+def rows_read(reads: list[tuple[str, np.ndarray]]) -> Op:
     tables = [ps_pb2.TableRows(variable=name, ids=np.ascontiguousarray(ids, dtype="<i8").tobytes())
               for name, ids in reads]
-    record = ps_pb2.ReplicationRecord(rows_read=ps_pb2.TableRowsRead(tables=tables))
-    return record, RECORD_OVERHEAD + sum(len(t.ids) for t in tables)
+    return _small(ps_pb2.ReplicationRecord(rows_read=ps_pb2.TableRowsRead(tables=tables)))
 
 
-def variable_created(spec: ps_pb2.VariableSpec) -> tuple[ps_pb2.ReplicationRecord, int]:
+def variable_created(spec: ps_pb2.VariableSpec) -> Op:
     record = ps_pb2.ReplicationRecord()
     record.created.CopyFrom(spec)
-    return record, RECORD_OVERHEAD + spec.ByteSize()
+    return _small(record)
 
 
-def consistency_state(state: dict) -> tuple[ps_pb2.ReplicationRecord, int]:
-    record = ps_pb2.ReplicationRecord(consistency=json.dumps(state, sort_keys=True))
-    return record, RECORD_OVERHEAD + len(record.consistency)
+def consistency_state(state: dict) -> Op:
+    return _small(ps_pb2.ReplicationRecord(consistency=json.dumps(state, sort_keys=True)))
+
+
+def _small(record: ps_pb2.ReplicationRecord) -> Op:
+    op = other_op(record)
+    return op, RECORD_OVERHEAD + len(op[0])
 
 
 class Divergence(Exception):
@@ -85,50 +88,58 @@ class RecordApplier:
         self._ledger = ledger
         self._consistency = consistency
         #: Push streams open on the primary, by the primary's stream number.
-        self._streams: dict[int, ActivePush | None] = {}
+        self._streams: dict[int, ActivePush] = {}
 
     @property
     def open_streams(self) -> int:
         return len(self._streams)
 
-    def apply(self, record: ps_pb2.ReplicationRecord) -> None:
+    def apply(self, record: RecordView) -> None:
         """Apply one record; Divergence when it fails (the primary applied it)."""
-        op = record.WhichOneof("op")
+        if record.push is not None:
+            op = "push"
+        else:
+            assert record.other is not None
+            op = record.other.WhichOneof("op")
         try:
-            if op == "push":
+            if record.push is not None:
                 self._push(record.push)
             elif op == "push_end":
-                self._push_end(record.push_end)
+                self._push_end(record.other.push_end)
             elif op == "rows_read":
                 reads = [(self._store.get(t.variable), np.frombuffer(t.ids, dtype="<i8"))
-                         for t in record.rows_read.tables]
+                         for t in record.other.rows_read.tables]
                 self._store.read_rows(reads)
             elif op == "created":
-                self._store.create(spec_from_proto(record.created))
+                self._store.create(spec_from_proto(record.other.created))
             elif op == "consistency":
-                self._consistency.restore(json.loads(record.consistency))
+                self._consistency.restore(json.loads(record.other.consistency))
             else:
                 raise Divergence(f"record {record.sequence} carries no change this backup knows ({op})")
-        except (RequestError, SpecError) as error:
+        except (RequestError, SpecError, CodecError) as error:
             raise Divergence(f"record {record.sequence} ({op}) failed on this backup: {error}") from error
 
     def forget_streams(self) -> None:
         """Promoted to primary: the old primary's open streams are retried by their workers."""
         self._streams.clear()
 
-    def _begin(self, stream: int, begin: ps_pb2.PushBegin) -> ActivePush | None:
+    def _begin(self, stream: int, begin: ps_pb2.PushBegin) -> ActivePush:
         if not begin.worker_id:
             raise Divergence(f"push stream {stream} has no begin on this backup")
         active = begin_push(self._store, self._ledger, push_start(begin), None, None, 0.0)
         self._streams[stream] = active
         return active
 
-    def _push(self, applied: ps_pb2.PushApplied) -> None:
-        active = self._streams.get(applied.stream)
+    def _push(self, push: PushView) -> None:
+        active = self._streams.get(push.stream)
         if active is None:
-            active = self._begin(applied.stream, applied.begin)
-        _, chunks = decode_push_request(applied.message, max_chunks_per_message(self._store))
+            begin = ps_pb2.PushBegin.FromString(push.begin) if push.begin is not None else ps_pb2.PushBegin()
+            active = self._begin(push.stream, begin)
+        _, chunks = decode_push_request(push.message, max_chunks_per_message(self._store))
         active.apply_many(push_chunks(chunks))
+        if push.completed:
+            del self._streams[push.stream]
+            self._finish(push.stream, active)
 
     def _push_end(self, ended: ps_pb2.PushEnded) -> None:
         active = self._streams.pop(ended.stream, None)
@@ -136,10 +147,14 @@ class RecordApplier:
             active = self._begin(ended.stream, ended.begin)
             self._streams.pop(ended.stream, None)
         if active is not None and ended.completed:
-            try:
-                active.finish()
-            except RequestError as error:
-                if error.reason is Reason.PUSH_INCOMPLETE:
-                    raise Divergence(f"push stream {ended.stream} finished on the primary but not here: "
-                                     f"{error.message}") from error
-                raise
+            self._finish(ended.stream, active)
+
+    @staticmethod
+    def _finish(stream: int, active: ActivePush) -> None:
+        try:
+            active.finish()
+        except RequestError as error:
+            if error.reason is Reason.PUSH_INCOMPLETE:
+                raise Divergence(f"push stream {stream} finished on the primary but not here: "
+                                 f"{error.message}") from error
+            raise

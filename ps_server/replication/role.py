@@ -327,8 +327,9 @@ class ReplicaRole:
     def next_stream(self) -> int:
         return next(self._streams)
 
-    def push_applied(self, stream: int, begin: ps_pb2.PushBegin | None, message: bytes) -> int:
-        return self._append(*records.push_applied(stream, begin, message))
+    def push_applied(self, stream: int, begin: ps_pb2.PushBegin | None, message: bytes | memoryview,
+                     completed: bool = False) -> int:
+        return self._append(*records.push_applied(stream, begin, message, completed))
 
     def push_ended(self, stream: int, begin: ps_pb2.PushBegin | None, completed: bool) -> int:
         return self._append(*records.push_ended(stream, begin, completed))
@@ -339,9 +340,9 @@ class ReplicaRole:
     def table_rows_read(self, reads: list[tuple[str, np.ndarray]]) -> None:
         self._append(*records.rows_read(reads))
 
-    def _append(self, record: ps_pb2.ReplicationRecord, nbytes: int) -> int:
+    def _append(self, op: list, nbytes: int) -> int:
         assert self._log is not None
-        return self._log.append(record, nbytes)
+        return self._log.append(op, nbytes)
 
     def last_sequence(self) -> int:
         return self._log.sequence if self._log is not None else self.applied

@@ -22,7 +22,7 @@ from ps_server.durability.restore import RestoredState
 from ps_server.ops.config import ServerConfig
 from ps_server.ops.metrics import Metrics
 from ps_server.replication.follower import Follower
-from ps_server.replication.leader import ReplicationService
+from ps_server.replication.leader import REPLICATION_SERVICE, ReplicationService
 from ps_server.replication.observe import ReplicationCollector
 from ps_server.replication.records import RecordApplier
 from ps_server.replication.role import BACKUP, PRIMARY, ReplicaRole, ReplicaSettings
@@ -30,14 +30,11 @@ from ps_server.replication.snapshots import take_snapshot
 from ps_server.service.auth import TokenFile
 from ps_server.service.standard_services import HealthServicer
 from wehub_ps.process.logs import event
-from wehub_ps.v1 import ps_pb2, ps_pb2_grpc
 from wehub_ps.wire.rpc import MAX_MESSAGE_BYTES, SERVICE_NAME
 
 __all__ = ["ReplicaWiring"]
 
 log = logging.getLogger("ps_server.replication")
-
-REPLICATION_SERVICE = ps_pb2.DESCRIPTOR.services_by_name["Replication"].full_name
 
 
 class ReplicatedServer(Protocol):
@@ -81,7 +78,7 @@ class ReplicaWiring:
             self.role, server.config.shard_index, server.config.num_shards,
             lambda: take_snapshot(server.store, server.ledger, server.consistency, server.server_id),
             ping_seconds=max(0.05, self.role.settings.lease_seconds / 4), snapshot_parent=snapshot_parent)
-        ps_pb2_grpc.add_ReplicationServicer_to_server(service, grpc_server)
+        grpc_server.add_generic_rpc_handlers((service.generic_handler(),))
         return REPLICATION_SERVICE
 
     def start(self) -> None:

@@ -32,8 +32,10 @@ class ShardRole(Protocol):
     def next_stream(self) -> int:
         """A number for a push stream, unique on this primary."""
 
-    def push_applied(self, stream: int, begin: ps_pb2.PushBegin | None, message: bytes) -> int:
-        """Under ``ordered``: a push message was applied (``begin`` with its stream's first); its sequence."""
+    def push_applied(self, stream: int, begin: ps_pb2.PushBegin | None, message: bytes | memoryview,
+                     completed: bool = False) -> int:
+        """Under ``ordered``: a push message was applied (``begin`` with its stream's first; ``completed``:
+        the push finished with it); its sequence. ``message`` is kept, not copied: never reuse it."""
 
     def push_ended(self, stream: int, begin: ps_pb2.PushBegin | None, completed: bool) -> int:
         """Under ``ordered``: a push stream ended, whole (finished) or broken; its sequence."""
@@ -65,7 +67,8 @@ class SingleReplica:
     def next_stream(self) -> int:
         return 0
 
-    def push_applied(self, stream: int, begin: ps_pb2.PushBegin | None, message: bytes) -> int:
+    def push_applied(self, stream: int, begin: ps_pb2.PushBegin | None, message: bytes | memoryview,
+                     completed: bool = False) -> int:
         return 0
 
     def push_ended(self, stream: int, begin: ps_pb2.PushBegin | None, completed: bool) -> int:

@@ -263,6 +263,9 @@ class ParameterServerService:
         self._role.check_primary()
         received = 0
         pull_plan = None
+        result = None
+        # A push of one message (Exchange) is applied and finished in the same hold of the order.
+        whole = isinstance(messages, list) and len(messages) == 1
         with self._lifecycle.push_in_flight(), _LoggedStream(self._role) as logged:
             active = None
             parts: BeginParts | None = None  # a begin spread over several messages, until it is whole
@@ -308,9 +311,18 @@ class ParameterServerService:
                                        "the first message of a push must carry PushBegin" if parts is None
                                        else "a continued PushBegin must be continued by the next message")
                 if logged.replicated:
-                    if chunks:
-                        with logged.ordered():
+                    with logged.ordered():
+                        if chunks:
                             active.apply_many(push_chunks(chunks))
+                        if whole:  # the push's only message (Exchange): applied and finished in one record
+                            try:
+                                result = active.finish()
+                            except RequestError:
+                                if chunks:
+                                    logged.applied(raw)
+                                raise
+                            logged.applied(raw, completed=True)
+                        elif chunks:
                             logged.applied(raw)
                 else:
                     active.apply_many(push_chunks(chunks))
@@ -318,9 +330,10 @@ class ParameterServerService:
                 raise RequestError(Reason.INVALID_REQUEST, "empty push stream" if parts is None
                                    else "push stream ended before the last part of its PushBegin")
             if logged.replicated:
-                with logged.ordered():
-                    result = active.finish()
-                    logged.ended()
+                if result is None:
+                    with logged.ordered():
+                        result = active.finish()
+                        logged.ended()
                 self._role.acknowledge(logged.sequence, wait_seconds)
             else:
                 result = active.finish()
@@ -394,15 +407,19 @@ class _LoggedStream:
 
     def __exit__(self, kind, error, traceback) -> None:
         if self.replicated and self._begin_logged and not self._ended:
-            with self._role.ordered():
-                self._role.push_ended(self._stream, None, False)
+            try:
+                with self._role.ordered():
+                    self._role.push_ended(self._stream, None, False)
+            except RequestError:
+                pass  # no longer the primary: its backups follow another one
 
     def ordered(self):
         return self._role.ordered()
 
-    def applied(self, message: bytes | memoryview) -> None:
-        """Under ``ordered``: one message's chunks were applied."""
-        self.sequence = self._role.push_applied(self._stream, self._first_begin(), bytes(message))
+    def applied(self, message: bytes | memoryview, completed: bool = False) -> None:
+        """Under ``ordered``: one message's chunks were applied (``completed``: and the push finished)."""
+        self._ended = completed
+        self.sequence = self._role.push_applied(self._stream, self._first_begin(), message, completed)
 
     def ended(self) -> None:
         """Under ``ordered``: the push finished."""

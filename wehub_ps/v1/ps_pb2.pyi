@@ -694,14 +694,16 @@ class ReplicationRecord(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., push: _Optional[_Union[PushApplied, _Mapping]] = ..., push_end: _Optional[_Union[PushEnded, _Mapping]] = ..., rows_read: _Optional[_Union[TableRowsRead, _Mapping]] = ..., created: _Optional[_Union[VariableSpec, _Mapping]] = ..., consistency: _Optional[str] = ...) -> None: ...
 
 class PushApplied(_message.Message):
-    __slots__ = ("stream", "begin", "message")
+    __slots__ = ("stream", "begin", "message", "completed")
     STREAM_FIELD_NUMBER: _ClassVar[int]
     BEGIN_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
     stream: int
     begin: PushBegin
     message: bytes
-    def __init__(self, stream: _Optional[int] = ..., begin: _Optional[_Union[PushBegin, _Mapping]] = ..., message: _Optional[bytes] = ...) -> None: ...
+    completed: bool
+    def __init__(self, stream: _Optional[int] = ..., begin: _Optional[_Union[PushBegin, _Mapping]] = ..., message: _Optional[bytes] = ..., completed: _Optional[bool] = ...) -> None: ...
 
 class PushEnded(_message.Message):
     __slots__ = ("stream", "begin", "completed")
