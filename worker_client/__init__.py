@@ -31,6 +31,7 @@ from worker_client.errors import (
     PSError,
     PSInternalError,
     PSTLSError,
+    NotPrimaryError,
     PSUnavailableError,
     PushWrittenOffError,
     ResourceExhaustedError,
@@ -51,6 +52,6 @@ __all__ = [
     "PSError", "InvalidArgumentError", "ShapeMismatchError", "DTypeMismatchError",
     "VariableNotFoundError", "VariableConflictError", "FailedPreconditionError",
     "ClusterMismatchError", "NotInitializedError", "ResourceExhaustedError",
-    "PSUnavailableError", "PSInternalError", "SpecError", "AuthenticationError", "PSTLSError", "TLSProblem",
+    "PSUnavailableError", "NotPrimaryError", "PSInternalError", "SpecError", "AuthenticationError", "PSTLSError", "TLSProblem",
     "PushWrittenOffError", "ServerBusyError",
 ]
