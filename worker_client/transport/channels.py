@@ -83,7 +83,7 @@ def _health_of(channel: grpc.Channel, timeout: float) -> str:
     try:
         answer = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
-    except grpc.RpcError:
+    except (grpc.RpcError, ValueError):  # ValueError: the channel was closed (the client left that replica)
         return "UNREACHABLE"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
 
@@ -286,6 +286,9 @@ class ShardChannel:
             return None
         try:
             request_id = lane.send(field, payload)
+        except ValueError as error:
+            lane.release()
+            raise self._left(conn, what, error) from error
         except BaseException:
             lane.release()
             raise
@@ -304,6 +307,23 @@ class ShardChannel:
             return call()
         except grpc.RpcError as error:
             raise translate_rpc_error(error, conn.address, what) from error
+        except ValueError as error:
+            raise self._left(conn, what, error) from error
+
+    def _left(self, conn: _Connection, what: str, error: ValueError) -> PSError:
+        """The error for a call that found its channel closed: gRPC raises ValueError for it.
+
+        The client closed, or another thread's :meth:`follow` left that
+        replica between this call's start and its first message: the retry
+        goes to the replica in use. Any other ValueError is not about the
+        channel and is raised again, as it is.
+        """
+        if self._closed:
+            return PSError(f"{what}: the client was closed", address=conn.address)
+        if conn is not self._conn:
+            return PSUnavailableError(f"{what}: the client left ps-server {conn.address} for {self.address}",
+                                      address=conn.address, code="CANCELLED")
+        raise error
 
 
 class PendingExchange:

@@ -117,6 +117,18 @@ def test_one_replica_never_switches():
     shard.close()
 
 
+def test_a_call_that_finds_its_replica_left_is_retried_not_crashed(shard):
+    """gRPC raises ValueError on a closed channel; a call that began just before a switch gets a retryable error."""
+    old = shard._conn
+    assert shard.follow(_unavailable(A))
+    with pytest.raises(PSUnavailableError) as info:
+        shard._guard(old, "describe", lambda: old.describe(b"", timeout=1))
+    assert info.value.address == A and B in str(info.value)
+    assert not shard.follow(info.value)  # it names the replica left: no second switch
+    with pytest.raises(ValueError, match="not about the channel"):
+        shard._guard(shard._conn, "describe", lambda: (_ for _ in ()).throw(ValueError("not about the channel")))
+
+
 def test_a_closed_shard_does_not_switch(shard):
     shard.close()
     assert not shard.follow(_unavailable(A))
