@@ -17,8 +17,8 @@ from concurrent import futures
 import grpc
 import numpy as np
 import pytest
-
 from ps_testing import free_port
+
 from wehub_ps.errors import REASON_METADATA_KEY, Reason
 from wehub_ps.wire.rpc import PRIMARY_METADATA_KEY, SERVICE_NAME
 from worker_client import SGD, PSClient
@@ -128,7 +128,8 @@ def test_every_path_follows_the_primary_back_when_sent_to_a_backup(primary, back
     backup = backups(primary.address)
     with PSClient([f"{primary.address}|{backup.address}"], worker_id="w", retry_timeout=30) as client:
         client.create_variable("small", shape=(8,), initializer="zeros", optimizer=SGD(learning_rate=1.0))
-        client.create_variable("large", shape=(600_000,), initializer="zeros", optimizer=SGD(learning_rate=1.0))
+        client.create_variable("large", shape=(600_000,), initializer="zeros",
+                               optimizer=SGD(learning_rate=1.0))
         shard = client._session.shards[0]
 
         def to_backup() -> None:
@@ -180,7 +181,8 @@ def test_threads_pushing_through_repeated_switches_apply_every_push_once(primary
             while len(switches) < 20 and not done.wait(0.05):
                 current = shard.address
                 if current == primary.address:
-                    switches.append(shard.follow(PSUnavailableError("gone", address=current, code="UNAVAILABLE")))
+                    gone = PSUnavailableError("gone", address=current, code="UNAVAILABLE")
+                    switches.append(shard.follow(gone))
 
         def worker(k: int) -> None:
             for _ in range(pushes):
@@ -200,7 +202,8 @@ def test_threads_pushing_through_repeated_switches_apply_every_push_once(primary
 
 def test_ps_admin_status_shows_each_replica(primary, backups, capsys):
     backup = backups(primary.address)
-    assert admin_main(["status", "--timeout", "10", "--addresses", f"{backup.address}|{primary.address}"]) == 0
+    addresses = f"{backup.address}|{primary.address}"
+    assert admin_main(["status", "--timeout", "10", "--addresses", addresses]) == 0
     out = capsys.readouterr().out
     rows = {line.split()[1]: line.split()[2:] for line in out.splitlines()
             if line.startswith("0/1") and len(line.split()) == 4}

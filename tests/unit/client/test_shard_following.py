@@ -30,7 +30,8 @@ def shard():
 
 
 def _not_primary(address: str, primary: str | None) -> NotPrimaryError:
-    return error_for(grpc.StatusCode.UNAVAILABLE, Reason.NOT_PRIMARY.value, "backup", address, "push", primary)
+    return error_for(grpc.StatusCode.UNAVAILABLE, Reason.NOT_PRIMARY.value, "backup", address, "push",
+                     primary)
 
 
 def _unavailable(address: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
@@ -118,7 +119,7 @@ def test_one_replica_never_switches():
 
 
 def test_a_call_that_finds_its_replica_left_is_retried_not_crashed(shard):
-    """gRPC raises ValueError on a closed channel; a call that began just before a switch gets a retryable error."""
+    """gRPC raises ValueError on a closed channel: a call begun just before a switch gets a retryable error."""
     old = shard._conn
     assert shard.follow(_unavailable(A))
     with pytest.raises(PSUnavailableError) as info:
@@ -126,7 +127,11 @@ def test_a_call_that_finds_its_replica_left_is_retried_not_crashed(shard):
     assert info.value.address == A and B in str(info.value)
     assert not shard.follow(info.value)  # it names the replica left: no second switch
     with pytest.raises(ValueError, match="not about the channel"):
-        shard._guard(shard._conn, "describe", lambda: (_ for _ in ()).throw(ValueError("not about the channel")))
+        shard._guard(shard._conn, "describe", _raise_value_error)
+
+
+def _raise_value_error() -> None:
+    raise ValueError("not about the channel")
 
 
 def test_a_closed_shard_does_not_switch(shard):
@@ -163,7 +168,8 @@ def test_not_primary_is_translated_with_its_hint():
     assert type(without) is NotPrimaryError and without.primary is None
     assert "knows no primary" in str(without)
     # The trailer means nothing without the reason.
-    plain = translate_rpc_error(_FailedCall(grpc.StatusCode.UNAVAILABLE, ((PRIMARY_METADATA_KEY, B),)), A, "pull")
+    plain = translate_rpc_error(_FailedCall(grpc.StatusCode.UNAVAILABLE, ((PRIMARY_METADATA_KEY, B),)), A,
+                                "pull")
     assert type(plain) is PSUnavailableError
 
 
