@@ -95,8 +95,9 @@ class ShardChannel:
     replica it never changes and nothing of the switching runs.
     """
 
-    def __init__(self, index: int, address: str | Sequence[str], *, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None,
+    def __init__(self, index: int, address: str | Sequence[str], *,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, credentials: grpc.ChannelCredentials | None = None,
+                 server_name: str | None = None,
                  token: BearerToken | None = None, incarnation: str | None = None,
                  request_timeout: float = 300.0) -> None:
         self.index = index
@@ -246,7 +247,8 @@ class ShardChannel:
 
     def finish(self, request: bytes, timeout: float) -> bytes:
         conn = self._conn
-        return self._guard(conn, "finish", lambda: conn.finish(request, timeout=timeout, metadata=self._metadata))
+        return self._guard(conn, "finish", lambda: conn.finish(request, timeout=timeout,
+                                                               metadata=self._metadata))
 
     def create_variable(self, request: bytes, timeout: float) -> bytes:
         conn = self._conn
@@ -264,7 +266,8 @@ class ShardChannel:
 
     def push(self, messages: Iterator[bytes], timeout: float) -> bytes:
         conn = self._conn
-        return self._guard(conn, "push", lambda: conn.push(messages, timeout=timeout, metadata=self._metadata))
+        return self._guard(conn, "push", lambda: conn.push(messages, timeout=timeout,
+                                                           metadata=self._metadata))
 
     def exchange(self, field: int, payload: bytes | list, what: str) -> memoryview | None:
         """One small request over the lane; None when the lane is busy (use the ordinary call)."""

@@ -119,7 +119,7 @@ def test_one_replica_never_switches():
 
 
 def test_a_call_that_finds_its_replica_left_is_retried_not_crashed(shard):
-    """gRPC raises ValueError on a closed channel: a call begun just before a switch gets a retryable error."""
+    """gRPC raises ValueError on a closed channel: a call begun just before a switch is retried."""
     old = shard._conn
     assert shard.follow(_unavailable(A))
     with pytest.raises(PSUnavailableError) as info:
