@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     configure(environ.get(LOG_LEVEL_ENV, "warning"))
     parser = argparse.ArgumentParser(prog="ps-worker", description="Train a built-in example as one worker.")
     parser.add_argument("--example", default=environ.get(EXAMPLE_ENV, "digits"), choices=sorted(EXAMPLES))
-    parser.add_argument("--addresses", default=None, help="comma-separated host:port of the ps-servers")
+    parser.add_argument("--addresses", default=None,
+                        help="comma-separated host:port of the ps-servers, a shard's replicas joined by '|'")
     parser.add_argument("--worker-index", default=None)
     parser.add_argument("--num-workers", default=None)
     parser.add_argument("--config", default=environ.get(EXAMPLE_CONFIG_ENV, "{}"),

@@ -5,6 +5,12 @@ inject: ``{"cluster": {"ps": [...], "worker": [...], "chief": [...]},
 "task": {"type": "ps", "index": 0}}``. The order of ``cluster.ps`` is the
 shard order.
 
+A shard may run as several replicas (one primary, the others backups). Its
+entry then lists them all, separated by ``|``: ``PS_ADDRESSES='h0a:p|h0b:p,
+h1a:p|h1b:p'``; in TF_CONFIG a ``cluster.ps`` entry is such a string or a
+list of strings. :func:`parse_shard_replicas` is the one parser of every
+form (PS_ADDRESSES, TF_CONFIG, ``PSClient(addresses=...)``).
+
 The ``*_ENV`` names are the environment variables the worker side reads
 (``PSClient.from_env``, ps-admin, ps-local's worker); :data:`WORKER_ENVIRONMENT`
 lists them all, so that ps-server, which warns about PS_* variables it does
@@ -17,17 +23,19 @@ there, so the two cannot disagree.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["ClusterConfigError", "TaskSpec", "ps_addresses_from_env", "task_from_tf_config",
-           "split_host_port", "EnvSetting", "CLUSTER_ENVIRONMENT", "CONNECTION_ENVIRONMENT", "TF_CONFIG_ENV",
+           "split_host_port", "parse_shard_replicas", "shard_spec", "REPLICA_SEPARATOR", "SHARD_SEPARATOR",
+           "EnvSetting", "CLUSTER_ENVIRONMENT", "CONNECTION_ENVIRONMENT", "TF_CONFIG_ENV",
            "WORKER_ENVIRONMENT", "ADDRESSES_ENV", "WORKER_ID_ENV", "WORKER_INDEX_ENV", "NUM_WORKERS_ENV",
            "TLS_CA_ENV", "TLS_CERT_ENV", "TLS_KEY_ENV", "SERVER_NAME_ENV", "AUTH_TOKEN_FILE_ENV",
            "AUTH_TOKEN_ENV", "LOG_LEVEL_ENV", "FINISH_CLUSTER_ENV", "EXAMPLE_ENV", "EXAMPLE_CONFIG_ENV",
            "WIRE_DTYPE_ENV"]
 
-#: The ps-servers, 'host:port,host:port' in shard order (else TF_CONFIG's cluster.ps).
+#: The ps-servers, 'host:port,host:port' in shard order, a shard's replicas joined by '|'
+#: (else TF_CONFIG's cluster.ps).
 ADDRESSES_ENV = "PS_ADDRESSES"
 #: TensorFlow's cluster spec: the servers (cluster.ps) and this process's task.
 TF_CONFIG_ENV = "TF_CONFIG"
@@ -71,7 +79,9 @@ class EnvSetting:
 
 #: Where PSClient.from_env finds the servers and the worker's id, in the order it looks.
 CLUSTER_ENVIRONMENT: tuple[EnvSetting, ...] = (
-    EnvSetting(ADDRESSES_ENV, "addresses", "the ps-servers, 'host:port,host:port' in shard order"),
+    EnvSetting(ADDRESSES_ENV, "addresses",
+               "the ps-servers, 'host:port,host:port' in shard order; a replicated shard lists its "
+               "replicas joined by '|' ('h0a:p|h0b:p,h1a:p|h1b:p')"),
     EnvSetting(TF_CONFIG_ENV, "addresses",
                "TensorFlow's cluster spec: the servers are its cluster.ps when PS_ADDRESSES is unset"),
     EnvSetting(WORKER_ID_ENV, "worker_id", "this worker's id (else TF_CONFIG's task type and index)"),
@@ -94,14 +104,28 @@ class ClusterConfigError(ValueError):
     """The environment describes no usable cluster; the message says what to set."""
 
 
+#: Between the shards of PS_ADDRESSES, and between the replicas of one shard.
+SHARD_SEPARATOR = ","
+REPLICA_SEPARATOR = "|"
+
+
 @dataclass(frozen=True)
 class TaskSpec:
-    """This process's role according to TF_CONFIG."""
+    """This process's role according to TF_CONFIG.
+
+    ``ps_addresses``: one entry per shard, its replicas joined by ``|``
+    (one replica: the plain 'host:port').
+    """
 
     ps_addresses: tuple[str, ...]
     task_type: str
     task_index: int
     num_workers: int
+
+    @property
+    def ps_replicas(self) -> tuple[tuple[str, ...], ...]:
+        """Each shard's replica addresses, in shard order."""
+        return parse_shard_replicas(self.ps_addresses)
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -111,6 +135,67 @@ def split_host_port(address: str) -> tuple[str, int]:
     if not sep or not host or bad_v6 or not port.isdigit() or not 0 < int(port) < 65536:
         raise ClusterConfigError(f"address must look like host:port or [ipv6]:port, got {address!r}")
     return host.strip("[]"), int(port)
+
+
+def shard_spec(replicas: Sequence[str]) -> str:
+    """One shard's entry as PS_ADDRESSES spells it: its replicas joined by '|'."""
+    return REPLICA_SEPARATOR.join(replicas)
+
+
+def parse_shard_replicas(value: str | Sequence[str | Sequence[str]], where: str = "addresses"
+                         ) -> tuple[tuple[str, ...], ...]:
+    """Every shard's replica addresses, position = shard index; ClusterConfigError names what is wrong.
+
+    ``value`` is PS_ADDRESSES' form ('a:1|b:1,c:1|d:1'; blank shards between
+    commas are skipped), or a sequence with one item per shard, each either
+    such a string ('a:1' or 'a:1|b:1') or a sequence of 'host:port' strings.
+    Each replica must be a valid address, and no address may appear twice in
+    the whole list (two shards, or two replicas of one, are never one server).
+    ``where`` names the setting in the messages.
+    """
+    if isinstance(value, str):
+        items: list[str | Sequence[str]] = [s.strip() for s in value.split(SHARD_SEPARATOR) if s.strip()]
+    elif isinstance(value, Sequence):
+        items = list(value)
+    else:
+        raise ClusterConfigError(f"{where} must be a string or a list of shards, got {type(value).__name__}")
+    if not items:
+        raise ClusterConfigError(f"{where} must list at least one ps-server as 'host:port', got none")
+    shards: list[tuple[str, ...]] = []
+    seen: dict[str, int] = {}
+    for index, item in enumerate(items):
+        replicas = _shard_replicas(item, index, where)
+        for address in replicas:
+            if address in seen:
+                twice = (f"twice in shard {index}" if seen[address] == index
+                         else f"for shard {seen[address]} and shard {index}")
+                raise ClusterConfigError(f"{where}: {address!r} is listed {twice}; every replica of every "
+                                         "shard must be a different server")
+            seen[address] = index
+        shards.append(replicas)
+    return tuple(shards)
+
+
+def _shard_replicas(item: str | Sequence[str], index: int, where: str) -> tuple[str, ...]:
+    """One shard's replicas from its entry ('a:1', 'a:1|b:1' or ['a:1', 'b:1'])."""
+    if isinstance(item, str):
+        replicas = [r.strip() for r in item.strip().split(REPLICA_SEPARATOR)]
+    elif isinstance(item, Sequence) and all(isinstance(r, str) for r in item):
+        replicas = [r.strip() for r in item]
+    else:
+        raise ClusterConfigError(f"{where}: shard {index} must be 'host:port', 'host:port|host:port' or a "
+                                 f"list of 'host:port' strings, got {item!r}")
+    if not replicas or any(not r for r in replicas):
+        raise ClusterConfigError(f"{where}: shard {index} has an empty replica address in {item!r} "
+                                 "(replicas are joined by a single '|', none may be blank)")
+    for address in replicas:
+        if REPLICA_SEPARATOR in address or SHARD_SEPARATOR in address:
+            raise ClusterConfigError(f"{where}: shard {index} replica {address!r} must be one 'host:port'")
+        try:
+            split_host_port(address)
+        except ClusterConfigError as exc:
+            raise ClusterConfigError(f"{where}: shard {index}: {exc}") from None
+    return tuple(replicas)
 
 
 def _parse_tf_config(raw: str) -> dict:
@@ -131,10 +216,10 @@ def task_from_tf_config(environ: Mapping[str, str]) -> TaskSpec | None:
     config = _parse_tf_config(raw)
     cluster = config["cluster"]
     ps = cluster.get("ps") or []
-    if not isinstance(ps, list) or not all(isinstance(a, str) for a in ps):
-        raise ClusterConfigError("TF_CONFIG cluster.ps must be a list of 'host:port' strings")
-    for address in ps:
-        split_host_port(address)
+    if not isinstance(ps, list):
+        raise ClusterConfigError("TF_CONFIG cluster.ps must be a list of 'host:port' strings (a replicated "
+                                 "shard: 'host:port|host:port' or a list of 'host:port' strings)")
+    shards = parse_shard_replicas(ps, "TF_CONFIG cluster.ps") if ps else ()
     task = config.get("task") or {}
     task_type = str(task.get("type", ""))
     try:
@@ -142,21 +227,22 @@ def task_from_tf_config(environ: Mapping[str, str]) -> TaskSpec | None:
     except (TypeError, ValueError):
         raise ClusterConfigError(f"TF_CONFIG task.index must be an integer, got {task.get('index')!r}") from None
     workers = len(cluster.get("worker") or []) + len(cluster.get("chief") or [])
-    return TaskSpec(tuple(ps), task_type, task_index, workers)
+    return TaskSpec(tuple(shard_spec(r) for r in shards), task_type, task_index, workers)
 
 
 def ps_addresses_from_env(environ: Mapping[str, str]) -> tuple[str, ...]:
-    """PS_ADDRESSES ('h:p,h:p') if set, else TF_CONFIG's cluster.ps."""
+    """PS_ADDRESSES ('h:p,h:p', a replicated shard 'h:p|h:p') if set, else TF_CONFIG's cluster.ps.
+
+    One entry per shard, its replicas joined by '|' (see :func:`parse_shard_replicas`).
+    """
     raw = environ.get(ADDRESSES_ENV, "").strip()
     if raw:
-        addresses = tuple(a.strip() for a in raw.split(",") if a.strip())
-        for address in addresses:
-            split_host_port(address)
-        return addresses
+        return tuple(shard_spec(r) for r in parse_shard_replicas(raw, ADDRESSES_ENV))
     task = task_from_tf_config(environ)
     if task is None or not task.ps_addresses:
         raise ClusterConfigError(
-            "no parameter servers configured: set PS_ADDRESSES='host:port,host:port' or a "
+            "no parameter servers configured: set PS_ADDRESSES='host:port,host:port' (a replicated "
+            "shard: 'host:port|host:port') or a "
             "TF_CONFIG whose cluster has a 'ps' list"
         )
     return task.ps_addresses

@@ -28,6 +28,7 @@ from worker_client.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotInitializedError,
+    NotPrimaryError,
     PSError,
     PSInternalError,
     PSTLSError,
@@ -51,6 +52,7 @@ __all__ = [
     "PSError", "InvalidArgumentError", "ShapeMismatchError", "DTypeMismatchError",
     "VariableNotFoundError", "VariableConflictError", "FailedPreconditionError",
     "ClusterMismatchError", "NotInitializedError", "ResourceExhaustedError",
-    "PSUnavailableError", "PSInternalError", "SpecError", "AuthenticationError", "PSTLSError", "TLSProblem",
+    "PSUnavailableError", "NotPrimaryError", "PSInternalError", "SpecError", "AuthenticationError",
+    "PSTLSError", "TLSProblem",
     "PushWrittenOffError", "ServerBusyError",
 ]

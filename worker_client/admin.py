@@ -3,7 +3,8 @@
     ps-admin status                 # each shard: health, variables known and held, bytes, versions,
                                     # workers, checkpoint; in ssp/sync mode also each shard's step,
                                     # dropped gradients and largest staleness admitted;
-                                    # a shard that does not answer is shown UNREACHABLE (exit status 3)
+                                    # a shard that does not answer is shown UNREACHABLE (exit status 3);
+                                    # replicated shards: each replica's health, the primary marked
     ps-admin checkpoint             # every shard writes a checkpoint now
     ps-admin finish                 # run-to-completion jobs: servers checkpoint and exit 0
 
@@ -28,7 +29,7 @@ from worker_client.client import PSClient
 from worker_client.errors import PSError
 from worker_client.shard_info import ShardInfo
 
-__all__ = ["ENVIRONMENT", "main", "status_table"]
+__all__ = ["ENVIRONMENT", "main", "status_table", "replicas_table"]
 
 #: The environment variables ps-admin reads (through PSClient.from_env); it is
 #: always the observer "ps-admin", so no variable naming a worker is among them.
@@ -108,6 +109,19 @@ def status_table(infos: Sequence[ShardInfo | PSError], health: Sequence[str],
     return text + f"\n\nconsistency: {mode}"
 
 
+def replicas_table(health: Sequence[Mapping[str, str]], in_use: Sequence[str],
+                   infos: Sequence[ShardInfo | PSError]) -> str:
+    """Each replica of each shard with its health. "primary" marks the replica that answered Describe
+    (``in_use[i]``, where the client followed shard i's refusals to); "?" the one tried last of a shard
+    no replica of which answered."""
+    rows = [["shard", "replica", "role", "health"]]
+    for i, (statuses, current) in enumerate(zip(health, in_use)):
+        role = "primary" if i < len(infos) and isinstance(infos[i], ShardInfo) else "?"
+        for address, state in statuses.items():
+            rows.append([f"{i}/{len(health)}", address, role if address == current else "-", state])
+    return _table(rows)
+
+
 def _held(variable: dict[str, Any]) -> bool:
     """Whether a shard holds part of this variable: rows of a dense one, or a hash table (every shard has
     a part of each table, its ids spread over the shards)."""
@@ -164,7 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                f"Exit status: 0 done; 1 error; {EXIT_SHARD_DOWN} (status) a shard did not answer: the\n"
                "others are shown, its row says UNREACHABLE (or its health).")
     parser.add_argument("command", choices=("status", "checkpoint", "finish"))
-    parser.add_argument("--addresses", help="comma-separated host:port of the ps-servers (else PS_ADDRESSES)")
+    parser.add_argument("--addresses", help="comma-separated host:port of the ps-servers, a shard's replicas "
+                                            "joined by '|' (else PS_ADDRESSES)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the servers")
     args = parser.parse_args(argv)
     environ: Mapping[str, str] = os.environ
@@ -180,6 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 infos = client.describe_each(args.timeout)
                 health = client.health(args.timeout)
                 print(status_table(infos, health, client.addresses))
+                if any(len(replicas) > 1 for replicas in client.replicas):
+                    print("\n" + replicas_table(client.replica_health(args.timeout), client.primaries, infos))
                 down = [f"{address}: {info}" for address, info in zip(client.addresses, infos)
                         if not isinstance(info, ShardInfo)]
                 if down:

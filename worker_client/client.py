@@ -69,6 +69,13 @@ class PSClient:
     Connecting checks that server ``i`` of ``addresses`` really is shard
     ``i`` of ``len(addresses)``, and raises :class:`ClusterMismatchError`
     otherwise, so a mis-ordered address list can never mis-route data.
+    Replicated shards: an entry of ``addresses`` may list a shard's
+    replicas, ``"a:7001|b:7001"`` or ``["a:7001", "b:7001"]`` (so may
+    PS_ADDRESSES and TF_CONFIG, see wehub_ps.cluster). The client talks to the
+    shard's primary; a backup's refusal that names the primary sends the
+    retry there at once, and a replica that cannot be reached makes it try
+    the next one. A retried push is deduplicated by the new primary's copy
+    of the ledger, so a failover neither drops nor repeats it.
     ``connect=False`` (an observer, ``register=False``) skips that check so
     that :meth:`describe_each` can report a cluster with a shard down.
     When a connect attempt fails, the client checks the TLS handshake
@@ -111,7 +118,7 @@ class PSClient:
 
     def __init__(
         self,
-        addresses: Sequence[str] | str,
+        addresses: Sequence[str | Sequence[str]] | str,
         worker_id: str | None = None,
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -207,8 +214,18 @@ class PSClient:
 
     @property
     def addresses(self) -> tuple[str, ...]:
-        """The ps-servers, position = shard index."""
+        """The ps-servers, position = shard index; a replicated shard's replicas joined by '|'."""
         return self._session.addresses
+
+    @property
+    def replicas(self) -> tuple[tuple[str, ...], ...]:
+        """Each shard's replica addresses, position = shard index."""
+        return tuple(shard.replicas for shard in self._session.shards)
+
+    @property
+    def primaries(self) -> tuple[str, ...]:
+        """The replica each shard's calls go to: its primary, as far as this client knows."""
+        return tuple(shard.address for shard in self._session.shards)
 
     @property
     def worker_id(self) -> str:
@@ -254,8 +271,15 @@ class PSClient:
         return self._registry.describe_each(timeout)
 
     def health(self, timeout: float) -> list[str]:
-        """Each shard's gRPC health status ('SERVING', ..., or 'UNREACHABLE'), in shard order."""
+        """Each shard's gRPC health status ('SERVING', ..., or 'UNREACHABLE'), in shard order.
+
+        A replicated shard's status is its primary's, once a call found it (:meth:`describe_each` does).
+        """
         return self._session.health(timeout)
+
+    def replica_health(self, timeout: float) -> list[dict[str, str]]:
+        """Each replica's health status by address, per shard in shard order."""
+        return self._session.replica_health(timeout)
 
     def variables(self, refresh: bool = False) -> dict[str, Variable]:
         """Variables this client knows; ``refresh`` re-reads them from the servers."""

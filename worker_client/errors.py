@@ -13,6 +13,7 @@ import enum
 import grpc
 
 from wehub_ps.errors import REASON_METADATA_KEY, Reason
+from wehub_ps.wire.rpc import PRIMARY_METADATA_KEY
 
 __all__ = [
     "PSError",
@@ -28,6 +29,7 @@ __all__ = [
     "PushWrittenOffError",
     "ServerBusyError",
     "PSUnavailableError",
+    "NotPrimaryError",
     "AuthenticationError",
     "PSTLSError",
     "TLSProblem",
@@ -105,6 +107,20 @@ class PSUnavailableError(PSError):
     """A ps-server could not be reached in time, or is shutting down."""
 
 
+class NotPrimaryError(PSUnavailableError):
+    """The server is a backup replica of its shard (or a deposed primary): only the primary serves.
+
+    ``primary`` is the address ('host:port') of the shard's primary as that
+    replica knows it, or None when it knows none (an election is under way).
+    The client follows it to the primary and retries, like any unavailability.
+    """
+
+    def __init__(self, message: str, *, address: str | None = None, reason: str | None = None,
+                 code: str | None = None, primary: str | None = None) -> None:
+        super().__init__(message, address=address, reason=reason, code=code)
+        self.primary = primary
+
+
 class ServerBusyError(ResourceExhaustedError, PSUnavailableError):
     """The server serves as many calls at once as it may (``--max-concurrent-rpcs``).
 
@@ -172,13 +188,14 @@ _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
 }
 
 
-def _reason_of(error: grpc.RpcError) -> str | None:
+def _trailer(error: grpc.RpcError, name: str) -> str | None:
+    """The value of trailing metadata ``name`` of a failed call, if it has one."""
     try:
         metadata = error.trailing_metadata() or ()
     except Exception:  # not a Call (e.g. raised before the call started)
         return None
     for key, value in metadata:
-        if key == REASON_METADATA_KEY:
+        if key == name:
             return value if isinstance(value, str) else value.decode()
     return None
 
@@ -190,11 +207,22 @@ def translate_rpc_error(error: grpc.RpcError, address: str, what: str) -> PSErro
         details = error.details() or ""
     except Exception:
         code, details = grpc.StatusCode.UNKNOWN, str(error)
-    return error_for(code, _reason_of(error), details, address, what)
+    reason = _trailer(error, REASON_METADATA_KEY)
+    primary = _trailer(error, PRIMARY_METADATA_KEY) if reason == Reason.NOT_PRIMARY.value else None
+    return error_for(code, reason, details, address, what, primary)
 
 
-def error_for(code: grpc.StatusCode, reason: str | None, details: str, address: str, what: str) -> PSError:
-    """The typed exception for a status code and the server's reason (the one table)."""
+def error_for(code: grpc.StatusCode, reason: str | None, details: str, address: str, what: str,
+              primary: str | None = None) -> PSError:
+    """The typed exception for a status code and the server's reason (the one table).
+
+    ``primary``: with reason NOT_PRIMARY, the primary the refusing replica named.
+    """
+    if reason == Reason.NOT_PRIMARY.value:
+        names = f"the primary is {primary}" if primary else "it knows no primary yet"
+        return NotPrimaryError(f"{what}: ps-server {address} is not the primary of its shard ({names}): "
+                               f"{details}", address=address, reason=reason, code=code.name,
+                               primary=primary or None)
     cls = _BY_REASON.get(reason or "") or _BY_CODE.get(code, PSInternalError)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         message = f"{what}: ps-server {address} is unavailable ({code.name}: {details})"

@@ -166,10 +166,11 @@ class Registry:
         return self._session.on_every_shard(self._describe_shard)
 
     def describe_each(self, timeout: float) -> list[ShardInfo | PSError]:
-        """Each shard's state, or the error it answered (one try each within ``timeout``, no retries)."""
+        """Each shard's state, or the error it answered (one try of each replica until the primary
+        answers, within ``timeout`` each, no retries)."""
         def one(shard: ShardChannel) -> ShardInfo | PSError:
             try:
-                info, specs = self._session.describe_once(shard, timeout)
+                info, specs = self._session.describe_primary(shard, timeout)
             except PSError as error:
                 return error
             for spec in specs:

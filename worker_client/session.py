@@ -18,10 +18,16 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from typing import Any
 
-from wehub_ps.cluster import ClusterConfigError, split_host_port
+from wehub_ps.cluster import ClusterConfigError, parse_shard_replicas, shard_spec
 from wehub_ps.specs import VariableSpec
 from wehub_ps.v1 import ps_pb2
-from worker_client.errors import AuthenticationError, ClusterMismatchError, PSError, PSUnavailableError
+from worker_client.errors import (
+    AuthenticationError,
+    ClusterMismatchError,
+    NotPrimaryError,
+    PSError,
+    PSUnavailableError,
+)
 from worker_client.shard_info import ShardInfo, read_describe
 from worker_client.transport.channels import ShardChannel
 from worker_client.transport.credentials import BearerToken, tls_material
@@ -39,22 +45,17 @@ DEFAULT_LEASE_SECONDS = 30.0
 _TLS_CHECK_SECONDS = 5.0
 
 
-def check_addresses(addresses: Sequence[str] | str) -> tuple[str, ...]:
-    """The ps-servers' addresses, position = shard index; ValueError names what is wrong."""
-    if isinstance(addresses, str):
-        addresses = [a.strip() for a in addresses.split(",") if a.strip()]
-    if not addresses:
-        raise ValueError("addresses must list at least one ps-server as 'host:port', got an empty list")
-    for address in addresses:
-        if not isinstance(address, str):
-            raise TypeError(f"addresses must be strings 'host:port', got {address!r}")
-        try:
-            split_host_port(address)
-        except ClusterConfigError as exc:
-            raise ValueError(f"addresses: {exc}") from None
-    if len(set(addresses)) != len(addresses):
-        raise ValueError(f"addresses must not repeat a server, got {list(addresses)}")
-    return tuple(addresses)
+def check_addresses(addresses: Sequence[str | Sequence[str]] | str) -> tuple[tuple[str, ...], ...]:
+    """Each shard's replica addresses, position = shard index; ValueError names what is wrong.
+
+    Every form of :func:`wehub_ps.cluster.parse_shard_replicas`: 'a:1,b:1',
+    'a:1|a:2,b:1|b:2', or a list whose items are 'a:1', 'a:1|a:2' or lists of
+    addresses.
+    """
+    try:
+        return parse_shard_replicas(addresses)
+    except ClusterConfigError as exc:
+        raise ValueError(str(exc)) from None
 
 
 class SessionState:
@@ -156,11 +157,13 @@ class Session:
     settled by :meth:`connect`. ``closed`` is set by the client's close.
     """
 
-    def __init__(self, addresses: Sequence[str] | str, worker_id: str, *, register: bool, chunk_bytes: int,
-                 control_timeout: float, data_timeout: float, retry_timeout: float,
+    def __init__(self, addresses: Sequence[str | Sequence[str]] | str, worker_id: str, *, register: bool,
+                 chunk_bytes: int, control_timeout: float, data_timeout: float, retry_timeout: float,
                  tls_ca: str | bytes | None, tls_cert: str | bytes | None, tls_key: str | bytes | None,
                  server_name: str | None, auth_token: str | None, auth_token_file: str | None) -> None:
-        self.addresses = addresses
+        replicas = check_addresses(addresses)
+        #: Each shard's entry as PS_ADDRESSES spells it: 'host:port', replicas joined by '|'.
+        self.addresses = tuple(shard_spec(r) for r in replicas)
         self.worker_id = worker_id
         #: A registered client is a worker: it holds a lease and counts in the
         #: ssp/sync modes. Unregistered ones (evaluators, admin tools) only observe.
@@ -180,10 +183,10 @@ class Session:
         self._server_name = server_name
         self._token = BearerToken(auth_token, auth_token_file)
         credentials = self._tls.channel_credentials() if self._tls is not None else None
-        self.shards = [ShardChannel(i, a, credentials=credentials, server_name=server_name,
+        self.shards = [ShardChannel(i, r, credentials=credentials, server_name=server_name,
                                     token=self._token, incarnation=self.incarnation,
                                     request_timeout=data_timeout)
-                       for i, a in enumerate(addresses)]
+                       for i, r in enumerate(replicas)]
         self.executor = futures.ThreadPoolExecutor(
             max_workers=max(2, 2 * len(self.shards)), thread_name_prefix=f"ps-client-{worker_id}")
         self.state = SessionState(len(self.shards))
@@ -197,9 +200,13 @@ class Session:
     # ---- calls ----
 
     def call(self, shard: ShardChannel, what: str, call: Callable[[], Any]) -> Any:
-        """``call()`` retried while the server is unavailable (see :mod:`worker_client.transport.retry`)."""
-        return call_with_retry(call, self._retry, what, shard.address, on_retry=self._count_retry,
-                               also_retry=self.token_may_be_rotated)
+        """``call()`` retried while the server is unavailable (see :mod:`worker_client.transport.retry`).
+
+        Before each retry the shard follows its primary (``ShardChannel.follow``).
+        """
+        return call_with_retry(call, self._retry, what, shard.address if len(shard.replicas) == 1
+                               else lambda: shard.address, on_retry=self._count_retry,
+                               also_retry=self.token_may_be_rotated, before_retry=shard.follow)
 
     def _count_retry(self) -> None:
         self.state.count("retries")
@@ -235,13 +242,25 @@ class Session:
         raw = shard.describe(ps_pb2.DescribeRequest().SerializeToString(), timeout)
         return read_describe(shard.address, raw)
 
+    def describe_primary(self, shard: ShardChannel, timeout: float) -> tuple[ShardInfo, list[VariableSpec]]:
+        """Describe ``shard`` without retrying a server, but following it to its primary: at most one
+        try per replica (a replicated shard's backups refuse and name the primary)."""
+        for _ in range(len(shard.replicas) - 1):
+            try:
+                return self.describe_once(shard, timeout)
+            except PSError as error:
+                if not shard.follow(error):
+                    raise
+        return self.describe_once(shard, timeout)
+
     def connect(self, timeout: float) -> tuple[float, list[VariableSpec]]:
         """Check the cluster's identity; the shortest worker lease of the servers, and the specs they hold."""
         connect_policy = RetryPolicy(timeout=timeout, warn_after=min(10.0, timeout / 2),
                                      timeout_setting="connect_timeout")
         answers = self.on_shards(range(len(self.shards)), lambda s: call_with_retry(
-            lambda: self._connect_once(s, timeout), connect_policy, "connect", s.address,
-            also_retry=lambda error: self.token_may_be_rotated(error, changed_only=True)))
+            lambda: self._connect_once(s, timeout), connect_policy, "connect", lambda: s.address,
+            also_retry=lambda error: self.token_may_be_rotated(error, changed_only=True),
+            before_retry=s.follow))
         infos = {i: info for i, (info, _) in answers.items()}
         specs = [spec for _, (_, shard_specs) in sorted(answers.items()) for spec in shard_specs]
         wrong = [f"{info.address} says it is shard {info.shard_index} of {info.num_shards}"
@@ -263,6 +282,8 @@ class Session:
         """One Describe; when it fails as unavailable, PSTLSError if the TLS set-up is the cause."""
         try:
             return self.describe_once(shard, self.control_timeout)
+        except NotPrimaryError:
+            raise  # a replica answered: the connection is sound
         except PSUnavailableError as error:
             mismatch = diagnose(shard.address, self._tls, self._server_name, min(_TLS_CHECK_SECONDS, timeout))
             if mismatch is not None:
@@ -299,6 +320,7 @@ class Session:
                 return ps_pb2.HeartbeatResponse.FromString(shard.heartbeat(request, timeout)).cluster_step
             except PSError as error:  # the next beat, or a retried RPC, will tell more
                 self.token_may_be_rotated(error)  # a rotated token file: the next beat carries the new one
+                shard.follow(error)  # the next beat goes to the primary
                 log.debug("heartbeat to ps-server %s failed (the next beat tries again): %s", shard.address,
                           error, extra={"fields": {"address": shard.address, "error": str(error)}})
                 return 0
@@ -343,8 +365,13 @@ class Session:
         self.on_every_shard(lambda s: self.call(s, "finish", lambda: s.finish(request, self.control_timeout)))
 
     def health(self, timeout: float) -> list[str]:
-        """Each shard's gRPC health status, in shard order (one check each, shard by shard)."""
+        """Each shard's gRPC health status, in shard order (one check each, shard by shard): of the
+        replica in use, the primary once a call found it."""
         return [shard.health(timeout) for shard in self.shards]
+
+    def replica_health(self, timeout: float) -> list[dict[str, str]]:
+        """Each shard's replicas' health status by address, in shard order (one check each)."""
+        return [shard.replica_health(timeout) for shard in self.shards]
 
     def close(self) -> None:
         """Stop the heartbeat, leave the live set, close every channel. Called once."""
@@ -361,10 +388,13 @@ class Session:
         request = ps_pb2.HeartbeatRequest(worker_id=self.worker_id, incarnation=self.incarnation,
                                           leaving=True).SerializeToString()
         for shard in self.shards:
-            try:
-                shard.heartbeat(request, min(2.0, self.control_timeout))
-            except PSError:
-                pass  # the lease expires on its own
+            for _ in shard.replicas:  # a failed goodbye moves on to the primary
+                try:
+                    shard.heartbeat(request, min(2.0, self.control_timeout))
+                    break
+                except PSError as error:
+                    if not shard.follow(error):
+                        break  # the lease expires on its own
 
 
 def _one_consistency(infos: Iterable[ShardInfo]) -> str:

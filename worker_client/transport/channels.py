@@ -4,37 +4,110 @@ Requests and responses cross this layer as bytes: the client frames the
 data-path messages itself (:mod:`wehub_ps.wire.codec`) to avoid copying tensor
 bytes, and parses control responses with the generated classes. Every call
 carries a deadline; every ``grpc.RpcError`` is translated here.
+
+Replicated shards: a :class:`ShardChannel` knows every replica of its shard
+and talks to one, the primary as far as it knows (``address``). When a
+call fails because that replica is not the primary or cannot be reached,
+:meth:`ShardChannel.follow` moves to the primary it was told of, or to the
+next replica, and the retry (worker_client.transport.retry) goes there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import grpc
 
+from wehub_ps.errors import Reason
 from wehub_ps.wire.rpc import INCARNATION_METADATA_KEY, MAX_MESSAGE_BYTES, SERVICE_NAME, method_path
-from worker_client.errors import PSError, translate_rpc_error
+from worker_client.errors import NotPrimaryError, PSError, PSUnavailableError, translate_rpc_error
 from worker_client.transport.credentials import BearerToken
 from worker_client.transport.lane import ExchangeLane
 
 __all__ = ["ShardChannel"]
 
+log = logging.getLogger("worker_client")
+
 T = TypeVar("T")
+
+#: Unavailability that says nothing about which replica is the primary: the
+#: server is up and serving, only busy (its bound on calls or on Exchange streams).
+_BUSY_REASONS = frozenset({Reason.TOO_MANY_RPCS.value, Reason.EXCHANGE_STREAMS.value})
+#: Failures that may mean the replica died or hangs: another replica is tried.
+_MOVE_ON_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
+
+
+class _Connection:
+    """One gRPC channel to one replica: its method callables and its Exchange lane."""
+
+    def __init__(self, address: str, options: list[tuple[str, object]],
+                 credentials: grpc.ChannelCredentials | None, open_lane_metadata: Callable[[], object],
+                 request_timeout: float) -> None:
+        self.address = address
+        if credentials is not None:
+            self.channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        self.describe = self.channel.unary_unary(method_path("Describe"))
+        self.create = self.channel.unary_unary(method_path("CreateVariable"))
+        self.pull = self.channel.unary_stream(method_path("Pull"))
+        self.push = self.channel.stream_unary(method_path("Push"))
+        self.heartbeat = self.channel.unary_unary(method_path("Heartbeat"))
+        self.checkpoint = self.channel.unary_unary(method_path("Checkpoint"))
+        self.finish = self.channel.unary_unary(method_path("Finish"))
+        exchange = self.channel.stream_stream(method_path("Exchange"))
+        #: The long-lived stream for small requests (see worker_client.transport.lane).
+        self.lane = ExchangeLane(lambda requests, timeout: exchange(requests, timeout=timeout,
+                                                                    metadata=open_lane_metadata()),
+                                 address, request_timeout)
+
+    def close(self) -> None:
+        """Close the lane (when no request holds it; one that does fails and closes it) and the channel.
+
+        Calls still running on the channel fail (CANCELLED) and are retried by their callers.
+        """
+        if self.lane.try_acquire():
+            self.lane.close()
+            self.lane.release()
+        self.lane.shutdown()
+        self.channel.close()
+
+
+def _health_of(channel: grpc.Channel, timeout: float) -> str:
+    """The gRPC health status of the ParameterServer service on ``channel``, or 'UNREACHABLE'."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        answer = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
+    except (grpc.RpcError, ValueError):  # ValueError: the channel was closed (the client left that replica)
+        return "UNREACHABLE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
 
 
 class ShardChannel:
-    """The connection to the ps-server of one shard."""
+    """The connection to one shard: to its primary, among the replica addresses it was given.
 
-    def __init__(self, index: int, address: str, *, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None,
+    ``address`` is the replica in use (logs and errors name it). With one
+    replica it never changes and nothing of the switching runs.
+    """
+
+    def __init__(self, index: int, address: str | Sequence[str], *,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, credentials: grpc.ChannelCredentials | None = None,
+                 server_name: str | None = None,
                  token: BearerToken | None = None, incarnation: str | None = None,
                  request_timeout: float = 300.0) -> None:
         self.index = index
-        self.address = address
+        #: Every replica of the shard, in the order given; the first is tried first.
+        self.replicas: tuple[str, ...] = (address,) if isinstance(address, str) else tuple(address)
+        if not self.replicas:
+            raise ValueError(f"shard {index}: no replica address given")
         # Every call (and every stream when it opens) carries the token's current value as metadata.
         self._token = token if token is not None else BearerToken(None, None)
-        options = [
+        self._options: list[tuple[str, object]] = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             # Reconnect quickly after a server restart or a cut connection;
@@ -46,27 +119,33 @@ class ShardChannel:
             ("grpc.keepalive_time_ms", 20_000),
             ("grpc.keepalive_timeout_ms", 10_000),
         ]
-        self._closed = False
-        if credentials is not None:
-            if server_name:  # the name the certificate was issued for, when the address differs
-                options.append(("grpc.ssl_target_name_override", server_name))
-            self._channel = grpc.secure_channel(address, credentials, options=options)
-        else:
-            self._channel = grpc.insecure_channel(address, options=options)
-        self._describe = self._channel.unary_unary(method_path("Describe"))
-        self._create = self._channel.unary_unary(method_path("CreateVariable"))
-        self._pull = self._channel.unary_stream(method_path("Pull"))
-        self._push = self._channel.stream_unary(method_path("Push"))
-        self._heartbeat = self._channel.unary_unary(method_path("Heartbeat"))
-        self._checkpoint = self._channel.unary_unary(method_path("Checkpoint"))
-        #: The long-lived stream for small requests (see worker_client.transport.lane).
-        self._finish = self._channel.unary_unary(method_path("Finish"))
-        exchange = self._channel.stream_stream(method_path("Exchange"))
+        if credentials is not None and server_name:
+            # The name the certificate was issued for, when the address differs.
+            self._options.append(("grpc.ssl_target_name_override", server_name))
+        self._credentials = credentials
+        self._request_timeout = request_timeout
         # The server bounds the Exchange streams of each worker process (incarnation).
         self._incarnation = incarnation
-        self.lane = ExchangeLane(lambda requests, timeout: exchange(requests, timeout=timeout,
-                                                                    metadata=self._lane_metadata()), address,
-                                 request_timeout)
+        self._closed = False
+        # Guards _conn's replacement and _closed's setting (calls read _conn without it: one read, whole).
+        self._switch_lock = threading.Lock()
+        # Primaries named by a replica that are not in the list, warned about once each.
+        self._unknown_hints: set[str] = set()
+        self._conn = self._connect(self.replicas[0])
+
+    def _connect(self, address: str) -> _Connection:
+        return _Connection(address, self._options, self._credentials, self._lane_metadata,
+                           self._request_timeout)
+
+    @property
+    def address(self) -> str:
+        """The replica this shard's calls go to: its primary as far as the client knows."""
+        return self._conn.address
+
+    @property
+    def lane(self) -> ExchangeLane:
+        """The Exchange lane to the replica in use."""
+        return self._conn.lane
 
     @property
     def _metadata(self) -> tuple[tuple[str, str], ...] | None:
@@ -79,43 +158,116 @@ class ShardChannel:
             metadata += ((INCARNATION_METADATA_KEY, self._incarnation),)
         return metadata or None
 
+    # ---- following the primary ----
+
+    def follow(self, error: PSError) -> bool:
+        """After ``error`` from a call to this shard: move to the primary, if the error says to.
+
+        NOT_PRIMARY naming a replica of the list: to that one. NOT_PRIMARY
+        naming none (or an address not in the list: warned about), or the
+        replica unreachable or silent past the deadline: to the next replica.
+        A call that failed on another replica than the one in use changes
+        nothing (another thread's failure already moved on), so threads that
+        fail at once switch once. Whether it switched.
+        """
+        if len(self.replicas) == 1 or not self._says_move(error):
+            return False
+        with self._switch_lock:
+            old = self._conn
+            if self._closed or error.address != old.address:
+                return False
+            target = self._next_replica(old.address, error)
+            if target == old.address:
+                return False
+            self._conn = self._connect(target)
+        old.close()
+        log.info("shard %d: calls go to replica %s, not %s (%s)", self.index, target, old.address, error,
+                 extra={"fields": {"shard": self.index, "address": target, "previous": old.address,
+                                   "error": str(error)}})
+        return True
+
+    @staticmethod
+    def _says_move(error: PSError) -> bool:
+        if isinstance(error, NotPrimaryError):
+            return True
+        return (isinstance(error, PSUnavailableError) and error.code in _MOVE_ON_CODES
+                and error.reason not in _BUSY_REASONS)
+
+    def _next_replica(self, current: str, error: PSError) -> str:
+        """The replica to try after ``current`` failed with ``error``."""
+        hint = error.primary if isinstance(error, NotPrimaryError) else None
+        if hint and hint in self.replicas and hint != current:
+            return hint
+        if hint and hint not in self.replicas and hint not in self._unknown_hints:
+            self._unknown_hints.add(hint)
+            log.warning("shard %d: replica %s names %s as the primary, which is not among the addresses "
+                        "given (%s); trying the next one. List the replicas as the servers name each "
+                        "other (their advertised addresses).", self.index, current, hint,
+                        "|".join(self.replicas), extra={"fields": {
+                            "shard": self.index, "address": current, "primary": hint,
+                            "replicas": list(self.replicas)}})
+        return self.replicas[(self.replicas.index(current) + 1) % len(self.replicas)]
+
+    # ---- the calls ----
+
     def describe(self, request: bytes, timeout: float) -> bytes:
-        return self._guard("describe", lambda: self._describe(request, timeout=timeout, metadata=self._metadata))
+        conn = self._conn
+        return self._guard(conn, "describe", lambda: conn.describe(request, timeout=timeout,
+                                                                   metadata=self._metadata))
 
     def heartbeat(self, request: bytes, timeout: float) -> bytes:
-        return self._guard("heartbeat", lambda: self._heartbeat(request, timeout=timeout, metadata=self._metadata))
+        conn = self._conn
+        return self._guard(conn, "heartbeat", lambda: conn.heartbeat(request, timeout=timeout,
+                                                                     metadata=self._metadata))
 
     def checkpoint(self, request: bytes, timeout: float) -> bytes:
-        return self._guard("checkpoint", lambda: self._checkpoint(request, timeout=timeout,
-                                                                   metadata=self._metadata))
+        conn = self._conn
+        return self._guard(conn, "checkpoint", lambda: conn.checkpoint(request, timeout=timeout,
+                                                                       metadata=self._metadata))
 
     def health(self, timeout: float) -> str:
         """The gRPC health status of the ParameterServer service ('SERVING', ...), or 'UNREACHABLE'."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        return _health_of(self._conn.channel, timeout)
 
-        try:
-            answer = health_pb2_grpc.HealthStub(self._channel).Check(
-                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
-        except grpc.RpcError:
-            return "UNREACHABLE"
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+    def replica_health(self, timeout: float) -> dict[str, str]:
+        """Each replica's health status, by address (the others over a channel opened for the check)."""
+        conn = self._conn
+        statuses = {}
+        for address in self.replicas:
+            if address == conn.address:
+                statuses[address] = _health_of(conn.channel, timeout)
+                continue
+            if self._credentials is not None:
+                channel = grpc.secure_channel(address, self._credentials, options=self._options)
+            else:
+                channel = grpc.insecure_channel(address, options=self._options)
+            with channel:
+                statuses[address] = _health_of(channel, timeout)
+        return statuses
 
     def finish(self, request: bytes, timeout: float) -> bytes:
-        return self._guard("finish", lambda: self._finish(request, timeout=timeout, metadata=self._metadata))
+        conn = self._conn
+        return self._guard(conn, "finish", lambda: conn.finish(request, timeout=timeout,
+                                                               metadata=self._metadata))
 
     def create_variable(self, request: bytes, timeout: float) -> bytes:
-        return self._guard("create_variable", lambda: self._create(request, timeout=timeout,
-                                                                   metadata=self._metadata))
+        conn = self._conn
+        return self._guard(conn, "create_variable", lambda: conn.create(request, timeout=timeout,
+                                                                        metadata=self._metadata))
 
     def pull(self, request: bytes, timeout: float, on_message: Callable[[bytes], None]) -> None:
         """Stream a pull, handing each response message to ``on_message``."""
+        conn = self._conn
+
         def run() -> None:
-            for message in self._pull(request, timeout=timeout, metadata=self._metadata):
+            for message in conn.pull(request, timeout=timeout, metadata=self._metadata):
                 on_message(message)
-        self._guard("pull", run)
+        self._guard(conn, "pull", run)
 
     def push(self, messages: Iterator[bytes], timeout: float) -> bytes:
-        return self._guard("push", lambda: self._push(messages, timeout=timeout, metadata=self._metadata))
+        conn = self._conn
+        return self._guard(conn, "push", lambda: conn.push(messages, timeout=timeout,
+                                                           metadata=self._metadata))
 
     def exchange(self, field: int, payload: bytes | list, what: str) -> memoryview | None:
         """One small request over the lane; None when the lane is busy (use the ordinary call)."""
@@ -129,32 +281,52 @@ class ShardChannel:
         answer and frees the lane. Sending to every shard first and then
         reading the answers overlaps the shards without a thread per shard.
         """
+        conn = self._conn
         if self._closed:
-            raise PSError(f"{what}: the client was closed", address=self.address)
-        if self.lane.refused or not self.lane.try_acquire():
+            raise PSError(f"{what}: the client was closed", address=conn.address)
+        lane = conn.lane
+        if lane.refused or not lane.try_acquire():
             return None
         try:
-            request_id = self.lane.send(field, payload)
+            request_id = lane.send(field, payload)
+        except ValueError as error:
+            lane.release()
+            raise self._left(conn, what, error) from error
         except BaseException:
-            self.lane.release()
+            lane.release()
             raise
-        return PendingExchange(self.lane, request_id, what)
+        return PendingExchange(lane, request_id, what)
 
     def close(self) -> None:
-        self._closed = True
-        if self.lane.try_acquire():
-            self.lane.close()
-            self.lane.release()
-        self.lane.shutdown()
-        self._channel.close()
+        with self._switch_lock:
+            self._closed = True
+            conn = self._conn
+        conn.close()
 
-    def _guard(self, what: str, call: Callable[[], T]) -> T:
+    def _guard(self, conn: _Connection, what: str, call: Callable[[], T]) -> T:
         if self._closed:
-            raise PSError(f"{what}: the client was closed", address=self.address)
+            raise PSError(f"{what}: the client was closed", address=conn.address)
         try:
             return call()
         except grpc.RpcError as error:
-            raise translate_rpc_error(error, self.address, what) from error
+            raise translate_rpc_error(error, conn.address, what) from error
+        except ValueError as error:
+            raise self._left(conn, what, error) from error
+
+    def _left(self, conn: _Connection, what: str, error: ValueError) -> PSError:
+        """The error for a call that found its channel closed: gRPC raises ValueError for it.
+
+        The client closed, or another thread's :meth:`follow` left that
+        replica between this call's start and its first message: the retry
+        goes to the replica in use. Any other ValueError is not about the
+        channel and is raised again, as it is.
+        """
+        if self._closed:
+            return PSError(f"{what}: the client was closed", address=conn.address)
+        if conn is not self._conn:
+            return PSUnavailableError(f"{what}: the client left ps-server {conn.address} for {self.address}",
+                                      address=conn.address, code="CANCELLED")
+        raise error
 
 
 class PendingExchange:

@@ -1,0 +1,202 @@
+"""A replicated shard's channel follows its primary: which replica it moves to, on which errors, once.
+
+No server is involved: gRPC channels connect lazily, and these tests make no call
+on them; the errors are built as the transport would translate them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+import pytest
+
+from wehub_ps.errors import REASON_METADATA_KEY, Reason
+from wehub_ps.wire.rpc import PRIMARY_METADATA_KEY
+from worker_client import NotPrimaryError, PSUnavailableError
+from worker_client.errors import ServerBusyError, VariableNotFoundError, error_for, translate_rpc_error
+from worker_client.transport.channels import ShardChannel
+from worker_client.transport.retry import RetryPolicy, call_with_retry
+
+A, B, C = "127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"
+
+
+@pytest.fixture
+def shard():
+    channel = ShardChannel(0, (A, B, C))
+    yield channel
+    channel.close()
+
+
+def _not_primary(address: str, primary: str | None) -> NotPrimaryError:
+    return error_for(grpc.StatusCode.UNAVAILABLE, Reason.NOT_PRIMARY.value, "backup", address, "push",
+                     primary)
+
+
+def _unavailable(address: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+                 reason: str | None = None) -> PSUnavailableError:
+    return error_for(code, reason, "connection refused", address, "push")
+
+
+def test_a_named_primary_is_followed(shard):
+    assert shard.address == A
+    old_lane = shard.lane
+    assert shard.follow(_not_primary(A, C))
+    assert shard.address == C
+    assert shard.lane is not old_lane and shard.lane is not None
+
+
+def test_no_name_or_an_unreachable_replica_moves_to_the_next_one(shard):
+    assert shard.follow(_not_primary(A, None))
+    assert shard.address == B
+    assert shard.follow(_unavailable(B))
+    assert shard.address == C
+    assert shard.follow(_unavailable(C, grpc.StatusCode.DEADLINE_EXCEEDED))
+    assert shard.address == A  # round and round
+
+
+def test_a_name_not_in_the_list_is_warned_about_once_and_the_next_replica_tried(shard, caplog):
+    with caplog.at_level(logging.WARNING, logger="worker_client"):
+        assert shard.follow(_not_primary(A, "elsewhere:9"))
+        assert shard.address == B
+        assert shard.follow(_not_primary(B, "elsewhere:9"))
+        assert shard.address == C
+    warnings = [r for r in caplog.records if "elsewhere:9" in r.getMessage()]
+    assert len(warnings) == 1 and "not among the addresses" in warnings[0].getMessage()
+
+
+def test_a_replica_naming_itself_is_left_for_the_next(shard):
+    assert shard.follow(_not_primary(A, A))
+    assert shard.address == B
+
+
+@pytest.mark.parametrize("error", [
+    ServerBusyError("busy", address=A, reason=Reason.TOO_MANY_RPCS.value, code="RESOURCE_EXHAUSTED"),
+    _unavailable(A, reason=Reason.EXCHANGE_STREAMS.value),
+    _unavailable(A, grpc.StatusCode.CANCELLED),
+    VariableNotFoundError("no such variable", address=A, code="NOT_FOUND"),
+])
+def test_errors_that_say_nothing_about_the_primary_change_nothing(shard, error):
+    assert not shard.follow(error)
+    assert shard.address == A
+
+
+def test_a_failure_on_a_replica_already_left_changes_nothing(shard):
+    assert shard.follow(_not_primary(A, C))
+    assert not shard.follow(_unavailable(A))  # a call that was still running on A
+    assert shard.address == C
+
+
+def test_threads_failing_together_switch_once():
+    shard = ShardChannel(0, (A, B, C))
+    errors = [_unavailable(A) for _ in range(16)]
+    switched: list[bool] = []
+    barrier = threading.Barrier(len(errors))
+
+    def fail(error: PSUnavailableError) -> None:
+        barrier.wait()
+        switched.append(shard.follow(error))
+
+    threads = [threading.Thread(target=fail, args=(e,)) for e in errors]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    shard.close()
+    assert switched.count(True) == 1
+    assert shard.address == B
+
+
+def test_one_replica_never_switches():
+    shard = ShardChannel(0, A)
+    conn = shard._conn
+    assert shard.replicas == (A,)
+    assert not shard.follow(_not_primary(A, B))
+    assert not shard.follow(_unavailable(A))
+    assert shard._conn is conn and shard.address == A
+    shard.close()
+
+
+def test_a_call_that_finds_its_replica_left_is_retried_not_crashed(shard):
+    """gRPC raises ValueError on a closed channel: a call begun just before a switch is retried."""
+    old = shard._conn
+    assert shard.follow(_unavailable(A))
+    with pytest.raises(PSUnavailableError) as info:
+        shard._guard(old, "describe", lambda: old.describe(b"", timeout=1))
+    assert info.value.address == A and B in str(info.value)
+    assert not shard.follow(info.value)  # it names the replica left: no second switch
+    with pytest.raises(ValueError, match="not about the channel"):
+        shard._guard(shard._conn, "describe", _raise_value_error)
+
+
+def _raise_value_error() -> None:
+    raise ValueError("not about the channel")
+
+
+def test_a_closed_shard_does_not_switch(shard):
+    shard.close()
+    assert not shard.follow(_unavailable(A))
+    assert shard.address == A
+
+
+# ---- the error ----
+
+
+class _FailedCall(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, trailers: tuple) -> None:
+        self._code, self._trailers = code, trailers
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return "this replica is a backup"
+
+    def trailing_metadata(self) -> tuple:
+        return self._trailers
+
+
+def test_not_primary_is_translated_with_its_hint():
+    error = translate_rpc_error(_FailedCall(grpc.StatusCode.UNAVAILABLE, (
+        (REASON_METADATA_KEY, "NOT_PRIMARY"), (PRIMARY_METADATA_KEY, B))), A, "pull")
+    assert type(error) is NotPrimaryError and isinstance(error, PSUnavailableError)
+    assert error.primary == B and error.address == A and error.reason == "NOT_PRIMARY"
+    assert f"the primary is {B}" in str(error) and A in str(error)
+    without = translate_rpc_error(_FailedCall(grpc.StatusCode.UNAVAILABLE, (
+        (REASON_METADATA_KEY, "NOT_PRIMARY"),)), A, "pull")
+    assert type(without) is NotPrimaryError and without.primary is None
+    assert "knows no primary" in str(without)
+    # The trailer means nothing without the reason.
+    plain = translate_rpc_error(_FailedCall(grpc.StatusCode.UNAVAILABLE, ((PRIMARY_METADATA_KEY, B),)), A,
+                                "pull")
+    assert type(plain) is PSUnavailableError
+
+
+# ---- the retry ----
+
+
+def test_the_first_named_primary_is_asked_at_once_then_backoff_resumes():
+    failures = [_not_primary(A, B), _not_primary(B, A), _not_primary(A, B), _unavailable(B)]
+    sleeps: list[float] = []
+    followed: list[Exception] = []
+
+    def call() -> str:
+        if failures:
+            raise failures.pop(0)
+        return "ok"
+
+    policy = RetryPolicy(timeout=60.0, initial_backoff=0.5, max_backoff=0.5)
+    assert call_with_retry(call, policy, "push", A, sleep=sleeps.append, before_retry=followed.append) == "ok"
+    assert len(followed) == 4 and isinstance(followed[0], NotPrimaryError)
+    # Four retries: the first (a named primary) without sleeping, the other three after a backoff.
+    assert len(sleeps) == 3
+
+
+def test_giving_up_keeps_the_hint():
+    def call() -> str:
+        raise _not_primary(A, B)
+
+    with pytest.raises(NotPrimaryError) as info:
+        call_with_retry(call, RetryPolicy(timeout=0.0), "push", A, sleep=lambda s: None)
+    assert info.value.primary == B and "gave up" in str(info.value)
