@@ -378,9 +378,9 @@ def section_step(rtt_p50: float, results: dict) -> list[Row]:
 
 def section_replication(repeats: int, results: dict) -> list[Row]:
     """One shard with R=2 replicas (etcd and both on this machine) against R=1, in the same run."""
-    from worker_client import PSClient
-
     import bench_replication
+
+    from worker_client import PSClient
 
     etcd = bench_replication.etcd_binary()
     if etcd is None:
