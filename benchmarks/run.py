@@ -19,6 +19,11 @@ topk      the same model's push with top-k rows (1%) and error feedback: gradien
 apply     server-side optimizer apply of 100 MB (SGD, Adam) against numpy memcpy
 step      pull + push of a 100K-parameter model in 20 variables over 2 servers,
           p50 and p99, against the bare gRPC bidi round trip
+replication  one shard with 2 replicas (a primary and a backup that applies every
+          update before the push is acknowledged; etcd and both on this machine)
+          against 1: the dense section's 100 MB push and the step section's
+          pull + push of 100K parameters in 20 variables, p50 and p99; skipped
+          without etcd
 memory    server RSS during 4 concurrent 100 MB pushes; a client's peak RSS
 sparse    pull_rows / push_rows of 4,096 ids x 64 dims from a 10M-row table on
           2 servers: rows/s and bytes/s (best of 100 warm calls; p50 beside it)
@@ -35,7 +40,8 @@ status does not depend on targets (the machines are shared and noisy).
 
 Longer than 500 lines because it is the list of sections, one function of
 30-60 lines each, beside the table they print; what they share (servers,
-baselines, CPU accounting) is in common.py, the GPU path in bench_gpu.py.
+baselines, CPU accounting) is in common.py, the GPU path in bench_gpu.py,
+replicated shards (etcd and the replicas) in bench_replication.py.
 """
 
 from __future__ import annotations
@@ -331,20 +337,27 @@ def section_apply(repeats: int, memcpy: float, results: dict) -> list[Row]:
 
 def _step_seconds(variables: int, steps: int) -> list[float]:
     """Seconds per step of 100K float32 parameters in ``variables`` variables on 2 servers."""
-    from worker_client import SGD, PSClient
+    from worker_client import PSClient
+
+    with ps_cluster(2) as (addresses, _), PSClient(addresses, worker_id="bench") as client:
+        return _steps(client, variables, steps)
+
+
+def _steps(client, variables: int, steps: int) -> list[float]:
+    """Seconds per ``client.step()`` (pull + push) of 100K float32 parameters in ``variables`` variables."""
+    from worker_client import SGD
 
     names = [f"v{i}" for i in range(variables)]
     size = 100_000 // variables
-    with ps_cluster(2) as (addresses, _), PSClient(addresses, worker_id="bench") as client:
-        for name in names:
-            client.create_variable(name, (size,), optimizer=SGD(learning_rate=1e-9))
-        grads = {name: np.zeros(size, np.float32) for name in names}
+    for name in names:
+        client.create_variable(name, (size,), optimizer=SGD(learning_rate=1e-9))
+    grads = {name: np.zeros(size, np.float32) for name in names}
 
-        def step() -> None:
-            with client.step(names) as s:
-                s.push(grads)
+    def step() -> None:
+        with client.step(names) as s:
+            s.push(grads)
 
-        return time_calls(step, steps, warmup=steps // 10)
+    return time_calls(step, steps, warmup=steps // 10)
 
 
 def section_step(rtt_p50: float, results: dict) -> list[Row]:
@@ -361,6 +374,36 @@ def section_step(rtt_p50: float, results: dict) -> list[Row]:
                  higher=False),
             _row("step", f"  step p50, the same in 200 vars ({per_variable * 1e6:.0f} us per variable)",
                  many * 1e3, "ms", p50 * 1e3, "20 vars", target_text="report")]
+
+
+def section_replication(repeats: int, results: dict) -> list[Row]:
+    """One shard with R=2 replicas (etcd and both on this machine) against R=1, in the same run."""
+    import bench_replication
+
+    from worker_client import PSClient
+
+    etcd = bench_replication.etcd_binary()
+    if etcd is None:
+        print("  replication: skipped (no etcd: install it or set ETCD_BINARY)", file=sys.stderr, flush=True)
+        return []
+    figures = {}
+    for replicas in (1, 2):
+        with bench_replication.replicated_shard(replicas, etcd) as (address, _), \
+                PSClient([address], worker_id="bench") as client:
+            create_model(client)
+            grads = zero_grads()
+            push = best(time_calls(lambda: client.push(grads), repeats))
+            steps = _steps(client, 20, 1000)
+        figures[replicas] = {"push": MODEL_BYTES / push / 1e9, "p50_ms": float(np.percentile(steps, 50)) * 1e3,
+                             "p99_ms": float(np.percentile(steps, 99)) * 1e3}
+    one, two = figures[1], figures[2]
+    results["replication"] = {"r1": one, "r2": two}
+    return [_row("replication", "push 100 MB, 1 shard, R=2 (acked by the backup)", two["push"], "GB/s", one["push"],
+                 "R=1, same run", 0.5),
+            _row("replication", "step p50 (100K params, 20 vars, 1 shard), R=2", two["p50_ms"], "ms", one["p50_ms"],
+                 "R=1 p50, same run", 2, higher=False),
+            _row("replication", "step p99, R=2", two["p99_ms"], "ms", one["p99_ms"], "R=1 p99, same run",
+                 target_text="report")]
 
 
 def section_memory(results: dict) -> list[Row]:
@@ -575,7 +618,7 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-SECTIONS = ("dense", "bf16", "topk", "apply", "step", "memory", "sparse", "modes", "gpu")
+SECTIONS = ("dense", "bf16", "topk", "apply", "step", "replication", "memory", "sparse", "modes", "gpu")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -617,6 +660,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += section_apply(args.repeats, memcpy, results)
         elif section == "step":
             rows += section_step(rtt, results)
+        elif section == "replication":
+            rows += section_replication(args.repeats, results)
         elif section == "memory":
             rows += section_memory(results)
         elif section == "sparse":
