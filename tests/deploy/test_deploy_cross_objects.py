@@ -292,6 +292,70 @@ def _tfjob_port_name(o):
     container["ports"][0]["name"] = "grpc"
 
 
+
+# --- replicated shards (overlays/replicated) --------------------------------
+
+
+def _replica_groups_swapped(o):
+    _env(_container(_kind(o, "Job")), "PS_ADDRESSES", "ps-1-0.ps:7001|ps-1-1.ps:7001,ps-0-0.ps:7001|ps-0-1.ps:7001")
+
+
+def _replica_missing(o):
+    _env(_container(_kind(o, "Job")), "PS_ADDRESSES", "ps-0-0.ps:7001,ps-1-0.ps:7001|ps-1-1.ps:7001")
+
+
+def _replica_not_spread(o):
+    del _pod(_kind(o, "StatefulSet", "ps-1"))["topologySpreadConstraints"]
+
+
+def _replica_budget_zero(o):
+    _kind(o, "PodDisruptionBudget", "ps-0")["spec"]["maxUnavailable"] = 2
+
+
+def _etcd_quorum_budget(o):
+    _kind(o, "PodDisruptionBudget", "etcd")["spec"]["minAvailable"] = 1
+
+
+def _etcd_endpoint_missing(o):
+    _kind(o, "ConfigMap")["data"]["PS_ETCD_ENDPOINTS"] = "etcd-0.etcd:2379,etcd-1.etcd:2379"
+
+
+def _etcd_unreachable(o):
+    policy = _kind(o, "NetworkPolicy", "ps-replication")
+    policy["spec"]["egress"] = [r for r in policy["spec"]["egress"] if r["ports"][0]["port"] != 2379]
+
+
+def _replication_blocked(o):
+    policy = _kind(o, "NetworkPolicy", "ps-replication")
+    del policy["spec"]["ingress"]
+
+
+def _replica_readiness_primary_only(o):
+    _container(_kind(o, "StatefulSet", "ps-0"))["readinessProbe"]["grpc"]["service"] = "wehub_ps.v1.ParameterServer"
+
+
+def _replica_count(o):
+    _kind(o, "ConfigMap")["data"]["PS_REPLICAS"] = "3"
+
+
+def _replica_advertise(o):
+    _env(_container(_kind(o, "StatefulSet", "ps-0")), "PS_ADVERTISE_ADDRESS", "ps-0.ps:7001")
+
+
+REPLICATED_BROKEN = [
+    ("overlays/replicated", _replica_groups_swapped, "PS_ADDRESSES shard 0 is ['ps-1-0.ps', 'ps-1-1.ps']"),
+    ("overlays/replicated", _replica_missing, "PS_ADDRESSES shard 0 is ['ps-0-0.ps']"),
+    ("overlays/replicated", _replica_not_spread, "no topologySpreadConstraint over kubernetes.io/hostname"),
+    ("overlays/replicated", _replica_budget_zero, "keeps a replica of the shard"),
+    ("overlays/replicated", _etcd_quorum_budget, "keeps its quorum of 2"),
+    ("overlays/replicated", _etcd_endpoint_missing, "should name every member"),
+    ("overlays/replicated", _etcd_unreachable, "(etcd): no NetworkPolicy lets it out"),
+    ("overlays/replicated", _replication_blocked, "(replication): no NetworkPolicy lets it in"),
+    ("overlays/replicated", _replica_readiness_primary_only, "for service \"\" (primary or in-sync backup)"),
+    ("overlays/replicated", _replica_count, "PS_REPLICAS=3 but 2 pods"),
+    ("overlays/replicated", _replica_advertise, "PS_ADVERTISE_ADDRESS='ps-0.ps:7001'"),
+]
+
 BROKEN = [
     ("overlays/cpu", _selector_label, "does not match its pod template labels"),
     ("overlays/cpu", _service_selector, "Service/ps (ns wehub-ps): selector"),
@@ -338,6 +402,7 @@ BROKEN = [
     ("jobset", _jobset_keeps_pdb, "no scale subresource"),
     ("tfjob", _tfjob_sets_port, "sets PS_PORT, which overrides the TF_CONFIG"),
     ("tfjob", _tfjob_port_name, "port named tfjob-port"),
+    *REPLICATED_BROKEN,
 ]
 
 

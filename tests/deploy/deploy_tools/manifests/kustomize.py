@@ -17,7 +17,16 @@ REPO = Path(__file__).resolve().parents[4]
 DEPLOY = REPO / "deploy"
 
 #: Kustomizations that are applied to a cluster (rendered and checked).
-RENDER_TARGETS = ("overlays/cpu", "overlays/gpu", "jobset", "tfjob")
+RENDER_TARGETS = ("overlays/cpu", "overlays/gpu", "overlays/replicated", "jobset", "tfjob")
+
+#: Kustomizations that are only parts of those (rendered through them).
+PARTS = ("base", "overlays/replicated/from-base", "overlays/replicated/shard", "overlays/replicated/shard-0",
+         "overlays/replicated/shard-1", "overlays/replicated/etcd")
+
+
+#: Where deploy/gen-secrets.sh writes (git-ignored): the ps-servers' and workers' material,
+#: and etcd's for overlays/replicated.
+SECRET_DIRS = ("base/secrets", "overlays/replicated/secrets")
 
 
 class RenderError(RuntimeError):
@@ -51,8 +60,10 @@ def render(kubectl: Path, directory: Path, target: str = "") -> Render:
 def copy_deploy(dest: Path, source: Path = DEPLOY) -> Path:
     """Copy deploy/ to dest/deploy, leaving out any secrets generated in place."""
 
+    secret_dirs = {(source / d).resolve() for d in SECRET_DIRS}
+
     def ignore(directory: str, names: list[str]) -> list[str]:
-        if Path(directory).resolve() == (source / "base" / "secrets").resolve():
+        if Path(directory).resolve() in secret_dirs:
             return [n for n in names if n != ".gitignore"]
         return [n for n in names if n == "__pycache__"]
 
@@ -64,7 +75,8 @@ def copy_deploy(dest: Path, source: Path = DEPLOY) -> Path:
 def generate_secrets(deploy_copy: Path) -> subprocess.CompletedProcess:
     """Run (the copy of) deploy/gen-secrets.sh into its own base/secrets."""
     return subprocess.run(["bash", str(deploy_copy / "gen-secrets.sh"), "--out",
-                           str(deploy_copy / "base" / "secrets")],
+                           str(deploy_copy / "base" / "secrets"), "--etcd-out",
+                           str(deploy_copy / "overlays" / "replicated" / "secrets")],
                           capture_output=True, text=True, timeout=120, check=True)
 
 

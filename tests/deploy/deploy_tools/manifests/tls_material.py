@@ -164,22 +164,42 @@ def statefulset_replicas(deploy: Path = DEPLOY) -> int:
     return int(statefulset["spec"]["replicas"])
 
 
-def required_sans(namespaces: Iterable[str], replicas: int) -> set[str]:
-    """The service ``ps`` and every pod ``ps-<i>`` by its short and its namespaced names."""
-    sans = {"ps", "localhost", "127.0.0.1"} | {f"ps-{i}.ps" for i in range(replicas)}
+def shard_replicas(deploy: Path = DEPLOY) -> int:
+    """The replicas of one shard in deploy/overlays/replicated: the ``ps-<i>-<r>`` gen-secrets.sh names."""
+    path = deploy / "overlays" / "replicated" / "shard" / "ps-statefulset.yaml"
+    return int(yaml.safe_load(path.read_text())["spec"]["replicas"])
+
+
+def required_sans(namespaces: Iterable[str], replicas: int, replicas_per_shard: int = 0) -> set[str]:
+    """The service ``ps`` and every pod ``ps-<i>`` and ``ps-<i>-<r>`` by its short and namespaced names."""
+    pods = [f"ps-{i}" for i in range(replicas)]
+    pods += [f"ps-{i}-{r}" for i in range(replicas) for r in range(replicas_per_shard)]
+    sans = {"ps", "localhost", "127.0.0.1"} | {f"{pod}.ps" for pod in pods}
     for ns in namespaces:
         sans |= {f"ps.{ns}", f"ps.{ns}.svc", f"ps.{ns}.svc.cluster.local"}
-        for i in range(replicas):
-            sans |= {f"ps-{i}.ps.{ns}", f"ps-{i}.ps.{ns}.svc", f"ps-{i}.ps.{ns}.svc.cluster.local"}
+        for pod in pods:
+            sans |= {f"{pod}.ps.{ns}", f"{pod}.ps.{ns}.svc", f"{pod}.ps.{ns}.svc.cluster.local"}
+    return sans
+
+
+def etcd_sans(namespaces: Iterable[str], members: int = 3) -> set[str]:
+    """etcd's members ``etcd-<i>`` behind the headless Service ``etcd``, short and namespaced."""
+    sans = {"etcd", "localhost", "127.0.0.1"} | {f"etcd-{i}.etcd" for i in range(members)}
+    for ns in namespaces:
+        for i in range(members):
+            sans |= {f"etcd-{i}.etcd.{ns}", f"etcd-{i}.etcd.{ns}.svc", f"etcd-{i}.etcd.{ns}.svc.cluster.local"}
     return sans
 
 
 def generated_secret_problems(directory: Path, namespaces: Iterable[str] = DEFAULT_NAMESPACES,
-                              replicas: int | None = None) -> list[str]:
+                              replicas: int | None = None, replicas_per_shard: int | None = None) -> list[str]:
     """What deploy/gen-secrets.sh wrote is a usable CA, server and client certificate and token;
-    ``replicas`` defaults to the StatefulSet's."""
+    ``replicas`` defaults to the StatefulSet's, ``replicas_per_shard`` to the replicated overlay's.
+    The server certificate is also a client certificate: a backup presents it to its primary."""
     if replicas is None:
         replicas = statefulset_replicas()
+    if replicas_per_shard is None:
+        replicas_per_shard = shard_replicas()
     problems = []
     names = ("ca.crt", "ca.key", "server.crt", "server.key", "client.crt", "client.key", "token")
     for name in names:
@@ -194,6 +214,7 @@ def generated_secret_problems(directory: Path, namespaces: Iterable[str] = DEFAU
     if "CA:TRUE" not in cert_ext(read["ca.crt"], "basicConstraints"):
         problems.append("ca.crt is not a CA certificate")
     for cert, purpose, usage in (("server", "sslserver", "TLS Web Server Authentication"),
+                                 ("server", "sslclient", "TLS Web Client Authentication"),
                                  ("client", "sslclient", "TLS Web Client Authentication")):
         complaint = verify_chain(read["ca.crt"], read[f"{cert}.crt"], purpose)
         if complaint:
@@ -202,10 +223,37 @@ def generated_secret_problems(directory: Path, namespaces: Iterable[str] = DEFAU
             problems.append(f"{cert}.crt lacks the extended key usage {usage!r}")
         if not key_matches_cert(read[f"{cert}.key"], read[f"{cert}.crt"]):
             problems.append(f"{cert}.key does not belong to {cert}.crt")
-    missing = required_sans(namespaces, replicas) - set(cert_sans(read["server.crt"]))
+    missing = required_sans(namespaces, replicas, replicas_per_shard) - set(cert_sans(read["server.crt"]))
     if missing:
         problems.append(f"server.crt lacks the subject alternative names {sorted(missing)}")
     token = read["token"]
     if len(token) < 32 or token != token.strip() or not re.fullmatch(rb"[0-9a-f]+", token):
         problems.append(f"token should be at least 32 hex characters without a newline, got {len(token)} bytes")
+    return problems
+
+
+def etcd_secret_problems(directory: Path, namespaces: Iterable[str] = DEFAULT_NAMESPACES) -> list[str]:
+    """etcd's material from deploy/gen-secrets.sh: its own CA, a member certificate for clients and
+    peers naming every member, and a client certificate; neither signed by the ps-servers' CA."""
+    names = ("etcd-ca.crt", "etcd-ca.key", "etcd-server.crt", "etcd-server.key", "etcd-client.crt",
+             "etcd-client.key")
+    problems = []
+    for name in names:
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_mode & 0o077:
+            problems.append(f"{name} is readable by others (mode {oct(path.stat().st_mode & 0o777)})")
+    if problems:
+        return problems
+    read = {name: (directory / name).read_bytes() for name in names}
+    for cert, purpose in (("etcd-server", "sslserver"), ("etcd-server", "sslclient"), ("etcd-client", "sslclient")):
+        complaint = verify_chain(read["etcd-ca.crt"], read[f"{cert}.crt"], purpose)
+        if complaint:
+            problems.append(f"{cert}.crt does not verify against etcd-ca.crt for {purpose}: {complaint}")
+        if not key_matches_cert(read[f"{cert}.key"], read[f"{cert}.crt"]):
+            problems.append(f"{cert}.key does not belong to {cert}.crt")
+    missing = etcd_sans(namespaces) - set(cert_sans(read["etcd-server.crt"]))
+    if missing:
+        problems.append(f"etcd-server.crt lacks the subject alternative names {sorted(missing)}")
     return problems

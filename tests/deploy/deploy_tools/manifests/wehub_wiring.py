@@ -17,6 +17,13 @@ from .pod_templates import (
     resolve_env,
     secret_keys,
 )
+from .replica_wiring import (
+    replica_address_problems,
+    replica_server_problems,
+    replica_set_problems,
+    replicas_of,
+    server_probe_problems,
+)
 
 POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
 COMPLETION_INDEX_FIELDS = {
@@ -107,6 +114,9 @@ def wehub_problems(objects: list[dict]) -> list[str]:
     for unit in server_units:
         for container in (c for c in unit.containers() if is_ps_server(c)):
             problems += _server_problems(unit, container, objects)
+    replicated = [u for u in server_units if _replicated(u, objects)]
+    if replicated:
+        problems += replica_set_problems(objects, replicated, _policy_allows)
     for unit in worker_units:
         for container in (c for c in unit.containers() if is_ps_worker(c)):
             problems += _worker_problems(unit, container, objects, server_units)
@@ -118,13 +128,23 @@ def wehub_problems(objects: list[dict]) -> list[str]:
     return problems
 
 
+def _replicated(unit: PodUnit, objects: list[dict]) -> bool:
+    container = next(c for c in unit.containers() if is_ps_server(c))
+    return replicas_of(resolve_env(container, objects, unit.namespace)) > 1
+
+
 def _server_problems(unit: PodUnit, container: dict, objects: list[dict]) -> list[str]:
     problems = []
     where = f"{unit.where} container {container.get('name')}"
     env = resolve_env(container, objects, unit.namespace)
     names, numbers = container_ports(container)
+    replicated = replicas_of(env) > 1
 
-    if unit.controller == "TFJob":
+    if replicated:
+        problems += replica_server_problems(unit, container, env)
+        if env.get("PS_NUM_SHARDS") is None:
+            problems.append(f"{where}: PS_NUM_SHARDS is not set")
+    elif unit.controller == "TFJob":
         # TF_CONFIG gives shard index, shard count and port; these would override it.
         for var in ("PS_SHARD_INDEX", "PS_NUM_SHARDS", "PS_PORT"):
             if var in env:
@@ -168,7 +188,9 @@ def _server_problems(unit: PodUnit, container: dict, objects: list[dict]) -> lis
         if not str(value).isdigit() or int(value) not in numbers:
             problems.append(f"{where}: {var}={value} is not a container port")
     health = port_vars["PS_HEALTH_PORT"]
-    for probe_name in ("livenessProbe", "readinessProbe", "startupProbe"):
+    if replicated:
+        problems += server_probe_problems(where, container, health)
+    for probe_name in () if replicated else ("livenessProbe", "readinessProbe", "startupProbe"):
         probe = container.get(probe_name)
         if not probe:
             if probe_name != "startupProbe":
@@ -181,7 +203,7 @@ def _server_problems(unit: PodUnit, container: dict, objects: list[dict]) -> lis
             problems.append(f"{where}: {probe_name} probes port {probe['grpc'].get('port')}, but only "
                             f"the health port (PS_HEALTH_PORT={health}) is plaintext; kubelet cannot speak TLS")
     readiness = (container.get("readinessProbe") or {}).get("grpc") or {}
-    if readiness and readiness.get("service") != "wehub_ps.v1.ParameterServer":
+    if readiness and not replicated and readiness.get("service") != "wehub_ps.v1.ParameterServer":
         problems.append(f"{where}: readinessProbe should ask for service wehub_ps.v1.ParameterServer, "
                         f"got {readiness.get('service')!r}")
     liveness = (container.get("livenessProbe") or {}).get("grpc") or {}
@@ -243,6 +265,8 @@ def _worker_problems(unit: PodUnit, container: dict, objects: list[dict],
     if not isinstance(raw, str) or not raw.strip():
         problems.append(f"{where}: PS_ADDRESSES is not set")
         return problems
+    if "|" in raw:
+        return problems + replica_address_problems(where, raw, unit, server_units, objects, _policy_allows)
     addresses = [a.strip() for a in raw.split(",") if a.strip()]
     parsed = []
     for address in addresses:
