@@ -142,10 +142,7 @@ class PSServer:
                                        maximum_concurrent_rpcs=slots)
         self.grpc_server.add_generic_rpc_handlers((self.service.generic_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
-        services = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
-        if self.replica is not None:
-            services += (self.replica.add_service(self.grpc_server),)
-        add_reflection(self.grpc_server, services)
+        add_reflection(self.grpc_server, (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME))
         address = f"{config.host}:{config.port}"
         self.port = _bind(self.grpc_server, address, server_credentials(config))
         # kubelet's native gRPC probes cannot speak TLS: health alone, plaintext, on its own port.

@@ -63,7 +63,8 @@ def _load(kv: KeyValue) -> dict:
     except ValueError as error:
         raise ValueError(f"etcd key {kv.key.decode(errors='replace')} holds no JSON: {error}") from error
     if not isinstance(data, dict):
-        message = f"etcd key {kv.key.decode(errors='replace')} holds a JSON {type(data).__name__}, not an object"
+        key = kv.key.decode(errors="replace")
+        message = f"etcd key {key} holds a JSON {type(data).__name__}, not an object"
         raise ValueError(message)  # noqa: TRY004 - bad content of the right type, as for bad JSON
     return data
 
@@ -81,16 +82,21 @@ class Leader:
     incarnation: int
     epoch: int
     lease: int = 0
+    #: Where its backups connect for the replication stream ('host:port'; empty: not announced).
+    replication_address: str = ""
 
     @classmethod
     def from_kv(cls, kv: KeyValue) -> Leader:
         data = _load(kv)
         return cls(int(data["replica_index"]), str(data["address"]), int(data["incarnation"]),
-                   kv.create_revision, kv.lease)
+                   kv.create_revision, kv.lease, str(data.get("replication_address", "")))
 
     @staticmethod
-    def encode(replica_index: int, address: str, incarnation: int) -> bytes:
-        return _dump({"replica_index": replica_index, "address": address, "incarnation": incarnation})
+    def encode(replica_index: int, address: str, incarnation: int, replication_address: str = "") -> bytes:
+        data = {"replica_index": replica_index, "address": address, "incarnation": incarnation}
+        if replication_address:
+            data["replication_address"] = replication_address
+        return _dump(data)
 
 
 @dataclass(frozen=True)

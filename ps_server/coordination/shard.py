@@ -74,7 +74,8 @@ def _lease_is(key: str, lease: int) -> etcd_pb2.Compare:
 class ShardCoordinator:
     """Replica ``replica_index`` (process ``incarnation``) of shard ``shard_index`` of job ``job``.
 
-    ``address``: where the other replicas and the clients reach this one.
+    ``address``: where the other replicas and the clients reach this one;
+    ``replication_address``: where backups connect to it while it leads.
     ``lease_ttl``: seconds without renewal after which etcd drops this
     replica (and its leadership); failover takes about this long when a
     process freezes, and immediately when its death is seen (revoke_leader).
@@ -84,7 +85,7 @@ class ShardCoordinator:
     """
 
     def __init__(self, client: EtcdClient, *, job: str, shard_index: int, replica_index: int,
-                 incarnation: int, address: str, lease_ttl: int = 2,
+                 incarnation: int, address: str, lease_ttl: int = 2, replication_address: str = "",
                  on_lease_lost: Callable[[], None] | None = None,
                  state: str = "starting") -> None:
         if not isinstance(lease_ttl, int) or lease_ttl < 1:
@@ -94,6 +95,7 @@ class ShardCoordinator:
         self.replica_index = replica_index
         self.incarnation = incarnation
         self.address = address
+        self.replication_address = replication_address
         self.lease_ttl = lease_ttl
         self._on_lease_lost = on_lease_lost
         self._state = state
@@ -224,8 +226,8 @@ class ShardCoordinator:
             # Counting on no isr member being alive: none of their keys may have changed meanwhile.
             compare += [mod_revision_is(self.keys.member(r), state.member_revisions.get(r, 0))
                         for r in sorted({r for r, _ in state.in_sync.members})]
-        success = [put_op(self.keys.leader, Leader.encode(self.replica_index, self.address, self.incarnation),
-                          lease=keeper.lease.id),
+        leader = Leader.encode(self.replica_index, self.address, self.incarnation, self.replication_address)
+        success = [put_op(self.keys.leader, leader, lease=keeper.lease.id),
                    put_op(self.keys.isr, InSync.encode([self.replica_id], epoch=None))]
         try:
             result = self._client.txn(compare, success)

@@ -109,6 +109,7 @@ class ServerConfig:
     etcd_endpoints: str = ""
     job_name: str = "wehub-ps"
     advertise_address: str = ""
+    replication_port: int = 0
     primary_lease_seconds: int = 2
     replication_timeout: float = 5.0
     max_backup_bytes: int = 256 << 20
@@ -167,8 +168,8 @@ class ServerConfig:
         if not 1 <= self.replicas <= 9:
             raise ConfigError(f"--replicas must be in [1, 9], got {self.replicas}")
         if not 0 <= self.replica_index < self.replicas:
-            raise ConfigError(f"--replica-index must be in [0, {self.replicas}) for --replicas {self.replicas}, "
-                              f"got {self.replica_index}")
+            raise ConfigError(f"--replica-index must be in [0, {self.replicas}) for --replicas "
+                              f"{self.replicas}, got {self.replica_index}")
         if self.replicas == 1:
             return
         if not self.etcd_endpoints:
@@ -179,15 +180,19 @@ class ServerConfig:
                               "replicated (use one replica per shard, and checkpoints, for sync training)")
         if not self.job_name or "/" in self.job_name:
             raise ConfigError(f"--job-name must be a non-empty name without '/', got {self.job_name!r}")
+        if not 0 <= self.replication_port < 65536:
+            raise ConfigError(f"--replication-port must be in [0, 65535], got {self.replication_port}")
         if not 1 <= self.primary_lease_seconds <= 60:
             raise ConfigError(f"--primary-lease-seconds must be in [1, 60], got {self.primary_lease_seconds}")
         if not math.isfinite(self.replication_timeout) or self.replication_timeout <= 0:
-            raise ConfigError(f"--replication-timeout must be positive seconds, got {self.replication_timeout}")
+            raise ConfigError(f"--replication-timeout must be positive seconds, got "
+                              f"{self.replication_timeout}")
         if self.max_backup_bytes < 1 << 20:
             raise ConfigError(f"--max-backup-bytes must be at least 1 MiB, got {self.max_backup_bytes}")
         if self.tls_cert and not self.tls_client_ca:
-            raise ConfigError("replicas with TLS (--tls-cert) also need --tls-client-ca: backups present this "
-                              "server's certificate to their primary and check the primary's against that CA")
+            raise ConfigError("replicas with TLS (--tls-cert) also need --tls-client-ca: backups present "
+                              "this server's certificate to their primary and check the primary's against "
+                              "that CA")
         if bool(self.etcd_cert) != bool(self.etcd_key):
             raise ConfigError("--etcd-cert and --etcd-key go together: give both or neither")
         if self.etcd_cert and not self.etcd_ca:
@@ -268,9 +273,11 @@ _HELP = {
     "job_name": "names this cluster's keys in etcd (/wehub-ps/<job-name>/...)",
     "advertise_address": "'host:port' other replicas and workers reach this one at; default the host name "
                          "and the bound port",
-    "primary_lease_seconds": "TTL of the primary's etcd lease: a primary that stopped renewing it is replaced "
-                             "this long after (when its port still answers); shorter fails over sooner, "
-                             "longer rides out slower etcd",
+    "replication_port": "port backups connect to for the stream of updates (replicas > 1); 0 picks a free "
+                        "one, announced through etcd",
+    "primary_lease_seconds": "TTL of the primary's etcd lease: a primary that stopped renewing it is "
+                             "replaced this long after (when its port still answers); shorter fails over "
+                             "sooner, longer rides out slower etcd",
     "replication_timeout": "seconds a backup may leave an update unanswered before the primary drops it from "
                            "the in-sync set (it catches up again)",
     "max_backup_bytes": "bytes of updates queued for one backup at most; a backup further behind is cut off "

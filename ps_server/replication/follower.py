@@ -1,4 +1,4 @@
-"""A backup's side of the Follow stream: load the snapshot, apply every record, answer each message.
+"""A backup's side of the replication stream: load the snapshot, apply every record, answer each message.
 
 Records are applied one at a time, in the primary's order, on this
 stream's thread (see records.RecordApplier). Each message is answered
@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import functools
 import logging
-import queue
-from collections.abc import Callable, Iterator
-
-import grpc
+import ssl
+from collections.abc import Callable
 
 from ps_server.durability.restore import RestoredState
 from ps_server.replication.records import Divergence, RecordApplier
 from ps_server.replication.role import LeaderInfo, ReplicaRole
 from ps_server.replication.snapshots import SnapshotReceiver
+from ps_server.replication.transport import ConnectionClosed, connect
 from wehub_ps.process.logs import event
-from ps_server.replication.leader import FOLLOW_PATH
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.replication import answer, decode_record_message
 
@@ -32,39 +30,40 @@ log = logging.getLogger("ps_server.replication")
 
 class Follower:
     def __init__(self, role: ReplicaRole, shard_index: int, num_shards: int, applier: RecordApplier,
-                 install: Callable[[RestoredState], None], open_channel: Callable[[str], grpc.Channel],
-                 snapshot_parent: str | None = None, metadata: Callable[[], tuple] | None = None) -> None:
+                 install: Callable[[RestoredState], None], tls: ssl.SSLContext | None,
+                 snapshot_parent: str | None = None, token: Callable[[], str] | None = None) -> None:
         self._role = role
         self._shard_index = shard_index
         self._num_shards = num_shards
         self._applier = applier
         self._install = install
-        self._open_channel = open_channel
+        self._tls = tls
         self._snapshot_parent = snapshot_parent
-        self._metadata = metadata or (lambda: ())
-        self._call: grpc.Future | None = None
+        self._token = token or (lambda: "")
 
     def follow(self, leader: LeaderInfo) -> str:
         """Follow ``leader`` until the stream ends; says why it ended."""
         role = self._role
         settings = role.settings
-        answers: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        if not leader.replication_address:
+            return "the primary announced no replication address"
         start = ps_pb2.FollowRequest(start=ps_pb2.FollowStart(
             shard_index=self._shard_index, num_shards=self._num_shards, replica_index=settings.replica_index,
-            incarnation=settings.incarnation, address=settings.address, epoch=role.epoch)).SerializeToString()
-
-        def requests() -> Iterator[bytes]:
-            yield start
-            while (answer := answers.get()) is not None:
-                yield answer
-
+            incarnation=settings.incarnation, address=settings.address, epoch=role.epoch,
+            token=self._token())).SerializeToString()
         self._applier.forget_streams()
-        channel = self._open_channel(leader.address)
         receiver: SnapshotReceiver | None = None
-        call = channel.stream_stream(FOLLOW_PATH)(requests(), metadata=self._metadata() or None)
+        try:
+            connection = connect(leader.replication_address, self._tls, settings.replication_timeout)
+        except ConnectionClosed as error:
+            return str(error)
+        # Silence longer than this (the primary pings every lease / 4) means the primary is gone.
+        connection.set_timeout(settings.replication_timeout)
         event(log, logging.INFO, "following the primary", primary=leader.address, epoch=leader.epoch)
         try:
-            for raw in call:
+            connection.send([start])
+            while True:
+                raw = connection.receive()
                 record = decode_record_message(raw)
                 if record is not None:
                     if record.epoch < role.epoch:
@@ -77,13 +76,16 @@ class Follower:
                         self._applier.apply(record)
                     except Divergence as error:
                         event(log, logging.ERROR, "cannot apply the primary's change", error=str(error))
+                        role.has_state = False
                         return "a change could not be applied"
                     role.applied = record.sequence
                 else:
-                    message = ps_pb2.ReplicationMessage.FromString(raw)
+                    message = ps_pb2.ReplicationMessage.FromString(bytes(raw))
                     if message.epoch < role.epoch:
                         return f"the primary's term {message.epoch} is older than {role.epoch}"
                     kind = message.WhichOneof("kind")
+                    if kind == "refused":
+                        return f"the primary refused: {message.refused}"
                     if kind == "snapshot_file":
                         if receiver is None:
                             receiver = SnapshotReceiver(self._shard_index, self._num_shards,
@@ -99,14 +101,11 @@ class Follower:
                         receiver = None
                         role.applied = message.snapshot_done
                         role.has_state = True
-                answers.put(answer(role.applied))
+                connection.send([answer(role.applied)])
                 role.answered_primary(role.applied)
-            return "the primary ended the stream"
-        except grpc.RpcError as error:
-            return f"stream broke: {error.code().name} {error.details()}"
+        except ConnectionClosed as error:
+            return f"stream broke: {error}"
         finally:
-            answers.put(None)
-            call.cancel()
-            channel.close()
+            connection.close()
             if receiver is not None:
                 receiver.close()

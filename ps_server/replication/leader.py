@@ -1,7 +1,10 @@
-"""The primary's side of a backup's Follow stream: a snapshot, then every change, and the answers.
+"""The primary's side of a backup's stream: a snapshot, then every change, and the answers.
 
-Every message sent is answered by one FollowRequest carrying the backup's
-applied sequence; answers are read on their own thread so a slow sender
+A backup connects to the primary's replication port (transport.py) and
+sends FollowStart; the primary attaches it to its log in the same hold of
+the order lock as it takes the snapshot (role.attach), sends the snapshot
+and then the records. Every message sent is answered by the sequence the
+backup applied; answers are read on their own thread, so a slow sender
 never hides a live backup. The stream ends when the backup goes, falls too
 far behind (its link is cut), or this replica stops leading.
 """
@@ -10,107 +13,120 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
-
-import grpc
+from collections.abc import Callable
 
 from ps_server.core.errors import RequestError
 from ps_server.durability.writer import ShardSnapshot
 from ps_server.replication.log import BackupLink
 from ps_server.replication.role import PRIMARY, ReplicaRole
 from ps_server.replication.snapshots import SnapshotSender
-from ps_server.service.calls import abort
+from ps_server.replication.transport import ConnectionClosed, FramedConnection
 from wehub_ps.errors import Reason
 from wehub_ps.process.logs import event
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.replication import decode_answer, record_message
 
-__all__ = ["ReplicationService", "REPLICATION_SERVICE", "FOLLOW_PATH"]
-
-REPLICATION_SERVICE = ps_pb2.DESCRIPTOR.services_by_name["Replication"].full_name
-FOLLOW_PATH = f"/{REPLICATION_SERVICE}/Follow"
+__all__ = ["BackupStreams"]
 
 log = logging.getLogger("ps_server.replication")
 
 
-class ReplicationService:
-    """Follow, with raw-bytes (de)serialisation: records are framed around the pushes' own bytes."""
+class BackupStreams:
+    """Serves each connected backup (ReplicationListener's handler)."""
 
     def __init__(self, role: ReplicaRole, shard_index: int, num_shards: int,
                  take_snapshot: Callable[[], ShardSnapshot], ping_seconds: float,
+                 token_matches: Callable[[bytes], bool] | None = None,
                  snapshot_parent: str | None = None) -> None:
         self._role = role
         self._shard = (shard_index, num_shards)
         self._take_snapshot = take_snapshot
         self._ping_seconds = ping_seconds
+        self._token_matches = token_matches
         self._snapshot_parent = snapshot_parent
 
-    def generic_handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(REPLICATION_SERVICE, {
-            "Follow": grpc.stream_stream_rpc_method_handler(self.follow)})
-
-    def follow(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        raw = next(request_iterator, None)
+    def serve(self, connection: FramedConnection) -> None:
+        connection.set_timeout(30.0)  # the backup's FollowStart
         try:
-            first = _parse(raw) if raw is not None else None
-            if first is None or first.WhichOneof("kind") != "start":
-                raise RequestError(Reason.INVALID_REQUEST, "a Follow stream starts with FollowStart")
-            start = first.start
-            if (start.shard_index, start.num_shards) != self._shard:
-                raise RequestError(Reason.CLUSTER_MISMATCH,
-                                   f"this replica serves shard {self._shard[0]} of {self._shard[1]}, the "
-                                   f"backup is of shard {start.shard_index} of {start.num_shards}")
+            start = self._start(connection)
             link, snapshot = self._role.attach(start, self._take_snapshot)
         except RequestError as error:
-            abort(context, error)
+            event(log, logging.WARNING, "backup refused", peer=connection.peer, reason=error.reason.value,
+                  why=error.message)
+            try:
+                connection.send([ps_pb2.ReplicationMessage(refused=error.message).SerializeToString()])
+            except ConnectionClosed:
+                pass
             return
-        answers = threading.Thread(target=_read_answers, args=(request_iterator, link),
+        except ConnectionClosed:
+            return
+        connection.set_timeout(None)
+        answers = threading.Thread(target=_read_answers, args=(connection, link),
                                    name=f"ps-backup-answers-{start.replica_index}", daemon=True)
         answers.start()
-        epoch = self._role.epoch
-        sender = None
         try:
-            sender = SnapshotSender(snapshot, self._snapshot_parent)
-            for piece in sender.pieces():
-                link.sending(link.start_sequence)
-                yield ps_pb2.ReplicationMessage(epoch=epoch, snapshot_file=piece).SerializeToString()
-            sender.close()
-            link.sending(link.start_sequence)
-            yield ps_pb2.ReplicationMessage(epoch=epoch, snapshot_done=link.start_sequence).SerializeToString()
-            while link.closed is None and self._role.state == PRIMARY and context.is_active():
-                batch = link.take(self._ping_seconds)
-                if not batch:
-                    if link.closed is None:
-                        link.sending(link.sent_sequence)
-                        yield ps_pb2.ReplicationMessage(epoch=epoch, ping=link.sent_sequence).SerializeToString()
-                    continue
-                for sequence, record in batch:
-                    link.sending(sequence)
-                    yield record_message(epoch, record)
+            self._send(connection, link, snapshot)
+        except ConnectionClosed as error:
+            link.close(str(error))
         finally:
-            if sender is not None:
-                sender.close()
             link.close(link.closed or "the stream ended")
+            connection.close()  # ends the answers' thread too
             self._role.detach(link)
             event(log, logging.INFO, "backup stream ended", replica_index=link.replica_index,
                   why=link.closed, acknowledged=link.acknowledged)
 
+    def _start(self, connection: FramedConnection) -> ps_pb2.FollowStart:
+        first = _parse(connection.receive())
+        if first.WhichOneof("kind") != "start":
+            raise RequestError(Reason.INVALID_REQUEST, "a replication stream starts with FollowStart")
+        start = first.start
+        if self._token_matches is not None and not self._token_matches(start.token.encode()):
+            raise RequestError(Reason.UNAUTHENTICATED, "the backup presented no or a wrong bearer token")
+        if (start.shard_index, start.num_shards) != self._shard:
+            raise RequestError(Reason.CLUSTER_MISMATCH,
+                               f"this replica serves shard {self._shard[0]} of {self._shard[1]}, the "
+                               f"backup is of shard {start.shard_index} of {start.num_shards}")
+        return start
 
-def _parse(raw: bytes) -> ps_pb2.FollowRequest:
+    def _send(self, connection: FramedConnection, link: BackupLink, snapshot: ShardSnapshot) -> None:
+        epoch = self._role.epoch
+        sender = SnapshotSender(snapshot, self._snapshot_parent)
+        try:
+            for piece in sender.pieces():
+                link.sending(link.start_sequence)
+                message = ps_pb2.ReplicationMessage(epoch=epoch, snapshot_file=piece)
+                connection.send([message.SerializeToString()])
+        finally:
+            sender.close()
+        link.sending(link.start_sequence)
+        connection.send([ps_pb2.ReplicationMessage(epoch=epoch,
+                                                   snapshot_done=link.start_sequence).SerializeToString()])
+        while link.closed is None and self._role.state == PRIMARY:
+            batch = link.take(self._ping_seconds)
+            if not batch:
+                if link.closed is None:
+                    link.sending(link.sent_sequence)
+                    connection.send([ps_pb2.ReplicationMessage(epoch=epoch,
+                                                               ping=link.sent_sequence).SerializeToString()])
+                continue
+            for sequence, record in batch:
+                link.sending(sequence)
+                connection.send(record_message(epoch, record))
+
+
+def _parse(raw: bytes | bytearray) -> ps_pb2.FollowRequest:
     try:
         return decode_answer(raw)
     except Exception as exc:  # DecodeError, or upb's errors for garbage
-        raise RequestError(Reason.MALFORMED_MESSAGE, f"not a valid wehub_ps.v1.FollowRequest: {exc}") from None
+        raise RequestError(Reason.MALFORMED_MESSAGE,
+                           f"not a valid wehub_ps.v1.FollowRequest: {exc}") from None
 
 
-def _read_answers(requests: Iterator[bytes], link: BackupLink) -> None:
+def _read_answers(connection: FramedConnection, link: BackupLink) -> None:
     try:
-        for raw in requests:
-            request = _parse(raw)
+        while link.closed is None:
+            request = _parse(connection.receive())
             if request.WhichOneof("kind") == "applied":
                 link.answered(request.applied)
-    except (grpc.RpcError, RequestError):
-        pass
-    except Exception:  # a malformed answer ends the stream like a broken one
-        log.exception("backup answer unreadable")
-    link.close(link.closed or "the backup's side of the stream ended")
+    except (ConnectionClosed, RequestError) as error:
+        link.close(link.closed or f"the backup's answers ended: {error}")

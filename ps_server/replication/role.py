@@ -58,6 +58,7 @@ class LeaderInfo(Protocol):
     address: str
     incarnation: int
     epoch: int
+    replication_address: str
 
 
 class Coordination(Protocol):

@@ -1,4 +1,4 @@
-"""Puts a replica together inside one ps-server: role, etcd coordination, Follow service, follower.
+"""Puts a replica together inside one ps-server: role, etcd coordination, replication port, follower.
 
 ``ps_server/server.py`` builds a :class:`ReplicaWiring` when ``--replicas``
 is more than one; everything replication needs from the server (store,
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 from typing import Protocol
 
-import grpc
 from grpc_health.v1 import health_pb2
 
 from ps_server.coordination import CoordinationError, EtcdClient, ShardCoordinator
@@ -22,15 +22,16 @@ from ps_server.durability.restore import RestoredState
 from ps_server.ops.config import ServerConfig
 from ps_server.ops.metrics import Metrics
 from ps_server.replication.follower import Follower
-from ps_server.replication.leader import REPLICATION_SERVICE, ReplicationService
+from ps_server.replication.leader import BackupStreams
 from ps_server.replication.observe import ReplicationCollector
 from ps_server.replication.records import RecordApplier
 from ps_server.replication.role import BACKUP, PRIMARY, ReplicaRole, ReplicaSettings
 from ps_server.replication.snapshots import take_snapshot
+from ps_server.replication.transport import ReplicationListener
 from ps_server.service.auth import TokenFile
 from ps_server.service.standard_services import HealthServicer
 from wehub_ps.process.logs import event
-from wehub_ps.wire.rpc import MAX_MESSAGE_BYTES, SERVICE_NAME
+from wehub_ps.wire.rpc import SERVICE_NAME
 
 __all__ = ["ReplicaWiring"]
 
@@ -67,43 +68,46 @@ class ReplicaWiring:
         self._applier = RecordApplier(server.store, server.ledger, server.consistency)
         if config.consistency == "ssp":
             self.role.consistency_state = server.consistency.snapshot
-        self._coordination = None
+        self._coordination: ShardCoordinator | None = None
         server.metrics.registry.register(ReplicationCollector(self.role))
-
-    def add_service(self, grpc_server: grpc.Server) -> str:
-        """Register the Replication service; its name (for reflection)."""
-        server = self._server
-        snapshot_parent = server.config.checkpoint_dir or None
-        service = ReplicationService(
-            self.role, server.config.shard_index, server.config.num_shards,
+        streams = BackupStreams(
+            self.role, config.shard_index, config.num_shards,
             lambda: take_snapshot(server.store, server.ledger, server.consistency, server.server_id),
-            ping_seconds=max(0.05, self.role.settings.lease_seconds / 4), snapshot_parent=snapshot_parent)
-        grpc_server.add_generic_rpc_handlers((service.generic_handler(),))
-        return REPLICATION_SERVICE
+            ping_seconds=max(0.05, settings.lease_seconds / 4),
+            token_matches=lambda presented: server.tokens is None or server.tokens.matches(presented),
+            snapshot_parent=config.checkpoint_dir or None)
+        self._listener = ReplicationListener(config.host, config.replication_port, streams.serve,
+                                             _server_tls(config))
 
     def start(self) -> None:
         server = self._server
         config = server.config
-        address = config.advertise_address or f"{_advertised_host(config.host)}:{server.port}"
+        host = _advertised_host(config.host)
+        address = config.advertise_address or f"{host}:{server.port}"
+        advertised_host = address.rpartition(":")[0]
+        replication_address = f"{advertised_host}:{self._listener.port}"
+        self._listener.start()
         client = EtcdClient([e.strip() for e in config.etcd_endpoints.split(",") if e.strip()],
                             ca=config.etcd_ca, cert=config.etcd_cert, key=config.etcd_key)
         self._state_changed(self.role.state)  # health before anything is known: not serving
         coordination = ShardCoordinator(
             client, job=config.job_name, shard_index=config.shard_index,
             replica_index=config.replica_index, address=address, incarnation=self.role.settings.incarnation,
-            lease_ttl=config.primary_lease_seconds, on_lease_lost=self.role.lease_lost)
+            lease_ttl=config.primary_lease_seconds, replication_address=replication_address,
+            on_lease_lost=self.role.lease_lost)
         self.role.connect(address, coordination)
         self.role.follow = Follower(self.role, config.shard_index, config.num_shards, self._applier,
-                                    server.install, self._open_channel, config.checkpoint_dir or None,
-                                    self._metadata).follow
+                                    server.install, _client_tls(config), config.checkpoint_dir or None,
+                                    self._token).follow
         self._coordination = coordination
         self.role.start()
         event(log, logging.INFO, "replica started", replica_index=config.replica_index,
-              replicas=config.replicas, address=address, job_name=config.job_name,
-              etcd_endpoints=config.etcd_endpoints)
+              replicas=config.replicas, address=address, replication_address=replication_address,
+              job_name=config.job_name, etcd_endpoints=config.etcd_endpoints)
 
     def stop(self) -> None:
         self.role.stop()
+        self._listener.stop()
 
     def _become_primary(self, has_state: bool) -> None:
         self._applier.forget_streams()
@@ -123,23 +127,27 @@ class ReplicaWiring:
         health.set("", serving if state in (PRIMARY, BACKUP) else not_serving)
         health.set(SERVICE_NAME, serving if state == PRIMARY else not_serving)
 
-    def _open_channel(self, address: str) -> grpc.Channel:
-        config = self._server.config
-        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
-        if not config.tls_cert:
-            return grpc.insecure_channel(address, options=options)
-        with open(config.tls_client_ca, "rb") as ca, open(config.tls_key, "rb") as key, \
-                open(config.tls_cert, "rb") as cert:
-            credentials = grpc.ssl_channel_credentials(ca.read(), key.read(), cert.read())
-        return grpc.secure_channel(address, credentials, options=options)
-
-    def _metadata(self) -> tuple:
+    def _token(self) -> str:
         tokens = self._server.tokens
-        if tokens is None:
-            return ()
-        return (("authorization", "Bearer " + tokens.current().decode()),)
+        return tokens.current().decode() if tokens is not None else ""
+
+
+def _server_tls(config: ServerConfig) -> ssl.SSLContext | None:
+    """Mutual TLS on the replication port with TLS servers: backups present the servers' certificate."""
+    if not config.tls_cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=config.tls_client_ca)
+    context.load_cert_chain(config.tls_cert, config.tls_key)
+    context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def _client_tls(config: ServerConfig) -> ssl.SSLContext | None:
+    if not config.tls_cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=config.tls_client_ca)
+    context.load_cert_chain(config.tls_cert, config.tls_key)
+    return context
 
 
 def _advertised_host(host: str) -> str:

@@ -636,34 +636,38 @@ class FollowRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[FollowStart, _Mapping]] = ..., applied: _Optional[int] = ...) -> None: ...
 
 class FollowStart(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "replica_index", "incarnation", "address", "epoch")
+    __slots__ = ("shard_index", "num_shards", "replica_index", "incarnation", "address", "epoch", "token")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_INDEX_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     replica_index: int
     incarnation: int
     address: str
     epoch: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., replica_index: _Optional[int] = ..., incarnation: _Optional[int] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    token: str
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., replica_index: _Optional[int] = ..., incarnation: _Optional[int] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
 
 class ReplicationMessage(_message.Message):
-    __slots__ = ("epoch", "snapshot_file", "snapshot_done", "record", "ping")
+    __slots__ = ("epoch", "snapshot_file", "snapshot_done", "record", "ping", "refused")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FILE_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_DONE_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     snapshot_file: SnapshotFile
     snapshot_done: int
     record: ReplicationRecord
     ping: int
-    def __init__(self, epoch: _Optional[int] = ..., snapshot_file: _Optional[_Union[SnapshotFile, _Mapping]] = ..., snapshot_done: _Optional[int] = ..., record: _Optional[_Union[ReplicationRecord, _Mapping]] = ..., ping: _Optional[int] = ...) -> None: ...
+    refused: str
+    def __init__(self, epoch: _Optional[int] = ..., snapshot_file: _Optional[_Union[SnapshotFile, _Mapping]] = ..., snapshot_done: _Optional[int] = ..., record: _Optional[_Union[ReplicationRecord, _Mapping]] = ..., ping: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
 
 class SnapshotFile(_message.Message):
     __slots__ = ("path", "offset", "last", "data")

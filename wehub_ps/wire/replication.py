@@ -13,8 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from wehub_ps.v1 import ps_pb2
-from wehub_ps.wire.codec import join_pieces
-from wehub_ps.wire.protowire import WIRE_LEN, WIRE_VARINT, CodecError, field_number, field_tag, iter_fields, read_varint, varint
+from wehub_ps.wire.protowire import (
+    WIRE_LEN,
+    WIRE_VARINT,
+    CodecError,
+    field_number,
+    field_tag,
+    iter_fields,
+    read_varint,
+    varint,
+)
 
 __all__ = ["RecordView", "PushView", "push_op", "other_op", "record_pieces", "record_message",
            "decode_record_message", "answer", "decode_answer"]
@@ -33,7 +41,8 @@ _RECORD_FIELD = field_number(ps_pb2.ReplicationMessage, "record")
 _EPOCH_FIELD = field_number(ps_pb2.ReplicationMessage, "epoch")
 _SEQUENCE_FIELD = field_number(ps_pb2.ReplicationRecord, "sequence")
 _PUSH_FIELD = field_number(ps_pb2.ReplicationRecord, "push")
-_PUSH_FIELDS = {field_number(ps_pb2.PushApplied, name): name for name in ("stream", "begin", "message", "completed")}
+_PUSH_FIELDS = {field_number(ps_pb2.PushApplied, name): name
+                for name in ("stream", "begin", "message", "completed")}
 
 
 def push_op(stream: int, begin: bytes | None, message: bytes | memoryview, completed: bool) -> list:
@@ -60,10 +69,10 @@ def record_pieces(sequence: int, op: list) -> list:
     return [_SEQUENCE + varint(sequence), *op]
 
 
-def record_message(epoch: int, record: list) -> bytes:
-    """One ReplicationMessage carrying ``record``, joined (each byte copied once)."""
+def record_message(epoch: int, record: list) -> list:
+    """One ReplicationMessage carrying ``record``, as pieces (write them with a scatter-gather send)."""
     length = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in record)
-    return join_pieces([_EPOCH + varint(epoch) + _RECORD + varint(length), *record])
+    return [_EPOCH + varint(epoch) + _RECORD + varint(length), *record]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +93,7 @@ class RecordView:
     other: ps_pb2.ReplicationRecord | None
 
 
-def decode_record_message(data: bytes) -> RecordView | None:
+def decode_record_message(data: bytes | bytearray) -> RecordView | None:
     """The record a ReplicationMessage carries, or None when it carries something else (parse it whole)."""
     buf = memoryview(data)
     epoch = 0
@@ -108,7 +117,7 @@ def decode_record_message(data: bytes) -> RecordView | None:
             other_fields.append((start, stop))
     other = None
     if push is None:
-        other = ps_pb2.ReplicationRecord.FromString(buf[record[0]:record[1]])
+        other = ps_pb2.ReplicationRecord.FromString(bytes(buf[record[0]:record[1]]))
     return RecordView(epoch, sequence, push, other)
 
 
@@ -134,5 +143,5 @@ def answer(applied: int) -> bytes:
     return _APPLIED + varint(applied)
 
 
-def decode_answer(data: bytes) -> ps_pb2.FollowRequest:
-    return ps_pb2.FollowRequest.FromString(data)
+def decode_answer(data: bytes | bytearray) -> ps_pb2.FollowRequest:
+    return ps_pb2.FollowRequest.FromString(bytes(data))
