@@ -30,6 +30,9 @@ class Replica:
     replica_index: int
     process: ServerProcess
     port: int
+    #: TLS servers: (CA pair, client pair) for the test's own calls, and their bearer token.
+    tls: tuple | None = None
+    token: str | None = None
 
     @property
     def address(self) -> str:
@@ -45,11 +48,19 @@ class Replica:
     def health(self, service: str = PRIMARY_SERVICE, timeout: float = 2.0) -> int | None:
         """The health status of ``service`` here (the ParameterServer: SERVING on the primary only)."""
         try:
-            with grpc.insecure_channel(self.address) as channel:
+            with self._channel() as channel:
                 return health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
         except grpc.RpcError:
             return None
+
+    def _channel(self) -> grpc.Channel:
+        if self.tls is None:
+            return grpc.insecure_channel(self.address)
+        ca, client = self.tls
+        credentials = grpc.ssl_channel_credentials(ca.cert.read_bytes(), client.key.read_bytes(),
+                                                   client.cert.read_bytes())
+        return grpc.secure_channel(self.address, credentials)
 
     def is_primary(self) -> bool:
         return self.health() == health_pb2.HealthCheckResponse.SERVING
@@ -64,9 +75,11 @@ class Replica:
 
     def status(self, timeout: float = 5.0) -> ps_pb2.ReplicaStatus:
         """This replica's Describe (asked of any replica): its role, epoch, sequence and backups."""
-        with grpc.insecure_channel(self.address) as channel:
+        metadata = (("authorization", f"Bearer {self.token}"),) if self.token else None
+        with self._channel() as channel:
             raw = channel.unary_unary(method_path("Describe"))(
-                ps_pb2.DescribeRequest(any_replica=True).SerializeToString(), timeout=timeout)
+                ps_pb2.DescribeRequest(any_replica=True).SerializeToString(), timeout=timeout,
+                metadata=metadata)
         return ps_pb2.DescribeResponse.FromString(raw).replication
 
     def newest_checkpoint(self) -> pathlib.Path:
@@ -94,6 +107,8 @@ class ReplicatedCluster:
     replicas: int
     extra_args: tuple[str, ...] = ()
     lease_seconds: int = 1
+    health_tls: tuple | None = None
+    health_token: str | None = None
     job: str = field(default_factory=lambda: f"test-{uuid.uuid4().hex[:8]}")
     shards: list[list[Replica]] = field(default_factory=list)
 
@@ -108,7 +123,7 @@ class ReplicatedCluster:
                         "--primary-lease-seconds", str(self.lease_seconds),
                         "--checkpoint-dir", str(directory / "checkpoints"), *self.extra_args)
                 members.append(Replica(shard, index, ServerProcess(shard, self.num_shards, directory, args),
-                                       free_port()))
+                                       free_port(), self.health_tls, self.health_token))
             self.shards.append(members)
 
     def start(self) -> ReplicatedCluster:

@@ -46,14 +46,17 @@ def make_ca(directory: pathlib.Path, name: str) -> tuple[Pair, object, object]:
     return _write(directory, name, cert, key), cert, key
 
 
-def issue(directory: pathlib.Path, name: str, ca_cert, ca_key, server: bool) -> Pair:
+def issue(directory: pathlib.Path, name: str, ca_cert, ca_key, server: bool, client_too: bool = False) -> Pair:
+    """A certificate for a server (its names: localhost, ps, 127.0.0.1) or a client; ``client_too``: a
+    server's that also authenticates it as a client (replicas present it to their primary)."""
     key = _key()
     now = datetime.datetime.now(datetime.timezone.utc)
     builder = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(ca_cert.subject)
                .public_key(key.public_key()).serial_number(x509.random_serial_number())
                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH if server
-                                                     else ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
+               .add_extension(x509.ExtendedKeyUsage(
+                   [ExtendedKeyUsageOID.SERVER_AUTH] * server
+                   + [ExtendedKeyUsageOID.CLIENT_AUTH] * (client_too or not server)), critical=False))
     if server:
         builder = builder.add_extension(x509.SubjectAlternativeName([
             x509.DNSName("localhost"), x509.DNSName("ps"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),

@@ -318,6 +318,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     environ = os.environ if environ is None else environ
     args = vars(build_parser().parse_args(argv))
     values: dict[str, object] = {}
+    explicit: set[str] = set()  # settings given by a flag or a PS_ variable (they win over TF_CONFIG)
     try:
         task = task_from_tf_config(environ)
     except ClusterConfigError as exc:
@@ -328,8 +329,11 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
                 f"TF_CONFIG describes a {task.task_type!r} task; ps-server needs task.type 'ps'")
         if not 0 <= task.task_index < len(task.ps_addresses):
             raise ConfigError(f"TF_CONFIG task.index {task.task_index} has no entry in cluster.ps")
+        replicas = task.ps_replicas[task.task_index]
         values.update(shard_index=task.task_index, num_shards=len(task.ps_addresses),
-                      port=split_host_port(task.ps_addresses[task.task_index])[1])
+                      port=split_host_port(replicas[0])[1])
+        if len(replicas) > 1:  # 'a|b': the shard's replica set; --replica-index picks this process's port
+            values["replicas"] = len(replicas)
     for f in fields(ServerConfig):
         if f.name not in args:
             continue
@@ -339,6 +343,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             raw, source = environ[_env_name(f.name)], _env_name(f.name)
         if raw is None:
             continue
+        explicit.add(f.name)
         kind = type(f.default) if f.default is not None else str
         if kind is bool:
             if isinstance(raw, bool):
@@ -354,6 +359,13 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             values[f.name] = kind(raw) if kind is not str else str(raw)
         except (TypeError, ValueError):
             raise ConfigError(f"{source} must be {kind.__name__}, got {raw!r}") from None
+    if task is not None and task.ps_addresses and "port" not in explicit:
+        replicas = task.ps_replicas[task.task_index]
+        index = int(values.get("replica_index", 0))  # type: ignore[call-overload]
+        if not 0 <= index < len(replicas):
+            raise ConfigError(f"--replica-index {index} has no entry in TF_CONFIG's "
+                              f"cluster.ps[{task.task_index}] ({'|'.join(replicas)})")
+        values["port"] = split_host_port(replicas[index])[1]
     # The worker side's settings share the PS_ prefix; those are no misspellings of a server's.
     known = {_env_name(f.name) for f in fields(ServerConfig)} | set(WORKER_ENVIRONMENT) | {COMPILED_LOOPS_ENV}
     unknown = sorted(k for k in environ if k.startswith("PS_") and k not in known)

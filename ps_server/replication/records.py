@@ -13,6 +13,7 @@ controller and never waits.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from wehub_ps.wire.codec import decode_push_request
 from wehub_ps.wire.protowire import CodecError
 from wehub_ps.wire.replication import PushView, RecordView, other_op, push_op
 
-__all__ = ["Divergence", "RecordApplier", "consistency_state", "push_applied", "push_ended", "rows_read",
+__all__ = ["Divergence", "RecordApplier", "consistency_state", "finish", "push_applied", "push_ended", "rows_read",
            "variable_created"]
 
 #: Bytes a record costs beyond its payload (headers, the begin of a small push).
@@ -71,6 +72,10 @@ def consistency_state(state: dict) -> Op:
     return _small(ps_pb2.ReplicationRecord(consistency=json.dumps(state, sort_keys=True)))
 
 
+def finish() -> Op:
+    return _small(ps_pb2.ReplicationRecord(finish=True))
+
+
 def _small(record: ps_pb2.ReplicationRecord) -> Op:
     op = other_op(record)
     return op, RECORD_OVERHEAD + len(op[0])
@@ -83,7 +88,9 @@ class Divergence(Exception):
 class RecordApplier:
     """A backup's side of the log: applies records in order, one at a time (one thread)."""
 
-    def __init__(self, store: VariableStore, ledger: PushLedger, consistency: ConsistencyController) -> None:
+    def __init__(self, store: VariableStore, ledger: PushLedger, consistency: ConsistencyController,
+                 on_finish: Callable[[], None] = lambda: None) -> None:
+        self._on_finish = on_finish
         self._store = store
         self._ledger = ledger
         self._consistency = consistency
@@ -114,6 +121,8 @@ class RecordApplier:
                 self._store.create(spec_from_proto(record.other.created))
             elif op == "consistency":
                 self._consistency.restore(json.loads(record.other.consistency))
+            elif op == "finish":
+                self._on_finish()
             else:
                 raise Divergence(f"record {record.sequence} carries no change this backup knows ({op})")
         except (RequestError, SpecError, CodecError) as error:

@@ -338,6 +338,9 @@ class ReplicaRole:
     def variable_created(self, spec: ps_pb2.VariableSpec) -> int:
         return self._append(*records.variable_created(spec))
 
+    def finishing(self) -> int:
+        return self._append(*records.finish())
+
     def table_rows_read(self, reads: list[tuple[str, np.ndarray]]) -> None:
         self._append(*records.rows_read(reads))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
+import threading
 from typing import Protocol
 
 from grpc_health.v1 import health_pb2
@@ -50,6 +51,7 @@ class ReplicatedServer(Protocol):
     health: HealthServicer
     tokens: TokenFile | None
     port: int
+    finish_requested: threading.Event
 
     def install(self, restored: RestoredState) -> None: ...
     def restore(self) -> None: ...
@@ -65,7 +67,8 @@ class ReplicaWiring:
             replication_timeout=config.replication_timeout, max_backup_bytes=config.max_backup_bytes)
         self.role = ReplicaRole(settings, self._become_primary)
         self.role.on_state = self._state_changed
-        self._applier = RecordApplier(server.store, server.ledger, server.consistency)
+        self._applier = RecordApplier(server.store, server.ledger, server.consistency,
+                                      on_finish=server.finish_requested.set)
         if config.consistency == "ssp":
             self.role.consistency_state = server.consistency.snapshot
         self._coordination: ShardCoordinator | None = None

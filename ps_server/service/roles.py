@@ -43,6 +43,9 @@ class ShardRole(Protocol):
     def variable_created(self, spec: ps_pb2.VariableSpec) -> int:
         """Under ``ordered``: a variable was created; its sequence."""
 
+    def finishing(self) -> int:
+        """Under ``ordered``: a worker's finish() ends the job; the backups end too. Its sequence."""
+
     def last_sequence(self) -> int:
         """The sequence of the newest change ordered so far."""
 
@@ -75,6 +78,9 @@ class SingleReplica:
         return 0
 
     def variable_created(self, spec: ps_pb2.VariableSpec) -> int:
+        return 0
+
+    def finishing(self) -> int:
         return 0
 
     def last_sequence(self) -> int:

@@ -131,6 +131,10 @@ class ParameterServerService:
             # that comes next. A repeated finish while finishing is acknowledged.
             self._lifecycle.check_accepting()
         log.info("finish requested", extra={"fields": {"worker_id": msg.worker_id}})
+        if self._role.replicated:
+            with self._role.ordered():
+                sequence = self._role.finishing()
+            self._role.acknowledge(sequence, context.time_remaining())
         self._context.finish_requested.set()
         return ps_pb2.FinishResponse().SerializeToString()
 

@@ -132,3 +132,41 @@ def test_sigkill_of_the_primary_loses_no_acknowledged_push(replicated):
         client.push({"v": np.ones(1000, np.float32)})
         np.testing.assert_array_equal(client.pull(["v"])["v"], np.full(1000, -acknowledged - 1, np.float32))
     assert took < 5, f"failover took {took:.2f}s"
+
+
+def test_replicas_over_mutual_tls_with_a_token(tmp_path, etcd_server):
+    """The replication port speaks mutual TLS with the servers' certificates and checks the bearer token."""
+    from tls_material import issue, make_ca
+
+    ca, ca_cert, ca_key = make_ca(tmp_path, "ca")
+    server = issue(tmp_path, "server", ca_cert, ca_key, True, client_too=True)
+    client = issue(tmp_path, "client", ca_cert, ca_key, False)
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    cluster = ReplicatedCluster(tmp_path / "tls", etcd_server.endpoint, 1, 2, (
+        "--tls-cert", str(server.cert), "--tls-key", str(server.key), "--tls-client-ca", str(ca.cert),
+        "--auth-token-file", str(token)), health_tls=(ca, client), health_token="s3cret")
+    try:
+        cluster.start()
+        with PSClient(cluster.addresses, worker_id="w0", tls_ca=str(ca.cert), tls_cert=str(client.cert),
+                      tls_key=str(client.key), auth_token_file=str(token)) as worker:
+            worker.create_variable("v", (100,), initializer=Zeros(), optimizer=SGD(1.0))
+            for _ in range(5):
+                worker.push({"v": np.ones(100, np.float32)})
+            primary = cluster.primary(0)
+            assert primary.status().backups[0].in_sync
+            primary.process.signal(signal.SIGKILL)
+            worker.push({"v": np.ones(100, np.float32)})
+            np.testing.assert_array_equal(worker.pull(["v"])["v"], np.full(100, -6, np.float32))
+    finally:
+        cluster.stop()
+
+
+def test_finish_ends_every_replica(replicated):
+    cluster = replicated(1, 2, "--allow-finish")
+    with PSClient(cluster.addresses, worker_id="w0") as client:
+        client.create_variable("v", (10,), initializer=Zeros(), optimizer=SGD(1.0))
+        client.push({"v": np.ones(10, np.float32)})
+        client.finish()
+    for replica in cluster.all():
+        assert replica.process.wait(30) == 0, replica.process.log_text()[-3000:]

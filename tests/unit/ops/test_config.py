@@ -80,6 +80,30 @@ def test_tf_config_ps_task(index, port):
     assert config.host == "0.0.0.0"
 
 
+@pytest.mark.parametrize("replica_index, port", [(0, 7003), (1, 7004)])
+def test_tf_config_replicated_ps_task_takes_its_replicas_port(replica_index, port):
+    raw = json.dumps({"cluster": {"ps": ["h0a:7001|h0b:7002", "h1a:7003|h1b:7004"]},
+                      "task": {"type": "ps", "index": 1}})
+    config = parse_config(["--replica-index", str(replica_index), "--etcd-endpoints", "etcd:2379"],
+                          {"TF_CONFIG": raw})
+    assert (config.shard_index, config.num_shards, config.replicas, config.replica_index, config.port) == (
+        1, 2, 2, replica_index, port)
+    with pytest.raises(ConfigError, match="replica-index 2 has no entry"):
+        parse_config(["--replica-index", "2", "--replicas", "3", "--etcd-endpoints", "etcd:2379"],
+                     {"TF_CONFIG": raw})
+
+
+def test_replication_settings_are_checked():
+    with pytest.raises(ConfigError, match="--etcd-endpoints"):
+        parse_config(["--replicas", "2"], {})
+    with pytest.raises(ConfigError, match="sync"):
+        parse_config(["--replicas", "2", "--etcd-endpoints", "e:1", "--consistency", "sync"], {})
+    with pytest.raises(ConfigError, match="--replica-index must be in"):
+        parse_config(["--replicas", "2", "--replica-index", "2", "--etcd-endpoints", "e:1"], {})
+    with pytest.raises(ConfigError, match="--primary-lease-seconds"):
+        parse_config(["--replicas", "2", "--etcd-endpoints", "e:1", "--primary-lease-seconds", "0"], {})
+
+
 @pytest.mark.parametrize("task_type", ["worker", "chief", "evaluator", ""])
 def test_tf_config_of_another_task_is_refused(task_type):
     with pytest.raises(ConfigError) as info:
