@@ -46,7 +46,8 @@ def make_ca(directory: pathlib.Path, name: str) -> tuple[Pair, object, object]:
     return _write(directory, name, cert, key), cert, key
 
 
-def issue(directory: pathlib.Path, name: str, ca_cert, ca_key, server: bool, client_too: bool = False) -> Pair:
+def issue(directory: pathlib.Path, name: str, ca_cert, ca_key, server: bool,
+          client_too: bool = False) -> Pair:
     """A certificate for a server (its names: localhost, ps, 127.0.0.1) or a client; ``client_too``: a
     server's that also authenticates it as a client (replicas present it to their primary)."""
     key = _key()
