@@ -92,8 +92,8 @@ class ReplicaSettings:
 
 
 #: Roles, as Describe and ps-admin show them.
-STARTING, CATCHING_UP, BACKUP, CANDIDATE, PRIMARY, DEPOSED = (
-    "starting", "catching-up", "backup", "candidate", "primary", "deposed")
+STARTING, CATCHING_UP, BACKUP, CANDIDATE, PRIMARY, DEPOSED, STOPPING = (
+    "starting", "catching-up", "backup", "candidate", "primary", "deposed", "stopping")
 
 # A primary's proof of its lease ends this much before the TTL does (clock rates, scheduling).
 _PROOF_MARGIN = 0.1
@@ -156,10 +156,15 @@ class ReplicaRole:
         self._thread.start()
 
     def stop(self) -> None:
+        """SIGTERM: refuse work at once (NOT_PRIMARY: workers move to the replica elected next) and leave
+        the replica set; pushes in flight are refused rather than acknowledged unconfirmed."""
+        self._set_state(STOPPING)
         self._stopping.set()
         self._wake.set()
         with self._acks:
             self._acks.notify_all()
+        if self._monitor is not None:
+            self._monitor.join()  # before the links close: a stopping primary never shrinks the in-sync set
         for link in list(self._links.values()):
             link.close("the primary is stopping")
         self._coordination.close()
@@ -184,8 +189,8 @@ class ReplicaRole:
     def _leader_changed(self, leader: LeaderInfo | None) -> None:
         if leader is not None and leader.epoch > self._epoch and self._state == PRIMARY:
             self._deposed(f"replica {leader.replica_index} was elected (epoch {leader.epoch})")
+        self._leader = leader  # None: the term ended; refusals name no primary until the next is known
         if leader is not None:
-            self._leader = leader
             self._epoch = max(self._epoch, leader.epoch)
         self._wake.set()
 
@@ -457,6 +462,8 @@ class ReplicaRole:
         self._logged_consistency = state
 
     def _change_in_sync(self, failed: set[tuple[int, int]], caught_up: set[tuple[int, int]]) -> None:
+        if self._state != PRIMARY or self._stopping.is_set():
+            return
         # Grow locally first (acknowledgements wait for the newcomer from now on), shrink after etcd agreed.
         with self._acks:
             self._in_sync |= caught_up

@@ -170,3 +170,22 @@ def test_finish_ends_every_replica(replicated):
         client.finish()
     for replica in cluster.all():
         assert replica.process.wait(30) == 0, replica.process.log_text()[-3000:]
+
+
+def test_sigterm_of_the_primary_hands_over_without_losing_pushes(replicated):
+    """A rolling update: the primary drains, its backup is elected, the worker pushes on, nothing twice."""
+    cluster = replicated()
+    old = cluster.primary(0)
+    acknowledged = 0
+    with PSClient(cluster.addresses, worker_id="w0") as client:
+        client.create_variable("v", (1000,), initializer=Zeros(), optimizer=SGD(1.0))
+        stopper = threading.Thread(target=old.process.stop)
+        for step in range(150):
+            if step == 30:
+                stopper.start()
+            client.push({"v": np.ones(1000, np.float32)})
+            acknowledged += 1
+        stopper.join(30)
+        assert old.process.popen.returncode == 0, old.process.log_text()[-3000:]
+        assert cluster.primary(0) is not old
+        np.testing.assert_array_equal(client.pull(["v"])["v"], np.full(1000, -acknowledged, np.float32))
