@@ -33,6 +33,8 @@ class Replica:
     #: TLS servers: (CA pair, client pair) for the test's own calls, and their bearer token.
     tls: tuple | None = None
     token: str | None = None
+    #: The replica's --metrics-port (0: it serves no metrics).
+    metrics_port: int = 0
 
     @property
     def address(self) -> str:
@@ -109,6 +111,8 @@ class ReplicatedCluster:
     lease_seconds: int = 1
     health_tls: tuple | None = None
     health_token: str | None = None
+    #: Give each replica a --metrics-port of its own.
+    metrics: bool = False
     job: str = field(default_factory=lambda: f"test-{uuid.uuid4().hex[:8]}")
     shards: list[list[Replica]] = field(default_factory=list)
 
@@ -122,8 +126,11 @@ class ReplicatedCluster:
                         "--etcd-endpoints", self.etcd_endpoint, "--job-name", self.job,
                         "--primary-lease-seconds", str(self.lease_seconds),
                         "--checkpoint-dir", str(directory / "checkpoints"), *self.extra_args)
+                metrics_port = free_port() if self.metrics else 0
+                if metrics_port:
+                    args += ("--metrics-port", str(metrics_port))
                 members.append(Replica(shard, index, ServerProcess(shard, self.num_shards, directory, args),
-                                       free_port(), self.health_tls, self.health_token))
+                                       free_port(), self.health_tls, self.health_token, metrics_port))
             self.shards.append(members)
 
     def start(self) -> ReplicatedCluster:

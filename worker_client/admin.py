@@ -4,7 +4,8 @@
                                     # workers, checkpoint; in ssp/sync mode also each shard's step,
                                     # dropped gradients and largest staleness admitted;
                                     # a shard that does not answer is shown UNREACHABLE (exit status 3);
-                                    # replicated shards: each replica's health, the primary marked
+                                    # replicated shards: each replica's role, health, epoch, applied
+                                    # sequence, in-sync state, lag and etcd lease, and each shard's primary
     ps-admin checkpoint             # every shard writes a checkpoint now
     ps-admin finish                 # run-to-completion jobs: servers checkpoint and exit 0
 
@@ -26,10 +27,10 @@ from typing import Any
 
 from wehub_ps.cluster import ADDRESSES_ENV, CLUSTER_ENVIRONMENT, CONNECTION_ENVIRONMENT, EnvSetting
 from worker_client.client import PSClient
-from worker_client.errors import PSError
-from worker_client.shard_info import ShardInfo
+from worker_client.errors import PSError, PSUnavailableError
+from worker_client.shard_info import BackupInfo, ReplicaInfo, ShardInfo
 
-__all__ = ["ENVIRONMENT", "main", "status_table", "replicas_table"]
+__all__ = ["ENVIRONMENT", "main", "replicas_table", "status_table"]
 
 #: The environment variables ps-admin reads (through PSClient.from_env); it is
 #: always the observer "ps-admin", so no variable naming a worker is among them.
@@ -109,17 +110,85 @@ def status_table(infos: Sequence[ShardInfo | PSError], health: Sequence[str],
     return text + f"\n\nconsistency: {mode}"
 
 
-def replicas_table(health: Sequence[Mapping[str, str]], in_use: Sequence[str],
+def replicas_table(replicas: Sequence[Mapping[str, ReplicaInfo | PSError | None]],
+                   health: Sequence[Mapping[str, str]], in_use: Sequence[str],
                    infos: Sequence[ShardInfo | PSError]) -> str:
-    """Each replica of each shard with its health. "primary" marks the replica that answered Describe
-    (``in_use[i]``, where the client followed shard i's refusals to); "?" the one tried last of a shard
-    no replica of which answered."""
-    rows = [["shard", "replica", "role", "health"]]
-    for i, (statuses, current) in enumerate(zip(health, in_use)):
-        role = "primary" if i < len(infos) and isinstance(infos[i], ShardInfo) else "?"
-        for address, state in statuses.items():
-            rows.append([f"{i}/{len(health)}", address, role if address == current else "-", state])
-    return _table(rows)
+    """Each replica of each shard: its role, health, epoch, applied sequence, in-sync state, lag and
+    etcd lease; then a line per shard naming its primary.
+
+    ``replicas[i]`` maps shard i's replica addresses to the replica's own
+    Describe (asked with ``any_replica``): its :class:`ReplicaInfo`, None for
+    a server that runs unreplicated, or the error it failed with (role
+    "unreachable", or "refused" with the server's reason). In-sync state and
+    lag are the shard primary's view of each backup (its BackupStatus).
+    ``health[i]`` is each replica's gRPC health of the ParameterServer
+    service, ``in_use[i]`` the replica shard i's Describe went to and
+    ``infos[i]`` what it answered: an unreplicated server is the primary
+    when it is the one that answered.
+    """
+    rows = [["shard", "replica", "index", "role", "health", "epoch", "applied seq", "in sync", "lag records",
+             "lag bytes", "lag s", "etcd lease"]]
+    summaries = []
+    for i, statuses in enumerate(replicas):
+        shard = f"{i}/{len(replicas)}"
+        answered = i < len(infos) and isinstance(infos[i], ShardInfo)
+        primary = _shard_primary(statuses)
+        # By replica index: a backup's address as the primary knows it may be another name for it.
+        backups = {b.replica_index: b for b in primary.backups} if primary is not None else {}
+        for address, status in statuses.items():
+            state = health[i].get(address, "?") if i < len(health) else "?"
+            if isinstance(status, ReplicaInfo):
+                rows.append([shard, address, str(status.replica_index), status.role, state, str(status.epoch),
+                             str(status.applied_sequence), *_lag_cells(status, primary, backups.get(status.replica_index)),
+                             "proven" if status.lease_proven else "not proven"])
+            elif status is None:
+                role = "primary" if answered and address == in_use[i] else "unreplicated"
+                rows.append([shard, address, "-", role, state, *["-"] * 8])
+            else:
+                rows.append([shard, address, "-", _failure(status), state, *["-"] * 8])
+        summaries.append(_primary_summary(shard, statuses, primary, answered, in_use[i] if answered else None))
+    return _table(rows) + "\n\n" + "\n".join(summaries)
+
+
+def _shard_primary(statuses: Mapping[str, ReplicaInfo | PSError | None]) -> ReplicaInfo | None:
+    """The replica that reports itself primary, of the newest epoch if several do (a deposed primary
+    that has not noticed yet reports an older one)."""
+    primaries = [s for s in statuses.values() if isinstance(s, ReplicaInfo) and s.role == "primary"]
+    return max(primaries, key=lambda s: s.epoch) if primaries else None
+
+
+def _lag_cells(status: ReplicaInfo, primary: ReplicaInfo | None, backup: BackupInfo | None) -> list[str]:
+    """In sync, lag in records, bytes and seconds: the primary's view of this backup ("-" on the primary;
+    "no" and "-" for a replica the primary does not stream to)."""
+    if status is primary:
+        return ["-"] * 4
+    if backup is None:
+        return ["no" if primary is not None else "?", *["-"] * 3]
+    return ["yes" if backup.in_sync else "no", str(backup.lag_records), str(backup.lag_bytes),
+            f"{backup.lag_seconds:.2f}"]
+
+
+def _failure(error: PSError) -> str:
+    """The role cell of a replica whose Describe failed: unreachable (no answer), or what it refused with."""
+    if isinstance(error, PSUnavailableError) and error.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED") \
+            and error.reason is None:
+        return "unreachable"
+    return f"refused ({error.reason or error.code or type(error).__name__})"
+
+
+def _primary_summary(shard: str, statuses: Mapping[str, ReplicaInfo | PSError | None],
+                     primary: ReplicaInfo | None, answered: bool, in_use: str | None) -> str:
+    """One line: the shard's primary, its epoch and how many of its backups are in sync."""
+    if primary is not None:
+        in_sync = sum(1 for b in primary.backups if b.in_sync)
+        return (f"shard {shard}: primary {primary.address} (replica {primary.replica_index}, epoch "
+                f"{primary.epoch}), {in_sync} of {len(statuses) - 1} backups in sync")
+    if answered and in_use is not None and statuses.get(in_use) is None:
+        return f"shard {shard}: primary {in_use} (unreplicated)"
+    named = {s.primary_address for s in statuses.values() if isinstance(s, ReplicaInfo) and s.primary_address}
+    if named:
+        return f"shard {shard}: NO PRIMARY ANSWERED; the backups name {', '.join(sorted(named))}"
+    return f"shard {shard}: NO PRIMARY (an election may be under way)"
 
 
 def _held(variable: dict[str, Any]) -> bool:
@@ -196,7 +265,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 health = client.health(args.timeout)
                 print(status_table(infos, health, client.addresses))
                 if any(len(replicas) > 1 for replicas in client.replicas):
-                    print("\n" + replicas_table(client.replica_health(args.timeout), client.primaries, infos))
+                    replicas = client.replica_status(args.timeout)
+                    print("\n" + replicas_table(replicas, client.replica_health(args.timeout),
+                                                client.primaries, infos))
+                    silent = [f"{address}: {status}" for statuses in replicas
+                              for address, status in statuses.items() if isinstance(status, PSError)]
+                    if silent:
+                        print("ps-admin: replicas not answering: " + "; ".join(silent), file=sys.stderr)
                 down = [f"{address}: {info}" for address, info in zip(client.addresses, infos)
                         if not isinstance(info, ShardInfo)]
                 if down:

@@ -39,7 +39,7 @@ from worker_client.push_framing import PushFramer
 from worker_client.pushes import Pushes, PushSender
 from worker_client.registry import Registry, Variable
 from worker_client.session import DEFAULT_LEASE_SECONDS, Session, check_addresses
-from worker_client.shard_info import ShardInfo
+from worker_client.shard_info import ReplicaInfo, ShardInfo
 from worker_client.step import Step
 from worker_client.topk import TopKRows
 
@@ -280,6 +280,15 @@ class PSClient:
     def replica_health(self, timeout: float) -> list[dict[str, str]]:
         """Each replica's health status by address, per shard in shard order."""
         return self._session.replica_health(timeout)
+
+    def replica_status(self, timeout: float) -> list[dict[str, ReplicaInfo | PSError | None]]:
+        """Each replica's replication status (role, epoch, sequence; on a primary its backups' in-sync
+        state and lag) by address, per shard in shard order: one Describe each, backups included.
+
+        None for a replica that runs unreplicated; the PSError for one that
+        did not answer (unreachable, or refusing while it starts).
+        """
+        return self._session.replica_status(timeout)
 
     def variables(self, refresh: bool = False) -> dict[str, Variable]:
         """Variables this client knows; ``refresh`` re-reads them from the servers."""

@@ -28,7 +28,7 @@ from worker_client.errors import (
     PSError,
     PSUnavailableError,
 )
-from worker_client.shard_info import ShardInfo, read_describe
+from worker_client.shard_info import ReplicaInfo, ShardInfo, read_describe, read_replica_status
 from worker_client.transport.channels import ShardChannel
 from worker_client.transport.credentials import BearerToken, tls_material
 from worker_client.transport.fanout import ShardCall, run_on_shards, run_shard_calls
@@ -372,6 +372,17 @@ class Session:
     def replica_health(self, timeout: float) -> list[dict[str, str]]:
         """Each shard's replicas' health status by address, in shard order (one check each)."""
         return [shard.replica_health(timeout) for shard in self.shards]
+
+    def replica_status(self, timeout: float) -> list[dict[str, ReplicaInfo | PSError | None]]:
+        """Each shard's replicas' replication status by address, in shard order (one Describe each, asked
+        even of backups): None for a replica that runs unreplicated, the error for one that failed."""
+        request = ps_pb2.DescribeRequest(any_replica=True).SerializeToString()
+        statuses = []
+        for shard in self.shards:
+            answers = shard.describe_each_replica(request, timeout)
+            statuses.append({address: answer if isinstance(answer, PSError)
+                             else read_replica_status(address, answer) for address, answer in answers.items()})
+        return statuses
 
     def close(self) -> None:
         """Stop the heartbeat, leave the live set, close every channel. Called once."""

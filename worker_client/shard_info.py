@@ -1,4 +1,9 @@
-"""What a ps-server reports about itself (Describe), as plain Python values."""
+"""What a ps-server reports about itself (Describe), as plain Python values.
+
+:class:`ShardInfo` is a shard's state as its primary reports it;
+:class:`ReplicaInfo` is one replica's part in its shard's replication
+(asked of every replica, backups included, for ``ps-admin status``).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from wehub_ps.specs import VariableSpec
 from wehub_ps.specs_proto import spec_from_proto
 from wehub_ps.v1 import ps_pb2
 
-__all__ = ["ShardInfo", "read_describe"]
+__all__ = ["BackupInfo", "ReplicaInfo", "ShardInfo", "read_describe", "read_replica_status"]
 
 
 @dataclass(frozen=True)
@@ -66,3 +71,52 @@ def read_describe(address: str, raw: bytes) -> tuple[ShardInfo, list[VariableSpe
                      msg.chunk_bytes_limit, msg.worker_lease_seconds, workers, checkpoint, restored,
                      consistency, msg.stored_bytes, msg.memory_limit_bytes)
     return info, specs
+
+
+@dataclass(frozen=True)
+class BackupInfo:
+    """One backup as its primary sees it: whether it is in the in-sync set, and how far behind it is."""
+
+    replica_index: int
+    address: str
+    in_sync: bool
+    acknowledged_sequence: int
+    lag_records: int
+    lag_bytes: int
+    lag_seconds: float
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """One replica's own account of its shard's replication (Describe with ``any_replica``).
+
+    ``role`` is "primary", "backup" (in sync), "catching-up", "candidate",
+    "starting" or "deposed"; ``epoch`` the primary's term this replica knows
+    (0: none known); ``applied_sequence`` the last change it applied (the
+    primary: the last it ordered); ``lease_proven`` whether etcd confirmed
+    its lease within the lease's time; ``backups``, on the primary only,
+    each backup's in-sync state and lag.
+    """
+
+    address: str
+    replica_index: int
+    replicas: int
+    role: str
+    epoch: int
+    primary_address: str
+    applied_sequence: int
+    lease_proven: bool
+    backups: tuple[BackupInfo, ...] = ()
+
+
+def read_replica_status(address: str, raw: bytes) -> ReplicaInfo | None:
+    """A serialised DescribeResponse from the replica at ``address``: its replication status, or None
+    when the server runs unreplicated (--replicas 1 sends none)."""
+    msg = ps_pb2.DescribeResponse.FromString(raw)
+    if not msg.HasField("replication"):
+        return None
+    r = msg.replication
+    backups = tuple(BackupInfo(b.replica_index, b.address, b.in_sync, b.acknowledged_sequence, b.lag_records,
+                               b.lag_bytes, b.lag_seconds) for b in r.backups)
+    return ReplicaInfo(address, r.replica_index, r.replicas, r.role, r.epoch, r.primary_address,
+                       r.applied_sequence, r.etcd_reachable, backups)

@@ -10,6 +10,7 @@ acknowledged push is applied once), not the servers' replication.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from concurrent import futures
@@ -205,7 +206,13 @@ def test_ps_admin_status_shows_each_replica(primary, backups, capsys):
     addresses = f"{backup.address}|{primary.address}"
     assert admin_main(["status", "--timeout", "10", "--addresses", addresses]) == 0
     out = capsys.readouterr().out
-    rows = {line.split()[1]: line.split()[2:] for line in out.splitlines()
-            if line.startswith("0/1") and len(line.split()) == 4}
-    assert rows[primary.address] == ["primary", "SERVING"]
-    assert rows[backup.address] == ["-", "UNREACHABLE"]  # the stand-in has no health service
+    table = next(t for t in out.split("\n\n") if t.startswith("shard  replica")).splitlines()
+    columns = re.split(r"\s{2,}", table[0])
+    rows = {cells["replica"]: cells for cells in (dict(zip(columns, re.split(r"\s{2,}", line)))
+                                                  for line in table[2:])}
+    # The real server runs unreplicated: it is the primary as the one that answered the shard's Describe.
+    assert (rows[primary.address]["role"], rows[primary.address]["health"]) == ("primary", "SERVING")
+    # The stand-in refuses even an any_replica Describe, and has no health service.
+    assert (rows[backup.address]["role"], rows[backup.address]["health"]) == ("refused (NOT_PRIMARY)",
+                                                                              "UNREACHABLE")
+    assert f"shard 0/1: primary {primary.address} (unreplicated)" in out

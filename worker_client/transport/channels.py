@@ -237,13 +237,39 @@ class ShardChannel:
             if address == conn.address:
                 statuses[address] = _health_of(conn.channel, timeout)
                 continue
-            if self._credentials is not None:
-                channel = grpc.secure_channel(address, self._credentials, options=self._options)
-            else:
-                channel = grpc.insecure_channel(address, options=self._options)
-            with channel:
+            with self._probe_channel(address) as channel:
                 statuses[address] = _health_of(channel, timeout)
         return statuses
+
+    def describe_each_replica(self, request: bytes, timeout: float) -> dict[str, bytes | PSError]:
+        """Each replica's answer to one Describe (no retry), or the error it failed with, by address.
+
+        ``request`` must ask with ``any_replica`` set, or the backups refuse it.
+        The replica in use is asked on its channel, the others over a channel
+        opened for the call; none of this moves the shard to another replica.
+        """
+        conn = self._conn
+        answers: dict[str, bytes | PSError] = {}
+        for address in self.replicas:
+            try:
+                if address == conn.address:
+                    answers[address] = self.describe(request, timeout)
+                    continue
+                with self._probe_channel(address) as channel:
+                    try:
+                        answers[address] = channel.unary_unary(method_path("Describe"))(
+                            request, timeout=timeout, metadata=self._metadata)
+                    except grpc.RpcError as error:
+                        raise translate_rpc_error(error, address, "describe") from error
+            except PSError as error:
+                answers[address] = error
+        return answers
+
+    def _probe_channel(self, address: str) -> grpc.Channel:
+        """A channel to one replica for a one-off check, with this shard's credentials and options."""
+        if self._credentials is not None:
+            return grpc.secure_channel(address, self._credentials, options=self._options)
+        return grpc.insecure_channel(address, options=self._options)
 
     def finish(self, request: bytes, timeout: float) -> bytes:
         conn = self._conn

@@ -7,9 +7,9 @@ import re
 import pytest
 
 from wehub_ps.cluster import CLUSTER_ENVIRONMENT, CONNECTION_ENVIRONMENT, WORKER_ID_ENV
-from worker_client.admin import ENVIRONMENT, main, status_table
-from worker_client.errors import PSUnavailableError
-from worker_client.shard_info import ShardInfo
+from worker_client.admin import ENVIRONMENT, main, replicas_table, status_table
+from worker_client.errors import NotPrimaryError, PSUnavailableError
+from worker_client.shard_info import BackupInfo, ReplicaInfo, ShardInfo
 
 
 def _help(capsys) -> str:
@@ -92,3 +92,77 @@ def test_ssp_status_with_shards_at_different_steps_and_one_down():
     assert summary[0] == "consistency: ssp (staleness bound 2)"
     assert summary[1].split()[:3] == ["cluster", "step", "3..4"] and "shards differ" in summary[1]
     assert summary[3].split()[:3] == ["largest", "staleness", "2"]
+
+
+def _replica_row(text: str, address: str) -> dict[str, str]:
+    """The replicas table's row of ``address``, by column header."""
+    lines = text.split("\n\n")[0].splitlines()
+    columns = re.split(r"\s{2,}", lines[0])
+    row = next(line for line in lines[2:] if line.split()[1] == address)
+    return dict(zip(columns, re.split(r"\s{2,}", row)))
+
+
+def _replica(address: str, index: int, role: str, epoch: int, sequence: int,
+             backups: tuple[BackupInfo, ...] = (), lease: bool = True) -> ReplicaInfo:
+    return ReplicaInfo(address, index, 3, role, epoch, "", sequence, lease, backups)
+
+
+_UNREACHABLE = PSUnavailableError("describe: ps-server r2:7000 is unavailable", address="r2:7000",
+                                  code="UNAVAILABLE")
+
+
+def test_replicas_show_role_epoch_sequence_and_the_primarys_view_of_each_backup():
+    """Lag and in-sync state come from the primary's BackupStatus; a replica that does not answer is
+    unreachable; a backup the primary does not stream to is not in sync."""
+    primary = _replica("r0:7000", 0, "primary", 12, 500, (
+        BackupInfo(1, "r1-advertised:7000", True, 498, 2, 4096, 0.25),))
+    statuses = [{"r0:7000": primary, "r1:7000": _replica("r1:7000", 1, "backup", 12, 498),
+                 "r2:7000": _UNREACHABLE}]
+    health = [{"r0:7000": "SERVING", "r1:7000": "NOT_SERVING", "r2:7000": "UNREACHABLE"}]
+    text = replicas_table(statuses, health, ["r0:7000"], [_shard(0, {}, {"mode": "async"}, 1)])
+    assert _replica_row(text, "r0:7000") == {
+        "shard": "0/1", "replica": "r0:7000", "index": "0", "role": "primary", "health": "SERVING",
+        "epoch": "12", "applied seq": "500", "in sync": "-", "lag records": "-", "lag bytes": "-",
+        "lag s": "-", "etcd lease": "proven"}
+    backup = _replica_row(text, "r1:7000")
+    assert (backup["role"], backup["epoch"], backup["applied seq"], backup["in sync"]) == ("backup", "12", "498",
+                                                                                          "yes")
+    assert (backup["lag records"], backup["lag bytes"], backup["lag s"]) == ("2", "4096", "0.25")
+    dead = _replica_row(text, "r2:7000")
+    assert (dead["role"], dead["health"], dead["epoch"], dead["in sync"]) == ("unreachable", "UNREACHABLE", "-",
+                                                                            "-")
+    assert text.splitlines()[-1] == "shard 0/1: primary r0:7000 (replica 0, epoch 12), 1 of 2 backups in sync"
+
+
+def test_the_primary_of_the_newest_epoch_is_the_shards_primary():
+    """A deposed primary that has not noticed yet still says "primary", with the older epoch; a backup
+    still catching up is not in sync; a lease etcd did not confirm shows as not proven."""
+    old = _replica("r0:7000", 0, "primary", 5, 90, (BackupInfo(1, "r1:7000", True, 90, 0, 0, 0.0),),
+                   lease=False)
+    new = _replica("r1:7000", 1, "primary", 9, 120, (BackupInfo(2, "r2:7000", False, 60, 60, 10**6, 1.5),))
+    statuses = [{"r0:7000": old, "r1:7000": new, "r2:7000": _replica("r2:7000", 2, "catching-up", 9, 60)}]
+    text = replicas_table(statuses, [{}], ["r1:7000"], [_shard(0, {}, {"mode": "async"}, 1)])
+    assert text.splitlines()[-1] == "shard 0/1: primary r1:7000 (replica 1, epoch 9), 0 of 2 backups in sync"
+    stale = _replica_row(text, "r0:7000")
+    assert (stale["role"], stale["epoch"], stale["in sync"], stale["etcd lease"]) == ("primary", "5", "no",
+                                                                                    "not proven")
+    behind = _replica_row(text, "r2:7000")
+    assert (behind["role"], behind["in sync"], behind["lag records"], behind["lag s"]) == ("catching-up", "no",
+                                                                                         "60", "1.50")
+    assert _replica_row(text, "r1:7000")["health"] == "?"
+
+
+def test_a_shard_without_a_primary_and_unreplicated_servers():
+    """Backups that name a primary nobody reached; a server that runs unreplicated is the primary when it
+    answered the shard's Describe; a replica that refuses is shown with its reason."""
+    backup = ReplicaInfo("a1:7000", 1, 2, "backup", 4, "a0:7000", 30, True)
+    refusing = NotPrimaryError("not the primary", address="b1:7000", reason="NOT_PRIMARY", code="UNAVAILABLE")
+    statuses = [{"a0:7000": _UNREACHABLE, "a1:7000": backup}, {"b0:7000": None, "b1:7000": refusing}]
+    infos = [PSUnavailableError("down", address="a0:7000"), _shard(1, {}, {"mode": "async"})]
+    text = replicas_table(statuses, [{}, {}], ["a0:7000", "b0:7000"], infos)
+    summary = text.split("\n\n")[1].splitlines()
+    assert summary == ["shard 0/2: NO PRIMARY ANSWERED; the backups name a0:7000",
+                       "shard 1/2: primary b0:7000 (unreplicated)"]
+    assert _replica_row(text, "a1:7000")["in sync"] == "?"
+    assert _replica_row(text, "b0:7000")["role"] == "primary"
+    assert _replica_row(text, "b1:7000")["role"] == "refused (NOT_PRIMARY)"
