@@ -55,6 +55,7 @@ from deploy_tools.pod_emulator.probes import (  # noqa: E402
     identity_problems,
     probe_problems,
     scrape,
+    undeclared_port_problems,
     wait_ready,
 )
 from deploy_tools.pod_emulator.processes import Launcher, Proc, wait_exit, wait_for  # noqa: E402
@@ -242,6 +243,7 @@ def test_render_trains_on_separate_hosts_through_a_network_cut(objects, work, la
     cluster, wraps = netns_cluster(objects, work, net)
     servers = start_servers(launcher, cluster, wraps)
     ready = time.monotonic()
+    assert [p for proc in servers for p in undeclared_port_problems(proc)] == []
     workers = [launcher.start(pod, wraps[pod.name]) for pod in cluster.workers]
     wait_for(lambda: all(w.events("progress") for w in workers), 60, "progress from every worker", workers)
     problems = [p for w in workers if launcher.run_as_pod_user(w) for p in identity_problems(w)]

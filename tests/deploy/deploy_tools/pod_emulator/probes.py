@@ -34,6 +34,30 @@ def identity_problems(proc: Proc) -> list[str]:
     return problems
 
 
+def listening_ports(pid: int) -> set[int]:
+    """TCP ports listened on in the network namespace of process ``pid`` (its pod's: one pod per
+    namespace in the separate-hosts runs), from /proc/<pid>/net/tcp and tcp6."""
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 3 and fields[3] == "0A":  # TCP_LISTEN
+                ports.add(int(fields[1].rpartition(":")[2], 16))
+    return ports
+
+
+def undeclared_port_problems(proc: Proc) -> list[str]:
+    """Ports the pod listens on that its container does not declare: a Service, a NetworkPolicy
+    or a probe can only name declared ports, so traffic to such a port would be blocked."""
+    declared = set(proc.pod.ports.values())
+    extra = sorted(listening_ports(proc.pid) - declared)
+    return [f"{proc.pod.name}: listens on {extra}, which are not containerPorts ({sorted(declared)})"] if extra else []
+
+
 def grpc_health(address: str, service: str, timeout: float = 1.0) -> str:
     """The gRPC health status of ``service`` at ``address`` (plaintext, as kubelet asks)."""
     import grpc
