@@ -132,8 +132,8 @@ def read_values(cluster: ReplicatedPods, primary_of: dict[int, Pod]) -> dict:
 
 
 @pytest.mark.timeout(150)
-def test_a_shard_survives_the_loss_of_its_primarys_host(objects, work, etcd_installed, pod_network: PodNetwork,
-                                                       launcher: Launcher):
+def test_a_shard_survives_the_loss_of_its_primarys_host(objects, work, etcd_installed,
+                                                       pod_network: PodNetwork, launcher: Launcher):
     import numpy as np
 
     started = time.monotonic()
@@ -150,8 +150,8 @@ def test_a_shard_survives_the_loss_of_its_primarys_host(objects, work, etcd_inst
     primary_of = one_primary_each(cluster)
 
     worker = launcher.start(cluster.worker, cluster.wraps[cluster.worker.name])
-    wait_for(lambda: len(acknowledged(worker)) >= PUSHES_BEFORE_CUT, 60, f"{PUSHES_BEFORE_CUT} acknowledged pushes",
-             [worker])
+    wait_for(lambda: len(acknowledged(worker)) >= PUSHES_BEFORE_CUT, 60,
+             f"{PUSHES_BEFORE_CUT} acknowledged pushes", [worker])
     if launcher.run_as_pod_user(worker):
         assert identity_problems(worker) == []
     placed = worker.events("placed")[0][1]["shards"]
@@ -167,8 +167,8 @@ def test_a_shard_survives_the_loss_of_its_primarys_host(objects, work, etcd_inst
     net.cut(cluster.keys[victim.name])
     took_over = wait_for(lambda: primaries([survivor], timeout=0.5) == [survivor], TAKEOVER_LEASES * lease,
                          f"{survivor.name} to take over shard {shard} from {victim.name}", [worker])
-    wait_for(lambda: sum(1 for t, _ in acknowledged(worker) if t > took_over) >= PUSHES_AFTER_TAKEOVER, RESUMED,
-             f"{PUSHES_AFTER_TAKEOVER} pushes acknowledged after the takeover", [worker])
+    wait_for(lambda: sum(1 for t, _ in acknowledged(worker) if t > took_over) >= PUSHES_AFTER_TAKEOVER,
+             RESUMED, f"{PUSHES_AFTER_TAKEOVER} pushes acknowledged after the takeover", [worker])
     times = [t for t, _ in acknowledged(worker)]
     stalled = max(later - earlier for earlier, later in zip(times, times[1:]))
 
@@ -197,7 +197,8 @@ def test_a_shard_survives_the_loss_of_its_primarys_host(objects, work, etcd_inst
     assert leaders == [survivor], (f"shard {shard}'s primaries after {victim.name}'s host came back: "
                                    f"{[pod.name for pod in leaders]}\n"
                                    + "\n".join(servers[pod.name].describe() for pod in cluster.shards[shard]))
-    print(f"replicated: etcd ready {etcd_ready - started:.1f}s, replicas ready {servers_ready - etcd_ready:.1f}s; "
+    print(f"replicated: etcd ready {etcd_ready - started:.1f}s, "
+          f"replicas ready {servers_ready - etcd_ready:.1f}s; "
           f"{victim.name} cut off, {survivor.name} primary after {took_over - cut_at:.1f}s "
           f"(lease {lease:.0f}s), the worker's longest wait for an acknowledgement {stalled:.1f}s; "
           f"{len(pushes)} pushes exact; {victim.name} in sync again {rejoined - reconnected:.1f}s after "

@@ -369,7 +369,7 @@ REPLICATED_BROKEN = [
     ("overlays/replicated", _replica_readiness_primary_only, "for service \"\" (primary or in-sync backup)"),
     ("overlays/replicated", _replica_count, "PS_REPLICAS=3 but 2 pods"),
     ("overlays/replicated", _replica_advertise, "PS_ADVERTISE_ADDRESS='ps-0.ps:7001'"),
-    ("overlays/replicated", _replication_port_unset, "PS_REPLICATION_PORT=None: the replication stream needs"),
+    ("overlays/replicated", _replication_port_unset, "PS_REPLICATION_PORT=None: the replication stream"),
     ("overlays/replicated", _replication_port_undeclared, "PS_REPLICATION_PORT=7003 is not a containerPort"),
     ("overlays/replicated", _replication_port_blocked, "(replication): no NetworkPolicy lets it in"),
 ]

@@ -28,7 +28,8 @@ import time
 import numpy as np
 
 #: Variables and shapes: small ones go by the Exchange lane, the large one as a Push stream.
-SHAPES: dict[str, tuple[int, ...]] = {"known-a": (8,), "known-b": (64,), "known-c": (4, 4), "known-large": (200_000,)}
+SHAPES: dict[str, tuple[int, ...]] = {
+    "known-a": (8,), "known-b": (64,), "known-c": (4, 4), "known-large": (200_000,)}
 
 #: Pause between pushes: leaves CPU to the servers' and etcd's lease keepalives on a small machine.
 PAUSE_SECONDS = 0.01
@@ -42,7 +43,8 @@ def gradient(n: int) -> int:
 def expected_values(acknowledged: list[int]) -> dict[str, np.ndarray]:
     """What SGD(1) from zeros holds after exactly the pushes ``acknowledged``, each once."""
     total = sum(gradient(n) for n in acknowledged)
-    return {name: np.full(shape, total * (i + 1), np.float32) for i, (name, shape) in enumerate(SHAPES.items())}
+    return {name: np.full(shape, total * (i + 1), np.float32)
+            for i, (name, shape) in enumerate(SHAPES.items())}
 
 
 def _emit(kind: str, **fields: object) -> None:

@@ -77,8 +77,8 @@ def _replication_port_problems(where: str, container: dict, env: dict) -> list[s
     is announced through etcd, but no NetworkPolicy can let an unknown port through."""
     port = replication_port(env)
     if port == 0:
-        return [f"{where}: PS_REPLICATION_PORT={env.get('PS_REPLICATION_PORT')!r}: the replication stream needs "
-                "a fixed port (unset, ps-server picks a free one that no NetworkPolicy lets through)"]
+        return [f"{where}: PS_REPLICATION_PORT={env.get('PS_REPLICATION_PORT')!r}: the replication stream "
+                "needs a fixed port (unset, ps-server picks a free one that no NetworkPolicy lets through)"]
     declared = {int(p["containerPort"]) for p in container.get("ports") or [] if "containerPort" in p}
     if port not in declared:
         return [f"{where}: PS_REPLICATION_PORT={port} is not a containerPort ({sorted(declared)})"]
@@ -115,7 +115,8 @@ def replica_set_problems(objects: list[dict], units: list[PodUnit],
                             f"found {[p['metadata']['name'] for p in covering]}")
         # The stream of updates, and the gRPC port a backup checks for a primary whose process is gone.
         problems += policy_allows(objects, unit, unit, replication_port(env), f"{where} (replication)")
-        problems += policy_allows(objects, unit, unit, int(env.get("PS_PORT") or 0), f"{where} (primary check)")
+        problems += policy_allows(objects, unit, unit, int(env.get("PS_PORT") or 0),
+                                  f"{where} (primary check)")
         problems += _etcd_problems(objects, unit, env, pdbs, policy_allows)
     return problems
 

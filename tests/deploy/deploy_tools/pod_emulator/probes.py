@@ -55,7 +55,9 @@ def undeclared_port_problems(proc: Proc) -> list[str]:
     or a probe can only name declared ports, so traffic to such a port would be blocked."""
     declared = set(proc.pod.ports.values())
     extra = sorted(listening_ports(proc.pid) - declared)
-    return [f"{proc.pod.name}: listens on {extra}, which are not containerPorts ({sorted(declared)})"] if extra else []
+    if not extra:
+        return []
+    return [f"{proc.pod.name}: listens on {extra}, which are not containerPorts ({sorted(declared)})"]
 
 
 def grpc_health(address: str, service: str, timeout: float = 1.0) -> str:
@@ -126,8 +128,8 @@ def wait_ready(procs: list[Proc], timeout: float) -> None:
 
         what = probe.get("grpc", {}).get("service", probe.get("httpGet", {}).get("path"))
         try:
-            wait_for(ready, timeout, f"readiness of {proc.pod.name} at {probe_address(proc, probe)} ({what!r})",
-                     [proc], 0.1)
+            wait_for(ready, timeout,
+                     f"readiness of {proc.pod.name} at {probe_address(proc, probe)} ({what!r})", [proc], 0.1)
         except ContractError as exc:
             raise ContractError(f"{exc}\nlast probe answer: {last}") from None
 

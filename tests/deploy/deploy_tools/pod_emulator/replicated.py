@@ -43,7 +43,8 @@ class ReplicatedPods:
         return [pod for shard in sorted(self.shards) for pod in self.shards[shard]]
 
 
-def plan_replicated(objects: list[dict], work: Path, net: PodNetwork, worker_index: int = 0) -> ReplicatedPods:
+def plan_replicated(objects: list[dict], work: Path, net: PodNetwork,
+                    worker_index: int = 0) -> ReplicatedPods:
     """Every etcd member and every shard replica of the render, and worker ``worker_index``,
     each in a namespace of its own (keyed by pod name) with its hosts file written."""
     etcd_sts = workload_running(objects, "StatefulSet", "etcd")
@@ -67,8 +68,8 @@ def plan_replicated(objects: list[dict], work: Path, net: PodNetwork, worker_ind
     for sts in shard_sets:
         label = sts["spec"]["template"]["metadata"].get("labels", {}).get(SHARD_LABEL)
         if label is None or not label.isdigit():
-            raise HarnessError(f"StatefulSet {sts['metadata']['name']}: pod label {SHARD_LABEL} is {label!r}, "
-                               "not a shard index")
+            raise HarnessError(f"StatefulSet {sts['metadata']['name']}: pod label {SHARD_LABEL} is "
+                               f"{label!r}, not a shard index")
         if int(label) in shards:
             raise HarnessError(f"two StatefulSets run the replicas of shard {label}")
         shards[int(label)] = [plan(sts, "ps-server", i) for i in range(sts["spec"].get("replicas", 1))]
@@ -85,11 +86,13 @@ def health_address(pod: Pod) -> str:
     """Where the pod's readinessProbe (gRPC) is sent: its IP and the probe's port."""
     probe = pod.container.get("readinessProbe") or {}
     if "grpc" not in probe:
-        raise HarnessError(f"{pod.name}: the primary is asked on the gRPC readiness probe's port, which it lacks")
+        raise HarnessError(f"{pod.name}: the primary is asked on the gRPC readiness probe's port, "
+                           "which it lacks")
     port = pod.container_port(probe["grpc"]["port"])
     return f"{pod.meta.ip}:{pod.ports.get(port, port)}"
 
 
 def primaries(replicas: list[Pod], timeout: float = 1.0) -> list[Pod]:
     """The replicas that report :data:`PRIMARY_SERVICE` SERVING (the node asking each pod)."""
-    return [pod for pod in replicas if grpc_health(health_address(pod), PRIMARY_SERVICE, timeout) == "SERVING"]
+    return [pod for pod in replicas
+            if grpc_health(health_address(pod), PRIMARY_SERVICE, timeout) == "SERVING"]
