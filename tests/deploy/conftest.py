@@ -8,8 +8,10 @@ Nothing here touches a cluster or the repository's own deploy/ directory.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -62,3 +64,54 @@ def renders(kubectl, deploy_copy) -> dict:
 
     return {target: render(kubectl, deploy_copy / target, target)
             for target in RENDER_TARGETS}
+
+
+# --- the pod emulator's runs (test_contract.py, test_contract_replicated.py) ----------------
+
+
+@pytest.fixture
+def work() -> Iterator[Path]:
+    """A scratch directory for the pods' volumes and logs, removed afterwards."""
+    from deploy_tools.pod_emulator.pod_plan import work_dir
+
+    path = work_dir()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def launcher():
+    """Starts pods as processes; stops every one it started, by PID, at teardown."""
+    from deploy_tools.pod_emulator.processes import Launcher
+
+    launch = Launcher()
+    try:
+        yield launch
+    finally:
+        launch.stop_all()
+        for note in launch.notes:
+            print(f"note: {note}")
+
+
+@pytest.fixture
+def pod_network():
+    """A bridge for pods in network namespaces (root only, else skipped); deleted at teardown."""
+    from deploy_tools.pod_emulator.netns import NetworkUnavailable, PodNetwork
+
+    if os.geteuid() != 0:
+        pytest.skip("separate network hosts need root (network namespaces, veths, a bridge, /etc/netns)")
+    for tool in ("ip", "unshare", "hostname"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"`{tool}` is not installed (iproute2 / util-linux / hostname)")
+    try:
+        net = PodNetwork()
+    except NetworkUnavailable as exc:
+        pytest.skip(f"cannot build a pod network here: {exc}")
+    try:
+        yield net
+    finally:
+        problems = net.close()
+        leftovers = net.leftovers()
+        assert not problems and not leftovers, f"cleanup failed: {problems} {leftovers}"

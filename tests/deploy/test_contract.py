@@ -29,8 +29,6 @@ And negative runs showing the harness catches a broken contract.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -51,12 +49,13 @@ from deploy_tools.pod_emulator.cluster_dns import (  # noqa: E402
 )
 from deploy_tools.pod_emulator.errors import ContractError, HarnessError  # noqa: E402
 from deploy_tools.pod_emulator.netns import NetworkUnavailable, PodNetwork  # noqa: E402
-from deploy_tools.pod_emulator.pod_plan import Pod, plan_pod, to_loopback, work_dir  # noqa: E402
+from deploy_tools.pod_emulator.pod_plan import Pod, plan_pod, to_loopback  # noqa: E402
 from deploy_tools.pod_emulator.probes import (  # noqa: E402
     checkpoint_problems,
     identity_problems,
     probe_problems,
     scrape,
+    undeclared_port_problems,
     wait_ready,
 )
 from deploy_tools.pod_emulator.processes import Launcher, Proc, wait_exit, wait_for  # noqa: E402
@@ -78,45 +77,6 @@ WAIT_UNKNOWN = 8.0  # seconds a worker with an unknown server name is given to c
 def objects(kubectl, deploy_copy) -> list[dict]:
     """The cpu overlay, rendered from the temporary copy with its generated secrets."""
     return render(kubectl, deploy_copy / TARGET, TARGET).objects
-
-
-@pytest.fixture
-def work():
-    path = work_dir()
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def launcher():
-    launch = Launcher()
-    try:
-        yield launch
-    finally:
-        launch.stop_all()
-        for note in launch.notes:
-            print(f"note: {note}")
-
-
-@pytest.fixture
-def pod_network():
-    if os.geteuid() != 0:
-        pytest.skip("separate network hosts need root (network namespaces, veths, a bridge, /etc/netns)")
-    for tool in ("ip", "unshare", "hostname"):
-        if shutil.which(tool) is None:
-            pytest.skip(f"`{tool}` is not installed (iproute2 / util-linux / hostname)")
-    try:
-        net = PodNetwork()
-    except NetworkUnavailable as exc:
-        pytest.skip(f"cannot build a pod network here: {exc}")
-    try:
-        yield net
-    finally:
-        problems = net.close()
-        leftovers = net.leftovers()
-        assert not problems and not leftovers, f"cleanup failed: {problems} {leftovers}"
 
 
 # --------------------------------------------------------------------------
@@ -283,6 +243,7 @@ def test_render_trains_on_separate_hosts_through_a_network_cut(objects, work, la
     cluster, wraps = netns_cluster(objects, work, net)
     servers = start_servers(launcher, cluster, wraps)
     ready = time.monotonic()
+    assert [p for proc in servers for p in undeclared_port_problems(proc)] == []
     workers = [launcher.start(pod, wraps[pod.name]) for pod in cluster.workers]
     wait_for(lambda: all(w.events("progress") for w in workers), 60, "progress from every worker", workers)
     problems = [p for w in workers if launcher.run_as_pod_user(w) for p in identity_problems(w)]

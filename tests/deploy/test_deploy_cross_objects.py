@@ -342,6 +342,21 @@ def _replica_advertise(o):
     _env(_container(_kind(o, "StatefulSet", "ps-0")), "PS_ADVERTISE_ADDRESS", "ps-0.ps:7001")
 
 
+def _replication_port_unset(o):
+    container = _container(_kind(o, "StatefulSet", "ps-1"))
+    container["env"] = [v for v in container["env"] if v["name"] != "PS_REPLICATION_PORT"]
+
+
+def _replication_port_undeclared(o):
+    container = _container(_kind(o, "StatefulSet", "ps-0"))
+    container["ports"] = [p for p in container["ports"] if p["name"] != "replication"]
+
+
+def _replication_port_blocked(o):
+    for rule in _kind(o, "NetworkPolicy", "ps-replication")["spec"]["ingress"]:
+        rule["ports"] = [p for p in rule["ports"] if p["port"] != 7003]
+
+
 REPLICATED_BROKEN = [
     ("overlays/replicated", _replica_groups_swapped, "PS_ADDRESSES shard 0 is ['ps-1-0.ps', 'ps-1-1.ps']"),
     ("overlays/replicated", _replica_missing, "PS_ADDRESSES shard 0 is ['ps-0-0.ps']"),
@@ -354,6 +369,9 @@ REPLICATED_BROKEN = [
     ("overlays/replicated", _replica_readiness_primary_only, "for service \"\" (primary or in-sync backup)"),
     ("overlays/replicated", _replica_count, "PS_REPLICAS=3 but 2 pods"),
     ("overlays/replicated", _replica_advertise, "PS_ADVERTISE_ADDRESS='ps-0.ps:7001'"),
+    ("overlays/replicated", _replication_port_unset, "PS_REPLICATION_PORT=None: the replication stream"),
+    ("overlays/replicated", _replication_port_undeclared, "PS_REPLICATION_PORT=7003 is not a containerPort"),
+    ("overlays/replicated", _replication_port_blocked, "(replication): no NetworkPolicy lets it in"),
 ]
 
 BROKEN = [

@@ -1,6 +1,7 @@
 """Checks of replicated shards (deploy/overlays/replicated): each shard's StatefulSet carries
 its shard as a literal pod label the server reads, the workers list every shard's replicas in
-order ('|' between replicas, ',' between shards), the replicas reach each other and etcd, and
+order ('|' between replicas, ',' between shards), the replication stream has a fixed container
+port, the replicas reach each other (that port, and the gRPC port) and etcd, and
 the disruption budgets keep one replica of each shard and etcd's quorum."""
 
 from __future__ import annotations
@@ -62,7 +63,26 @@ def replica_server_problems(unit: PodUnit, container: dict, env: dict) -> list[s
     if env.get("PS_ADVERTISE_ADDRESS") not in expected:
         problems.append(f"{where}: PS_ADVERTISE_ADDRESS={env.get('PS_ADVERTISE_ADDRESS')!r} should be the "
                         f"pod's stable name on PS_PORT, $(<pod name>).{service}:{env.get('PS_PORT')}")
-    return problems
+    return problems + _replication_port_problems(where, container, env)
+
+
+def replication_port(env: dict) -> int:
+    """PS_REPLICATION_PORT (0 when unset or not a number: ps-server then picks a free port)."""
+    value = env.get("PS_REPLICATION_PORT")
+    return int(value) if isinstance(value, str) and value.isdigit() else 0
+
+
+def _replication_port_problems(where: str, container: dict, env: dict) -> list[str]:
+    """The replication stream listens on a fixed container port: a free port picked at start
+    is announced through etcd, but no NetworkPolicy can let an unknown port through."""
+    port = replication_port(env)
+    if port == 0:
+        return [f"{where}: PS_REPLICATION_PORT={env.get('PS_REPLICATION_PORT')!r}: the replication stream "
+                "needs a fixed port (unset, ps-server picks a free one that no NetworkPolicy lets through)"]
+    declared = {int(p["containerPort"]) for p in container.get("ports") or [] if "containerPort" in p}
+    if port not in declared:
+        return [f"{where}: PS_REPLICATION_PORT={port} is not a containerPort ({sorted(declared)})"]
+    return []
 
 
 def replica_set_problems(objects: list[dict], units: list[PodUnit],
@@ -93,7 +113,10 @@ def replica_set_problems(objects: list[dict], units: list[PodUnit],
         if len(covering) != 1 or not keeps:
             problems.append(f"{where}: needs exactly one PodDisruptionBudget that keeps a replica of the shard, "
                             f"found {[p['metadata']['name'] for p in covering]}")
-        problems += policy_allows(objects, unit, unit, int(env.get("PS_PORT") or 0), f"{where} (replication)")
+        # The stream of updates, and the gRPC port a backup checks for a primary whose process is gone.
+        problems += policy_allows(objects, unit, unit, replication_port(env), f"{where} (replication)")
+        problems += policy_allows(objects, unit, unit, int(env.get("PS_PORT") or 0),
+                                  f"{where} (primary check)")
         problems += _etcd_problems(objects, unit, env, pdbs, policy_allows)
     return problems
 

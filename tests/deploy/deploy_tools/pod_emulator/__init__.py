@@ -6,7 +6,8 @@ an indexed Job, what the kubelet would give its container, and nothing else:
 
 * the command and args exactly as rendered (``$(VAR)`` expanded as Kubernetes
   does), the executable looked up in the bin directory of this Python (the
-  venv's console scripts ``ps-server`` / ``ps-worker``);
+  venv's console scripts ``ps-server`` / ``ps-worker``), or, for a third-party
+  image's program (etcd), this machine's installed binary;
 * the environment: ``envFrom`` ConfigMaps/Secrets, ``env`` values,
   ``configMapKeyRef``, ``secretKeyRef`` (base64 of the rendered Secret, names
   with their kustomize hash suffixes), ``fieldRef`` (name, namespace, labels
@@ -33,8 +34,10 @@ The modules, in the order a pod goes through them: ``workloads`` (which object
 and container run a program), ``pod_environment`` and ``pod_volumes`` (what the
 kubelet gives the container), ``pod_plan`` (the pod, ready to start),
 ``cluster_dns`` (names as cluster DNS answers them), ``processes`` (start, stop,
-wait), ``probes`` (checks from outside), and ``netns``, whose
-:class:`netns.PodNetwork` gives every pod its own network namespace (veth pairs
-on a bridge, an address per pod, hosts files as Kubernetes DNS would answer) for
-the "separate hosts" run.
+wait), ``probes`` (checks from outside: gRPC and httpGet probes, metrics, the
+ports a pod listens on), and ``netns``, whose :class:`netns.PodNetwork` gives
+every pod its own network namespace (veth pairs on a bridge, an address per pod,
+hosts files as Kubernetes DNS would answer) for the "separate hosts" runs;
+``replicated`` plans the replicated overlay's etcd members, shard replicas and
+a worker on such a network and asks which replica is a shard's primary.
 """

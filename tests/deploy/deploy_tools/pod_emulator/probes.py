@@ -34,6 +34,32 @@ def identity_problems(proc: Proc) -> list[str]:
     return problems
 
 
+def listening_ports(pid: int) -> set[int]:
+    """TCP ports listened on in the network namespace of process ``pid`` (its pod's: one pod per
+    namespace in the separate-hosts runs), from /proc/<pid>/net/tcp and tcp6."""
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 3 and fields[3] == "0A":  # TCP_LISTEN
+                ports.add(int(fields[1].rpartition(":")[2], 16))
+    return ports
+
+
+def undeclared_port_problems(proc: Proc) -> list[str]:
+    """Ports the pod listens on that its container does not declare: a Service, a NetworkPolicy
+    or a probe can only name declared ports, so traffic to such a port would be blocked."""
+    declared = set(proc.pod.ports.values())
+    extra = sorted(listening_ports(proc.pid) - declared)
+    if not extra:
+        return []
+    return [f"{proc.pod.name}: listens on {extra}, which are not containerPorts ({sorted(declared)})"]
+
+
 def grpc_health(address: str, service: str, timeout: float = 1.0) -> str:
     """The gRPC health status of ``service`` at ``address`` (plaintext, as kubelet asks)."""
     import grpc
@@ -48,8 +74,26 @@ def grpc_health(address: str, service: str, timeout: float = 1.0) -> str:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
+def http_get(address: str, path: str, timeout: float = 1.0) -> str:
+    """The HTTP status of ``GET path`` at ``address`` (plain HTTP, as kubelet's httpGet probe),
+    or ``error: ...``; kubelet counts 200 to 399 as success."""
+    import http.client
+
+    host, _, port = address.rpartition(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        connection.request("GET", path)
+        return str(connection.getresponse().status)
+    except OSError as exc:
+        return f"error: {exc}"
+    finally:
+        connection.close()
+
+
 def probe_address(proc: Proc, probe: dict) -> str:
-    port = proc.pod.container_port(probe["grpc"]["port"])
+    """Where kubelet sends ``probe`` (gRPC or httpGet): the pod IP and the probe's port."""
+    kind = "grpc" if "grpc" in probe else "httpGet"
+    port = proc.pod.container_port(probe[kind]["port"])
     if port not in proc.pod.ports:
         raise ContractError(f"{proc.pod.name}: probe port {port} is not a container port "
                             f"({sorted(proc.pod.ports)})")
@@ -57,34 +101,47 @@ def probe_address(proc: Proc, probe: dict) -> str:
     return f"{host}:{proc.pod.ports.get(port, port)}"
 
 
+def probe_answer(proc: Proc, probe: dict) -> tuple[str, bool]:
+    """(what the probe got, whether kubelet counts it a success) for a gRPC or httpGet probe."""
+    address = probe_address(proc, probe)
+    if "grpc" in probe:
+        answer = grpc_health(address, probe["grpc"].get("service", ""))
+        return answer, answer == "SERVING"
+    if probe["httpGet"].get("scheme", "HTTP") != "HTTP":
+        raise HarnessError(f"{proc.pod.name}: only plain-HTTP httpGet probes are emulated")
+    answer = http_get(address, probe["httpGet"].get("path", "/"))
+    return answer, answer.isdigit() and 200 <= int(answer) < 400
+
+
 def wait_ready(procs: list[Proc], timeout: float) -> None:
-    """Every pod's readinessProbe (gRPC, as kubelet runs it) answers SERVING."""
+    """Every pod's readinessProbe (gRPC or httpGet, as kubelet runs it) succeeds."""
     for proc in procs:
         probe = proc.pod.container.get("readinessProbe") or {}
-        if "grpc" not in probe:
-            raise HarnessError(f"{proc.pod.name}: only gRPC readiness probes are emulated")
-        address, service = probe_address(proc, probe), probe["grpc"].get("service", "")
+        if "grpc" not in probe and "httpGet" not in probe:
+            raise HarnessError(f"{proc.pod.name}: only gRPC and httpGet readiness probes are emulated")
         last: list[str] = []
 
-        def serving(address: str = address, service: str = service, last: list[str] = last) -> bool:
-            last[:] = [grpc_health(address, service)]
-            return last[0] == "SERVING"
+        def ready(probe: dict = probe, proc: Proc = proc, last: list[str] = last) -> bool:
+            answer, ok = probe_answer(proc, probe)
+            last[:] = [answer]
+            return ok
 
+        what = probe.get("grpc", {}).get("service", probe.get("httpGet", {}).get("path"))
         try:
-            wait_for(serving, timeout, f"readiness of {proc.pod.name} at {address} ({service!r})",
-                     [proc], 0.1)
+            wait_for(ready, timeout,
+                     f"readiness of {proc.pod.name} at {probe_address(proc, probe)} ({what!r})", [proc], 0.1)
         except ContractError as exc:
             raise ContractError(f"{exc}\nlast probe answer: {last}") from None
 
 
 def probe_problems(proc: Proc) -> list[str]:
-    """Every gRPC probe of the container answers SERVING now (the pod is ready)."""
+    """Every gRPC and httpGet probe of the container succeeds now (the pod is ready)."""
     problems = []
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         probe = proc.pod.container.get(kind)
-        if probe and "grpc" in probe:
-            answer = grpc_health(probe_address(proc, probe), probe["grpc"].get("service", ""))
-            if answer != "SERVING":
+        if probe and ("grpc" in probe or "httpGet" in probe):
+            answer, ok = probe_answer(proc, probe)
+            if not ok:
                 problems.append(f"{proc.pod.name} {kind}: {answer}")
     return problems
 

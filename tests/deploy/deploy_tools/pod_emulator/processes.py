@@ -70,6 +70,15 @@ def _die_with_parent() -> None:  # between fork and exec
         pass
 
 
+def _death_signal_prefix() -> list[str]:
+    """``setpriv --pdeathsig=KILL --`` in front of a pod's command: the pod dies with the test
+    (the signal survives the wrappers' execs; the run-as prefix sets it again after its uid
+    change). Preferred to a preexec_fn: with one, Python starts the child by fork(), which runs
+    this process's pthread_atfork handlers, and gRPC's (the probes' channels) can wait there
+    forever on gRPC's shutdown thread; without one it uses vfork(), which runs none."""
+    return ["setpriv", "--pdeathsig=KILL", "--"] if shutil.which("setpriv") else []
+
+
 def _setpriv_prefix(identity: Identity) -> list[str]:
     args = ["setpriv"]
     if identity.uid is not None:
@@ -157,12 +166,14 @@ class Launcher:
                 note = f"the pods ran as uid {os.geteuid()}, not as their securityContext's user: {problem}"
                 if note not in self.notes:
                     self.notes.append(note)
-        argv = [*(wrap or []), *prefix, *pod.argv]
+        dies_with_test = _death_signal_prefix()
+        argv = [*dies_with_test, *(wrap or []), *prefix, *pod.argv]
         out, err = pod.logdir / "stdout", pod.logdir / "stderr"
         with open(err, "wb") as err_f:
-            # preexec_fn only calls prctl (async-signal-safe), as ps_local.processes does.
+            # Without setpriv, preexec_fn only calls prctl (async-signal-safe), as ps_local.processes does.
             popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err_f,
-                                     env=pod.env, cwd=pod.cwd, preexec_fn=_die_with_parent)  # noqa: PLW1509
+                                     env=pod.env, cwd=pod.cwd,
+                                     preexec_fn=None if dies_with_test else _die_with_parent)  # noqa: PLW1509
         proc = Proc(pod, popen, out, err)
 
         def read() -> None:
