@@ -20,7 +20,7 @@ import numpy as np
 
 from worker_client import SGD, PSClient, Zeros
 
-__all__ = ["SlotPusher", "create_slots", "gradient", "check_slots", "SlotCheck", "percentile"]
+__all__ = ["SlotCheck", "SlotPusher", "check_slots", "create_slots", "gradient", "percentile"]
 
 
 def gradient(row: int) -> int:

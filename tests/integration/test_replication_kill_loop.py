@@ -20,6 +20,7 @@ import os
 import signal
 import time
 
+import grpc
 import pytest
 from fault_proxy import FaultProxy
 from replica_faults import SlotPusher, check_slots, create_slots, percentile
@@ -60,11 +61,11 @@ def _wait_in_sync(cluster: ReplicatedCluster, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            backups = cluster.primary(0, timeout=timeout).status(timeout=2).backups
-            if len(backups) == cluster.replicas - 1 and all(b.in_sync for b in backups):
-                return
-        except Exception:  # noqa: BLE001 - a replica between roles; asked again below
-            pass
+            backups = list(cluster.primary(0, timeout=timeout).status(timeout=2).backups)
+        except grpc.RpcError:  # a replica between roles: asked again below
+            backups = []
+        if len(backups) == cluster.replicas - 1 and all(b.in_sync for b in backups):
+            return
         assert time.monotonic() < deadline, f"replicas not in sync after {timeout}s:\n{cluster.logs()}"
         time.sleep(0.05)
 
