@@ -179,3 +179,41 @@ def test_both_replicas_killed_restore_the_newest_checkpoint(replicated):
         assert np.count_nonzero(restored) == 200  # the 100 pushes after the checkpoint: the documented loss
         client.push_rows("slots", np.array([300]), np.array([[1]], np.float32))
         assert client.pull(["slots"])["slots"][300, 0] == -1
+
+
+def test_a_primary_resumed_after_a_freeze_takes_over_when_the_new_primary_dies(replicated):
+    """Frozen past its lease, resumed, back in sync as a backup: it holds every acknowledged push, so when
+    the primary that replaced it is SIGKILLed it must take over, and nothing acknowledged may be lost."""
+    start, _ = replicated
+    cluster = start()
+    first = cluster.primary(0)
+    second = next(r for r in cluster.shards[0] if r is not first)
+    client = PSClient(cluster.addresses, worker_id="w0", retry_timeout=15)  # failovers take ~5 s here
+    create_slots(client, "slots", 1, SLOTS)
+    pusher = SlotPusher(client, "slots", 0, SLOTS, pause=0.005).start()
+    try:
+        _wait(lambda: len(pusher.acknowledged) >= 20, 30, "no pushes acknowledged", cluster)
+        first.process.signal(signal.SIGSTOP)
+        _wait(lambda: _role(second) == "primary", 15, "the backup was not elected", cluster)
+        first.process.signal(signal.SIGCONT)
+        _wait(lambda: [(b.replica_index, b.in_sync) for b in second.status().backups] == [(first.replica_index, True)],
+              20, "the resumed replica did not get back in sync", cluster)
+        acknowledged_before = len(pusher.acknowledged)
+        second.process.signal(signal.SIGKILL)
+        killed = time.monotonic()
+        second.process.wait(10)
+        took_over = _wait(lambda: _role(first) == "primary", 15,
+                          "the resumed replica, the only one in sync, did not take over", cluster)
+        _wait(lambda: len(pusher.acknowledged) > acknowledged_before + 20, 15,
+              "no pushes acknowledged after the takeover", cluster)
+        second.start()
+        _wait(lambda: [(b.replica_index, b.in_sync) for b in first.status().backups] == [(second.replica_index, True)],
+              20, "the restarted replica did not get in sync", cluster)
+    finally:
+        pusher.join(60)
+    check = check_slots(client.pull(["slots"])["slots"], [pusher])
+    client.close()
+    assert not pusher.raised, list(pusher.raised.values())[:3]
+    assert not check.violations, f"{len(check.violations)} violations: {check.violations[:5]}\n{cluster.logs()}"
+    print(f"resumed replica took over {took_over - killed:.2f}s after the SIGKILL; {check.acknowledged} "
+          f"pushes checked exactly once")
