@@ -104,7 +104,7 @@ class Cluster:
         from worker_client import PSClient
 
         if self.admin is None:
-            self.admin = PSClient([s.address for s in self.servers], worker_id="fault-admin", register=False,
+            self.admin = PSClient(self.admin_addresses(), worker_id="fault-admin", register=False,
                                   retry_timeout=60, auth_token_file=str(self.token_file))
         return self.admin
 
@@ -131,12 +131,7 @@ class Cluster:
         self.token_file.write_text(f"token-{self.seed}-0\n")
         for index in range(WORKERS):
             self.start_worker(index)
-        self.servers = [ServerProcess(i, NUM_SHARDS, self.workdir, self._server_args())
-                        for i in range(NUM_SHARDS)]
-        for server in self.servers:
-            server.launch()
-        for server in self.servers:
-            server.wait_ready()
+        self.start_servers()
         self.proxies = [FaultProxy(s.port, seed=self.rng.randrange(1 << 30), mean_bytes_up=30_000,
                                    mean_bytes_down=3_000, cut_at_start=0.05) for s in self.servers]
         for proxy in self.proxies:
@@ -169,7 +164,7 @@ class Cluster:
 
         self.call_admin(create)
         tmp = self.go_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"addresses": [p.address for p in self.proxies]}))
+        tmp.write_text(json.dumps({"addresses": self.worker_addresses()}))
         os.replace(tmp, self.go_file)
         deadline = time.monotonic() + 60
         logs = [self.worker_log(index) for index in range(WORKERS)]
@@ -177,6 +172,28 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise RuntimeError("the workers did not get a push through within 60 s of starting")
             time.sleep(0.05)
+
+    def start_servers(self) -> None:
+        """One ps-server per shard; returns once each serves."""
+        self.servers = [ServerProcess(i, NUM_SHARDS, self.workdir, self._server_args())
+                        for i in range(NUM_SHARDS)]
+        for server in self.servers:
+            server.launch()
+        for server in self.servers:
+            server.wait_ready()
+
+    def admin_addresses(self) -> list[str]:
+        """What the controller's clients are given: the servers themselves, one entry per shard."""
+        return [s.address for s in self.servers]
+
+    def worker_addresses(self) -> list[str]:
+        """What the workers are given: the proxies, one entry per shard (``self.proxies[i]`` fronts
+        ``self.servers[i]``)."""
+        return [p.address for p in self.proxies]
+
+    def shard_proxies(self, shard: int) -> list[FaultProxy]:
+        """The proxies in front of ``shard``'s servers."""
+        return [self.proxies[shard]]
 
     def take_fresh_ids(self, shard: int, count: int) -> np.ndarray:
         """``count`` ids on ``shard`` that no push and no earlier call uses."""
@@ -247,7 +264,7 @@ class Cluster:
         from worker_client import PSClient
 
         zeros = {"dense": np.zeros(layout.DENSE, np.float32), "small": np.zeros(layout.SLOTS, np.float32)}
-        with PSClient([s.address for s in self.servers], worker_id="fault-flush", retry_timeout=60,
+        with PSClient(self.admin_addresses(), worker_id="fault-flush", retry_timeout=60,
                       auth_token_file=str(self.token_file)) as client:
             for _ in range(2):
                 with client.step(["dense", "small"]) as step:

@@ -49,7 +49,15 @@ loses none of its record.
   clients hold streams; a step (pull and push) longer than
   ``oracle.STALL_SECONDS``.
 
-Run: ``python tests/faults/randomized.py --seed 7`` (``--modes``, ``--kinds``,
+**Replicated** (``--replicas 2``, ``replicated.py``): each shard runs as two
+replicas on a real etcd, each behind its own proxy, and the faults are
+``replicated.REPLICA_KINDS`` (SIGKILL of the primary or the backup, the
+primary frozen with SIGSTOP until the other replica leads, etcd stopped and
+restarted) besides connection cuts, Checkpoint calls and worker SIGKILLs.
+One in-sync replica of each shard always survives, so no loss is allowed:
+every acknowledged push is in the values exactly once.
+
+Run: ``python tests/faults/randomized.py --seed 7`` (``--modes``, ``--kinds``, ``--replicas``,
 ``--events``, ``--budget``, ``--soak``, ``--workdir`` to keep the logs);
 the seed is printed, and the same seed replays the same schedule of faults
 (the processes' timing still varies). Every process is stopped by PID.
@@ -79,22 +87,24 @@ for _path in (str(_TESTS.parent), str(_TESTS)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from faults import layout  # noqa: E402
-from faults.cluster import Cluster  # noqa: E402
-from faults.layout import MODES, SOAK_SLOTS  # noqa: E402
-from faults.oracle import Oracle  # noqa: E402
-from faults.report import Report, Timeline  # noqa: E402
-from faults.schedule import KINDS, FaultSchedule  # noqa: E402
+from faults import layout
+from faults.cluster import Cluster
+from faults.layout import MODES, SOAK_SLOTS
+from faults.oracle import Oracle
+from faults.replicated import REPLICA_KINDS, SHARED_KINDS, UNREPLICATED_MODES, ReplicatedCluster
+from faults.report import Report, Timeline
+from faults.schedule import KINDS, FaultSchedule
 
 
 def run_mode(mode: str, seed: int, events: int, kinds: list[str], budget: float, workdir: pathlib.Path,
-             pace: float) -> Report:
+             pace: float, replicas: int = 1) -> Report:
     """One mode: set the cluster up, run the fault schedule, stop the workers and run the oracle."""
     workdir.mkdir(parents=True, exist_ok=True)
     report = Report(mode, seed)
     timeline = Timeline()
     rng = random.Random(f"{seed}-{mode}")
-    cluster = Cluster(mode, seed, kinds, workdir, pace, rng, report, timeline)
+    cluster = (ReplicatedCluster if replicas > 1 else Cluster)(mode, seed, kinds, workdir, pace, rng, report,
+                                                                timeline)
     schedule = FaultSchedule(cluster, rng, kinds, events, budget, report, timeline)
 
     def finish() -> None:
@@ -126,9 +136,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="schedule seed (default: $WEHUB_FAULT_SEED or a random one; always printed)")
     parser.add_argument("--events", type=int, default=None,
                         help="fault events in all, split over the modes (default 60; --soak: 1,000)")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
-    parser.add_argument("--kinds", default=",".join(KINDS),
-                        help=f"comma-separated fault kinds, of {', '.join(KINDS)}")
+    parser.add_argument("--modes", default=None,
+                        help=f"comma-separated, of {', '.join(MODES)} (default: all; with --replicas 2 all "
+                             f"but {', '.join(UNREPLICATED_MODES)}, which ps-server runs with one replica only)")
+    parser.add_argument("--kinds", default=None,
+                        help=f"comma-separated fault kinds, of {', '.join(KINDS)} (default: all); with "
+                             f"--replicas 2, of {', '.join([*REPLICA_KINDS, *SHARED_KINDS])} (default: all)")
+    parser.add_argument("--replicas", type=int, choices=(1, 2), default=1,
+                        help="replicas per shard: 2 runs each shard as a replica set on etcd (no loss allowed)")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds of fault schedule in all, split over the modes (default 160; --soak: "
                              "3,600); setup and checks come on top")
@@ -147,14 +162,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         layout.configure(SOAK_SLOTS)
     if args.seed is None:
         args.seed = int(os.environ.get("WEHUB_FAULT_SEED") or random.SystemRandom().randrange(1 << 31))
-    args.modes = [m for m in args.modes.split(",") if m]
-    args.kinds = [k for k in args.kinds.split(",") if k]
+    modes = [m for m in MODES if args.replicas == 1 or m not in UNREPLICATED_MODES]
+    args.modes = [m for m in (args.modes or ",".join(modes)).split(",") if m]
+    allowed = [*REPLICA_KINDS, *SHARED_KINDS] if args.replicas > 1 else list(KINDS)
+    args.kinds = [k for k in (args.kinds or ",".join(allowed)).split(",") if k]
     for mode in args.modes:
-        if mode not in MODES:
-            parser.error(f"--modes: unknown mode {mode!r}; choose from {', '.join(MODES)}")
+        if mode not in modes:
+            parser.error(f"--modes: mode {mode!r} is not one of {', '.join(modes)} (with --replicas "
+                         f"{args.replicas})")
     for kind in args.kinds:
-        if kind not in KINDS:
-            parser.error(f"--kinds: unknown fault kind {kind!r}; choose from {', '.join(KINDS)}")
+        if kind not in allowed:
+            parser.error(f"--kinds: fault kind {kind!r} is not one of {', '.join(allowed)} "
+                         f"(with --replicas {args.replicas})")
     return args
 
 
@@ -164,7 +183,7 @@ def main(argv: list[str]) -> list[Report]:
     soak = " --soak" if args.soak else ""
     print(f"randomized fault test: seed {args.seed} (reproduce: --seed {args.seed}{soak} "
           f"--budget {args.budget:g} --modes {','.join(args.modes)} --kinds {','.join(args.kinds)} "
-          f"--events {args.events})", flush=True)
+          f"--events {args.events} --replicas {args.replicas})", flush=True)
     keep = args.workdir is not None
     root = pathlib.Path(args.workdir) if keep else pathlib.Path(tempfile.mkdtemp(prefix="wehub-faults-"))
     reports = []
@@ -172,7 +191,7 @@ def main(argv: list[str]) -> list[Report]:
         per_mode_events = math.ceil(args.events / len(args.modes))
         for mode in args.modes:
             report = run_mode(mode, args.seed, per_mode_events, args.kinds, args.budget / len(args.modes),
-                              root / mode, args.pace)
+                              root / mode, args.pace, args.replicas)
             print(report.summary(), flush=True)
             reports.append(report)
     finally:

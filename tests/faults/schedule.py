@@ -17,6 +17,7 @@ import time
 from faults.cluster import Cluster
 from faults.layout import NUM_SHARDS, WORKERS
 from faults.probes import Probes
+from faults.replicated import REPLICA_KINDS, ReplicatedCluster
 from faults.report import Report, Timeline
 
 KINDS = {  # kind -> weight in the schedule: the quick kinds more often, so a short run still has many events
@@ -42,7 +43,7 @@ class FaultSchedule:
         """Draw and inject faults until enough ran or the budget is spent; restart a worker that died."""
         cluster = self.cluster
         deadline = time.monotonic() + self.budget
-        weights = [KINDS[k] for k in self.kinds]
+        weights = [{**KINDS, **REPLICA_KINDS}[k] for k in self.kinds]
         time.sleep(self.rng.uniform(0.5, 1.5))
         while sum(self.report.events.values()) < self.target_events and time.monotonic() < deadline:
             for index, popen in cluster.workers.items():
@@ -76,13 +77,18 @@ class FaultSchedule:
             self.probes.restart_while_checkpointing(shard)
         elif kind == "cut":
             if self.rng.random() < 0.5:
-                for proxy in (cluster.proxies if self.rng.random() < 0.3 else [cluster.proxies[shard]]):
+                for proxy in (cluster.proxies if self.rng.random() < 0.3 else cluster.shard_proxies(shard)):
                     proxy.cut_open()
             else:  # a burst: every connection for a while is cut at a random byte
-                proxy = cluster.proxies[shard]
-                proxy.cutting = True
+                proxies = cluster.shard_proxies(shard)
+                for proxy in proxies:
+                    proxy.cutting = True
                 time.sleep(self.rng.uniform(0.2, 1.0))
-                proxy.cutting = False
+                for proxy in proxies:
+                    proxy.cutting = False
+        elif kind in REPLICA_KINDS:
+            assert isinstance(cluster, ReplicatedCluster), f"{kind} needs --replicas 2"
+            cluster.replica_event(kind, shard, self.rng)
         elif kind == "checkpoint":
             cluster.call_admin(lambda c: c.checkpoint())
         elif kind == "token":

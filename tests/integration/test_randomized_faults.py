@@ -6,7 +6,7 @@ exactly once except what docs/failure-semantics.md allows a crash to lose.
 The seed is printed; ``WEHUB_FAULT_SEED=<seed>`` replays the schedule.
 ``WEHUB_FAULT_MODES`` / ``WEHUB_FAULT_KINDS`` (comma-separated) override
 the modes and fault kinds below; ``python tests/faults/randomized.py --soak``
-is the long run.
+is the long run. The replicated run (``--replicas 2``) allows no loss at all.
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ from faults.schedule import KINDS
 CI_MODES = tuple(MODES)
 CI_KINDS = tuple(KINDS)
 MIN_EVENTS = 50
+#: The replicated run (--replicas 2): the modes ps-server replicates that differ most, fewer events
+#: (each waits until the shard's replicas are in sync again).
+CI_REPLICATED_MODES = ("async", "ssp")
+REPLICATED_EVENTS = 24
 
 
 @pytest.mark.timeout(900)  # a hang is caught inside (bounded waits); this is the last resort
@@ -38,3 +42,20 @@ def test_random_faults_lose_and_repeat_only_what_the_docs_allow(tmp_path, capsys
                           f"WEHUB_FAULT_KINDS={kinds}):\n{failures}")
     assert events >= MIN_EVENTS, f"seed {seed}: only {events} fault events ran"
     assert acknowledged >= 20 * len(reports), f"seed {seed}: only {acknowledged} pushes were acknowledged"
+
+
+@pytest.mark.timeout(600)
+def test_random_faults_of_replicated_shards_lose_nothing_acknowledged(tmp_path, etcd_factory):
+    """--replicas 2: replica SIGKILLs and freezes, etcd restarts and cuts, one in-sync replica always left.
+
+    ``etcd_factory`` only to skip (or fail in CI) where etcd is not installed: the run starts its own.
+    """
+    assert etcd_factory is not None
+    modes = os.environ.get("WEHUB_FAULT_MODES") or ",".join(CI_REPLICATED_MODES)
+    reports = randomized.main(["--replicas", "2", "--modes", modes, "--events", str(REPLICATED_EVENTS),
+                               "--budget", "60", "--workdir", str(tmp_path)])
+    seed = reports[0].seed
+    failures = "\n".join(r.summary() for r in reports if r.violations)
+    assert not failures, f"seed {seed} (replay: WEHUB_FAULT_SEED={seed} WEHUB_FAULT_MODES={modes}):\n{failures}"
+    assert sum(sum(r.events.values()) for r in reports) >= REPLICATED_EVENTS // 2
+    assert sum(r.pushes["ack"] for r in reports) >= 20 * len(reports)

@@ -69,14 +69,16 @@ def test_a_backup_refuses_workers_and_names_the_primary(replicated):
     assert primary.status().backups[0].in_sync
 
 
-def _train(address: str, worker: str, steps: int, seed: int) -> None:
-    """Known integer gradients into dense (Adam: slots), dense rows and an LRU hash table."""
+def _train(address: str, worker: str, steps: int, seed: int, stop: threading.Event | None = None) -> None:
+    """Known integer gradients into dense (Adam: slots), dense rows and an LRU hash table (until ``stop``)."""
     rng = np.random.default_rng(seed)
     with PSClient([address], worker_id=worker) as client:
         client.create_variable("dense", (64, 8), initializer=Zeros(), optimizer=Adam(0.01))
         client.create_variable("rows", (256, 4), initializer=Zeros(), optimizer=SGD(1.0))
         client.create_embedding("table", 4, optimizer=Adam(0.01), max_rows=40, eviction="lru")
         for _ in range(steps):
+            if stop is not None and stop.is_set():
+                return
             client.pull(["dense"])
             client.push({"dense": rng.integers(-3, 4, (64, 8)).astype(np.float32)})
             ids = rng.choice(256, 16, replace=False)
@@ -189,3 +191,46 @@ def test_sigterm_of_the_primary_hands_over_without_losing_pushes(replicated):
         assert old.process.popen.returncode == 0, old.process.log_text()[-3000:]
         assert cluster.primary(0) is not old
         np.testing.assert_array_equal(client.pull(["v"])["v"], np.full(1000, -acknowledged, np.float32))
+
+
+def test_a_backup_killed_under_load_catches_up_and_holds_the_same_bits(replicated):
+    """SIGKILL the backup while workers train, restart it on its port: snapshot, stream, in sync, same bits."""
+    cluster = replicated()
+    primary = cluster.primary(0)
+    backup = next(r for r in cluster.shards[0] if r is not primary)
+    stop = threading.Event()
+    threads = [threading.Thread(target=_train, args=(primary.address, f"w{i}", 100_000, i, stop)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while primary.status().applied_sequence < 100:
+            assert time.monotonic() < deadline, cluster.logs()
+            time.sleep(0.05)
+        backup.process.signal(signal.SIGKILL)
+        backup.process.wait(10)
+        killed_at = primary.status().applied_sequence
+        backup.start()  # the same port and checkpoint directory: a new incarnation
+        deadline = time.monotonic() + 30
+        while not (backups := primary.status().backups) or not all(b.in_sync for b in backups):
+            assert time.monotonic() < deadline, f"the restarted backup is not in sync:\n{cluster.logs()}"
+            time.sleep(0.05)
+        in_sync_at = primary.status().applied_sequence
+        assert all(thread.is_alive() for thread in threads), "the load ended before the backup was in sync"
+        time.sleep(1.0)  # more load with the restarted backup in the in-sync set
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    sequence = _wait_caught_up(cluster)
+    assert in_sync_at > killed_at and sequence > in_sync_at
+    assert backup.status().role == "backup"
+    backup.process.stop()  # SIGTERM: each writes its final checkpoint
+    primary.process.stop()
+    primary_tensors, primary_state = checkpoint_contents(primary.newest_checkpoint())
+    backup_tensors, backup_state = checkpoint_contents(backup.newest_checkpoint())
+    assert sorted(primary_tensors) == sorted(backup_tensors)
+    for name, values in primary_tensors.items():
+        assert values.tobytes() == backup_tensors[name].tobytes(), name
+    assert primary_state == backup_state
+    assert "snapshot loaded" in backup.process.log_text()

@@ -1,0 +1,132 @@
+"""SIGKILL the primary of a replicated shard again and again while workers push: nothing acknowledged is lost.
+
+Real ps-server replicas (--replicas 2) on a real etcd (tests/etcd_server.py
+skips where etcd is not installed). Workers push one-row gradients whose
+every application is counted (tests/replica_faults.py); one of them goes
+through a FaultProxy in front of each replica, which cuts its connections at
+random. Each killed primary is restarted on its port and waited for until it
+is back in the in-sync set, so one in-sync replica always survives the next
+kill. A probe worker pushes continuously: the time from each SIGKILL to its
+first push acknowledged by the new primary is the failover time.
+
+CI runs three kills. ``WEHUB_PS_SOAK_SECONDS=<seconds>`` runs the loop that
+long instead (at least 60 for the figures the issue asks for) and prints
+kills, failover p50/p99, pushes acknowledged and checked, and refusals.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+from fault_proxy import FaultProxy
+from replica_faults import SlotPusher, check_slots, create_slots, percentile
+from replica_testing import ReplicatedCluster
+
+from worker_client import PSClient
+
+CI_KILLS = 3
+KILL_PERIOD = 3.0
+SLOTS = 1_000_000
+#: A failover slower than this fails the test (the issue's target, p99 <= 2 s, is reported, not asserted:
+#: on a loaded 2-core runner the tail is the scheduler's).
+FAILOVER_LIMIT = 5.0
+
+
+def _soak_seconds() -> float | None:
+    raw = os.environ.get("WEHUB_PS_SOAK_SECONDS")
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise pytest.UsageError(f"WEHUB_PS_SOAK_SECONDS must be seconds, got {raw!r}") from None
+    if seconds <= 0:
+        raise pytest.UsageError(f"WEHUB_PS_SOAK_SECONDS must be positive, got {raw!r}")
+    return seconds
+
+
+@pytest.fixture
+def cluster(tmp_path, etcd_server):
+    cluster = ReplicatedCluster(tmp_path / "replicated", etcd_server.endpoint, 1, 2).start()
+    yield cluster
+    cluster.stop()
+
+
+def _wait_in_sync(cluster: ReplicatedCluster, timeout: float = 30.0) -> None:
+    """The primary counts every other replica in its in-sync set."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            backups = list(cluster.primary(0, timeout=timeout).status(timeout=2).backups)
+        except grpc.RpcError:  # a replica between roles: asked again below
+            backups = []
+        if len(backups) == cluster.replicas - 1 and all(b.in_sync for b in backups):
+            return
+        assert time.monotonic() < deadline, f"replicas not in sync after {timeout}s:\n{cluster.logs()}"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(900)
+def test_sigkill_loop_of_primaries_loses_and_repeats_no_acknowledged_push(cluster):
+    soak = _soak_seconds()
+    proxies = [FaultProxy(r.port, seed=17 + r.replica_index, mean_bytes_up=6_000, mean_bytes_down=3_000)
+               for r in cluster.shards[0]]
+    clients = [PSClient(cluster.addresses, worker_id="direct-0", retry_timeout=60),
+               PSClient(cluster.addresses, worker_id="direct-1", retry_timeout=60),
+               PSClient("|".join(p.address for p in proxies), worker_id="proxied", retry_timeout=60),
+               PSClient(cluster.addresses, worker_id="probe", retry_timeout=60)]
+    create_slots(clients[0], "slots", len(clients), SLOTS)
+    probe_acks: list[tuple[float, str]] = []  # (time, replica that was primary for the probe then)
+    probe = clients[3]
+    pushers = [SlotPusher(client, "slots", index, SLOTS, pause=0.01) for index, client in enumerate(clients[:3])]
+    pushers.append(SlotPusher(probe, "slots", 3, SLOTS,
+                              on_ack=lambda row, at: probe_acks.append((at, probe.primaries[0]))))
+    failovers: list[float] = []
+    started = time.monotonic()
+    try:
+        for pusher in pushers:
+            pusher.start()
+        last_kill = time.monotonic()
+        while (len(failovers) < CI_KILLS) if soak is None else (time.monotonic() - started < soak):
+            _wait_in_sync(cluster)
+            time.sleep(max(0.0, last_kill + KILL_PERIOD - time.monotonic()))
+            primary = cluster.primary(0)
+            primary.process.signal(signal.SIGKILL)
+            last_kill = killed = time.monotonic()
+            primary.process.wait(10)
+            deadline = killed + 30
+            while not any(at > killed and address != primary.address for at, address in probe_acks[-50:]):
+                assert time.monotonic() < deadline, f"no push acknowledged 30s after the kill:\n{cluster.logs()}"
+                for pusher in pushers:
+                    assert not pusher.raised, f"worker {pusher.worker}: {list(pusher.raised.values())[:3]}"
+                time.sleep(0.005)
+            first = min(at for at, address in probe_acks[-50:] if at > killed and address != primary.address)
+            failovers.append(first - killed)
+            primary.start()  # the same port: a new incarnation that catches up
+    finally:
+        for pusher in pushers:
+            pusher.stop.set()
+        for pusher in pushers:
+            pusher.join(90)
+        for proxy in proxies:
+            proxy.stop()
+    retries = sum(client.stats()["retries"] for client in clients)
+    cuts = sum(proxy.stats.cuts for proxy in proxies)
+    with PSClient(cluster.addresses, worker_id="checker") as checker:
+        check = check_slots(checker.pull(["slots"])["slots"], pushers)
+    for client in clients:
+        client.close()
+    raised = {p.worker: list(p.raised.values())[:3] for p in pushers if p.raised}
+    assert not raised, f"pushes raised (every worker here rides failovers out): {raised}"
+    assert not check.violations, check.violations[:10]
+    assert check.acknowledged > 20 * len(failovers)
+    assert len(pushers[2].acknowledged) > 0 and cuts > 0, "the proxied worker's connections were never cut"
+    assert max(failovers) < FAILOVER_LIMIT, f"failover times {failovers}"
+    print(f"\nkill loop {time.monotonic() - started:.0f}s: kills {len(failovers)}, failover p50 "
+          f"{percentile(failovers, 50) * 1000:.0f} ms p99 {percentile(failovers, 99) * 1000:.0f} ms "
+          f"(max {max(failovers) * 1000:.0f} ms), pushes acknowledged and checked exactly once "
+          f"{check.acknowledged}, refused or retried attempts {retries}, proxy cuts {cuts}", flush=True)
