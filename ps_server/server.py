@@ -116,7 +116,7 @@ class PSServer:
             # Never share a port with another process: two shards on one port
             # would silently split the traffic between them.
             ("grpc.so_reuseport", 0),
-            # Clients ping every 20 s to notice dead connections; allow it.
+            # Clients ping every 20 s (every 1 s a replicated shard) to notice dead connections; allow it.
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
             ("grpc.http2.max_ping_strikes", 0),

@@ -125,7 +125,7 @@ class LeaseKeeper:
             self._valid_until = min(self._valid_until, time.monotonic())
         self._lost.set()
         event(_log, logging.ERROR, "etcd reports the lease expired or revoked: this replica left its "
-              "replica set and must restart to rejoin", lease=f"{self.lease.id:x}")
+              "replica set and rejoins it as a new member", lease=f"{self.lease.id:x}")
         try:
             self._on_lost()
         except Exception:  # noqa: BLE001 - the keeper's thread must end cleanly

@@ -50,6 +50,9 @@ class PartSnapshot:
     #: Hash tables: ids, value, slot:<name>, row_steps, last_access of the live rows.
     rows: dict[str, np.ndarray] | None = None
     evicted_rows: int = 0
+    #: Hash tables: the LRU clock (the newest last_access given), so a restored table keeps counting
+    #: from where it was, as a replica restored from a snapshot must to stay bit-identical.
+    access_clock: int = 0
     #: Synchronous mode: the open step's sum of gradients (None when empty).
     accumulator: AccumulatorSnapshot | None = None
 

@@ -404,7 +404,8 @@ class VariableStore:
             if item.rows is not None:
                 table = HashTablePart(item.spec, self._table_limit(item.spec), reserve)
                 reserve(table.nbytes)
-                table.load_rows(item.rows, item.version, item.optimizer_steps, item.evicted_rows)
+                table.load_rows(item.rows, item.version, item.optimizer_steps, item.evicted_rows,
+                                item.access_clock)
                 table.restore_accumulator(item.accumulator)
                 parts[item.spec.name] = table
             else:

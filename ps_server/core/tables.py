@@ -308,7 +308,8 @@ class HashTablePart:
         with self.lock:
             return PartSnapshot(self.spec, 0, 0, True, self.version, self.optimizer_steps, True,
                                 np.empty(0, self.spec.dtype), {}, rows=self._rows_snapshot_locked(),
-                                evicted_rows=self.evicted_rows, accumulator=self.accumulator.snapshot())
+                                evicted_rows=self.evicted_rows, accumulator=self.accumulator.snapshot(),
+                                access_clock=self._clock)
 
     # ---- internals (lock held) ----
 
@@ -398,8 +399,16 @@ class HashTablePart:
         """Drop the ``count`` least recently used rows, never those in ``protect``."""
         live = self._index.live_slots()
         candidates = np.setdiff1d(live, protect, assume_unique=False)
-        order = np.argpartition(self.last_access[candidates], count - 1)[:count] if count else []
-        victims = candidates[order]
+        if not count:
+            return
+        # The oldest rows; among rows last used in the same instant, the smallest ids. Never the rows'
+        # positions: a replica restored from a snapshot holds them elsewhere and must evict the same.
+        access = self.last_access[candidates]
+        threshold = np.partition(access, count - 1)[count - 1]
+        older = candidates[access < threshold]
+        tied = candidates[access == threshold]
+        tied = tied[np.argsort(self.ids[tied], kind="stable")][:count - len(older)]
+        victims = np.concatenate([older, tied])
         self._index.remove(self.ids[victims])
         self._free = np.concatenate([self._free, victims])
         self.evicted_rows += len(victims)
@@ -439,7 +448,8 @@ class HashTablePart:
             out[f"slot:{name}"] = arr[slots].copy()
         return out
 
-    def load_rows(self, rows: dict[str, np.ndarray], version: int, optimizer_steps: int, evicted: int) -> None:
+    def load_rows(self, rows: dict[str, np.ndarray], version: int, optimizer_steps: int, evicted: int,
+                  access_clock: int = 0) -> None:
         """Install rows from a checkpoint (before serving)."""
         with self.lock:
             count = len(rows["ids"])
@@ -454,6 +464,6 @@ class HashTablePart:
                 arr[slots] = rows[f"slot:{name}"].reshape(count, self.row_elements)
             self.row_steps[slots] = rows["row_steps"]
             self.last_access[slots] = rows["last_access"]
-            self._clock = int(rows["last_access"].max()) if count else 0
+            self._clock = max(access_clock, int(rows["last_access"].max()) if count else 0)
             self._index.insert(rows["ids"], slots)
             self.version, self.optimizer_steps, self.evicted_rows = version, optimizer_steps, evicted

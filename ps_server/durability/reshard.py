@@ -92,7 +92,8 @@ def _assemble_table(spec: VariableSpec, sources: list[Source], handles: dict[int
                       version=max(e["version"] for e in holders),
                       optimizer_steps=max(e["optimizer_steps"] for e in holders),
                       initialized=True, value=np.empty(0, spec.dtype), slots={}, rows=rows,
-                      evicted_rows=evicted)
+                      evicted_rows=evicted,
+                      access_clock=max(int(e.get("access_clock", 0)) for e in holders))
 
 
 def _copy_rows(spec: VariableSpec, row_start: int, row_end: int, row_elements: int, slot_names: list[str],

@@ -124,7 +124,7 @@ def _save_part(part: PartSnapshot, tensors: dict[str, np.ndarray]) -> dict[str, 
              "optimizer_steps": part.optimizer_steps, "initialized": part.initialized,
              "slots": sorted(part.slots), "row_steps": part.row_steps is not None,
              "rows": sorted(part.rows) if part.rows is not None else None,
-             "evicted_rows": part.evicted_rows}
+             "evicted_rows": part.evicted_rows, "access_clock": part.access_clock}
     if part.rows is not None:
         for key, values in part.rows.items():
             tensors[tensor_name(name, f"rows:{key}")] = values

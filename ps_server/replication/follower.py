@@ -18,7 +18,7 @@ from ps_server.durability.restore import RestoredState
 from ps_server.replication.records import Divergence, RecordApplier
 from ps_server.replication.role import LeaderInfo, ReplicaRole
 from ps_server.replication.snapshots import SnapshotReceiver
-from ps_server.replication.transport import ConnectionClosed, connect
+from ps_server.replication.transport import ConnectionClosed, FramedConnection, connect
 from wehub_ps.process.logs import event
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.replication import answer, decode_record_message
@@ -40,6 +40,7 @@ class Follower:
         self._tls = tls
         self._snapshot_parent = snapshot_parent
         self._token = token or (lambda: "")
+        self._connection: FramedConnection | None = None
 
     def follow(self, leader: LeaderInfo) -> str:
         """Follow ``leader`` until the stream ends; says why it ended."""
@@ -57,8 +58,10 @@ class Follower:
             connection = connect(leader.replication_address, self._tls, settings.replication_timeout)
         except ConnectionClosed as error:
             return str(error)
-        # Silence longer than this (the primary pings every lease / 4) means the primary is gone.
+        # Silence longer than this (the primary pings every lease / 4) means the primary is gone; a
+        # primary whose term ended (its lease expired) is let go sooner, by interrupt().
         connection.set_timeout(settings.replication_timeout)
+        self._connection = connection
         event(log, logging.INFO, "following the primary", primary=leader.address, epoch=leader.epoch)
         try:
             connection.send([start])
@@ -106,6 +109,13 @@ class Follower:
         except ConnectionClosed as error:
             return f"stream broke: {error}"
         finally:
+            self._connection = None
             connection.close()
             if receiver is not None:
                 receiver.close()
+
+    def interrupt(self) -> None:
+        """End the stream being followed (its primary's term is over); follow() then returns."""
+        connection = self._connection
+        if connection is not None:
+            connection.close()

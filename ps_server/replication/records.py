@@ -31,7 +31,7 @@ from wehub_ps.wire.codec import decode_push_request
 from wehub_ps.wire.protowire import CodecError
 from wehub_ps.wire.replication import PushView, RecordView, other_op, push_op
 
-__all__ = ["Divergence", "RecordApplier", "consistency_state", "finish", "push_applied", "push_ended",
+__all__ = ["Divergence", "RecordApplier", "checkpoint", "consistency_state", "finish", "push_applied", "push_ended",
            "rows_read", "variable_created"]
 
 #: Bytes a record costs beyond its payload (headers, the begin of a small push).
@@ -76,6 +76,10 @@ def finish() -> Op:
     return _small(ps_pb2.ReplicationRecord(finish=True))
 
 
+def checkpoint() -> Op:
+    return _small(ps_pb2.ReplicationRecord(checkpoint=True))
+
+
 def _small(record: ps_pb2.ReplicationRecord) -> Op:
     op = other_op(record)
     return op, RECORD_OVERHEAD + len(op[0])
@@ -89,8 +93,10 @@ class RecordApplier:
     """A backup's side of the log: applies records in order, one at a time (one thread)."""
 
     def __init__(self, store: VariableStore, ledger: PushLedger, consistency: ConsistencyController,
-                 on_finish: Callable[[], None] = lambda: None) -> None:
+                 on_finish: Callable[[], None] = lambda: None,
+                 on_checkpoint: Callable[[], None] = lambda: None) -> None:
         self._on_finish = on_finish
+        self._on_checkpoint = on_checkpoint
         self._store = store
         self._ledger = ledger
         self._consistency = consistency
@@ -123,6 +129,8 @@ class RecordApplier:
                 self._consistency.restore(json.loads(record.other.consistency))
             elif op == "finish":
                 self._on_finish()
+            elif op == "checkpoint":
+                self._on_checkpoint()
             else:
                 raise Divergence(f"record {record.sequence} carries no change this backup knows ({op})")
         except (RequestError, SpecError, CodecError) as error:

@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import random
 import socket
 import threading
 import time
@@ -64,7 +65,7 @@ class LeaderInfo(Protocol):
 class Coordination(Protocol):
     """What the role needs of etcd (ps_server.coordination.ShardCoordinator)."""
 
-    def start(self) -> None: ...
+    def start(self) -> object: ...
     def lease_valid_until(self) -> float: ...
     def leader(self) -> LeaderInfo | None: ...
     def watch_leader(self, callback: Callable[[LeaderInfo | None], None]) -> None: ...
@@ -112,6 +113,11 @@ class ReplicaRole:
         self._coordination: Coordination | None = None
         self._become_primary = become_primary
         self.follow: Callable[[LeaderInfo], str] | None = None
+        #: Ends the stream ``follow`` runs (the primary's term ended while it was silent).
+        self.interrupt_follow: Callable[[], None] = lambda: None
+        #: A coordination for a new incarnation: after losing its etcd lease a replica rejoins as a new member.
+        self.new_coordination: Callable[[int], Coordination] | None = None
+        self._rejoin = False
         self._state = STARTING
         #: Called with the new state on every change (health, metrics).
         self.on_state: Callable[[str], None] = lambda state: None
@@ -175,6 +181,10 @@ class ReplicaRole:
             self.on_state(state)
 
     @property
+    def coordination(self) -> Coordination | None:
+        return self._coordination
+
+    @property
     def state(self) -> str:
         return self._state
 
@@ -187,6 +197,10 @@ class ReplicaRole:
         return self._leader
 
     def _leader_changed(self, leader: LeaderInfo | None) -> None:
+        following = self._leader
+        if self._state in (CATCHING_UP, BACKUP) and following is not None and (
+                leader is None or leader.epoch != following.epoch):
+            self.interrupt_follow()  # the term ended: a frozen or cut-off primary sends nothing more
         if leader is not None and leader.epoch > self._epoch and self._state == PRIMARY:
             self._deposed(f"replica {leader.replica_index} was elected (epoch {leader.epoch})")
         self._leader = leader  # None: the term ended; refusals name no primary until the next is known
@@ -199,6 +213,9 @@ class ReplicaRole:
     def _run(self) -> None:
         while not self._stopping.is_set():
             self._wake.clear()
+            if self._rejoin:
+                self._rejoin_as_new_member()
+                continue
             if self._state == PRIMARY:
                 self._wake.wait(1.0)
                 continue
@@ -228,6 +245,8 @@ class ReplicaRole:
             self._wake.wait(0.05)
 
     def _follow_leader(self, leader: LeaderInfo) -> None:
+        if self._rejoin:
+            return  # a replica without its lease first rejoins as a new member, then follows
         self._set_state(CATCHING_UP)
         self._primary_gone = False
         assert self.follow is not None
@@ -345,6 +364,9 @@ class ReplicaRole:
 
     def finishing(self) -> int:
         return self._append(*records.finish())
+
+    def checkpointed(self) -> int:
+        return self._append(*records.checkpoint())
 
     def table_rows_read(self, reads: list[tuple[str, np.ndarray]]) -> None:
         self._append(*records.rows_read(reads))
@@ -489,9 +511,35 @@ class ReplicaRole:
             event(log, logging.INFO, "backup in sync", replica_index=key[0])
 
     def lease_lost(self) -> None:
-        """The coordinator found this replica's etcd lease gone."""
+        """The coordinator found this replica's etcd lease gone: it is no longer a member (nor in sync)."""
         if self._state == PRIMARY:
             self._deposed("its etcd lease expired")
+        self._rejoin = True
+        self.interrupt_follow()
+        self._wake.set()
+
+    def _rejoin_as_new_member(self) -> None:
+        """A new incarnation with a new lease: it catches up from a snapshot like a restarted replica."""
+        assert self.new_coordination is not None and self._coordination is not None
+        self._coordination.close()
+        incarnation = random.getrandbits(48)
+        try:
+            coordination = self.new_coordination(incarnation)
+            coordination.start()
+        except CoordinationError as error:
+            event(log, logging.WARNING, "cannot rejoin the replica set while etcd is unreachable",
+                  error=str(error))
+            self._wake.wait(0.5)
+            return
+        self.settings = dataclasses.replace(self.settings, incarnation=incarnation)
+        self._coordination = coordination
+        self._rejoin = False
+        self.has_state = False
+        self._answered_at = 0.0
+        self._set_state(STARTING)
+        self.on_state(self._state)
+        coordination.watch_leader(self._leader_changed)
+        event(log, logging.WARNING, "rejoined the replica set as a new member", incarnation=incarnation)
 
     def _deposed(self, why: str) -> None:
         if self._state == DEPOSED:

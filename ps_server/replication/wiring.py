@@ -19,6 +19,7 @@ from ps_server.coordination import CoordinationError, EtcdClient, ShardCoordinat
 from ps_server.core.consistency import ConsistencyController
 from ps_server.core.ledger import PushLedger
 from ps_server.core.store import VariableStore
+from ps_server.durability.checkpointer import Checkpointer
 from ps_server.durability.restore import RestoredState
 from ps_server.ops.config import ServerConfig
 from ps_server.ops.metrics import Metrics
@@ -53,6 +54,9 @@ class ReplicatedServer(Protocol):
     port: int
     finish_requested: threading.Event
 
+    @property
+    def checkpointer(self) -> Checkpointer | None: ...
+
     def install(self, restored: RestoredState) -> None: ...
     def restore(self) -> None: ...
 
@@ -68,10 +72,11 @@ class ReplicaWiring:
         self.role = ReplicaRole(settings, self._become_primary)
         self.role.on_state = self._state_changed
         self._applier = RecordApplier(server.store, server.ledger, server.consistency,
-                                      on_finish=server.finish_requested.set)
+                                      on_finish=server.finish_requested.set,
+                                      on_checkpoint=self._checkpoint)
         if config.consistency == "ssp":
             self.role.consistency_state = server.consistency.snapshot
-        self._coordination: ShardCoordinator | None = None
+        self._started = False  # set_state needs the coordination started (role.start does it)
         server.metrics.registry.register(ReplicationCollector(self.role))
         streams = BackupStreams(
             self.role, config.shard_index, config.num_shards,
@@ -93,16 +98,21 @@ class ReplicaWiring:
         client = EtcdClient([e.strip() for e in config.etcd_endpoints.split(",") if e.strip()],
                             ca=config.etcd_ca, cert=config.etcd_cert, key=config.etcd_key)
         self._state_changed(self.role.state)  # health before anything is known: not serving
-        coordination = ShardCoordinator(
-            client, job=config.job_name, shard_index=config.shard_index,
-            replica_index=config.replica_index, address=address, incarnation=self.role.settings.incarnation,
-            lease_ttl=config.primary_lease_seconds, replication_address=replication_address,
-            on_lease_lost=self.role.lease_lost)
+
+        def coordination_for(incarnation: int) -> ShardCoordinator:
+            return ShardCoordinator(
+                client, job=config.job_name, shard_index=config.shard_index, replica_index=config.replica_index,
+                address=address, incarnation=incarnation, lease_ttl=config.primary_lease_seconds,
+                replication_address=replication_address, on_lease_lost=self.role.lease_lost)
+
+        coordination = coordination_for(self.role.settings.incarnation)
         self.role.connect(address, coordination)
-        self.role.follow = Follower(self.role, config.shard_index, config.num_shards, self._applier,
-                                    server.install, _client_tls(config), config.checkpoint_dir or None,
-                                    self._token).follow
-        self._coordination = coordination
+        self.role.new_coordination = coordination_for
+        follower = Follower(self.role, config.shard_index, config.num_shards, self._applier, server.install,
+                            _client_tls(config), config.checkpoint_dir or None, self._token)
+        self.role.follow = follower.follow
+        self.role.interrupt_follow = follower.interrupt
+        self._started = True
         self.role.start()
         event(log, logging.INFO, "replica started", replica_index=config.replica_index,
               replicas=config.replicas, address=address, replication_address=replication_address,
@@ -119,9 +129,10 @@ class ReplicaWiring:
 
     def _state_changed(self, state: str) -> None:
         """Health: '' SERVING on the primary and in-sync backups; the service's name on the primary only."""
-        if self._coordination is not None:
+        coordination = self.role.coordination if self._started else None
+        if coordination is not None:
             try:
-                self._coordination.set_state(state)
+                coordination.set_state(state)
             except CoordinationError as error:  # etcd away: the member key keeps its last state
                 event(log, logging.DEBUG, "could not publish the replica's state", error=str(error))
         serving = health_pb2.HealthCheckResponse.SERVING
@@ -129,6 +140,12 @@ class ReplicaWiring:
         health = self._server.health
         health.set("", serving if state in (PRIMARY, BACKUP) else not_serving)
         health.set(SERVICE_NAME, serving if state == PRIMARY else not_serving)
+
+    def _checkpoint(self) -> None:
+        """The primary wrote a checkpoint on a worker's request: write one here too."""
+        checkpointer = self._server.checkpointer
+        if checkpointer is not None:
+            checkpointer.checkpoint("the primary's checkpoint")
 
     def _token(self) -> str:
         tokens = self._server.tokens

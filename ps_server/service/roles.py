@@ -46,6 +46,9 @@ class ShardRole(Protocol):
     def finishing(self) -> int:
         """Under ``ordered``: a worker's finish() ends the job; the backups end too. Its sequence."""
 
+    def checkpointed(self) -> int:
+        """Under ``ordered``: a worker asked for a checkpoint; the backups write one too. Its sequence."""
+
     def last_sequence(self) -> int:
         """The sequence of the newest change ordered so far."""
 
@@ -81,6 +84,9 @@ class SingleReplica:
         return 0
 
     def finishing(self) -> int:
+        return 0
+
+    def checkpointed(self) -> int:
         return 0
 
     def last_sequence(self) -> int:

@@ -116,6 +116,10 @@ class ParameterServerService:
         self._lifecycle.check_accepting()
         record = checkpointer.checkpoint("request")
         assert record is not None
+        if self._role.replicated:
+            with self._role.ordered():
+                sequence = self._role.checkpointed()
+            self._role.acknowledge(sequence, context.time_remaining())
         return ps_pb2.CheckpointResponse(checkpoint=checkpoint_info(record)).SerializeToString()
 
     @unary

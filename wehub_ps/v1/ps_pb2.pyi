@@ -682,7 +682,7 @@ class SnapshotFile(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., last: _Optional[bool] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ReplicationRecord(_message.Message):
-    __slots__ = ("sequence", "push", "push_end", "rows_read", "created", "consistency", "finish")
+    __slots__ = ("sequence", "push", "push_end", "rows_read", "created", "consistency", "finish", "checkpoint")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     PUSH_END_FIELD_NUMBER: _ClassVar[int]
@@ -690,6 +690,7 @@ class ReplicationRecord(_message.Message):
     CREATED_FIELD_NUMBER: _ClassVar[int]
     CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     push: PushApplied
     push_end: PushEnded
@@ -697,7 +698,8 @@ class ReplicationRecord(_message.Message):
     created: VariableSpec
     consistency: str
     finish: bool
-    def __init__(self, sequence: _Optional[int] = ..., push: _Optional[_Union[PushApplied, _Mapping]] = ..., push_end: _Optional[_Union[PushEnded, _Mapping]] = ..., rows_read: _Optional[_Union[TableRowsRead, _Mapping]] = ..., created: _Optional[_Union[VariableSpec, _Mapping]] = ..., consistency: _Optional[str] = ..., finish: _Optional[bool] = ...) -> None: ...
+    checkpoint: bool
+    def __init__(self, sequence: _Optional[int] = ..., push: _Optional[_Union[PushApplied, _Mapping]] = ..., push_end: _Optional[_Union[PushEnded, _Mapping]] = ..., rows_read: _Optional[_Union[TableRowsRead, _Mapping]] = ..., created: _Optional[_Union[VariableSpec, _Mapping]] = ..., consistency: _Optional[str] = ..., finish: _Optional[bool] = ..., checkpoint: _Optional[bool] = ...) -> None: ...
 
 class PushApplied(_message.Message):
     __slots__ = ("stream", "begin", "message", "completed")

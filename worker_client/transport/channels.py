@@ -38,6 +38,8 @@ T = TypeVar("T")
 _BUSY_REASONS = frozenset({Reason.TOO_MANY_RPCS.value, Reason.EXCHANGE_STREAMS.value})
 #: Failures that may mean the replica died or hangs: another replica is tried.
 _MOVE_ON_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
+#: A replicated shard's watch of its primary: a health check this often, each given this long.
+_WATCH_SECONDS, _WATCH_TIMEOUT_SECONDS = 1.0, 2.0
 
 
 class _Connection:
@@ -115,10 +117,14 @@ class ShardChannel:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 2000),
-            # Notice a dead peer (a partitioned host) within ~30 s.
-            ("grpc.keepalive_time_ms", 20_000),
-            ("grpc.keepalive_timeout_ms", 10_000),
+            # Notice a dead peer (a partitioned host) within ~30 s; a replicated shard's primary that
+            # froze or lost its host within ~3 s, so calls move on to the replica elected next (which
+            # takes about a lease): the ping is answered by gRPC's own threads, not the server's Python.
+            ("grpc.keepalive_time_ms", 20_000 if len(self.replicas) == 1 else 1_000),
+            ("grpc.keepalive_timeout_ms", 10_000 if len(self.replicas) == 1 else 2_000),
         ]
+        if len(self.replicas) > 1:  # ping while a call waits for its answer, however long it sends nothing
+            self._options += [("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
         if credentials is not None and server_name:
             # The name the certificate was issued for, when the address differs.
             self._options.append(("grpc.ssl_target_name_override", server_name))
@@ -132,6 +138,37 @@ class ShardChannel:
         # Primaries named by a replica that are not in the list, warned about once each.
         self._unknown_hints: set[str] = set()
         self._conn = self._connect(self.replicas[0])
+        self._watching = threading.Event()
+        self._watch: threading.Thread | None = None
+        if len(self.replicas) > 1:
+            self._watch = threading.Thread(target=self._watch_primary, name=f"ps-replica-watch-{index}",
+                                           daemon=True)
+            self._watch.start()
+
+    def _watch_primary(self) -> None:
+        """Leave a primary that stopped answering (frozen, or its host cut off) without waiting for a call.
+
+        A call to such a primary waits for its deadline (minutes for a push),
+        and gRPC's keepalive does not end it sooner here; the replica elected
+        after it takes about a lease. So every second the replica in use is
+        asked its health; after two checks unanswered for 2 s, or one that says
+        it is not the primary, calls move on (those waiting there fail and are
+        retried by their callers, the server's ledger applying each push once).
+        """
+        silent = 0
+        while not self._watching.wait(_WATCH_SECONDS):
+            conn = self._conn
+            status = _health_of(conn.channel, _WATCH_TIMEOUT_SECONDS)
+            silent = silent + 1 if status == "UNREACHABLE" else 0
+            if silent >= 2:
+                self.follow(PSUnavailableError(f"ps-server {conn.address} did not answer health checks for "
+                                               f"{2 * _WATCH_TIMEOUT_SECONDS:g}s", address=conn.address,
+                                               code="DEADLINE_EXCEEDED"))
+                silent = 0
+            elif status == "NOT_SERVING":
+                self.follow(NotPrimaryError(f"ps-server {conn.address} is no longer the primary of its shard",
+                                            address=conn.address, reason=Reason.NOT_PRIMARY.value,
+                                            code="UNAVAILABLE"))
 
     def _connect(self, address: str) -> _Connection:
         return _Connection(address, self._options, self._credentials, self._lane_metadata,
@@ -327,6 +364,9 @@ class ShardChannel:
         with self._switch_lock:
             self._closed = True
             conn = self._conn
+        self._watching.set()
+        if self._watch is not None and self._watch is not threading.current_thread():
+            self._watch.join()
         conn.close()
 
     def _guard(self, conn: _Connection, what: str, call: Callable[[], T]) -> T:
