@@ -31,8 +31,8 @@ from wehub_ps.wire.codec import decode_push_request
 from wehub_ps.wire.protowire import CodecError
 from wehub_ps.wire.replication import PushView, RecordView, other_op, push_op
 
-__all__ = ["Divergence", "RecordApplier", "checkpoint", "consistency_state", "finish", "push_applied", "push_ended",
-           "rows_read", "variable_created"]
+__all__ = ["Divergence", "RecordApplier", "checkpoint", "consistency_state", "finish", "push_applied",
+           "push_ended", "rows_read", "variable_created"]
 
 #: Bytes a record costs beyond its payload (headers, the begin of a small push).
 RECORD_OVERHEAD = 128

@@ -115,7 +115,7 @@ class ReplicaRole:
         self.follow: Callable[[LeaderInfo], str] | None = None
         #: Ends the stream ``follow`` runs (the primary's term ended while it was silent).
         self.interrupt_follow: Callable[[], None] = lambda: None
-        #: A coordination for a new incarnation: after losing its etcd lease a replica rejoins as a new member.
+        #: A coordination for a new incarnation: a replica that lost its etcd lease rejoins as a new member.
         self.new_coordination: Callable[[int], Coordination] | None = None
         self._rejoin = False
         self._state = STARTING

@@ -101,7 +101,8 @@ class ReplicaWiring:
 
         def coordination_for(incarnation: int) -> ShardCoordinator:
             return ShardCoordinator(
-                client, job=config.job_name, shard_index=config.shard_index, replica_index=config.replica_index,
+                client, job=config.job_name, shard_index=config.shard_index,
+                replica_index=config.replica_index,
                 address=address, incarnation=incarnation, lease_ttl=config.primary_lease_seconds,
                 replication_address=replication_address, on_lease_lost=self.role.lease_lost)
 

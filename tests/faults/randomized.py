@@ -138,12 +138,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="fault events in all, split over the modes (default 60; --soak: 1,000)")
     parser.add_argument("--modes", default=None,
                         help=f"comma-separated, of {', '.join(MODES)} (default: all; with --replicas 2 all "
-                             f"but {', '.join(UNREPLICATED_MODES)}, which ps-server runs with one replica only)")
+                             f"but {', '.join(UNREPLICATED_MODES)}, which ps-server runs with one replica "
+                             "only)")
     parser.add_argument("--kinds", default=None,
                         help=f"comma-separated fault kinds, of {', '.join(KINDS)} (default: all); with "
                              f"--replicas 2, of {', '.join([*REPLICA_KINDS, *SHARED_KINDS])} (default: all)")
     parser.add_argument("--replicas", type=int, choices=(1, 2), default=1,
-                        help="replicas per shard: 2 runs each shard as a replica set on etcd (no loss allowed)")
+                        help="replicas per shard: 2 runs each shard as a replica set on etcd "
+                             "(no loss allowed)")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds of fault schedule in all, split over the modes (default 160; --soak: "
                              "3,600); setup and checks come on top")

@@ -47,7 +47,8 @@ class ReplicatedCluster(Cluster):
     def start_servers(self) -> None:
         binary = etcd_binary()
         if binary is None:
-            raise RuntimeError("the replicated mode needs etcd: apt-get install etcd-server, or set ETCD_BINARY")
+            raise RuntimeError("the replicated mode needs etcd: apt-get install etcd-server, "
+                               "or set ETCD_BINARY")
         self.etcd = EtcdServer(self.workdir / "etcd", binary).start()
         job = f"faults-{uuid.uuid4().hex[:8]}"
         self.replicas = []

@@ -194,12 +194,13 @@ def test_sigterm_of_the_primary_hands_over_without_losing_pushes(replicated):
 
 
 def test_a_backup_killed_under_load_catches_up_and_holds_the_same_bits(replicated):
-    """SIGKILL the backup while workers train, restart it on its port: snapshot, stream, in sync, same bits."""
+    """SIGKILL the backup while workers train, restart it on its port: snapshot, stream, in sync, bits."""
     cluster = replicated()
     primary = cluster.primary(0)
     backup = next(r for r in cluster.shards[0] if r is not primary)
     stop = threading.Event()
-    threads = [threading.Thread(target=_train, args=(primary.address, f"w{i}", 100_000, i, stop)) for i in range(2)]
+    threads = [threading.Thread(target=_train, args=(primary.address, f"w{i}", 100_000, i, stop))
+               for i in range(2)]
     for thread in threads:
         thread.start()
     try:

@@ -48,6 +48,11 @@ def _wait(condition, timeout: float, what: str, cluster: ReplicatedCluster) -> f
     return time.monotonic()
 
 
+def _in_sync(primary) -> list[tuple[int, bool]]:
+    """(replica index, in sync) of each backup the primary reports."""
+    return [(b.replica_index, b.in_sync) for b in primary.status().backups]
+
+
 def _role(replica) -> str:
     try:
         return replica.status(timeout=1.0).role
@@ -196,7 +201,7 @@ def test_a_primary_resumed_after_a_freeze_takes_over_when_the_new_primary_dies(r
         first.process.signal(signal.SIGSTOP)
         _wait(lambda: _role(second) == "primary", 15, "the backup was not elected", cluster)
         first.process.signal(signal.SIGCONT)
-        _wait(lambda: [(b.replica_index, b.in_sync) for b in second.status().backups] == [(first.replica_index, True)],
+        _wait(lambda: _in_sync(second) == [(first.replica_index, True)],
               20, "the resumed replica did not get back in sync", cluster)
         acknowledged_before = len(pusher.acknowledged)
         second.process.signal(signal.SIGKILL)
@@ -207,7 +212,7 @@ def test_a_primary_resumed_after_a_freeze_takes_over_when_the_new_primary_dies(r
         _wait(lambda: len(pusher.acknowledged) > acknowledged_before + 20, 15,
               "no pushes acknowledged after the takeover", cluster)
         second.start()
-        _wait(lambda: [(b.replica_index, b.in_sync) for b in first.status().backups] == [(second.replica_index, True)],
+        _wait(lambda: _in_sync(first) == [(second.replica_index, True)],
               20, "the restarted replica did not get in sync", cluster)
     finally:
         pusher.join(60)
