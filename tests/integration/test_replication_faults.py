@@ -219,6 +219,7 @@ def test_a_primary_resumed_after_a_freeze_takes_over_when_the_new_primary_dies(r
     check = check_slots(client.pull(["slots"])["slots"], [pusher])
     client.close()
     assert not pusher.raised, list(pusher.raised.values())[:3]
-    assert not check.violations, f"{len(check.violations)} violations: {check.violations[:5]}\n{cluster.logs()}"
+    assert not check.violations, (f"{len(check.violations)} violations: {check.violations[:5]}\n"
+                                  f"{cluster.logs()}")
     print(f"resumed replica took over {took_over - killed:.2f}s after the SIGKILL; {check.acknowledged} "
           f"pushes checked exactly once")

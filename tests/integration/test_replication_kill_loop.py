@@ -82,7 +82,8 @@ def test_sigkill_loop_of_primaries_loses_and_repeats_no_acknowledged_push(cluste
     create_slots(clients[0], "slots", len(clients), SLOTS)
     probe_acks: list[tuple[float, str]] = []  # (time, replica that was primary for the probe then)
     probe = clients[3]
-    pushers = [SlotPusher(client, "slots", index, SLOTS, pause=0.01) for index, client in enumerate(clients[:3])]
+    pushers = [SlotPusher(client, "slots", index, SLOTS, pause=0.01)
+               for index, client in enumerate(clients[:3])]
     pushers.append(SlotPusher(probe, "slots", 3, SLOTS,
                               on_ack=lambda row, at: probe_acks.append((at, probe.primaries[0]))))
     failovers: list[float] = []
@@ -100,7 +101,8 @@ def test_sigkill_loop_of_primaries_loses_and_repeats_no_acknowledged_push(cluste
             primary.process.wait(10)
             deadline = killed + 30
             while not any(at > killed and address != primary.address for at, address in probe_acks[-50:]):
-                assert time.monotonic() < deadline, f"no push acknowledged 30s after the kill:\n{cluster.logs()}"
+                assert time.monotonic() < deadline, (f"no push acknowledged 30s after the kill:\n"
+                                                     f"{cluster.logs()}")
                 for pusher in pushers:
                     assert not pusher.raised, f"worker {pusher.worker}: {list(pusher.raised.values())[:3]}"
                 time.sleep(0.005)

@@ -48,7 +48,8 @@ def _wait_backup_in_sync(primary: Replica, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def _admin_status(capsys, cluster: ReplicatedCluster) -> tuple[int, dict[str, dict[str, str]], list[str], str]:
+def _admin_status(capsys, cluster: ReplicatedCluster
+                  ) -> tuple[int, dict[str, dict[str, str]], list[str], str]:
     """ps-admin status: its exit status, the replicas table's rows by address (cells by column), the
     per-shard primary lines, and what it wrote to stderr."""
     code = admin_main(["status", "--timeout", "5", "--addresses", cluster.addresses])

@@ -98,7 +98,8 @@ class ShardChannel:
     """
 
     def __init__(self, index: int, address: str | Sequence[str], *,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES, credentials: grpc.ChannelCredentials | None = None,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 credentials: grpc.ChannelCredentials | None = None,
                  server_name: str | None = None,
                  token: BearerToken | None = None, incarnation: str | None = None,
                  request_timeout: float = 300.0) -> None:
@@ -124,7 +125,8 @@ class ShardChannel:
             ("grpc.keepalive_timeout_ms", 10_000 if len(self.replicas) == 1 else 2_000),
         ]
         if len(self.replicas) > 1:  # ping while a call waits for its answer, however long it sends nothing
-            self._options += [("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
+            self._options += [("grpc.http2.max_pings_without_data", 0),
+                              ("grpc.keepalive_permit_without_calls", 1)]
         if credentials is not None and server_name:
             # The name the certificate was issued for, when the address differs.
             self._options.append(("grpc.ssl_target_name_override", server_name))
