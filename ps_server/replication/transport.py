@@ -32,6 +32,7 @@ log = logging.getLogger("ps_server.replication")
 #: The largest frame accepted: a push message (64 MiB at most) and a record's headers.
 MAX_FRAME_BYTES = (64 << 20) + (1 << 20)
 _LENGTH = struct.Struct("<I")
+_SOCKET_BUFFER_BYTES = 4 << 20
 
 
 class ConnectionClosed(Exception):
@@ -48,6 +49,8 @@ class FramedConnection:
         self._send_lock = threading.Lock()
         self._closed = False
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):  # a whole 1 MiB record and more in flight
+            sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER_BYTES)
 
     def send(self, pieces: list) -> None:
         """One frame made of ``pieces`` (bytes and memoryviews), written whole."""
