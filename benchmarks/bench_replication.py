@@ -56,7 +56,8 @@ def _wait_for_etcd(proc: subprocess.Popen, endpoint: str, log_file: Path) -> Non
     try:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with status {proc.returncode}:\n{log_file.read_text()[-3000:]}")
+                raise RuntimeError(f"etcd exited with status {proc.returncode}:\n"
+                                   f"{log_file.read_text()[-3000:]}")
             try:
                 client.get("/wehub-ps-bench/ready")
                 return
@@ -122,7 +123,8 @@ def _wait_for_primary(addresses: list[str], procs: list[subprocess.Popen], logs:
     while time.monotonic() < deadline:
         for proc, log in zip(procs, logs):
             if proc.poll() is not None:
-                raise RuntimeError(f"a replica exited with status {proc.returncode}:\n{log.read_text()[-3000:]}")
+                raise RuntimeError(f"a replica exited with status {proc.returncode}:\n"
+                                   f"{log.read_text()[-3000:]}")
         if all(_health(a, "") == serving for a in addresses):
             primaries = [a for a in addresses if _health(a, PRIMARY_SERVICE) == serving]
             if len(primaries) == 1:

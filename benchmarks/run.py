@@ -394,14 +394,15 @@ def section_replication(repeats: int, results: dict) -> list[Row]:
             grads = zero_grads()
             push = best(time_calls(lambda: client.push(grads), repeats))
             steps = _steps(client, 20, 1000)
-        figures[replicas] = {"push": MODEL_BYTES / push / 1e9, "p50_ms": float(np.percentile(steps, 50)) * 1e3,
+        figures[replicas] = {"push": MODEL_BYTES / push / 1e9,
+                             "p50_ms": float(np.percentile(steps, 50)) * 1e3,
                              "p99_ms": float(np.percentile(steps, 99)) * 1e3}
     one, two = figures[1], figures[2]
     results["replication"] = {"r1": one, "r2": two}
-    return [_row("replication", "push 100 MB, 1 shard, R=2 (acked by the backup)", two["push"], "GB/s", one["push"],
-                 "R=1, same run", 0.5),
-            _row("replication", "step p50 (100K params, 20 vars, 1 shard), R=2", two["p50_ms"], "ms", one["p50_ms"],
-                 "R=1 p50, same run", 2, higher=False),
+    return [_row("replication", "push 100 MB, 1 shard, R=2 (acked by the backup)", two["push"], "GB/s",
+                 one["push"], "R=1, same run", 0.5),
+            _row("replication", "step p50 (100K params, 20 vars, 1 shard), R=2", two["p50_ms"], "ms",
+                 one["p50_ms"], "R=1 p50, same run", 2, higher=False),
             _row("replication", "step p99, R=2", two["p99_ms"], "ms", one["p99_ms"], "R=1 p99, same run",
                  target_text="report")]
 

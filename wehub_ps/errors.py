@@ -37,4 +37,4 @@ class Reason(str, enum.Enum):
     PUSH_WRITTEN_OFF = "PUSH_WRITTEN_OFF"  # a retried push the ledger gave up on: it may be partly applied
     TOO_MANY_RPCS = "TOO_MANY_RPCS"  # --max-concurrent-rpcs ordinary calls are in progress
     EXCHANGE_STREAMS = "EXCHANGE_STREAMS"  # --max-exchange-streams (or one incarnation's share) are open
-    NOT_PRIMARY = "NOT_PRIMARY"  # a backup replica (or a deposed primary): the primary is named in PRIMARY_METADATA_KEY
+    NOT_PRIMARY = "NOT_PRIMARY"  # a backup (or a deposed primary): PRIMARY_METADATA_KEY names the primary

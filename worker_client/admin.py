@@ -139,14 +139,16 @@ def replicas_table(replicas: Sequence[Mapping[str, ReplicaInfo | PSError | None]
             state = health[i].get(address, "?") if i < len(health) else "?"
             if isinstance(status, ReplicaInfo):
                 rows.append([shard, address, str(status.replica_index), status.role, state, str(status.epoch),
-                             str(status.applied_sequence), *_lag_cells(status, primary, backups.get(status.replica_index)),
+                             str(status.applied_sequence),
+                             *_lag_cells(status, primary, backups.get(status.replica_index)),
                              "proven" if status.lease_proven else "not proven"])
             elif status is None:
                 role = "primary" if answered and address == in_use[i] else "unreplicated"
                 rows.append([shard, address, "-", role, state, *["-"] * 8])
             else:
                 rows.append([shard, address, "-", _failure(status), state, *["-"] * 8])
-        summaries.append(_primary_summary(shard, statuses, primary, answered, in_use[i] if answered else None))
+        summaries.append(_primary_summary(shard, statuses, primary, answered,
+                                          in_use[i] if answered else None))
     return _table(rows) + "\n\n" + "\n".join(summaries)
 
 

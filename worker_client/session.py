@@ -381,7 +381,8 @@ class Session:
         for shard in self.shards:
             answers = shard.describe_each_replica(request, timeout)
             statuses.append({address: answer if isinstance(answer, PSError)
-                             else read_replica_status(address, answer) for address, answer in answers.items()})
+                             else read_replica_status(address, answer)
+                             for address, answer in answers.items()})
         return statuses
 
     def close(self) -> None:

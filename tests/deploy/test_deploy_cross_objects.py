@@ -297,7 +297,8 @@ def _tfjob_port_name(o):
 
 
 def _replica_groups_swapped(o):
-    _env(_container(_kind(o, "Job")), "PS_ADDRESSES", "ps-1-0.ps:7001|ps-1-1.ps:7001,ps-0-0.ps:7001|ps-0-1.ps:7001")
+    _env(_container(_kind(o, "Job")), "PS_ADDRESSES",
+         "ps-1-0.ps:7001|ps-1-1.ps:7001,ps-0-0.ps:7001|ps-0-1.ps:7001")
 
 
 def _replica_missing(o):
@@ -331,7 +332,8 @@ def _replication_blocked(o):
 
 
 def _replica_readiness_primary_only(o):
-    _container(_kind(o, "StatefulSet", "ps-0"))["readinessProbe"]["grpc"]["service"] = "wehub_ps.v1.ParameterServer"
+    probe = _container(_kind(o, "StatefulSet", "ps-0"))["readinessProbe"]
+    probe["grpc"]["service"] = "wehub_ps.v1.ParameterServer"
 
 
 def _replica_count(o):

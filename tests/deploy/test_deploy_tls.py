@@ -225,7 +225,8 @@ def test_secret_check_reports_missing_sans_wrong_usage_and_a_bad_token(secrets, 
     subprocess.run(["openssl", "req", "-x509", "-new", "-key", str(tmp_path / "server.key"), "-subj", "/CN=ps",
                     "-days", "1", "-out", str(tmp_path / "server.crt")], check=True, capture_output=True)
     subprocess.run(["openssl", "req", "-x509", "-new", "-key", str(tmp_path / "client.key"), "-subj", "/CN=w",
-                    "-addext", "extendedKeyUsage=serverAuth", "-days", "1", "-out", str(tmp_path / "client.crt")],
+                    "-addext", "extendedKeyUsage=serverAuth", "-days", "1",
+                    "-out", str(tmp_path / "client.crt")],
                    check=True, capture_output=True)
     (tmp_path / "token").write_bytes(b"secret\n")
     (tmp_path / "ca.key").chmod(0o644)

@@ -40,7 +40,8 @@ def client(etcd_server):
 
 @pytest.fixture
 def replicas(client):
-    """``replicas(replica_index, incarnation, lease_ttl=1, **kw) -> started ShardCoordinator``; closed at teardown."""
+    """``replicas(replica_index, incarnation, lease_ttl=1, **kw) -> started ShardCoordinator``;
+    closed at teardown."""
     started: list[ShardCoordinator] = []
 
     def start(replica_index: int, incarnation: int, lease_ttl: int = 1, **kwargs) -> ShardCoordinator:
@@ -143,7 +144,8 @@ def test_a_frozen_leader_loses_its_lease_and_an_in_sync_backup_takes_over(etcd_s
         assert new_epoch is not None and new_epoch > int(old_epoch)
         assert seen.get(timeout=5).replica_index == 1
         popen.send_signal(signal.SIGCONT)
-        # Resumed, the old leader learns its lease is gone, its validity is over, and its isr write is refused.
+        # Resumed, the old leader learns its lease is gone, its validity is over,
+        # and its isr write is refused.
         assert lines.get(timeout=10) == ["lost", "True", "False"]
     finally:
         popen.send_signal(signal.SIGCONT)
@@ -243,8 +245,8 @@ def test_mutual_tls(etcd_factory, tmp_path):
         replica.close()
     finally:
         trusted.close()
-    stranger = EtcdClient([server.endpoint], timeout=2.0, ca=material.ca.cert, cert=material.other_client.cert,
-                          key=material.other_client.key)
+    stranger = EtcdClient([server.endpoint], timeout=2.0, ca=material.ca.cert,
+                          cert=material.other_client.cert, key=material.other_client.key)
     try:
         with pytest.raises(CoordinationError) as caught:
             stranger.get("/k")

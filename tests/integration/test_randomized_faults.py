@@ -56,6 +56,7 @@ def test_random_faults_of_replicated_shards_lose_nothing_acknowledged(tmp_path, 
                                "--budget", "60", "--workdir", str(tmp_path)])
     seed = reports[0].seed
     failures = "\n".join(r.summary() for r in reports if r.violations)
-    assert not failures, f"seed {seed} (replay: WEHUB_FAULT_SEED={seed} WEHUB_FAULT_MODES={modes}):\n{failures}"
+    assert not failures, (f"seed {seed} (replay: WEHUB_FAULT_SEED={seed} WEHUB_FAULT_MODES={modes}):\n"
+                          f"{failures}")
     assert sum(sum(r.events.values()) for r in reports) >= REPLICATED_EVENTS // 2
     assert sum(r.pushes["ack"] for r in reports) >= 20 * len(reports)

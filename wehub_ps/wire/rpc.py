@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from wehub_ps.v1 import ps_pb2
 
-__all__ = ["SERVICE_NAME", "method_path", "DEFAULT_CHUNK_BYTES", "MAX_MESSAGE_BYTES", "INCARNATION_METADATA_KEY",
-           "PRIMARY_METADATA_KEY"]
+__all__ = ["SERVICE_NAME", "method_path", "DEFAULT_CHUNK_BYTES", "MAX_MESSAGE_BYTES",
+           "INCARNATION_METADATA_KEY", "PRIMARY_METADATA_KEY"]
 
 SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 

@@ -125,12 +125,12 @@ def test_replicas_show_role_epoch_sequence_and_the_primarys_view_of_each_backup(
         "epoch": "12", "applied seq": "500", "in sync": "-", "lag records": "-", "lag bytes": "-",
         "lag s": "-", "etcd lease": "proven"}
     backup = _replica_row(text, "r1:7000")
-    assert (backup["role"], backup["epoch"], backup["applied seq"], backup["in sync"]) == ("backup", "12", "498",
-                                                                                          "yes")
+    assert (backup["role"], backup["epoch"], backup["applied seq"], backup["in sync"]) == (
+        "backup", "12", "498", "yes")
     assert (backup["lag records"], backup["lag bytes"], backup["lag s"]) == ("2", "4096", "0.25")
     dead = _replica_row(text, "r2:7000")
-    assert (dead["role"], dead["health"], dead["epoch"], dead["in sync"]) == ("unreachable", "UNREACHABLE", "-",
-                                                                            "-")
+    assert (dead["role"], dead["health"], dead["epoch"], dead["in sync"]) == (
+        "unreachable", "UNREACHABLE", "-", "-")
     assert text.splitlines()[-1] == "shard 0/1: primary r0:7000 (replica 0, epoch 12), 1 of 2 backups in sync"
 
 
@@ -144,11 +144,11 @@ def test_the_primary_of_the_newest_epoch_is_the_shards_primary():
     text = replicas_table(statuses, [{}], ["r1:7000"], [_shard(0, {}, {"mode": "async"}, 1)])
     assert text.splitlines()[-1] == "shard 0/1: primary r1:7000 (replica 1, epoch 9), 0 of 2 backups in sync"
     stale = _replica_row(text, "r0:7000")
-    assert (stale["role"], stale["epoch"], stale["in sync"], stale["etcd lease"]) == ("primary", "5", "no",
-                                                                                    "not proven")
+    assert (stale["role"], stale["epoch"], stale["in sync"], stale["etcd lease"]) == (
+        "primary", "5", "no", "not proven")
     behind = _replica_row(text, "r2:7000")
-    assert (behind["role"], behind["in sync"], behind["lag records"], behind["lag s"]) == ("catching-up", "no",
-                                                                                         "60", "1.50")
+    assert (behind["role"], behind["in sync"], behind["lag records"], behind["lag s"]) == (
+        "catching-up", "no", "60", "1.50")
     assert _replica_row(text, "r1:7000")["health"] == "?"
 
 

@@ -29,7 +29,8 @@ def shard_of(unit: PodUnit, env: dict) -> str | None:
 
 
 def server_probe_problems(where: str, container: dict, health: object) -> list[str]:
-    """Readiness asks health service "" (primary or in-sync backup); liveness only that the health port answers."""
+    """Readiness asks health service "" (primary or in-sync backup);
+    liveness only that the health port answers."""
     problems = []
     readiness = (container.get("readinessProbe") or {}).get("grpc")
     if not readiness or readiness.get("service", "") != "" or str(readiness.get("port")) != str(health):
@@ -85,8 +86,9 @@ def _replication_port_problems(where: str, container: dict, env: dict) -> list[s
     return []
 
 
-def replica_set_problems(objects: list[dict], units: list[PodUnit],
-                         policy_allows: Callable[[list[dict], PodUnit, PodUnit, int, str], list[str]]) -> list[str]:
+def replica_set_problems(
+        objects: list[dict], units: list[PodUnit],
+        policy_allows: Callable[[list[dict], PodUnit, PodUnit, int, str], list[str]]) -> list[str]:
     """Across the shards: one StatefulSet per shard 0..N-1, spread, budgets, etcd and its reach."""
     problems = []
     envs = {id(u): resolve_env(next(c for c in u.containers() if is_ps_server(c)), objects, u.namespace)
@@ -101,7 +103,8 @@ def replica_set_problems(objects: list[dict], units: list[PodUnit],
         shard_key = (env["PS_SHARD_INDEX"].path[len(_LABEL_FIELD):-2]
                      if isinstance(env.get("PS_SHARD_INDEX"), FieldRef) else "")
         spread = [c for c in unit.spec.get("topologySpreadConstraints") or []
-                  if c.get("topologyKey") == "kubernetes.io/hostname" and c.get("whenUnsatisfiable") == "DoNotSchedule"
+                  if c.get("topologyKey") == "kubernetes.io/hostname"
+                  and c.get("whenUnsatisfiable") == "DoNotSchedule"
                   and (shard_key in (c.get("matchLabelKeys") or [])
                        or shard_key in ((c.get("labelSelector") or {}).get("matchLabels") or {}))]
         if not spread:
@@ -111,7 +114,8 @@ def replica_set_problems(objects: list[dict], units: list[PodUnit],
                     and label_selector_matches((p.get("spec") or {}).get("selector"), unit.labels)]
         keeps = [p for p in covering if _budget_keeps(p.get("spec") or {}, unit.pods or 0) >= 1]
         if len(covering) != 1 or not keeps:
-            problems.append(f"{where}: needs exactly one PodDisruptionBudget that keeps a replica of the shard, "
+            problems.append(f"{where}: needs exactly one PodDisruptionBudget "
+                            "that keeps a replica of the shard, "
                             f"found {[p['metadata']['name'] for p in covering]}")
         # The stream of updates, and the gRPC port a backup checks for a primary whose process is gone.
         problems += policy_allows(objects, unit, unit, replication_port(env), f"{where} (replication)")
@@ -151,7 +155,8 @@ def _etcd_problems(objects: list[dict], unit: PodUnit, env: dict, pdbs: list[dic
     if ports != client_ports:
         problems.append(f"{where}: port {sorted(ports)} is not etcd's client port {sorted(client_ports)}")
     quorum = (members.pods or 0) // 2 + 1
-    budgets = [p for p in pdbs if label_selector_matches((p.get("spec") or {}).get("selector"), members.labels)]
+    budgets = [p for p in pdbs
+               if label_selector_matches((p.get("spec") or {}).get("selector"), members.labels)]
     if not budgets or min(_budget_keeps(p.get("spec") or {}, members.pods or 0) for p in budgets) < quorum:
         problems.append(f"{members.where}: needs a PodDisruptionBudget that keeps its quorum of {quorum}")
     for port in sorted(client_ports):

@@ -187,12 +187,14 @@ def etcd_sans(namespaces: Iterable[str], members: int = 3) -> set[str]:
     sans = {"etcd", "localhost", "127.0.0.1"} | {f"etcd-{i}.etcd" for i in range(members)}
     for ns in namespaces:
         for i in range(members):
-            sans |= {f"etcd-{i}.etcd.{ns}", f"etcd-{i}.etcd.{ns}.svc", f"etcd-{i}.etcd.{ns}.svc.cluster.local"}
+            sans |= {f"etcd-{i}.etcd.{ns}", f"etcd-{i}.etcd.{ns}.svc",
+                     f"etcd-{i}.etcd.{ns}.svc.cluster.local"}
     return sans
 
 
 def generated_secret_problems(directory: Path, namespaces: Iterable[str] = DEFAULT_NAMESPACES,
-                              replicas: int | None = None, replicas_per_shard: int | None = None) -> list[str]:
+                              replicas: int | None = None,
+                              replicas_per_shard: int | None = None) -> list[str]:
     """What deploy/gen-secrets.sh wrote is a usable CA, server and client certificate and token;
     ``replicas`` defaults to the StatefulSet's, ``replicas_per_shard`` to the replicated overlay's.
     The server certificate is also a client certificate: a backup presents it to its primary."""
@@ -247,7 +249,8 @@ def etcd_secret_problems(directory: Path, namespaces: Iterable[str] = DEFAULT_NA
     if problems:
         return problems
     read = {name: (directory / name).read_bytes() for name in names}
-    for cert, purpose in (("etcd-server", "sslserver"), ("etcd-server", "sslclient"), ("etcd-client", "sslclient")):
+    for cert, purpose in (("etcd-server", "sslserver"), ("etcd-server", "sslclient"),
+                          ("etcd-client", "sslclient")):
         complaint = verify_chain(read["etcd-ca.crt"], read[f"{cert}.crt"], purpose)
         if complaint:
             problems.append(f"{cert}.crt does not verify against etcd-ca.crt for {purpose}: {complaint}")
