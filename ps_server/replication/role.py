@@ -452,7 +452,8 @@ class ReplicaRole:
         while not self._stopping.is_set() and self._state == PRIMARY:
             self._stopping.wait(0.05)
             log_ = self._log
-            assert log_ is not None
+            if log_ is None or self._state != PRIMARY:
+                return  # deposed meanwhile
             now = time.monotonic()
             for key, link in list(self._links.items()):
                 if (link.closed is None and key in self._in_sync and link.waiting_since
@@ -512,9 +513,9 @@ class ReplicaRole:
 
     def lease_lost(self) -> None:
         """The coordinator found this replica's etcd lease gone: it is no longer a member (nor in sync)."""
+        self._rejoin = True  # first: the loop must rejoin before it follows anyone
         if self._state == PRIMARY:
             self._deposed("its etcd lease expired")
-        self._rejoin = True
         self.interrupt_follow()
         self._wake.set()
 
@@ -544,6 +545,10 @@ class ReplicaRole:
     def _deposed(self, why: str) -> None:
         if self._state == DEPOSED:
             return
+        if not self.lease_proven():
+            # Its lease is gone too (frozen past it): rejoin as a new member before following anyone,
+            # so the in-sync set never names a process etcd has already dropped.
+            self._rejoin = True
         self._set_state(DEPOSED)
         event(log, logging.ERROR, "no longer the primary; following the new one", why=why, epoch=self._epoch)
         with self._acks:
