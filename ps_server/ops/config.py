@@ -162,6 +162,24 @@ class ServerConfig:
             raise ConfigError(f"--max-rows must be >= 0, got {self.max_rows}")
         if self.consistency not in ("async", "ssp", "sync"):
             raise ConfigError(f"--consistency must be async, ssp or sync, got {self.consistency!r}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+        for flag, value in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key),
+                            ("--tls-client-ca", self.tls_client_ca), ("--auth-token-file", self.auth_token_file)):
+            if value and not os.path.isfile(value):
+                raise ConfigError(f"{flag} {value!r} is not a readable file")
+        if self.tls_cert and self.tls_key:
+            _check_tls_files(self.tls_cert, self.tls_key, self.tls_client_ca)
+        for flag, value in (("--health-port", self.health_port), ("--metrics-port", self.metrics_port)):
+            if not 0 <= value < 65536:
+                raise ConfigError(f"{flag} must be in [0, 65535] (0 = off), got {value}")
+        if self.max_variables < 1:
+            raise ConfigError(f"--max-variables must be at least 1, got {self.max_variables}")
+        if self.staleness < 0 or self.backup_workers < 0 or self.expected_workers < 0:
+            raise ConfigError(f"--staleness, --backup-workers and --expected-workers must be >= 0, got "
+                              f"{self.staleness}, {self.backup_workers} and {self.expected_workers}")
         self._check_replication()
 
     def _check_replication(self) -> None:
@@ -201,24 +219,6 @@ class ServerConfig:
                             ("--etcd-key", self.etcd_key)):
             if value and not os.path.isfile(value):
                 raise ConfigError(f"{flag} {value!r} is not a readable file")
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
-        if self.tls_client_ca and not self.tls_cert:
-            raise ConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
-        for flag, value in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key),
-                            ("--tls-client-ca", self.tls_client_ca), ("--auth-token-file", self.auth_token_file)):
-            if value and not os.path.isfile(value):
-                raise ConfigError(f"{flag} {value!r} is not a readable file")
-        if self.tls_cert and self.tls_key:
-            _check_tls_files(self.tls_cert, self.tls_key, self.tls_client_ca)
-        for flag, value in (("--health-port", self.health_port), ("--metrics-port", self.metrics_port)):
-            if not 0 <= value < 65536:
-                raise ConfigError(f"{flag} must be in [0, 65535] (0 = off), got {value}")
-        if self.max_variables < 1:
-            raise ConfigError(f"--max-variables must be at least 1, got {self.max_variables}")
-        if self.staleness < 0 or self.backup_workers < 0 or self.expected_workers < 0:
-            raise ConfigError(f"--staleness, --backup-workers and --expected-workers must be >= 0, got "
-                              f"{self.staleness}, {self.backup_workers} and {self.expected_workers}")
 
     @property
     def memory_limit(self) -> int:
