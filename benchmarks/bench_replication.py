@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from common import REPO_ROOT, SERVER_START_TIMEOUT_S, child_env, ps_cluster, stop_process
+from common import REPO_ROOT, SERVER_START_TIMEOUT_S, child_env, ps_cluster, stop_process, wait_for_port
 
 #: etcd's raft timing (ms): a 50 ms election timeout lets etcd grant the 1 s
 #: primary lease (it refuses TTLs under 1.5 election timeouts); on loopback
@@ -134,17 +134,6 @@ def _wait_for_primary(addresses: list[str], procs: list[subprocess.Popen], logs:
                        + "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs))
 
 
-def _wait_for_port(proc: subprocess.Popen, port_file: Path, log_file: Path) -> int:
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if port_file.exists() and port_file.read_text().strip():
-            return int(port_file.read_text())
-        if proc.poll() is not None:
-            raise RuntimeError(f"ps-server exited with status {proc.returncode}:\n{log_file.read_text()}")
-        time.sleep(0.05)
-    raise RuntimeError(f"ps-server gave no port within {SERVER_START_TIMEOUT_S}s:\n{log_file.read_text()}")
-
-
 @contextmanager
 def replicated_shard(replicas: int, etcd: str | None = None) -> Iterator[tuple[str, list[subprocess.Popen]]]:
     """One shard of ``replicas`` processes; yields (the primary's address, the processes, primary first).
@@ -178,7 +167,7 @@ def replicated_shard(replicas: int, etcd: str | None = None) -> Iterator[tuple[s
                      "--primary-lease-seconds", str(PRIMARY_LEASE_SECONDS),
                      "--checkpoint-dir", str(replica_dir / "checkpoints")],
                     cwd=REPO_ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT))
-        addresses = [f"127.0.0.1:{_wait_for_port(p, workdir / f'replica-{i}' / 'port', logs[i])}"
+        addresses = [f"127.0.0.1:{wait_for_port(p, workdir / f'replica-{i}' / 'port', logs[i])}"
                      for i, p in enumerate(procs)]
         primary = _wait_for_primary(addresses, procs, logs)
         at = addresses.index(primary)

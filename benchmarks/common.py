@@ -178,7 +178,8 @@ port = s.add_insecure_port("127.0.0.1:0"); s.start(); print(port, flush=True); s
 # ---- ps-server processes ----
 
 
-def _wait_for_port(proc: subprocess.Popen, port_file: Path, log_file: Path) -> int:
+def wait_for_port(proc: subprocess.Popen, port_file: Path, log_file: Path) -> int:
+    """The port ``proc`` (a ps-server started with --port-file) bound; RuntimeError if it exits first."""
     deadline = time.monotonic() + SERVER_START_TIMEOUT_S
     while time.monotonic() < deadline:
         if port_file.exists() and port_file.read_text().strip():
@@ -205,7 +206,8 @@ def ps_cluster(num_servers: int, *flags: str) -> Iterator[tuple[list[str], list[
                          "--num-shards", str(num_servers), "--log-level", "warning", *flags],
                         cwd=REPO_ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT))
             for i, proc in enumerate(procs):
-                addresses.append(f"127.0.0.1:{_wait_for_port(proc, Path(tmp, f'port-{i}'), Path(tmp, f'server-{i}.log'))}")
+                port = wait_for_port(proc, Path(tmp, f"port-{i}"), Path(tmp, f"server-{i}.log"))
+                addresses.append(f"127.0.0.1:{port}")
             yield addresses, procs
         finally:
             for proc in procs:

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -24,6 +25,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def scrape(port: int) -> str:
+    """The Prometheus text a ps-server serves on ``--metrics-port``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
+def metric_value(text: str, sample: str) -> float:
+    """The value of ``sample`` (a metric name with its labels, as printed) in ``text``."""
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{sample} not in the metrics:\n{text}")
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -8,14 +8,13 @@ import re
 import signal
 import subprocess
 import sys
-import urllib.request
 
 import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from ps_testing import ROOT, child_env, free_port
+from ps_testing import ROOT, child_env, free_port, metric_value, scrape
 
 from ps_server import ServerConfig, create_server
 from wehub_ps.v1 import ps_pb2
@@ -32,16 +31,6 @@ def server(tmp_path):
     srv.stop(grace=1)
 
 
-def _scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        return response.read().decode()
-
-
-def _value(text: str, sample: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(sample + " "):
-            return float(line.split()[-1])
-    raise AssertionError(f"{sample} not in the metrics:\n{text}")
 
 
 def test_metrics_count_what_happened(server):
@@ -55,16 +44,16 @@ def test_metrics_count_what_happened(server):
             client.push({"w": np.ones((300, 301), np.float32)})  # refused by the client: not counted
         client.checkpoint()
         server.metrics.live_workers.set(len(server.membership.live_ids()))
-        text = _scrape(server.metrics_port)
-    assert _value(text, 'wehub_ps_pushes_total{outcome="ok",variable="w"}') == 3
-    assert _value(text, 'wehub_ps_pulls_total{outcome="ok",variable="w"}') == 3
-    assert _value(text, "wehub_ps_bytes_received_total") >= 3 * 300 * 300 * 4
-    assert _value(text, "wehub_ps_bytes_sent_total") >= 3 * 300 * 300 * 4
-    assert _value(text, "wehub_ps_apply_seconds_count") >= 3
-    assert _value(text, "wehub_ps_push_staleness_count") >= 2
-    assert _value(text, "wehub_ps_checkpoint_seconds_count") == 1
-    assert _value(text, "wehub_ps_live_workers") == 1
-    assert _value(text, "wehub_ps_checkpoint_age_seconds") < 60
+        text = scrape(server.metrics_port)
+    assert metric_value(text, 'wehub_ps_pushes_total{outcome="ok",variable="w"}') == 3
+    assert metric_value(text, 'wehub_ps_pulls_total{outcome="ok",variable="w"}') == 3
+    assert metric_value(text, "wehub_ps_bytes_received_total") >= 3 * 300 * 300 * 4
+    assert metric_value(text, "wehub_ps_bytes_sent_total") >= 3 * 300 * 300 * 4
+    assert metric_value(text, "wehub_ps_apply_seconds_count") >= 3
+    assert metric_value(text, "wehub_ps_push_staleness_count") >= 2
+    assert metric_value(text, "wehub_ps_checkpoint_seconds_count") == 1
+    assert metric_value(text, "wehub_ps_live_workers") == 1
+    assert metric_value(text, "wehub_ps_checkpoint_age_seconds") < 60
 
 
 def test_errors_are_counted_by_reason(server):
@@ -82,9 +71,9 @@ def test_errors_are_counted_by_reason(server):
         with pytest.raises(grpc.RpcError):
             channel.stream_unary("/wehub_ps.v1.ParameterServer/Push")(
                 iter([ps_pb2.PushRequest(begin=begin).SerializeToString()]), timeout=5)
-    text = _scrape(server.metrics_port)
-    assert _value(text, 'wehub_ps_pulls_total{outcome="UNKNOWN_VARIABLE",variable="-"}') == 20
-    assert _value(text, 'wehub_ps_pushes_total{outcome="UNKNOWN_VARIABLE",variable="-"}') == 1
+    text = scrape(server.metrics_port)
+    assert metric_value(text, 'wehub_ps_pulls_total{outcome="UNKNOWN_VARIABLE",variable="-"}') == 20
+    assert metric_value(text, 'wehub_ps_pushes_total{outcome="UNKNOWN_VARIABLE",variable="-"}') == 1
     assert "nope" not in text and "made-up" not in text
 
 

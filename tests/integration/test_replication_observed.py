@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 import signal
 import time
-import urllib.request
 
 import numpy as np
 import pytest
+from ps_testing import metric_value, scrape
 from replica_testing import Replica, ReplicatedCluster
 
 from worker_client import SGD, PSClient, Zeros
@@ -101,15 +101,7 @@ def test_ps_admin_shows_primary_backup_epoch_and_lag_then_the_survivor(replicate
 
 
 def _scrape(replica: Replica) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{replica.metrics_port}/metrics", timeout=5) as response:
-        return response.read().decode()
-
-
-def _value(text: str, sample: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(sample + " "):
-            return float(line.split()[-1])
-    raise AssertionError(f"{sample} not in the metrics:\n{text}")
+    return scrape(replica.metrics_port)
 
 
 def test_replication_metrics_on_primary_and_backup_and_after_a_failover(replicated):
@@ -119,26 +111,26 @@ def test_replication_metrics_on_primary_and_backup_and_after_a_failover(replicat
     _push(cluster, 20)
     _wait_backup_in_sync(primary)
     on_primary, on_backup = _scrape(primary), _scrape(backup)
-    assert _value(on_primary, "wehub_ps_replica_primary") == 1
-    assert _value(on_backup, "wehub_ps_replica_primary") == 0
-    epoch = _value(on_primary, "wehub_ps_replica_epoch")
-    assert epoch > 0 and _value(on_backup, "wehub_ps_replica_epoch") == epoch
-    assert _value(on_primary, "wehub_ps_replica_sequence") >= 20
-    assert _value(on_primary, "wehub_ps_etcd_lease_valid") == 1
+    assert metric_value(on_primary, "wehub_ps_replica_primary") == 1
+    assert metric_value(on_backup, "wehub_ps_replica_primary") == 0
+    epoch = metric_value(on_primary, "wehub_ps_replica_epoch")
+    assert epoch > 0 and metric_value(on_backup, "wehub_ps_replica_epoch") == epoch
+    assert metric_value(on_primary, "wehub_ps_replica_sequence") >= 20
+    assert metric_value(on_primary, "wehub_ps_etcd_lease_valid") == 1
     label = f'{{replica="{backup.replica_index}"}}'
-    assert _value(on_primary, "wehub_ps_backup_in_sync" + label) == 1
+    assert metric_value(on_primary, "wehub_ps_backup_in_sync" + label) == 1
     for lag in ("records", "bytes", "seconds"):
-        assert _value(on_primary, f"wehub_ps_backup_lag_{lag}{label}") >= 0
+        assert metric_value(on_primary, f"wehub_ps_backup_lag_{lag}{label}") >= 0
     assert "wehub_ps_backup_in_sync{" not in on_backup  # only the primary reports its backups
-    assert _value(on_backup, "wehub_ps_failovers_total") == 0
+    assert metric_value(on_backup, "wehub_ps_failovers_total") == 0
 
     primary.process.signal(signal.SIGKILL)
     survivor = cluster.primary(0, timeout=10)
     assert survivor is backup
     after = _scrape(survivor)
-    assert _value(after, "wehub_ps_replica_primary") == 1
-    assert _value(after, "wehub_ps_replica_epoch") > epoch
-    assert _value(after, "wehub_ps_failovers_total") == 1
-    assert _value(after, "wehub_ps_failover_seconds") > 0
-    assert _value(after, "wehub_ps_election_seconds") > 0
+    assert metric_value(after, "wehub_ps_replica_primary") == 1
+    assert metric_value(after, "wehub_ps_replica_epoch") > epoch
+    assert metric_value(after, "wehub_ps_failovers_total") == 1
+    assert metric_value(after, "wehub_ps_failover_seconds") > 0
+    assert metric_value(after, "wehub_ps_election_seconds") > 0
     assert "wehub_ps_backup_in_sync{" not in after  # its former primary is gone: no backup streams
