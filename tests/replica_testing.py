@@ -162,10 +162,23 @@ class ReplicatedCluster:
     def wait_all_ready(self, timeout: float = 60.0) -> None:
         """Every running replica is the primary or a backup in sync."""
         deadline = time.monotonic() + timeout
-        while not all(r.is_ready() for r in self.all() if r.running()):
+        while not (all(r.is_ready() for r in self.all() if r.running()) and self._backups_in_sync()):
             if time.monotonic() > deadline:
                 raise AssertionError(f"replicas not in sync after {timeout}s:\n" + self.logs())
             time.sleep(0.05)
+
+    def _backups_in_sync(self) -> bool:
+        """Each shard's primary counts every other running replica in its in-sync set."""
+        for shard, members in enumerate(self.shards):
+            primary = self.primary(shard)
+            try:
+                backups = primary.status().backups
+            except grpc.RpcError:
+                return False
+            running = sum(r.running() for r in members) - 1
+            if sum(b.in_sync for b in backups) < running:
+                return False
+        return True
 
     def logs(self, shard: int | None = None) -> str:
         chosen = self.all() if shard is None else self.shards[shard]

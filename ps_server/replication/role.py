@@ -293,7 +293,9 @@ class ReplicaRole:
         if not self._primary_gone and time.monotonic() < promised_until:
             return False
         try:
-            return self._coordination.may_campaign(not self.has_state)
+            # Outside the in-sync set a replica may lead only when no in-sync replica is alive; then
+            # what it holds (state it followed, or else its newest checkpoint) is the best there is.
+            return self._coordination.may_campaign(True)
         except CoordinationError as error:
             event(log, logging.DEBUG, "cannot campaign while etcd is unreachable", error=str(error))
             return False
@@ -302,7 +304,7 @@ class ReplicaRole:
         started = time.monotonic()
         self._set_state(CANDIDATE)
         try:
-            epoch = self._coordination.campaign(not self.has_state)
+            epoch = self._coordination.campaign(True)
         except CoordinationError as error:
             event(log, logging.WARNING, "campaign failed", error=str(error))
             return
