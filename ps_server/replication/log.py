@@ -118,7 +118,6 @@ class UpdateLog:
         #: Held while a change is applied and appended (never while waiting for anything else).
         self._order = threading.Lock()
         self.sequence = sequence
-        self.bytes_logged = 0
         self._links: list[BackupLink] = []
 
     def ordered(self) -> threading.Lock:
@@ -129,7 +128,6 @@ class UpdateLog:
         wehub_ps.wire.replication) the next sequence and queue it for every backup."""
         self.sequence += 1
         record = record_pieces(self.sequence, op)
-        self.bytes_logged += nbytes
         for link in self._links:
             link.enqueue(self.sequence, record, nbytes)
         return self.sequence
@@ -144,6 +142,3 @@ class UpdateLog:
     def detach(self, link: BackupLink) -> None:
         with self._order:
             self._links = [other for other in self._links if other is not link]
-
-    def links(self) -> list[BackupLink]:
-        return list(self._links)

@@ -103,10 +103,6 @@ class RecordApplier:
         #: Push streams open on the primary, by the primary's stream number.
         self._streams: dict[int, ActivePush] = {}
 
-    @property
-    def open_streams(self) -> int:
-        return len(self._streams)
-
     def apply(self, record: RecordView) -> None:
         """Apply one record; Divergence when it fails (the primary applied it)."""
         if record.push is not None:

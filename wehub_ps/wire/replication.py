@@ -107,14 +107,12 @@ def decode_record_message(data: bytes | bytearray) -> RecordView | None:
             return None  # a snapshot piece
     if record is None:
         return None
-    sequence, push, other_fields = 0, None, []
+    sequence, push = 0, None
     for field, wire_type, start, stop in iter_fields(buf, *record):
         if field == _SEQUENCE_FIELD and wire_type == WIRE_VARINT:
             sequence = read_varint(buf, start, stop)[0]
         elif field == _PUSH_FIELD and wire_type == WIRE_LEN:
             push = _decode_push(buf, start, stop)
-        else:
-            other_fields.append((start, stop))
     other = None
     if push is None:
         other = ps_pb2.ReplicationRecord.FromString(bytes(buf[record[0]:record[1]]))
