@@ -22,7 +22,8 @@ from deploy_tools.manifests.dockerfiles import (  # noqa: E402
     dockerignore_problems,
     target_installs,
 )
-from deploy_tools.manifests.kustomize import DEPLOY  # noqa: E402
+from deploy_tools.manifests.image_roles import IMAGE_TARGETS, image_name, image_role_problems  # noqa: E402
+from deploy_tools.manifests.kustomize import DEPLOY, RENDER_TARGETS  # noqa: E402
 
 SERVER = ("ps-server",)
 WORKER = ("ps-worker",)
@@ -77,6 +78,58 @@ def test_torch_images_take_the_cpu_build_on_cpu_and_the_tested_release():
 
 def test_gpu_image_is_cuda_12():
     assert _args("Dockerfile.gpu")["CUDA_VERSION"].startswith("12.")
+
+
+def test_every_image_the_manifests_may_name_is_a_target():
+    for image, (dockerfile, target) in IMAGE_TARGETS.items():
+        assert target in IMAGES[dockerfile]["targets"], image
+        header = (DEPLOY / dockerfile).read_text()
+        assert re.search(rf"^#\s+{re.escape(target)}\s+{re.escape(image)}\s", header, re.MULTILINE), (image, target)
+
+
+@pytest.mark.parametrize("target", RENDER_TARGETS)
+def test_servers_run_the_server_image_and_workers_a_worker_image(renders, target):
+    assert image_role_problems(renders[target].objects, DEPLOY) == []
+
+
+def test_each_render_names_the_images_it_should(renders):
+    """The renders say it directly, independently of the check."""
+    def images(target):
+        return sorted({image_name(c["image"]) for o in renders[target].objects
+                       for c in _containers(o) if image_name(c["image"]) != "etcd"})
+
+    for target in ("overlays/cpu", "overlays/replicated", "jobset", "tfjob"):
+        assert images(target) == ["wehub-ps", "wehub-ps-worker"], target
+    assert images("overlays/gpu") == ["wehub-ps", "wehub-ps-gpu"]
+
+
+def _containers(obj):
+    """Containers anywhere below an object (pod templates of workloads and custom resources)."""
+    if isinstance(obj, dict):
+        if isinstance(obj.get("containers"), list):
+            yield from obj["containers"]
+        for value in obj.values():
+            yield from _containers(value)
+    elif isinstance(obj, list):
+        for value in obj:
+            yield from _containers(value)
+
+
+@pytest.mark.parametrize("swap, expected", [
+    (("wehub-ps-worker:", "wehub-ps:"),
+     "runs ps-worker (example digits) from wehub-ps, which lacks the examples extra"),
+    (("/wehub-ps:", "/wehub-ps-worker:"), "runs ps-server from wehub-ps-worker, which carries ['examples']"),
+    (("wehub-ps-worker:", "wehub-ps-trainer:"), "image 'wehub-ps-trainer:0.1.0' is not one"),
+])
+def test_image_check_reports_a_swapped_image(renders, swap, expected):
+    import copy
+
+    objects = copy.deepcopy(renders["overlays/cpu"].objects)
+    for obj in objects:
+        for container in _containers(obj):
+            container["image"] = ("/" + container["image"]).replace(*swap).lstrip("/")
+    problems = image_role_problems(objects, DEPLOY)
+    assert any(expected in p for p in problems), problems
 
 
 @pytest.mark.parametrize("name", IMAGES)
