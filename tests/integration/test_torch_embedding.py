@@ -231,3 +231,16 @@ def test_bad_input_is_refused_with_a_typed_error_and_nothing_is_pushed(client):
     empty.sum().backward()  # no rows: nothing to push
     assert {m.name: _versions(client, m.name) for m in (hashed, dense)} == versions
     np.testing.assert_array_equal(client.pull([dense.name])[dense.name], initial)
+
+
+def test_the_core_package_loads_without_torch():
+    """torch is an optional extra: only worker_client.torch may import it."""
+    import subprocess
+    import sys
+
+    from ps_testing import ROOT, child_env
+
+    script = "import sys, worker_client, worker_client.admin; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
+                            env=child_env(), timeout=120, check=True)
+    assert result.stdout.strip() == "False", result.stdout + result.stderr
