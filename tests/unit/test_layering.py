@@ -58,6 +58,7 @@ LAYERS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
                           "worker_client.replicas")),
         ("the PSClient facade", ("worker_client.client",)),
         ("tools and package facade", ("worker_client.admin", "worker_client.__init__")),
+        ("the PyTorch adapter (torch extra)", ("worker_client.torch",)),
     ],
 }
 

@@ -1,0 +1,208 @@
+"""PSEmbedding: a torch embedding layer whose table lives on the ps-servers.
+
+The rows of a recommender's embedding table are too many for a worker, so
+forward pulls only the rows of the batch's ids and backward sends only
+their gradients; the server-side optimizer updates those rows.
+
+    user = PSEmbedding(client, "user", embedding_dim=16, optimizer=Adagrad(0.05))  # a hash table
+    item = PSEmbedding(client, "item", 16, num_embeddings=10_000)                  # a dense table
+    scores = (user(user_ids) * item(item_ids)).sum(-1)
+
+Outside a step, backward pushes the rows' gradients at once (``push_rows``).
+
+Inside a step the gradients are held and pushed with the step's dense
+gradients in one push (synchronous mode needs a step's gradients in one
+push). The protocol, for whatever drives the step (the attach() step, or
+code of one's own):
+
+1. at the step's start, call ``begin_step()`` on every submodule that has it
+   (or :func:`begin_step` on the model): backward then holds the row
+   gradients, summed over repeated ids and over every forward/backward of
+   the step;
+2. at the step's end, call ``take_row_gradients()`` (or
+   :func:`take_row_gradients` on the model): it returns
+   ``{table: (ids, grads)}`` (int64 numpy ids, unique; grads a tensor on the
+   ids' device), clears them and stops holding; push them as ``rows=``.
+   A step that fails takes them too and drops them, as a failed step
+   pushes nothing.
+
+Several GPUs per worker (worker_client.replicas): one model replica per
+device, each with its own PSEmbedding modules; each replica's row gradients
+go to ``ReplicaStep.push`` as its entry of ``rows``, which merges them
+(``ReplicaGroup.merge_rows``) into one push:
+
+    with group.step(dense_names) as step:
+        for model in replicas:
+            begin_step(model)
+        ...  # each replica's forward and backward on its device
+        step.push(dense_grads, rows=[take_row_gradients(model) for model in replicas])
+
+CUDA ids: rows are pulled onto the ids' device (``pull_rows(device=)``) and
+gradients leave through DLPack; both need CuPy (the ``gpu`` extra).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from wehub_ps.placement import Partitioner
+from wehub_ps.specs import Normal, Optimizer
+from worker_client.client import PSClient
+from worker_client.errors import InvalidArgumentError
+
+__all__ = ["PSEmbedding", "begin_step", "take_row_gradients"]
+
+_TABLE_DTYPES = ("float16", "float32", "float64")  # those numpy and torch share
+_ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+class PSEmbedding(torch.nn.Module):
+    """``nn.Embedding`` over a table on the ps-servers; it has no local parameters.
+
+    ``num_embeddings=None`` makes a hash table (``create_embedding``: any int64
+    id, rows created on first touch); an int makes a dense table
+    ``(num_embeddings, embedding_dim)`` (``create_variable``, ids in
+    ``[0, num_embeddings)``). Either is created idempotently: the first worker
+    creates it, the others get the same table (a different spec raises
+    VariableConflictError). ``initializer`` defaults to torch's N(0, 1);
+    a dense table also takes an array (or tensor) of initial values.
+    """
+
+    def __init__(self, client: PSClient, name: str, embedding_dim: int, num_embeddings: int | None = None, *,
+                 dtype: str = "float32", initializer: Any = None, optimizer: Optimizer | None = None,
+                 aggregation: str = "mean", partitioner: Partitioner | None = None, max_rows: int = 0,
+                 eviction: str = "none") -> None:
+        super().__init__()
+        if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim < 1:
+            raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
+        if str(dtype) not in _TABLE_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_TABLE_DTYPES)}, got {dtype!r}")
+        if initializer is None:
+            initializer = Normal(0.0, 1.0)
+        elif isinstance(initializer, torch.Tensor):
+            initializer = initializer.detach().cpu().numpy()
+        if num_embeddings is None:
+            if partitioner is not None or isinstance(initializer, np.ndarray):
+                raise ValueError("a hash table (num_embeddings=None) takes no partitioner and no array of "
+                                 "initial values: give num_embeddings for a dense table")
+            client.create_embedding(name, embedding_dim, dtype, initializer, optimizer, max_rows, eviction,
+                                    aggregation)
+        else:
+            if max_rows or eviction != "none":
+                raise ValueError("max_rows and eviction bound hash tables: pass num_embeddings=None for one")
+            client.create_variable(name, (num_embeddings, embedding_dim), dtype, initializer, optimizer,
+                                   partitioner, aggregation)
+        self.client = client
+        self.name = name
+        self.embedding_dim = embedding_dim
+        self.num_embeddings = num_embeddings
+        self.dtype = str(dtype)
+        # A tensor, not a Parameter (attach() must not make it a variable): with no input that
+        # requires grad, autograd would not call our backward.
+        self._grad_anchor = torch.zeros(0, requires_grad=True)
+        # Guards _held: backward of CUDA tensors runs on autograd's device threads.
+        self._lock = threading.Lock()
+        self._held: list[tuple[np.ndarray, torch.Tensor]] | None = None
+
+    def extra_repr(self) -> str:
+        kind = "hash table" if self.num_embeddings is None else f"num_embeddings={self.num_embeddings}"
+        return f"{self.name!r}, embedding_dim={self.embedding_dim}, {kind}"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of ``ids`` (any shape), shape ``ids.shape + (embedding_dim,)``, on ids' device."""
+        host_ids = self._host_ids(ids)
+        unique, inverse = np.unique(host_ids, return_inverse=True)
+        rows = self._pull(unique, ids.device)
+        inverse_on_device = torch.from_numpy(inverse.reshape(-1)).to(ids.device)
+        out = _RowLookup.apply(self._grad_anchor, rows, inverse_on_device, self, unique)
+        return out.reshape(*ids.shape, self.embedding_dim)
+
+    def _host_ids(self, ids: Any) -> np.ndarray:
+        """The ids as flat int64 on the host; InvalidArgumentError before anything is pulled or pushed."""
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"PSEmbedding {self.name!r}: ids must be a torch tensor, got {type(ids).__name__}")
+        if ids.dtype not in _ID_DTYPES:
+            raise InvalidArgumentError(f"PSEmbedding {self.name!r}: ids must be an integer tensor "
+                                       f"(torch.long), got {ids.dtype}; cast them with .long()")
+        return ids.detach().reshape(-1).to("cpu", torch.int64).numpy()
+
+    def _pull(self, unique: np.ndarray, device: torch.device) -> torch.Tensor:
+        if unique.size == 0:
+            return torch.empty((0, self.embedding_dim), dtype=getattr(torch, self.dtype), device=device)
+        if device.type == "cuda":
+            return torch.from_dlpack(self.client.pull_rows(self.name, unique, device=str(device)))
+        return torch.from_numpy(self.client.pull_rows(self.name, unique))
+
+    def _deliver(self, unique: np.ndarray, grads: torch.Tensor) -> None:
+        """Backward's end: hold the gradients inside a step, else push them now."""
+        if unique.size == 0:
+            return
+        with self._lock:
+            if self._held is not None:
+                self._held.append((unique, grads))
+                return
+        self.client.push_rows(self.name, unique, grads)
+
+    def begin_step(self) -> None:
+        """Hold row gradients from here until :meth:`take_row_gradients` (step protocol, module docstring)."""
+        with self._lock:
+            self._held = []
+
+    def take_row_gradients(self) -> dict[str, tuple[np.ndarray, torch.Tensor]]:
+        """The held gradients as ``{table: (unique ids, summed grads)}``, cleared; holding ends."""
+        with self._lock:
+            held, self._held = self._held, None
+        if not held:
+            return {}
+        ids = np.concatenate([unique for unique, _ in held])
+        grads = torch.cat([g for _, g in held])
+        if len(held) > 1:
+            ids, grads = _sum_by_id(ids, grads)
+        return {self.name: (ids, grads)}
+
+
+class _RowLookup(torch.autograd.Function):
+    """Pulled unique rows spread to the batch's positions; backward sums them back per unique id."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor,
+                module: PSEmbedding, unique: np.ndarray) -> torch.Tensor:
+        ctx.module, ctx.unique, ctx.num_unique = module, unique, rows.shape[0]
+        ctx.save_for_backward(inverse)
+        return rows.index_select(0, inverse)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
+        (inverse,) = ctx.saved_tensors
+        summed = grad.new_zeros((ctx.num_unique, grad.shape[1])).index_add_(0, inverse, grad.detach())
+        ctx.module._deliver(ctx.unique, summed)
+        return None, None, None, None, None
+
+
+def _sum_by_id(ids: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    unique, inverse = np.unique(ids, return_inverse=True)
+    index = torch.from_numpy(inverse.reshape(-1)).to(grads.device)
+    return unique, grads.new_zeros((len(unique), grads.shape[1])).index_add_(0, index, grads)
+
+
+def begin_step(model: torch.nn.Module) -> None:
+    """``begin_step()`` on every submodule of ``model`` that has it (PSEmbedding and the like)."""
+    for module in model.modules():
+        if callable(getattr(module, "begin_step", None)):
+            module.begin_step()
+
+
+def take_row_gradients(model: torch.nn.Module) -> dict[str, tuple[np.ndarray, torch.Tensor]]:
+    """Every submodule's held row gradients, one entry per table (modules sharing a table summed)."""
+    taken: dict[str, list[tuple[np.ndarray, torch.Tensor]]] = {}
+    for module in model.modules():
+        if callable(getattr(module, "take_row_gradients", None)):
+            for table, pair in module.take_row_gradients().items():
+                taken.setdefault(table, []).append(pair)
+    return {table: pairs[0] if len(pairs) == 1 else
+            _sum_by_id(np.concatenate([i for i, _ in pairs]), torch.cat([g for _, g in pairs]))
+            for table, pairs in taken.items()}
