@@ -92,4 +92,5 @@ def _by_value(table: dict[str, int], value: int, what: str) -> str:
     for name, number in table.items():
         if number == value:
             return name
-    raise SpecError(f"unknown {what} {value}")
+    raise SpecError(f"unknown {what} {value} (this version knows {', '.join(map(repr, table))}): "
+                    "client and server may be of different versions")

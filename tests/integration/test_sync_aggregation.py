@@ -153,12 +153,11 @@ def test_an_unknown_aggregation_is_refused_and_creates_nothing(cluster2):
         spec = spec_to_proto(VariableSpec("raw", (4,), "float32"))
         spec.aggregation = 7
         request = ps_pb2.CreateVariableRequest(spec=spec, shard_index=0, num_shards=2)
-        with grpc.insecure_channel(cluster2.addresses[0]) as channel:
-            with pytest.raises(grpc.RpcError) as info:
-                channel.unary_unary(method_path("CreateVariable"))(request.SerializeToString(), timeout=10)
+        with grpc.insecure_channel(cluster2.addresses[0]) as channel, pytest.raises(grpc.RpcError) as info:
+            channel.unary_unary(method_path("CreateVariable"))(request.SerializeToString(), timeout=10)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert dict(info.value.trailing_metadata())[REASON_METADATA_KEY] == "INVALID_SPEC"
-        assert "unknown aggregation 7" in info.value.details()
+        assert "unknown aggregation 7 (this version knows 'mean', 'sum', 'row_mean')" in info.value.details()
         assert all(not shard.variables for shard in client.describe())
 
 
