@@ -102,6 +102,9 @@ def test_bfloat16_gradients_are_refused_and_float16_ones_applied(cluster2):
         with pytest.raises(DTypeMismatchError, match="bfloat16.*float32"):
             client.push({"w32": jnp.ones((8,), jnp.bfloat16)})
         assert not client.pull("w32")["w32"].any()  # nothing was applied
+        with pytest.raises(DTypeMismatchError, match="initializer has dtype bfloat16, but dtype is float32"):
+            client.create_variable("from_bf16", (8,), initializer=jnp.ones((8,), jnp.bfloat16))
+        assert "from_bf16" not in client.variables(refresh=True)  # refused before anything was created
         client.push({"w32": jnp.ones((8,), jnp.bfloat16).astype(jnp.float32)})
         client.push({"w16": jnp.full((8,), 4.0, jnp.float16)})
         pulled = client.pull()
