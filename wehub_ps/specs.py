@@ -263,7 +263,7 @@ def as_dict(obj) -> dict:
 
 #: Hash-table evictions and sync-mode aggregations a spec may name.
 EVICTIONS = ("none", "lru")
-AGGREGATIONS = ("mean", "sum")
+AGGREGATIONS = ("mean", "sum", "row_mean")
 
 
 # ---- the variable spec ----------------------------------------------------------
@@ -290,7 +290,8 @@ class VariableSpec:
     max_rows: int = 0
     #: Hash tables: "none" (refuse rows beyond max_rows) or "lru" (evict the least recently used).
     eviction: str = "none"
-    #: Synchronous mode: apply the "mean" or the "sum" of the workers' gradients.
+    #: Synchronous mode: apply the "mean" or the "sum" of the workers' gradients, or "row_mean":
+    #: each row's sum divided by the workers that pushed that row (see ps_server.core.accumulator).
     aggregation: str = "mean"
 
     def __post_init__(self) -> None:
@@ -328,7 +329,8 @@ class VariableSpec:
         if self.eviction not in EVICTIONS:
             raise SpecError(f"eviction of {self.name!r} must be 'none' or 'lru', got {self.eviction!r}")
         if self.aggregation not in AGGREGATIONS:
-            raise SpecError(f"aggregation of {self.name!r} must be 'mean' or 'sum', got {self.aggregation!r}")
+            raise SpecError(f"aggregation of {self.name!r} must be 'mean', 'sum' or 'row_mean', "
+                            f"got {self.aggregation!r}")
         if isinstance(self.max_rows, bool) or not isinstance(self.max_rows, int) or self.max_rows < 0:
             raise SpecError(f"max_rows of {self.name!r} must be an integer >= 0, got {self.max_rows!r}")
         if self.hash_table:

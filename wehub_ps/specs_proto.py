@@ -25,7 +25,8 @@ from wehub_ps.wire.dtypes import to_numpy_dtype, to_wire_dtype
 __all__ = ["spec_to_proto", "spec_from_proto"]
 
 _EVICTIONS = {"none": ps_pb2.EVICTION_NONE, "lru": ps_pb2.EVICTION_LRU}
-_AGGREGATIONS = {"mean": ps_pb2.AGGREGATION_MEAN, "sum": ps_pb2.AGGREGATION_SUM}
+_AGGREGATIONS = {"mean": ps_pb2.AGGREGATION_MEAN, "sum": ps_pb2.AGGREGATION_SUM,
+                 "row_mean": ps_pb2.AGGREGATION_ROW_MEAN}
 
 
 def spec_to_proto(spec: VariableSpec) -> ps_pb2.VariableSpec:
@@ -91,4 +92,5 @@ def _by_value(table: dict[str, int], value: int, what: str) -> str:
     for name, number in table.items():
         if number == value:
             return name
-    raise SpecError(f"unknown {what} {value}")
+    raise SpecError(f"unknown {what} {value} (this version knows {', '.join(map(repr, table))}): "
+                    "client and server may be of different versions")

@@ -54,7 +54,7 @@ def to_host(x: Any, argument: str) -> np.ndarray:
     if hasattr(x, "__dlpack__"):
         device_type = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else _DLPACK_CPU
         if device_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
-            return np.from_dlpack(x)
+            return _from_host_dlpack(x, argument)
         if device_type == _DLPACK_CUDA:
             return _cupy().asnumpy(_cupy().from_dlpack(x))
         raise TypeError(f"{argument}: arrays on DLPack device type {device_type} are not supported")
@@ -63,6 +63,27 @@ def to_host(x: Any, argument: str) -> np.ndarray:
     raise TypeError(
         f"{argument} must be a numpy array, a CuPy array or support __dlpack__, got {type(x).__name__}"
     )
+
+
+def _from_host_dlpack(x: Any, argument: str) -> np.ndarray:
+    """A host DLPack array as numpy, without a copy.
+
+    numpy's DLPack import knows no bfloat16 (DLPack's bfloat code): such an
+    array (a JAX bfloat16 gradient) is read through ``__array__`` instead,
+    as ml_dtypes' bfloat16, so that its dtype is checked like any other.
+    """
+    try:
+        return np.from_dlpack(x)
+    except (BufferError, RuntimeError, TypeError) as exc:
+        dlpack_error = exc
+    if hasattr(x, "__array__"):
+        try:
+            return np.asarray(x)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    raise DTypeMismatchError(
+        f"{argument}: numpy cannot read this {type(x).__name__} of dtype {getattr(x, 'dtype', '?')} "
+        f"({dlpack_error}); cast it to the variable's dtype before passing it") from None
 
 
 def parse_device(device: Any) -> int | None:

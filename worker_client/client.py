@@ -313,8 +313,11 @@ class PSClient:
         :class:`VariableConflictError` naming the difference. ``initializer``
         is a name ('zeros', 'constant', 'uniform', 'normal', 'glorot_uniform'),
         an initializer object, or an array with the initial value.
-        ``aggregation`` ('mean' or 'sum') is how synchronous mode combines the
-        workers' gradients of a step.
+        ``aggregation`` ('mean', 'sum' or 'row_mean') is how synchronous mode
+        combines the workers' gradients of a step: 'mean' divides a row's sum
+        by the pushes that sent rows of this variable to its shard,
+        'row_mean' by the pushes that sent that row (README, "Consistency
+        modes"); for whole gradients both divide by the pushes that carried one.
         """
         return self._registry.create_variable(name, shape, dtype, initializer, optimizer, partitioner,
                                               aggregation)
@@ -335,7 +338,9 @@ class PSClient:
         Rows are created on first touch from the seeded initializer and live on
         shard ``splitmix64(id) % num_shards``. ``max_rows`` bounds the rows per
         shard: beyond it, eviction 'none' refuses new rows (ResourceExhaustedError)
-        and 'lru' evicts the least recently used ones.
+        and 'lru' evicts the least recently used ones. ``aggregation`` is as for
+        :meth:`create_variable`: 'row_mean' averages each row over the workers
+        that pushed it in a sync step.
         """
         return self._registry.create_embedding(name, dim, dtype, initializer, optimizer, max_rows, eviction,
                                                aggregation)

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ps_server.core.persistence import AccumulatorSnapshot
-from wehub_ps.kernels.segments import sum_by_id
+from wehub_ps.kernels.segments import sort_ids, sum_sorted
 
-__all__ = ["StepAccumulator", "PushStaging", "ROW_COPIES", "staged_rows_bytes"]
+__all__ = ["StepAccumulator", "PushStaging", "ROW_COPIES", "pushes_per_id", "staged_rows_bytes"]
 
 #: Copies of a sum's rows that may exist at once: the merged arrays until they are concatenated
 #: when the step is applied (then dropped), the concatenation, the copy sorted by id and the sums
@@ -41,6 +41,12 @@ ROW_COPIES = 3
 def staged_rows_bytes(ids: np.ndarray, elements: int, dtype: np.dtype) -> int:
     """Bytes booked for staging rows ``ids`` with ``elements`` gradient elements of ``dtype``."""
     return ROW_COPIES * (ids.nbytes + elements * np.dtype(dtype).itemsize)
+
+
+def pushes_per_id(first: np.ndarray) -> np.ndarray:
+    """How often each id occurs in sorted ids, from :func:`sort_ids`'s first-occurrence mask."""
+    starts = np.flatnonzero(first)
+    return np.diff(starts, append=len(first))
 
 
 @dataclass
@@ -126,27 +132,36 @@ class StepAccumulator:
     def empty(self) -> bool:
         return not (self.dense_count or self.row_count)
 
-    def take(self, mean: bool) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    def take(self, aggregation: str) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
         """(dense gradient, row ids, row gradients) of the step, aggregated; then start afresh.
 
-        The dense sum is handed over (divided in place), the rows are summed
-        by id from one concatenation; the bytes are given back once the caller
+        ``aggregation`` is the spec's: "sum" applies the sums; "mean"
+        divides the dense sum by the pushes that carried a dense gradient and
+        every row's sum by the pushes that carried rows of this part (a
+        push's rows need not include that row); "row_mean" divides the dense
+        sum as "mean" does and each row's sum by the pushes that carried that
+        row (a push sends an id at most once, see ps_server.core.rows). The
+        dense sum is handed over (divided in place), the rows are summed by
+        id from one concatenation; the bytes are given back once the caller
         is done with the result (:meth:`settle`), so that nothing booked is
         freed while the step is still being applied.
         """
         dense = None
         if self.dense_count:
             dense = self.dense
-            if mean:
+            if aggregation != "sum":
                 dense /= self.dense_count
         ids = grads = None
         if self.row_count:
             all_ids, self.row_ids = np.concatenate(self.row_ids), []
             all_grads, self.row_grads = np.concatenate(self.row_grads), []
-            ids, grads = sum_by_id(all_ids, all_grads)
-            del all_ids, all_grads
-            if mean:
+            order, sorted_ids, first = sort_ids(all_ids)
+            ids, grads = sum_sorted(all_grads, order, sorted_ids, first)
+            del all_ids, all_grads, order, sorted_ids
+            if aggregation == "mean":
                 grads /= self.row_count
+            elif aggregation == "row_mean":
+                grads /= pushes_per_id(first).astype(grads.dtype).reshape(-1, *(1,) * (grads.ndim - 1))
         self.dense = None
         self.dense_count = self.row_count = 0
         self.row_ids, self.row_grads = [], []

@@ -256,7 +256,7 @@ class VariablePart:
                 acc.clear()  # a sum of another step is never applied as this one
                 acc.step = step + 1
                 return False
-            dense, ids, grads = acc.take(mean=self.spec.aggregation == "mean")
+            dense, ids, grads = acc.take(self.spec.aggregation)
             acc.step = step + 1
             try:
                 return self._apply_taken(dense, ids, grads)

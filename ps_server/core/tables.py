@@ -269,7 +269,7 @@ class HashTablePart:
                 self.accumulator.clear()  # a sum of another step is never applied as this one
                 ids = None
             else:
-                _, ids, grads = self.accumulator.take(mean=self.spec.aggregation == "mean")
+                _, ids, grads = self.accumulator.take(self.spec.aggregation)
             self.accumulator.step = step + 1
             try:
                 if ids is not None:

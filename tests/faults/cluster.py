@@ -143,6 +143,8 @@ class Cluster:
                                    partitioner=FixedShardsPartitioner(NUM_SHARDS))
             client.create_variable("small", shape=(layout.SLOTS,), optimizer=sgd, aggregation="sum")
             client.create_embedding("emb", dim=2, initializer="zeros", optimizer=sgd, aggregation="sum")
+            client.create_embedding("emb_rows", dim=2, initializer="zeros", optimizer=sgd,
+                                    aggregation="row_mean")
             client.create_variable("ballast", shape=(BALLAST,), initializer="uniform", optimizer=sgd,
                                    partitioner=FixedShardsPartitioner(NUM_SHARDS))
             client.create_embedding("limited", dim=2, initializer="zeros", optimizer=sgd, max_rows=LIMIT_ROWS)

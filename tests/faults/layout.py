@@ -39,7 +39,7 @@ MODES = {
     "ssp": {"consistency": "ssp", "wire_dtype": None, "topk_rows": None, "chunk_bytes": (4096,) * WORKERS},
     "sync": {"consistency": "sync", "wire_dtype": None, "topk_rows": None, "chunk_bytes": (4096,) * WORKERS},
 }
-VARIABLES = ("dense", "small", "emb", "ballast", "limited", "lru")
+VARIABLES = ("dense", "small", "emb", "emb_rows", "ballast", "limited", "lru")
 
 
 def gradient_value(slot: int) -> float:

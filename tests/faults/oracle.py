@@ -24,6 +24,9 @@ from faults.report import Report, Timeline
 # on a loaded 2-core machine, and two events may restart both shards in turn), the client's backoff (3 s),
 # a dead worker's lease (3 s), a token file re-read (2 s).
 STALL_SECONDS = 45.0
+#: The hash tables every push writes the same two rows of: "emb" summed in sync mode, "emb_rows" averaged
+#: per row (aggregation "row_mean"); one push per row and step, so both hold ``-count * g``.
+ROW_TABLES = ("emb", "emb_rows")
 
 
 class Oracle:
@@ -81,8 +84,8 @@ class Oracle:
         begun = sorted(pushes)
         final = self.cluster.call_admin(lambda c: c.pull(["dense", "small"]))
         emb_ids = np.concatenate([ids_a[begun], ids_b[begun]])
-        emb = (self.cluster.call_admin(lambda c: c.pull_rows("emb", emb_ids)) if begun
-               else np.zeros((0, 2), np.float32))
+        tables = {name: (self.cluster.call_admin(lambda c, name=name: c.pull_rows(name, emb_ids)) if begun
+                         else np.zeros((0, 2), np.float32)) for name in ROW_TABLES}
         row_of = {slot: i for i, slot in enumerate(begun)}
 
         # Elements no begun push writes must be untouched.
@@ -107,15 +110,17 @@ class Oracle:
             i = row_of[slot]
             # shard -> [(variable, element or row id, times applied)]
             elements: dict[int, list[tuple[str, int, float]]] = {
-                0: [("emb", int(ids_a[slot]), -float(v) / g + 0.0) for v in emb[i]],
-                1: [("emb", int(ids_b[slot]), -float(v) / g + 0.0) for v in emb[len(begun) + i]],
+                0: [(name, int(ids_a[slot]), -float(v) / g + 0.0) for name, rows in tables.items()
+                    for v in rows[i]],
+                1: [(name, int(ids_b[slot]), -float(v) / g + 0.0) for name, rows in tables.items()
+                    for v in rows[len(begun) + i]],
             }
             for shard, element in dense_positions(slot):
                 elements[shard].append(("dense", element, -float(final["dense"][element]) / g + 0.0))
             elements[small_shard].append(("small", slot, -float(final["small"][slot]) / g + 0.0))
             where = f"slot {slot} (worker {slot // per_worker} push {slot % per_worker}, {push['ev']})"
             for shard, items in elements.items():
-                carried = [item for item in items if topk and item[0] != "emb"]
+                carried = [item for item in items if topk and item[0] not in ROW_TABLES]
                 self._check(push, shard, [item for item in items if item not in carried], where)
                 for item in carried:
                     self._check_carried(push, shard, item, carriers, ended, where)

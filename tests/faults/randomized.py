@@ -14,10 +14,13 @@ logs say was acknowledged, under the rules of docs/failure-semantics.md.
 ``s = w * P + k`` and writes only there: one to four of its four elements
 of ``dense`` (two in the part on each shard, see ``layout.dense_positions``),
 element ``s`` of ``small`` (whole on one shard), and one row of the hash
-table ``emb`` on each shard. Its gradient is the integer ``g(s)`` in 1..8
-(exact in float32 and bfloat16), SGD with learning rate 1 from zeros
-(``aggregation="sum"`` in sync mode), so each element holds
-``-count * g(s)``: it tells how many times its push was applied there.
+tables ``emb`` and ``emb_rows`` on each shard. Its gradient is the integer
+``g(s)`` in 1..8 (exact in float32 and bfloat16), SGD with learning rate 1
+from zeros (``aggregation="sum"`` in sync mode; ``"row_mean"`` for
+``emb_rows``, whose rows each get one push per step, so that a step's sum
+restored from a checkpoint must still know which pushes carried each row),
+so each element holds ``-count * g(s)``: it tells how many times its push
+was applied there.
 With top-k an element may ride on a later push of the same worker; every
 acknowledged push logs which elements are still owed (the residual), so
 the oracle knows which push carried each element. A worker appends (and

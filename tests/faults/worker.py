@@ -91,7 +91,8 @@ def worker_main(config: dict[str, Any]) -> int:
         g = gradient_value(slot)
         positions = [element for _, element in dense_positions(slot)]
         dense[positions] = small[slot] = g
-        rows = {"emb": (np.array([ids_a[slot], ids_b[slot]]), np.full((2, 2), g, np.float32))}
+        emb_rows = (np.array([ids_a[slot], ids_b[slot]]), np.full((2, 2), g, np.float32))
+        rows = {"emb": emb_rows, "emb_rows": emb_rows}
         write({"ev": "begin", "k": k, "inc": client.incarnation, "t": time.time()}, durable=False)
         pushed_at = None
         dropped_before = client.stats()["dropped_pushes"]

@@ -33,6 +33,7 @@ class Aggregation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     AGGREGATION_MEAN: _ClassVar[Aggregation]
     AGGREGATION_SUM: _ClassVar[Aggregation]
+    AGGREGATION_ROW_MEAN: _ClassVar[Aggregation]
 
 class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -57,6 +58,7 @@ EVICTION_NONE: Eviction
 EVICTION_LRU: Eviction
 AGGREGATION_MEAN: Aggregation
 AGGREGATION_SUM: Aggregation
+AGGREGATION_ROW_MEAN: Aggregation
 PUSH_KIND_UNSPECIFIED: PushKind
 GRADIENT: PushKind
 ASSIGN: PushKind

@@ -6,6 +6,7 @@ import grpc
 import numpy as np
 import pytest
 
+from wehub_ps.dtypes import BFLOAT16
 from wehub_ps.errors import REASON_METADATA_KEY, Reason
 from worker_client.arrays import parse_device, to_device, to_host
 from worker_client.errors import (
@@ -133,6 +134,35 @@ def test_to_host_converts_lists_scalars_and_dlpack():
     host = to_host(DLPackOnly(source), "x")
     np.testing.assert_array_equal(host, source)
     assert np.shares_memory(host, source)
+
+
+class _DLPackBFloat16:
+    """A DLPack producer holding bfloat16, which numpy's DLPack import cannot read (as JAX's are)."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self._array = array
+        self.dtype = "bfloat16"
+
+    def __dlpack__(self, **kwargs):
+        return self._array.__dlpack__(**kwargs)  # numpy refuses bfloat16 here, as it does for JAX
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+def test_to_host_reads_bfloat16_through_array_protocol():
+    class WithArray(_DLPackBFloat16):
+        def __array__(self, dtype=None, copy=None):
+            return self._array
+
+    source = np.arange(4, dtype=np.float32).astype(BFLOAT16)
+    host = to_host(WithArray(source), "x")
+    assert host.dtype == BFLOAT16 and np.shares_memory(host, source)
+
+
+def test_to_host_names_a_dtype_numpy_cannot_read():
+    with pytest.raises(DTypeMismatchError, match=r"gradients\['w'\].*bfloat16.*cast it"):
+        to_host(_DLPackBFloat16(np.zeros(3, dtype=BFLOAT16)), "gradients['w']")
 
 
 def test_to_host_refuses_other_objects():

@@ -518,48 +518,48 @@ def test_merge_of_a_new_step_discards_the_stale_sum():
     acc.merge(3, _staging(dense=[1, 2], ids=[1], grads=[[1, 1]]))
     acc.merge(4, _staging(dense=[10, 10], ids=[2], grads=[[10, 10]]))
     assert (acc.step, acc.dense_count, acc.row_count) == (4, 1, 1)
-    dense, ids, grads = acc.take(mean=False)
+    dense, ids, grads = acc.take("sum")
     np.testing.assert_array_equal(dense, [10, 10])
     np.testing.assert_array_equal(ids, [2])
     np.testing.assert_array_equal(grads, [[10, 10]])
 
 
 def test_dense_mean_and_sum():
-    for mean, expected in ((False, [4, 6, 8]), (True, [2, 3, 4])):
+    for aggregation, expected in (("sum", [4, 6, 8]), ("mean", [2, 3, 4]), ("row_mean", [2, 3, 4])):
         acc = StepAccumulator(step=0)
         acc.merge(0, _staging(dense=[1, 2, 3]))
         acc.merge(0, _staging(dense=[3, 4, 5]))
-        dense, ids, grads = acc.take(mean=mean)
+        dense, ids, grads = acc.take(aggregation)
         assert ids is None and grads is None
         np.testing.assert_array_equal(dense, expected)
         assert dense.dtype == np.float32
         # Afresh: nothing left for the next step.
-        assert acc.take(mean=mean) == (None, None, None)
+        assert acc.take(aggregation) == (None, None, None)
         acc.merge(0, _staging(dense=[1, 1, 1]))
-        np.testing.assert_array_equal(acc.take(mean=mean)[0], [1, 1, 1])
+        np.testing.assert_array_equal(acc.take(aggregation)[0], [1, 1, 1])
 
 
 def test_rows_are_summed_by_id():
     acc = StepAccumulator(step=0)
     acc.merge(0, _staging(ids=[3, 1], grads=[[1, 2], [10, 20]]))
     acc.merge(0, _staging(ids=[1, 5], grads=[[100, 200], [7, 8]]))
-    dense, ids, grads = acc.take(mean=False)
+    dense, ids, grads = acc.take("sum")
     assert dense is None
     np.testing.assert_array_equal(ids, [1, 3, 5])
     np.testing.assert_array_equal(grads, [[110, 220], [1, 2], [7, 8]])
     acc.merge(0, _staging(ids=[3, 1], grads=[[1, 2], [10, 20]]))
     acc.merge(0, _staging(ids=[1, 5], grads=[[100, 200], [7, 8]]))
-    _, ids, grads = acc.take(mean=True)  # the mean over the pushes that sent rows
+    _, ids, grads = acc.take("mean")  # the mean over the pushes that sent rows
     np.testing.assert_array_equal(ids, [1, 3, 5])
     np.testing.assert_array_equal(grads, [[55, 110], [0.5, 1], [3.5, 4]])
-    assert acc.take(mean=True) == (None, None, None)
+    assert acc.take("mean") == (None, None, None)
 
 
 def test_dense_and_row_counts_are_separate():
     acc = StepAccumulator(step=0)
     acc.merge(0, _staging(dense=[2, 2]))
     acc.merge(0, _staging(dense=[4, 4], ids=[9], grads=[[6, 6]]))
-    dense, ids, grads = acc.take(mean=True)
+    dense, ids, grads = acc.take("mean")
     np.testing.assert_array_equal(dense, [3, 3])  # two dense gradients
     np.testing.assert_array_equal(grads, [[6, 6]])  # one row gradient
 

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from google.protobuf import json_format
 
 from wehub_ps.dtypes import BFLOAT16
 from wehub_ps.placement import (
@@ -62,6 +63,8 @@ from wehub_ps.v1 import ps_pb2
     (dict(optimizer="adam"), ["optimizer", "str"]),
     (dict(initializer="zeros"), ["initializer", "str"]),
     (dict(partitioner=None), ["partitioner", "NoneType"]),
+    (dict(aggregation="avg"), ["aggregation", "'avg'", "'row_mean'"]),
+    (dict(aggregation="MEAN"), ["aggregation", "'MEAN'"]),
 ])
 def test_variable_spec_validation(kwargs, words):
     args = dict(name="ok/name", shape=(4, 5), dtype="float32")
@@ -236,6 +239,7 @@ def test_from_proto_without_partitioner_uses_the_default():
     (lambda m: setattr(m.optimizer.sgd, "learning_rate", -1.0), ["learning_rate", "-1.0"]),
     (lambda m: m.partitioner.fixed_shards.SetInParent(), ["num_shards", "0"]),
     (lambda m: setattr(m.partitioner.min_size, "min_shard_bytes", 0), ["min_shard_bytes", "0"]),
+    (lambda m: setattr(m, "aggregation", 7), ["aggregation", "7"]),
 ])
 def test_from_proto_refuses_invalid_messages(mutate, words):
     msg = spec_to_proto(VariableSpec("v", (2, 3), "float32"))
@@ -244,6 +248,17 @@ def test_from_proto_refuses_invalid_messages(mutate, words):
         spec_from_proto(msg)
     for word in words:
         assert word in str(info.value), f"{word!r} missing from {info.value}"
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "sum", "row_mean"])
+@pytest.mark.parametrize("hash_table", [False, True])
+def test_aggregation_travels_in_the_proto_and_its_json(aggregation, hash_table):
+    """The wire message and the checkpoint/spec-log JSON (ps_server.durability.format) keep it."""
+    spec = VariableSpec("v", (3,), "float32", hash_table=hash_table, aggregation=aggregation)
+    wire = ps_pb2.VariableSpec.FromString(spec_to_proto(spec).SerializeToString())
+    assert spec_from_proto(wire) == spec
+    as_json = json_format.MessageToDict(spec_to_proto(spec), preserving_proto_field_name=True)
+    assert spec_from_proto(json_format.ParseDict(as_json, ps_pb2.VariableSpec())).aggregation == aggregation
 
 
 # ---- differences -------------------------------------------------------------------------
@@ -265,6 +280,9 @@ def test_differences_name_the_fields():
     diffs = base.differences(VariableSpec("v", (10, 4), "float32", initializer=Constant(1.0),
                                           partitioner=FixedShardsPartitioner(2)))
     assert [d.split()[0] for d in diffs] == ["initializer", "partitioner"]
+
+    diffs = base.differences(VariableSpec("v", (10, 4), "float32", aggregation="row_mean"))
+    assert diffs == ["aggregation 'mean' != 'row_mean'"]
 
     other = VariableSpec("v", (10, 4), "float32", initializer=Uniform(seed=1))
     assert [d.split()[0] for d in other.differences(
