@@ -222,3 +222,13 @@ def test_each_side_loads_without_the_other():
     assert not [m for m in server if _covers("worker_client", m)]
     client = _loaded_after_import("worker_client", "worker_client.admin")
     assert not [m for m in client if _covers("ps_server", m)]
+    assert not [m for m in client if _covers("torch", m) or _covers("worker_client.torch", m)], \
+        "import worker_client must not load torch (the optional torch extra)"
+
+
+def test_only_the_torch_adapter_imports_torch():
+    problems = [f"{module} imports {target}" for module, path in MODULES.items()
+                if not _covers("worker_client.torch", module)
+                for target in sorted(_imports(module, path))
+                if _covers("torch", target) or _covers("worker_client.torch", target)]
+    assert not problems, "\n".join(problems)
