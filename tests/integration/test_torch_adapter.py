@@ -10,12 +10,12 @@ import threading
 import numpy as np
 import pytest
 
-from worker_client import PSClient
+from worker_client import SGD, PSClient
 from worker_client.gpu import gpu_available
 
 torch = pytest.importorskip("torch")
 
-from worker_client.torch import attach  # noqa: E402
+from worker_client.torch import PSEmbedding, attach  # noqa: E402
 
 
 def _mlp(seed: int, device: str = "cpu") -> torch.nn.Module:
@@ -168,3 +168,33 @@ def test_cuda_parameters_are_pulled_in_place_and_their_gradients_pushed(cluster2
         for name, p in ps_model.parameters.items():
             torch.testing.assert_close(p.detach().cpu(), before[name] - grads[name], rtol=0, atol=0)
         assert [p.data_ptr() for p in model.parameters()] == pointers
+
+
+class _Recommender(torch.nn.Module):
+    def __init__(self, client: PSClient) -> None:
+        super().__init__()
+        self.emb = PSEmbedding(client, "items", 4, optimizer=SGD(learning_rate=1.0))
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids)).sum()
+
+
+def test_a_sync_step_pushes_dense_and_embedding_gradients_as_one_push(cluster_factory):
+    """Synchronous mode with one expected worker applies a step only once its one push came whole."""
+    cluster = cluster_factory(2, "--consistency", "sync", "--expected-workers", "1")
+    with PSClient(cluster.addresses, worker_id="w0") as client:
+        model = _Recommender(client)
+        ps_model = attach(client, model, prefix="rec", optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+        assert sorted(ps_model.parameters) == ["rec/head.bias", "rec/head.weight"]
+        ids = torch.tensor([3, 8, 3])
+        rows_before = client.pull_rows("items", [3, 8])
+        weight_before = model.head.weight.detach().clone()
+        bias_before = float(model.head.bias.detach()[0])
+        with ps_model.step():
+            model(ids).backward()
+        count = np.array([[2.0], [1.0]], np.float32)  # id 3 appears twice
+        np.testing.assert_allclose(client.pull_rows("items", [3, 8]),
+                                   rows_before - count * weight_before.numpy(), rtol=1e-6)
+        assert client.pull(["rec/head.bias"])["rec/head.bias"][0] == np.float32(bias_before) - 3  # 3 outputs
+        assert client.step_count == 1
