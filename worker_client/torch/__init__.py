@@ -64,5 +64,5 @@ from worker_client.torch.optimizers import (
 )
 from worker_client.torch.step import TorchStep
 
-__all__ = ["PSEmbedding", "PSModel", "TorchStep", "UnsupportedOptimizerError", "attach", "optimizers_by_parameter",
-           "server_optimizer"]
+__all__ = ["PSEmbedding", "PSModel", "TorchStep", "UnsupportedOptimizerError", "attach",
+           "optimizers_by_parameter", "server_optimizer"]
