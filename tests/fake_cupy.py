@@ -77,6 +77,8 @@ class FakeArray:
     shape = property(lambda self: self._values.shape)
     dtype = property(lambda self: self._values.dtype)
     nbytes = property(lambda self: self._values.nbytes)
+    flags = property(lambda self: self._values.flags)
+    strides = property(lambda self: self._values.strides)
 
     def set(self, host: np.ndarray, stream: FakeStream | None = None) -> None:
         self._cuda.log.append(("h2d", (stream or self._cuda.null(self.device.id)).name))

@@ -16,7 +16,8 @@ import numpy as np
 from wehub_ps.dtypes import dtype_name, parse_dtype
 from worker_client.errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
 
-__all__ = ["to_host", "to_device", "parse_device", "is_gpu_array", "check_ids", "check_array"]
+__all__ = ["to_host", "to_device", "parse_device", "is_gpu_array", "is_host_dlpack", "as_cupy", "check_ids",
+           "check_array"]
 
 _DLPACK_CPU = 1
 _DLPACK_CUDA = 2
@@ -43,6 +44,17 @@ def is_gpu_array(x: Any) -> bool:
     if hasattr(x, "__dlpack_device__") and not isinstance(x, np.ndarray):
         return x.__dlpack_device__()[0] == _DLPACK_CUDA
     return False
+
+
+def is_host_dlpack(x: Any) -> bool:
+    """Whether ``x`` exports host memory through DLPack (CPU, or CUDA pinned host memory)."""
+    device_type = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else _DLPACK_CPU
+    return device_type in (_DLPACK_CPU, _DLPACK_CUDA_HOST)
+
+
+def as_cupy(x: Any) -> Any:
+    """``x`` itself when it is a CuPy array, else a CuPy array sharing its CUDA memory (DLPack)."""
+    return x if _is_cupy(x) else _cupy().from_dlpack(x)
 
 
 def to_host(x: Any, argument: str) -> np.ndarray:

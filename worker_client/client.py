@@ -348,15 +348,23 @@ class PSClient:
     # ---- pulls and pushes ----
 
     def pull(self, names: Iterable[str] | str | None = None, *, device: Any = None,
-             out: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
+             out: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Current values, ``{name: array}``; all known dense variables when ``names`` is None.
 
         Blocks until every shard has answered. Arrays are numpy, or CuPy on
         ``device`` ('cuda', 'cuda:1', 1). ``out`` gives preallocated,
-        C-contiguous arrays to receive into (no allocation per pull: a training
-        loop's memory stays flat). Each chunk is read atomically on its
-        server; a variable larger than one chunk may mix updates that were
-        being applied during the pull (as in any asynchronous parameter server).
+        writable, C-contiguous arrays to receive into, and they are returned
+        (no allocation per pull: a training loop's memory stays flat): numpy,
+        or any DLPack array (PyTorch, JAX, CuPy). Host arrays are written in
+        place through DLPack, with no copy in between; CUDA arrays are
+        received into a pinned host buffer and copied to their device (needs
+        CuPy). Every array is checked first: one that cannot take its values
+        (shape, dtype, read-only, strided, a tensor that requires grad:
+        InvalidArgumentError) leaves them all untouched.
+
+        Each chunk is read atomically on its server; a variable larger than
+        one chunk may mix updates that were being applied during the pull
+        (as in any asynchronous parameter server).
         """
         return self._puller.pull(names, device, out)
 
@@ -396,9 +404,11 @@ class PSClient:
         """
         return self.push({}, rows={name: (ids, gradients)})
 
-    def step(self, names: Iterable[str] | None = None, *, device: Any = None) -> Step:
-        """A training step: pulls at the start; call ``step.push(grads)`` at the end."""
-        return Step(self._puller, self._pushes, self._session, names, device)
+    def step(self, names: Iterable[str] | None = None, *, device: Any = None,
+             out: Mapping[str, Any] | None = None) -> Step:
+        """A training step: pulls at the start (into ``out`` as :meth:`pull` does); call
+        ``step.push(grads)`` at the end."""
+        return Step(self._puller, self._pushes, self._session, names, device, out)
 
     # ---- operator actions ----
 

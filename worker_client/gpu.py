@@ -96,6 +96,22 @@ class GpuTransfers:
             stream.synchronize()
         return out
 
+    def upload_into(self, host: Mapping[str, np.ndarray], targets: Mapping[str, Any]) -> None:
+        """Copy each host array (ideally pinned) into the CuPy array of the same name in ``targets``.
+
+        The targets may live on several devices: all copies are queued
+        first, then one wait per device; complete on return.
+        """
+        by_device: dict[int, list[str]] = {}
+        for name, target in targets.items():
+            by_device.setdefault(target.device.id, []).append(name)
+        for device, names in by_device.items():
+            stream = self._stream_after_current(device)
+            with self._cupy.cuda.Device(device):
+                for name in names:
+                    targets[name].set(host[name], stream=stream)
+        self.synchronize(set(by_device))
+
     def synchronize(self, devices: set[int]) -> None:
         """Wait for the copies queued on our streams of ``devices``."""
         for device in devices:

@@ -19,6 +19,7 @@ from wehub_ps.wire.codec import EXCHANGE_PULL
 from wehub_ps.wire.dtypes import to_wire_dtype
 from worker_client.arrays import check_array, check_ids, parse_device, to_device
 from worker_client.gpu import LazyGpuTransfers
+from worker_client.out_arrays import OutArrays, check_out_arrays
 from worker_client.prefetch import NextPull, Prefetch, Prefetches
 from worker_client.pull_receiver import PullItem, PullReceiver, pull_request
 from worker_client.registry import Registry, Variable, rows_by_shard
@@ -49,18 +50,37 @@ class Puller:
     # ---- whole variables ----
 
     def pull(self, names: Iterable[str] | str | None, device: Any = None,
-             out: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
+             out: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """PSClient.pull: current values, into ``out`` when given, on ``device`` when given."""
         gpu = parse_device(device)
-        if out is not None and gpu is not None:
-            raise ValueError("pull: out= receives on the host; it cannot be combined with device=")
-        given = dict(out or {})
-        for name, array in given.items():
-            if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
-                raise TypeError(f"out[{name!r}] must be a C-contiguous numpy array")
-        out, by_shard = self.targets(self._registry.dense(names), gpu, given)
+        return self.pull_into(self.out_arrays(names, gpu, out), gpu)
+
+    def out_arrays(self, names: Iterable[str] | str | None, gpu: int | None,
+                   out: Mapping[str, Any] | None) -> tuple[list[Variable], OutArrays]:
+        """The variables a pull of ``names`` reads, and ``out`` checked against them (nothing pulled yet)."""
+        if out and gpu is not None:
+            raise ValueError("pull: out= arrays say where each value goes; do not combine it with device=")
+        variables = self._registry.dense(names)
+        return variables, check_out_arrays(out, {v.name: (v.shape, v.dtype) for v in variables})
+
+    def pull_into(self, checked: tuple[list[Variable], OutArrays], gpu: int | None) -> dict[str, Any]:
+        """Pull the variables of :meth:`out_arrays` into its checked arrays (the others onto ``gpu``/host)."""
+        variables, outs = checked
+        received, by_shard = self.targets(variables, gpu, self._receive_into(outs))
         self.pull_all(by_shard)
-        return self.deliver(out, gpu)
+        if outs.device:
+            self._gpu.get().upload_into(received, outs.device)
+        return outs.returned(self.deliver(received, gpu))
+
+    def _receive_into(self, outs: OutArrays) -> dict[str, np.ndarray]:
+        """Host memory for the ``out=`` arrays: the host arrays themselves, pinned buffers for CUDA ones."""
+        if not outs.device:
+            return outs.host
+        transfers = self._gpu.get()
+        pinned = {name: transfers.pinned(f"pull:{threading.get_ident()}:{name}", array.shape,
+                                         np.dtype(array.dtype))
+                  for name, array in outs.device.items()}
+        return {**outs.host, **pinned}
 
     def targets(self, variables: list[Variable], gpu: int | None, given: Mapping[str, np.ndarray]
                 ) -> tuple[dict[str, np.ndarray], dict[int, list[PullItem]]]:
@@ -239,12 +259,14 @@ class Puller:
         requests = {i: self.request(shards[i], items, step_ahead=1) for i, items in pull_by_shard.items()}
         return Prefetch(next_pull, out, pull_by_shard, requests)
 
-    def take_prefetched(self, names: list[str] | None, device: Any) -> dict[str, Any] | None:
+    def take_prefetched(self, names: list[str] | None, device: Any,
+                        outs: OutArrays | None = None) -> dict[str, Any] | None:
         """The values a step's push brought back, if they are what this step would pull now.
 
         They must be this thread's, for the same names and device, no push may
         have started since, and they must be fresh (a loop that pauses between
-        steps, to evaluate say, pulls again).
+        steps, to evaluate say, pulls again). ``outs``: checked ``out=``
+        arrays, which receive the values (copied from where the push put them).
         """
         prefetch = self._prefetches.take()
         if prefetch is None:
@@ -255,4 +277,10 @@ class Puller:
         if names is None and set(prefetch.out) != {v.name for v in self._registry.dense(None)}:
             return None  # variables were created since
         self._session.state.count("prefetched_steps")
-        return self.deliver(prefetch.out, wanted.gpu)
+        if outs is None:
+            return self.deliver(prefetch.out, wanted.gpu)
+        for name, view in outs.host.items():
+            np.copyto(view, prefetch.out[name])
+        if outs.device:
+            self._gpu.get().upload_into(prefetch.out, outs.device)
+        return outs.returned(self.deliver(prefetch.out, wanted.gpu))

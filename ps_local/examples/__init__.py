@@ -18,6 +18,7 @@ __all__ = ["EXAMPLES", "load_example"]
 EXAMPLES = {
     "digits": "ps_local.examples.digits_mlp",
     "recommender": "ps_local.examples.recommender",
+    "torch-digits": "ps_local.examples.torch_digits",
 }
 
 

@@ -50,7 +50,7 @@ LAYERS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     ],
     "worker_client": [
         ("leaf helpers", ("worker_client.errors", "worker_client.arrays", "worker_client.gpu",
-                          "worker_client.topk")),
+                          "worker_client.topk", "worker_client.out_arrays")),
         ("transport", ("worker_client.transport",)),
         ("client parts", ("worker_client.shard_info", "worker_client.session", "worker_client.registry",
                           "worker_client.pull_receiver", "worker_client.prefetch", "worker_client.pulls",
@@ -222,3 +222,13 @@ def test_each_side_loads_without_the_other():
     assert not [m for m in server if _covers("worker_client", m)]
     client = _loaded_after_import("worker_client", "worker_client.admin")
     assert not [m for m in client if _covers("ps_server", m)]
+    assert not [m for m in client if _covers("torch", m) or _covers("worker_client.torch", m)], \
+        "import worker_client must not load torch (the optional torch extra)"
+
+
+def test_only_the_torch_adapter_imports_torch():
+    problems = [f"{module} imports {target}" for module, path in MODULES.items()
+                if not _covers("worker_client.torch", module)
+                for target in sorted(_imports(module, path))
+                if _covers("torch", target) or _covers("worker_client.torch", target)]
+    assert not problems, "\n".join(problems)
