@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,31 @@ if str(REPO_ROOT) not in sys.path:
 
 SERVER_START_TIMEOUT_S = 60.0
 SERVER_STOP_TIMEOUT_S = 15.0
+
+
+@dataclass
+class Row:
+    """One figure of run.py's table: a value, its baseline of the same run, their ratio and the target."""
+
+    section: str
+    figure: str
+    value: float
+    unit: str
+    baseline: float
+    baseline_name: str
+    ratio: float
+    target: str
+    passed: bool | None
+
+
+def make_row(section, figure, value, unit, baseline, baseline_name, target_ratio=None, higher=True,
+             target_text=None) -> Row:
+    ratio = value / baseline if baseline else float("nan")
+    passed = None
+    if target_ratio is not None:
+        passed = ratio >= target_ratio if higher else ratio <= target_ratio
+    text = target_text or (f"{'>=' if higher else '<='} {target_ratio}x" if target_ratio is not None else "")
+    return Row(section, figure, value, unit, baseline, baseline_name, ratio, text, passed)
 
 
 def best(seconds: Sequence[float]) -> float:

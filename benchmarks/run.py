@@ -34,6 +34,10 @@ gpu       (skipped without CuPy and a CUDA GPU) the GPU path: the pull's upload 
           pinned buffers and the push's download into them, against a plain pinned
           copy of 100 MB; whole pull(device=) and push of CuPy gradients against
           the same calls on the host
+training  training loops as users write them (a 10.5M and a 100K MLP, the
+          recommender example), 1 and 2 worker processes on 2 servers: steps/s
+          against 1 / (compute alone + pull and push alone) of the same run
+          (bench_training.py)
 
 Each figure is printed with its baseline, the ratio and the target; the exit
 status does not depend on targets (the machines are shared and noisy).
@@ -53,7 +57,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     MachineCPU,
+    Row,
     bare_rows_seconds,
     best,
     child_env,
@@ -76,6 +81,7 @@ from common import (  # noqa: E402
     tcp_seconds,
     time_calls,
 )
+from common import make_row as _row  # noqa: E402
 
 from wehub_ps.process.allocator import keep_freed_buffers  # noqa: E402 - importable once common put the repo on sys.path
 
@@ -84,29 +90,6 @@ MODEL_BYTES = ROWS * COLUMNS * 4 * NUM_VARIABLES
 NAMES = [f"dense_{i}" for i in range(NUM_VARIABLES)]
 # pull_rows / push_rows: timed calls after warm-up ones (see section_sparse).
 SPARSE_CALLS, SPARSE_WARMUP = 100, 10
-
-
-@dataclass
-class Row:
-    section: str
-    figure: str
-    value: float
-    unit: str
-    baseline: float
-    baseline_name: str
-    ratio: float
-    target: str
-    passed: bool | None
-
-
-def _row(section, figure, value, unit, baseline, baseline_name, target_ratio=None, higher=True,
-         target_text=None) -> Row:
-    ratio = value / baseline if baseline else float("nan")
-    passed = None
-    if target_ratio is not None:
-        passed = ratio >= target_ratio if higher else ratio <= target_ratio
-    text = target_text or (f"{'>=' if higher else '<='} {target_ratio}x" if target_ratio is not None else "")
-    return Row(section, figure, value, unit, baseline, baseline_name, ratio, text, passed)
 
 
 # ---- model helpers (also run in worker processes) ----
@@ -619,7 +602,8 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-SECTIONS = ("dense", "bf16", "topk", "apply", "step", "replication", "memory", "sparse", "modes", "gpu")
+SECTIONS = ("dense", "bf16", "topk", "apply", "step", "replication", "memory", "sparse", "modes", "gpu",
+            "training")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -671,6 +655,10 @@ def main(argv: list[str] | None = None) -> int:
             rows += section_modes(results)
         elif section == "gpu":
             rows += section_gpu(args.repeats, results)
+        elif section == "training":
+            import bench_training
+
+            rows += bench_training.section_training(tcp, rtt, results, _row)
         print(f"  {section} measured in {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
     print_table(rows)
     if args.json:

@@ -111,7 +111,9 @@ class PSClient:
     Memory: by default the process's malloc keeps freed message-sized
     blocks for reuse (see wehub_ps.process.allocator; glibc only, process-wide):
     otherwise each received message faults in fresh pages, which cost a
-    fifth of a worker's CPU. It also caps malloc at 2 arenas, so that what
+    fifth of a worker's CPU; blocks up to 32 MiB come from the heap, so a
+    training step's gradient arrays are reused rather than faulted in again
+    each step. It also caps malloc at 2 arenas, so that what
     is kept does not grow with the cores (``MALLOC_ARENA_MAX`` in the
     environment wins). ``keep_freed_buffers=False`` leaves malloc as it is.
     """
@@ -156,7 +158,7 @@ class PSClient:
         if not connect and register:
             raise ValueError("connect=False is for observers: pass register=False too")
         if keep_freed_buffers:
-            allocator.keep_freed_buffers()
+            allocator.keep_freed_buffers(mmap_threshold=allocator.WORKER_MMAP_THRESHOLD)
         self._wire_dtype = _check_wire_dtype(wire_dtype)
         topk = TopKRows(topk_ratio) if topk_ratio is not None else None
         self._closed = False

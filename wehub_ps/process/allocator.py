@@ -40,12 +40,19 @@ import threading
 
 from wehub_ps.process.logs import event
 
-__all__ = ["keep_freed_buffers", "DEFAULT_ARENA_MAX", "DEFAULT_MMAP_THRESHOLD", "DEFAULT_TRIM_THRESHOLD"]
+__all__ = ["keep_freed_buffers", "DEFAULT_ARENA_MAX", "DEFAULT_MMAP_THRESHOLD", "DEFAULT_TRIM_THRESHOLD",
+           "WORKER_MMAP_THRESHOLD"]
 
 log = logging.getLogger("wehub_ps.process.allocator")
 
 #: Blocks below this come from the heap and are reused (a message is at most a few chunk sizes).
 DEFAULT_MMAP_THRESHOLD = 4 << 20
+#: A worker's threshold: glibc's largest, so that the arrays a training step allocates and frees (a
+#: 1024x1024 float32 gradient is 4 MiB plus malloc's header, over the default above) come back from the
+#: heap. Above the threshold each is a fresh mmap whose pages the kernel zeroes at first touch: a
+#: numpy forward and backward of ten 1024x1024 layers (batch 16) took 41 ms, 14 ms of it in the kernel,
+#: and 27 ms with this threshold (docs/benchmarks.md, "Training loops").
+WORKER_MMAP_THRESHOLD = 32 << 20
 #: Free space kept at the top of a heap before it is handed back to the kernel.
 DEFAULT_TRIM_THRESHOLD = 64 << 20
 #: malloc arenas at most, so that what is kept for reuse does not grow with the number of cores.

@@ -317,6 +317,27 @@ def test_fused_adam_gives_the_same_bits_as_the_numpy_kernel(dtype):
     assert not np.array_equal(w, start["w"])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fused_adam_takes_a_read_only_unaligned_gradient_with_the_same_bits(dtype):
+    pytest.importorskip("numba")
+    from ps_server.core.fused import fused_adam
+
+    rng = np.random.default_rng(11)
+    n = 1_000
+    g = (rng.standard_normal(n) * 0.01).astype(dtype)
+    unaligned = np.frombuffer(memoryview(bytes(1) + g.tobytes())[1:], dtype)
+    assert not unaligned.flags.aligned and not unaligned.flags.writeable  # as read in place from a message
+    start = {"w": rng.standard_normal(n).astype(dtype), "m": np.zeros(n, dtype), "v": np.zeros(n, dtype)}
+    results = []
+    for gradient in (g, unaligned):
+        w, m, v = (start[k].copy() for k in ("w", "m", "v"))
+        assert fused_adam(w, gradient, m, v, 0.9, 0.999, 1e-7, 0.01)
+        results.append((w, m, v))
+    for a, b in zip(*results):
+        assert a.tobytes() == b.tobytes()
+    assert not np.array_equal(results[1][0], start["w"])
+
+
 def test_fused_adam_declines_arrays_it_cannot_take():
     from ps_server.core.fused import fused_adam
 

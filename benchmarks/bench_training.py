@@ -1,0 +1,249 @@
+"""The ``training`` section of run.py: steps per second of training loops, as users write them.
+
+Three models on 2 servers (``training_models``): the 10.5 M-parameter MLP
+(22 variables, 42 MB, batch 16), the 100 K-parameter MLP (6 variables) and
+the recommender example (hash-table embeddings and an MLP). Each runs in 1
+and then 2 worker processes at once; every worker runs, in turn and in step
+with the others, each loop of its model for a fixed number of steps:
+
+* compute only (no parameter server): what the loop's compute allows;
+* communication only (the same pulls and pushes, zero gradients);
+* the plain loop (README: ``pull(out=params)`` then ``push(grads)``) and,
+  for the MLPs, ``with client.step()``.
+
+The plain loop is judged against 1 / (compute + communication) of the same
+run (target 0.8x), communication against raw TCP moving the same bytes. For
+each loop the run also reports the CPU it took per step: the worker
+processes', the servers' and the whole machine's (kernel included), which
+says what the cores allow when they are all busy.
+
+Also a worker process: ``bench_training.py --worker N --model M --addresses A``
+reads ``LOOP STEPS WARMUP`` lines on stdin and answers each with one JSON
+line of per-step seconds and its CPU seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import MachineCPU, child_env, median, ps_cluster, stop_process  # noqa: E402
+from training_models import MLP_10M, MLP_100K, MLPLoops, RecommenderLoops  # noqa: E402
+
+#: (timed steps, warm-up steps) per loop and model: about a minute for the section on 2 busy cores.
+STEPS = {"mlp10m": (10, 2), "mlp100k": (200, 20), "recommender": (100, 10)}
+WORKER_COUNTS = (1, 2)
+TITLES = {"mlp10m": "10.5M MLP (22 vars, batch 16)", "mlp100k": "100K MLP (6 vars, batch 16)",
+          "recommender": "recommender (hash emb + MLP, batch 256)"}
+LOOP_TITLES = {"plain": "plain loop: pull(out=) + push", "step": "client.step() loop",
+               "recommender_plain": "example loop: step + pull_rows"}
+
+
+def _loops_for(model: str, seed: int):
+    if model == "mlp10m":
+        return MLPLoops(MLP_10M, seed)
+    if model == "mlp100k":
+        return MLPLoops(MLP_100K, seed)
+    if model == "recommender":
+        return RecommenderLoops(seed)
+    raise ValueError(f"unknown model {model!r}; choose from {', '.join(STEPS)}")
+
+
+def _setup(client, model: str) -> None:
+    if model == "recommender":
+        RecommenderLoops.setup(client)
+    else:
+        MLPLoops.setup(client, MLP_10M if model == "mlp10m" else MLP_100K)
+
+
+def worker_main(argv: list[str]) -> int:
+    """A worker process: build the model's loops, run each loop the parent names, one JSON line each.
+
+    The worker's PSClient is made when a loop first needs it, after the
+    compute-only loop: PSClient sets malloc's thresholds for the whole
+    process, and compute alone is measured as in a process without one.
+    """
+    from worker_client import PSClient
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", type=int, required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--addresses", required=True)
+    args = parser.parse_args(argv)
+    model = _loops_for(args.model, args.worker)
+    client = None
+    loops = model.loops(None)
+    print("ready", flush=True)
+    try:
+        for line in sys.stdin:
+            loop, steps, warmup = line.split()
+            if loop != "compute" and client is None:
+                client = PSClient(args.addresses.split(","), worker_id=f"train-{args.worker}")
+                client.variables(refresh=True)
+                loops = model.loops(client)
+            print(json.dumps(_run_loop(loops[loop], int(steps), int(warmup))), flush=True)
+    finally:
+        if client is not None:
+            client.close()
+    return 0
+
+
+def _run_loop(fn: Callable[[], None], steps: int, warmup: int) -> dict:
+    """Seconds of each of ``steps`` steps after ``warmup``; this process's CPU, page faults, context switches."""
+    for _ in range(warmup):
+        fn()
+    seconds = []
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return {"seconds": seconds, "cpu": after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
+            "minflt": after.ru_minflt - before.ru_minflt,
+            "switches": after.ru_nvcsw + after.ru_nivcsw - before.ru_nvcsw - before.ru_nivcsw}
+
+
+def _process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far, from /proc (Linux)."""
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _Workers:
+    """Worker processes of one model, each told in turn to run a loop, all at once."""
+
+    def __init__(self, addresses: list[str], model: str, count: int) -> None:
+        self.procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(i), "--model", model,
+                                        "--addresses", ",".join(addresses)],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env())
+                      for i in range(count)]
+        for proc in self.procs:
+            if proc.stdout.readline().strip() != "ready":
+                self.close()
+                raise RuntimeError(f"training benchmark worker for {model} did not start")
+
+    def run(self, loop: str, steps: int, warmup: int, servers: list[int]) -> dict:
+        """Per-worker step seconds, and CPU seconds per step: workers, servers, machine."""
+        machine = MachineCPU()
+        server_start = sum(_process_cpu_seconds(pid) for pid in servers)
+        machine.start()
+        for proc in self.procs:
+            proc.stdin.write(f"{loop} {steps} {warmup}\n")
+            proc.stdin.flush()
+        answers = [json.loads(proc.stdout.readline()) for proc in self.procs]
+        machine.stop()
+        server_cpu = sum(_process_cpu_seconds(pid) for pid in servers) - server_start
+        workers = len(self.procs)
+        # Warm-up steps ran within the machine's and servers' window: count per step of all of them.
+        all_steps = workers * (steps + warmup)
+        return {"seconds": [a["seconds"] for a in answers],
+                "rate": sum(len(a["seconds"]) / sum(a["seconds"]) for a in answers),
+                "p50_ms": median([s for a in answers for s in a["seconds"]]) * 1e3,
+                "worker_cpu_ms": sum(a["cpu"] for a in answers) / (workers * steps) * 1e3,
+                "worker_page_faults": sum(a["minflt"] for a in answers) / (workers * steps),
+                "worker_context_switches": sum(a["switches"] for a in answers) / (workers * steps),
+                "server_cpu_ms": server_cpu / all_steps * 1e3,
+                "machine_cpu_ms": machine.busy / all_steps * 1e3,
+                "cores_busy": machine.cores_busy}
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.stdin:
+                proc.stdin.close()
+        for proc in self.procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                stop_process(proc)
+
+
+def measure(model: str, steps: int, warmup: int, worker_counts=WORKER_COUNTS) -> dict:
+    """Every loop of ``model`` with each number of workers on 2 fresh servers: {workers: {loop: figures}}."""
+    from worker_client import PSClient
+
+    figures: dict = {}
+    with ps_cluster(2) as (addresses, procs):
+        with PSClient(addresses, worker_id="train-setup", register=False) as client:
+            _setup(client, model)
+        servers = [proc.pid for proc in procs]
+        for count in worker_counts:
+            workers = _Workers(addresses, model, count)
+            try:
+                loops = ("compute", "comm", "plain") + (("step",) if model != "recommender" else ())
+                figures[count] = {loop: workers.run(loop, steps, warmup, servers) for loop in loops}
+            finally:
+                workers.close()
+    return figures
+
+
+def bytes_per_step(model: str) -> int:
+    if model == "recommender":
+        return RecommenderLoops.bytes_per_step()
+    return MLPLoops.bytes_per_step(MLP_10M if model == "mlp10m" else MLP_100K)
+
+
+def rows_for(model: str, count: int, loops: dict, tcp: float, rtt: float, make_row: Callable) -> list:
+    """The section's rows for one model and number of workers (rates summed over the workers)."""
+    compute, comm = loops["compute"], loops["comm"]
+    # Per worker: seconds per step of compute and of communication, each measured alone.
+    compute_s, comm_s = count / compute["rate"], count / comm["rate"]
+    serial = count / (compute_s + comm_s)
+    nbytes = bytes_per_step(model)
+    tcp_ms = nbytes / (tcp * 1e9) * 1e3
+    head = f"{TITLES[model]}, {count}w"
+    rows = [make_row("training", f"{head}: compute only (no PS)", compute["rate"], "step/s", compute["rate"],
+                     "itself", target_text="baseline"),
+            make_row("training", f"  comm only: pull + push ({nbytes / 1e6:.2f} MB), per step", comm_s * 1e3, "ms",
+                     tcp_ms, "raw TCP, same bytes", target_text="report"),
+            make_row("training", "  1 / (compute + comm)", serial, "step/s", compute["rate"], "compute only",
+                     target_text="report")]
+    for loop in ("plain", "step"):
+        if loop not in loops:
+            continue
+        figures = loops[loop]
+        title = LOOP_TITLES["recommender_plain" if model == "recommender" else loop]
+        rows.append(make_row("training", f"  {title} (p50 {figures['p50_ms']:.1f} ms)", figures["rate"], "step/s",
+                             serial, "1/(compute+comm)", 0.8 if loop == "plain" else None,
+                             target_text=None if loop == "plain" else "report"))
+        rows.append(make_row("training", f"    CPU per step: worker {figures['worker_cpu_ms']:.1f}, servers "
+                                         f"{figures['server_cpu_ms']:.1f}; machine "
+                                         f"({figures['cores_busy']:.2f} cores busy)",
+                             figures["machine_cpu_ms"], "ms", count / figures["rate"] * 1e3, "wall ms per step",
+                             target_text="report"))
+    if model == "mlp100k" and count == 1:
+        rows.append(make_row("training", "  plain loop p50 against 2 bare gRPC round trips",
+                             loops["plain"]["p50_ms"], "ms", 2 * rtt * 1e3, "2 x gRPC bidi round trip p50",
+                             target_text="report"))
+    return rows
+
+
+def section_training(tcp: float, rtt: float, results: dict, make_row: Callable,
+                     steps: dict[str, tuple[int, int]] | None = None, models=tuple(STEPS)) -> list:
+    """The section: every model's loops with 1 and 2 workers; figures into ``results['training']``."""
+    steps = steps or STEPS
+    rows = []
+    results["training"] = {}
+    for model in models:
+        figures = measure(model, *steps[model])
+        results["training"][model] = {str(count): {loop: {k: v for k, v in f.items() if k != "seconds"}
+                                                   for loop, f in loops.items()}
+                                      for count, loops in figures.items()}
+        for count, loops in figures.items():
+            rows += rows_for(model, count, loops, tcp, rtt, make_row)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1:]))
