@@ -247,8 +247,9 @@ class BackgroundPushes:
             elif job.then_pull is not None:
                 self._read_after(job, self._prefetches.generation)
         except BaseException as error:  # noqa: BLE001 - handed to the caller through the future
-            error.add_note("raised by a push sent in the background (push(wait=False) or "
-                           "step(overlap=True)); like a push() that raised, it may be partly applied")
+            if hasattr(error, "add_note"):  # Python 3.11+
+                error.add_note("raised by a push sent in the background (push(wait=False) or "
+                               "step(overlap=True)); like a push() that raised, it may be partly applied")
             job.future.set_exception(error)
         else:
             job.future.set_result(shards)

@@ -402,15 +402,10 @@ class PSClient:
         confirmed is sent again, unchanged, at the start of the next push
         (see worker_client.pushes), so do not push the same gradients again.
 
-        ``wait=False`` (asynchronous mode only, else OverlapRefusedError)
-        copies the gradients into buffers reused push after push, hands the
-        push to a background thread and returns a :class:`PushHandle` at
-        once: ``handle.wait()`` gives the shards or raises the push's error.
-        One background push is in flight at most: the next one first waits
-        for it. A failed background push nobody waited for is raised by the
-        client's next call (pull, push, step, create, checkpoint, finish,
-        :meth:`flush`), which then does nothing else. The same push, with
-        the same exactly-once delivery, as a blocking one.
+        ``wait=False`` (async mode only, else OverlapRefusedError): the
+        gradients are copied and pushed on a background thread, one push in
+        flight at most; returns a :class:`PushHandle` whose ``wait()`` raises
+        the push's error. Nobody waited: the client's next call raises it.
         """
         if not wait:
             return self._background.start(gradients, rows)[0]
@@ -432,13 +427,11 @@ class PSClient:
         """A training step: pulls at the start (into ``out`` as :meth:`pull` does); call
         ``step.push(grads)`` at the end.
 
-        ``overlap=True`` (asynchronous mode only, else OverlapRefusedError):
-        ``step.push`` copies the gradients and pushes them in the background
-        while the next step pulls and computes, so a step's values may miss
-        this worker's previous push (one step of its own staleness).
-        ``pull_ahead=True`` (without ``out``) also reads the next step's
-        values in the background while this one computes. See
-        worker_client.overlap for the exact bound.
+        ``overlap=True`` (async mode only): ``step.push`` pushes in the
+        background while the next step pulls and computes (its values may
+        miss this worker's previous push); ``pull_ahead=True`` (without
+        ``out``) also reads the next step's values while this one computes.
+        See worker_client.overlap.
         """
         if not overlap:
             if pull_ahead:
