@@ -25,7 +25,7 @@ import numpy as np
 
 from wehub_ps.process.logs import event
 from worker_client.arrays import check_array, check_ids, is_gpu_array, to_host
-from worker_client.errors import OverlapRefusedError, PSError
+from worker_client.errors import InvalidArgumentError, OverlapRefusedError, PSError
 from worker_client.gpu import LazyGpuTransfers
 from worker_client.prefetch import NextPull, Prefetches
 from worker_client.pulls import Puller
@@ -229,8 +229,14 @@ class BackgroundPushes:
         dense, copied_rows = self._copies.copy(gradients, rows)
         for name, host in dense.items():
             spec = variables[name].spec
-            if not spec.hash_table:
-                check_array(host, spec.shape, spec.dtype, f"gradient for {name!r}")
+            if spec.hash_table:
+                raise InvalidArgumentError(
+                    f"{name!r} is a hash table: send its rows with rows={{name: (ids, grads)}}")
+            check_array(host, spec.shape, spec.dtype, f"gradient for {name!r}")
+        for name, (ids, host) in copied_rows.items():
+            spec = variables[name].spec
+            row_shape = spec.shape if spec.hash_table else spec.shape[1:]
+            check_array(host, (len(ids), *row_shape), spec.dtype, f"gradients for {name!r}")
         return dense, copied_rows
 
     def _run(self, job: Job, dense: dict[str, np.ndarray],
@@ -243,9 +249,9 @@ class BackgroundPushes:
             if dense or rows:
                 generation = self._prefetches.generation + 1  # the push about to start
                 shards = self._pushes.push(dense, rows, job.then_pull if self._prefetch else None)
-                self._read_after(job, generation)
-            elif job.then_pull is not None:
-                self._read_after(job, self._prefetches.generation)
+                self._read_after(job, generation, brought_back=self._prefetch)
+            else:
+                self._read_after(job, self._prefetches.generation, brought_back=False)
         except BaseException as error:  # noqa: BLE001 - handed to the caller through the future
             if hasattr(error, "add_note"):  # Python 3.11+
                 error.add_note("raised by a push sent in the background (push(wait=False) or "
@@ -254,7 +260,7 @@ class BackgroundPushes:
         else:
             job.future.set_result(shards)
 
-    def _read_after(self, job: Job, generation: int) -> None:
+    def _read_after(self, job: Job, generation: int, brought_back: bool) -> None:
         """The values ``job.then_pull`` asks for: brought back by the push, or pulled now.
 
         A pull that fails leaves none (the step that wanted them pulls
@@ -263,7 +269,7 @@ class BackgroundPushes:
         wanted = job.then_pull
         if wanted is None:
             return
-        prefetch = self._prefetches.take()  # this thread's: what the push just brought back
+        prefetch = self._prefetches.take() if brought_back else None  # what the push just brought back
         if prefetch is not None and prefetch.next_pull == wanted:
             job.values, job.read_at_generation = prefetch.out, generation
             return

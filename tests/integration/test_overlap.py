@@ -210,10 +210,31 @@ def test_a_failed_background_push_nobody_saw_is_logged_at_close(cluster2, caplog
 def test_a_wrong_gradient_raises_at_the_call_and_sends_nothing(cluster2):
     with PSClient(cluster2.addresses, worker_id="wrong") as client:
         client.create_variable("w", shape=(8,), optimizer=SGD(learning_rate=1.0))
+        client.create_embedding("t", 4, initializer="zeros", optimizer=SGD(learning_rate=1.0))
         with pytest.raises(ValueError):
             client.push({"w": np.ones(7, dtype=np.float32)}, wait=False)
+        with pytest.raises(ValueError):
+            client.push({}, rows={"t": (np.array([1, 2]), np.ones((2, 3), dtype=np.float32))}, wait=False)
+        with pytest.raises(ValueError):
+            client.push({"t": np.ones(4, dtype=np.float32)}, wait=False)
         client.flush()
         assert client.pull(["w"])["w"].tolist() == [0.0] * 8
+        assert client.pull_rows("t", [1, 2]).tolist() == [[0.0] * 4] * 2
+
+
+def test_rows_pushed_in_the_background_are_copied_and_summed(cluster2):
+    with PSClient(cluster2.addresses, worker_id="rows") as client:
+        client.create_embedding("t", 4, initializer="zeros", optimizer=SGD(learning_rate=1.0))
+        ids = np.array([5, 7, 5, 1 << 40], dtype=np.int64)
+        grads = np.ones((4, 4), dtype=np.float32)
+        for _ in range(3):
+            client.push({}, rows={"t": (ids, grads)}, wait=False)
+            ids[:] = 99  # the background push sends its own copy
+            grads[:] = 1e6
+            ids[:], grads[:] = [5, 7, 5, 1 << 40], 1.0
+        client.flush()
+        assert client.pull_rows("t", [5, 7, 1 << 40, 99]).tolist() == [[-6.0] * 4, [-3.0] * 4, [-3.0] * 4,
+                                                                     [0.0] * 4]
 
 
 @pytest.mark.parametrize("mode", [("ssp", "--staleness", "1"), ("sync",)])
