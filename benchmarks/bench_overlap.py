@@ -10,7 +10,7 @@ numpy on a batch of 16, on 2 ps-servers and 1 worker. Measured in one run:
 * ``step(overlap=True)``: the push of step k in the background while step k+1 pulls and computes;
 * ``step(overlap=True, pull_ahead=True)``: the pull for step k+1 too, while step k computes.
 
-    python benchmarks/bench_overlap.py [--steps 30] [--json out.json]
+    python benchmarks/bench_overlap.py [--steps 8] [--rounds 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -60,33 +61,64 @@ def gradients(params: dict[str, np.ndarray], x: np.ndarray, target: np.ndarray) 
     return grads
 
 
-def rate(loop: Callable[[], None], steps: int, warmup: int = 3) -> tuple[float, float]:
-    """Steps per second of ``loop`` (one step per call) and the machine's busy cores meanwhile."""
-    for _ in range(warmup):
-        loop()
-    cpu = MachineCPU()
-    cpu.start()
-    start = time.perf_counter()
-    for _ in range(steps):
-        loop()
-    seconds = time.perf_counter() - start
-    cpu.stop()
-    return steps / seconds, cpu.busy / cpu.wall if cpu.wall else 0.0
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds used so far by this process (all threads) and the processes ``pids`` (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = time.process_time()
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
+def rates(loops: dict[str, Callable[[], None]], after: dict[str, Callable[[], None]], steps: int,
+          rounds: int, pids: list[int]) -> dict[str, float]:
+    """Per loop, steps per second (median over ``rounds``), the machine's busy cores (``{key}_cores``)
+    and the CPU seconds a step costs this worker and the servers ``pids`` (``{key}_cpu``).
+
+    The loops take turns, ``steps`` steps each per round, so that a machine
+    shared with other work slows them alike; ``after[key]`` ends a turn
+    (waits for a push in flight) and counts in it.
+    """
+    per_round: dict[str, list[float]] = {key: [] for key in loops}
+    cores: dict[str, list[float]] = {key: [] for key in loops}
+    cpu_per_step: dict[str, list[float]] = {key: [] for key in loops}
+    for key, loop in loops.items():  # warm up: buffers, connections, compiled loops
+        for _ in range(2):
+            loop()
+        after.get(key, lambda: None)()
+    for _ in range(rounds):
+        for key, loop in loops.items():
+            cpu = MachineCPU()
+            cpu.start()
+            used = cpu_seconds(pids)
+            start = time.perf_counter()
+            for _ in range(steps):
+                loop()
+            after.get(key, lambda: None)()
+            per_round[key].append(steps / (time.perf_counter() - start))
+            cpu_per_step[key].append((cpu_seconds(pids) - used) / steps)
+            cpu.stop()
+            cores[key].append(cpu.busy / cpu.wall if cpu.wall else 0.0)
+    results = {key: statistics.median(values) for key, values in per_round.items()}
+    results.update({f"{key}_cores": statistics.median(values) for key, values in cores.items()})
+    results.update({f"{key}_cpu": statistics.median(values) for key, values in cpu_per_step.items()})
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=8, help="steps per loop per round")
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(1)
     x = rng.standard_normal((BATCH, WIDTH)).astype(np.float32)
     target = rng.standard_normal((BATCH, WIDTH)).astype(np.float32)
     local = initial_values()
-    results: dict[str, float] = {}
-    results["compute"], results["compute_cores"] = rate(lambda: gradients(local, x, target), args.steps)
 
-    with ps_cluster(2) as (addresses, _), PSClient(addresses, worker_id="bench") as client:
+    with ps_cluster(2) as (addresses, servers), PSClient(addresses, worker_id="bench") as client:
         for name, value in local.items():
             client.create_variable(name, shape=value.shape, initializer=value,
                                    optimizer=SGD(learning_rate=1e-6))
@@ -107,12 +139,10 @@ def main(argv: list[str] | None = None) -> int:
                     step.push(gradients(step.params, x, target))
             return loop
 
-        results["communicate"], results["communicate_cores"] = rate(communicate, args.steps)
-        results["plain"], results["plain_cores"] = rate(plain, args.steps)
-        results["overlap"], results["overlap_cores"] = rate(overlapped(False), args.steps)
-        client.flush()
-        results["pull_ahead"], results["pull_ahead_cores"] = rate(overlapped(True), args.steps)
-        client.flush()
+        results = rates({"compute": lambda: gradients(local, x, target), "communicate": communicate,
+                         "plain": plain, "overlap": overlapped(False), "pull_ahead": overlapped(True)},
+                        {"overlap": client.flush, "pull_ahead": client.flush}, args.steps, args.rounds,
+                        [server.pid for server in servers])
 
     compute_s, comm_s = 1 / results["compute"], 1 / results["communicate"]
     bound_plain = 1 / (compute_s + comm_s)
@@ -120,17 +150,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {LAYERS} x {WIDTH}x{WIDTH} + biases, {len(NAMES)} variables, "
           f"{sum(v.nbytes for v in local.values()) / 1e6:.0f} MB; batch {BATCH}; 1 worker, 2 servers; "
           f"{os.cpu_count()} cores")
-    print(f"{'loop':<34}{'steps/s':>9}{'ms/step':>9}{'busy cores':>12}")
+    print(f"{'loop':<38}{'steps/s':>9}{'ms/step':>9}{'machine busy':>14}{'CPU ms/step':>13}")
     for key, label in (("compute", "compute only (no parameter server)"),
                        ("communicate", "pull(out=) + push, no compute"),
                        ("plain", "step()"), ("overlap", "step(overlap=True)"),
                        ("pull_ahead", "step(overlap=True, pull_ahead=True)")):
-        print(f"{label:<34}{results[key]:>9.2f}{1000 / results[key]:>9.1f}{results[key + '_cores']:>12.2f}")
+        print(f"{label:<38}{results[key]:>9.2f}{1000 / results[key]:>9.1f}{results[key + '_cores']:>14.2f}"
+              f"{1000 * results[key + '_cpu']:>13.1f}")
     print(f"step() vs 1/(compute + communication) = {bound_plain:.2f}/s: "
           f"{results['plain'] / bound_plain:.2f}x")
+    cores = os.cpu_count() or 1
+    cpu_bound = cores / (results["compute_cpu"] + results["communicate_cpu"])
+    print(f"CPU allows at most {cores} cores / (compute + communication CPU per step) = {cpu_bound:.2f}/s "
+          f"(worker and servers; {results['compute_cpu'] * 1000:.0f} + "
+          f"{results['communicate_cpu'] * 1000:.0f} ms)")
     for key in ("overlap", "pull_ahead"):
         print(f"{key} vs 1/max(compute, communication) = {bound_overlap:.2f}/s: "
-              f"{results[key] / bound_overlap:.2f}x; vs step(): {results[key] / results['plain']:.2f}x")
+              f"{results[key] / bound_overlap:.2f}x; vs min(that, CPU bound): "
+              f"{results[key] / min(bound_overlap, cpu_bound):.2f}x; "
+              f"vs step(): {results[key] / results['plain']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
