@@ -250,3 +250,18 @@ def test_ssp_and_sync_refuse_overlap_before_sending_anything(cluster_factory, mo
         with client.step(["w"]) as step:  # the blocking step keeps working
             step.push({"w": np.ones(8, dtype=np.float32)})
         assert client.pull(["w"])["w"].tolist() == [-1.0] * 8
+
+
+def test_an_overlapped_step_pulls_into_out_and_pull_ahead_refuses_it(cluster2):
+    with PSClient(cluster2.addresses, worker_id="out") as client:
+        client.create_variable("w", shape=(8,), optimizer=SGD(learning_rate=1.0))
+        out = {"w": np.full(8, 5.0, dtype=np.float32)}
+        for _ in range(3):
+            with client.step(["w"], out=out, overlap=True) as step:
+                assert step.params["w"] is out["w"]
+                step.push({"w": np.ones(8, dtype=np.float32)})
+        client.flush()
+        assert out["w"][0] in (-1.0, -2.0)  # the third step saw the first push, maybe the second
+        with pytest.raises(ValueError, match="out="):
+            with client.step(["w"], out=out, overlap=True, pull_ahead=True):
+                pass
