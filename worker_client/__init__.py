@@ -29,6 +29,7 @@ from worker_client.errors import (
     InvalidArgumentError,
     NotInitializedError,
     NotPrimaryError,
+    OverlapRefusedError,
     PSError,
     PSInternalError,
     PSTLSError,
@@ -41,6 +42,8 @@ from worker_client.errors import (
     VariableConflictError,
     VariableNotFoundError,
 )
+from worker_client.background import PushHandle
+from worker_client.overlap import OverlappedStep
 from worker_client.replicas import ReplicaGroup, ReplicaStep
 from worker_client.step import Step
 
@@ -55,4 +58,5 @@ __all__ = [
     "PSUnavailableError", "NotPrimaryError", "PSInternalError", "SpecError", "AuthenticationError",
     "PSTLSError", "TLSProblem",
     "PushWrittenOffError", "ServerBusyError",
+    "PushHandle", "OverlappedStep", "OverlapRefusedError",
 ]

@@ -31,8 +31,10 @@ from wehub_ps.placement import Partitioner
 from wehub_ps.process import allocator
 from wehub_ps.specs import Initializer, Optimizer
 from wehub_ps.wire.rpc import DEFAULT_CHUNK_BYTES
+from worker_client.background import BackgroundPushes, PushHandle
 from worker_client.errors import PSError, PSUnavailableError
 from worker_client.gpu import GpuTransfers, LazyGpuTransfers
+from worker_client.overlap import OverlappedStep, StepPipeline
 from worker_client.prefetch import Prefetches
 from worker_client.pulls import Puller
 from worker_client.push_framing import PushFramer
@@ -174,6 +176,9 @@ class PSClient:
         self._puller = Puller(session, self._registry, self._gpu, prefetches, self._wire_dtype, exchange_lane)
         self._pushes = Pushes(session, self._registry, sender, self._puller, self._gpu, self._wire_dtype,
                               topk, prefetch, exchange_lane)
+        self._background = BackgroundPushes(session, self._registry, self._pushes, self._puller, prefetches,
+                                            self._gpu, prefetch and exchange_lane)
+        self._steps = StepPipeline(session, self._registry, self._puller, self._background, prefetches)
         try:
             # An observer that skips connecting (ps-admin status) reads each shard on its own.
             lease = DEFAULT_LEASE_SECONDS
@@ -321,6 +326,7 @@ class PSClient:
         'row_mean' by the pushes that sent that row (README, "Consistency
         modes"); for whole gradients both divide by the pushes that carried one.
         """
+        self._background.raise_failure()
         return self._registry.create_variable(name, shape, dtype, initializer, optimizer, partitioner,
                                               aggregation)
 
@@ -344,6 +350,7 @@ class PSClient:
         :meth:`create_variable`: 'row_mean' averages each row over the workers
         that pushed it in a sync step.
         """
+        self._background.raise_failure()
         return self._registry.create_embedding(name, dim, dtype, initializer, optimizer, max_rows, eviction,
                                                aggregation)
 
@@ -368,6 +375,7 @@ class PSClient:
         one chunk may mix updates that were being applied during the pull
         (as in any asynchronous parameter server).
         """
+        self._background.raise_failure()
         return self._puller.pull(names, device, out)
 
     def pull_rows(self, name: str, ids: Any, *, device: Any = None) -> Any:
@@ -377,10 +385,11 @@ class PSClient:
         created from the initializer) or a dense variable (rows along axis 0).
         Repeated ids are fetched once.
         """
+        self._background.raise_failure()
         return self._puller.pull_rows(name, ids, device)
 
-    def push(self, gradients: Mapping[str, Any],
-             rows: Mapping[str, tuple[Any, Any]] | None = None) -> set[int]:
+    def push(self, gradients: Mapping[str, Any], rows: Mapping[str, tuple[Any, Any]] | None = None, *,
+             wait: bool = True) -> set[int] | PushHandle:
         """Send gradients; returns once every shard involved has applied them.
 
         ``gradients`` maps variable names to arrays of exactly the variable's
@@ -394,7 +403,15 @@ class PSClient:
         when this raises PSUnavailableError: a shard's push that was not
         confirmed is sent again, unchanged, at the start of the next push
         (see worker_client.pushes), so do not push the same gradients again.
+
+        ``wait=False`` (async mode only, else OverlapRefusedError): the
+        gradients are copied and pushed on a background thread, one push in
+        flight at most; returns a :class:`PushHandle` whose ``wait()`` raises
+        the push's error. Nobody waited: the client's next call raises it.
         """
+        if not wait:
+            return self._background.start(gradients, rows)[0]
+        self._background.raise_failure()
         return self._pushes.push(gradients, rows)
 
     def push_rows(self, name: str, ids: Any, gradients: Any) -> set[int]:
@@ -407,15 +424,33 @@ class PSClient:
         return self.push({}, rows={name: (ids, gradients)})
 
     def step(self, names: Iterable[str] | None = None, *, device: Any = None,
-             out: Mapping[str, Any] | None = None) -> Step:
+             out: Mapping[str, Any] | None = None, overlap: bool = False,
+             pull_ahead: bool = False) -> Step | OverlappedStep:
         """A training step: pulls at the start (into ``out`` as :meth:`pull` does); call
-        ``step.push(grads)`` at the end."""
-        return Step(self._puller, self._pushes, self._session, names, device, out)
+        ``step.push(grads)`` at the end.
+
+        ``overlap=True`` (async mode only): ``step.push`` pushes in the
+        background while the next step pulls and computes (its values may
+        miss this worker's previous push); ``pull_ahead=True`` (without
+        ``out``) also reads the next step's values while this one computes.
+        See worker_client.overlap.
+        """
+        if not overlap:
+            if pull_ahead:
+                raise ValueError("pull_ahead=True needs overlap=True")
+            self._background.raise_failure()
+            return Step(self._puller, self._pushes, self._session, names, device, out)
+        return OverlappedStep(self._steps, names, device, out, pull_ahead)
+
+    def flush(self) -> None:
+        """Wait for the background push in flight; raise its error if no call raised it yet."""
+        self._background.flush()
 
     # ---- operator actions ----
 
     def checkpoint(self) -> list[dict[str, Any]]:
         """Make every server write a checkpoint now; returns once all are durable."""
+        self._background.raise_failure()
         return self._session.checkpoint()
 
     def finish(self, wait_for_workers: bool = True, timeout: float = 3600.0) -> None:
@@ -425,6 +460,7 @@ class PSClient:
         other worker holds a lease, so nobody is cut off mid-training. The
         servers must run with ``--allow-finish``; a long-lived service refuses.
         """
+        self._background.flush()
         deadline = time.monotonic() + timeout
         while wait_for_workers:
             others = {w for info in self.describe() for w, record in info.workers.items()
@@ -477,6 +513,7 @@ class PSClient:
         if self._closed:
             return
         self._closed = True
+        self._background.close()  # the push in flight completes first; its unseen error is logged
         self._session.closed = True
         unfinished = self._pushes.unfinished
         if unfinished:  # top-k pushes no later push completed (see worker_client.pushes)

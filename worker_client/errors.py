@@ -25,6 +25,7 @@ __all__ = [
     "ClusterMismatchError",
     "FailedPreconditionError",
     "NotInitializedError",
+    "OverlapRefusedError",
     "ResourceExhaustedError",
     "PushWrittenOffError",
     "ServerBusyError",
@@ -84,6 +85,16 @@ class ClusterMismatchError(FailedPreconditionError):
 
 class NotInitializedError(FailedPreconditionError):
     """The variable's explicit initial value has not been uploaded yet."""
+
+
+class OverlapRefusedError(FailedPreconditionError):
+    """``push(wait=False)`` or ``step(overlap=True)`` against servers whose consistency mode forbids it.
+
+    Under ``ssp`` and ``sync`` a step's pull must see this worker's previous
+    push (the staleness bound and the step barrier count on it); a push in
+    the background would break that, so these calls are refused before
+    anything is sent.
+    """
 
 
 class ResourceExhaustedError(PSError):

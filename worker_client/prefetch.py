@@ -65,6 +65,12 @@ class Prefetches:
             self._generation += 1
             return self._generation
 
+    @property
+    def generation(self) -> int:
+        """Pushes this client started so far."""
+        with self._lock:
+            return self._generation
+
     def keep(self, prefetch: Prefetch, generation: int) -> None:
         """Keep the values the push of ``generation`` brought back, for this thread's next step."""
         prefetch.generation = generation

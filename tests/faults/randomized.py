@@ -38,6 +38,9 @@ loses none of its record.
   none of it and the others all of it ("dropped whole, never half-counted").
 - ``push()`` raised, or its worker was SIGKILLed during it: 0 or 1 (a
   failed push may be applied partly; never twice); 0 if nothing was sent.
+- a push in the background (async: ``push(wait=False)``,
+  ``step(overlap=True)``, its arrays cleared once handed off): the rules
+  above, acknowledged or raised by its handle's ``wait()``.
 - top-k: an element still owed when its client closed: 0; owed when its
   worker was killed or replaced its client: 0 or 1; otherwise the rules of
   the acknowledged push that carried it, over the span from its own push's

@@ -1,5 +1,9 @@
 """The worker process of the randomized fault test: pushes its slots in order and logs each answer.
 
+In async mode half the pushes go out in the background (``push(wait=False)``,
+``step(overlap=True)``) and are waited for before the next one: the same
+rules hold for them.
+
 Run by the controller as ``python tests/faults/worker.py <config json>``
 (see ``Cluster.start_worker``). The log it appends to is what the oracle
 reads: a ``start`` line per client, ``begin`` before each push, then
@@ -98,14 +102,25 @@ def worker_main(config: dict[str, Any]) -> int:
         dropped_before = client.stats()["dropped_pushes"]
         try:
             # In async mode worker 0 only pushes (as a trainer that keeps its own copy may), the others
-            # pull half the time: a push that fits the Exchange stream opens no new RPC.
+            # pull half the time: a push that fits the Exchange stream opens no new RPC. Half of the
+            # async pushes and steps go out in the background, their arrays cleared before the wait.
+            background = config["consistency"] == "async" and rng.random() < 0.5
+            handle = None
             if config["consistency"] == "async" and (index == 0 or rng.random() < 0.5):
                 pushed_at = time.time()
-                client.push({"dense": dense, "small": small}, rows=rows)
+                if background:
+                    handle = client.push({"dense": dense, "small": small}, rows=rows, wait=False)
+                else:
+                    client.push({"dense": dense, "small": small}, rows=rows)
             else:
-                with client.step(["dense", "small"]) as step:
+                with client.step(["dense", "small"], overlap=background) as step:
                     pushed_at = time.time()
                     step.push({"dense": dense, "small": small}, rows=rows)
+                handle = step.handle if background else None
+            if handle is not None:
+                dense[positions] = small[slot] = 0  # the background push sent a copy
+                emb_rows[1][...] = 0
+                handle.wait()
             write({"ev": "ack", "k": k, "inc": client.incarnation, "t0": pushed_at, "t1": time.time(),
                    "drop": client.stats()["dropped_pushes"] - dropped_before,
                    "owed": owed(client)}, durable=True)

@@ -55,7 +55,7 @@ LAYERS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("client parts", ("worker_client.shard_info", "worker_client.session", "worker_client.registry",
                           "worker_client.pull_receiver", "worker_client.prefetch", "worker_client.pulls",
                           "worker_client.push_framing", "worker_client.pushes", "worker_client.step",
-                          "worker_client.replicas")),
+                          "worker_client.replicas", "worker_client.background", "worker_client.overlap")),
         ("the PSClient facade", ("worker_client.client",)),
         ("tools and package facade", ("worker_client.admin", "worker_client.__init__")),
         ("the PyTorch adapter (torch extra)", ("worker_client.torch",)),
