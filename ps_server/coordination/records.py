@@ -107,15 +107,19 @@ class Member:
     address: str
     incarnation: int
     state: str
+    #: Whether it holds state it followed from a primary (not only its checkpoint).
+    holds_state: bool = False
 
     @classmethod
     def from_kv(cls, kv: KeyValue) -> Member:
         data = _load(kv)
         replica_index = int(kv.key.rsplit(b"/", 1)[1])
-        return cls(replica_index, str(data["address"]), int(data["incarnation"]), str(data["state"]))
+        return cls(replica_index, str(data["address"]), int(data["incarnation"]), str(data["state"]),
+                   bool(data.get("holds_state", False)))
 
     def encode(self) -> bytes:
-        return _dump({"address": self.address, "incarnation": self.incarnation, "state": self.state})
+        return _dump({"address": self.address, "incarnation": self.incarnation, "state": self.state,
+                      "holds_state": self.holds_state})
 
     @property
     def id(self) -> ReplicaId:

@@ -15,7 +15,9 @@ Eligibility (``may_campaign``): a replica may lead when it is in the isr;
 or, with a fresh state (empty at first start, or just restored from the
 latest checkpoint), when no isr exists yet or no isr member is alive (no
 ``members/<i>`` key with the isr entry's incarnation): every in-sync copy is
-gone, and the shard restarts from its checkpoint.
+gone. Then a replica holding state it followed from the last primary comes
+first: one with only its checkpoint (``holds_state`` false in its member
+key) waits while such a replica lives, since the follower's state is newer.
 
 Thread-safety: every method may be called from any thread. Callbacks run on
 the keeper's thread (``on_lease_lost``) or a watcher's (``watch_leader``).
@@ -55,7 +57,7 @@ class ShardState:
 
 
 def eligible(replica: ReplicaId, in_sync: InSync | None, members: dict[int, Member],
-             state_is_fresh: bool) -> bool:
+             state_is_fresh: bool, holds_state: bool = True) -> bool:
     """Whether ``replica`` may campaign, by the rule in this module's docstring."""
     if in_sync is not None and replica in in_sync.members:
         return True
@@ -63,7 +65,9 @@ def eligible(replica: ReplicaId, in_sync: InSync | None, members: dict[int, Memb
         return False
     if in_sync is None:
         return True
-    return not any(r in members and members[r].incarnation == i for r, i in in_sync.members)
+    if any(r in members and members[r].incarnation == i for r, i in in_sync.members):
+        return False
+    return holds_state or not any(m.holds_state for r, m in members.items() if r != replica[0])
 
 
 def _lease_is(key: str, lease: int) -> etcd_pb2.Compare:
@@ -87,7 +91,7 @@ class ShardCoordinator:
     def __init__(self, client: EtcdClient, *, job: str, shard_index: int, replica_index: int,
                  incarnation: int, address: str, lease_ttl: int = 2, replication_address: str = "",
                  on_lease_lost: Callable[[], None] | None = None,
-                 state: str = "starting") -> None:
+                 state: str = "starting", holds_state: bool = False) -> None:
         if not isinstance(lease_ttl, int) or lease_ttl < 1:
             raise ValueError(f"lease_ttl must be a whole number of seconds >= 1, got {lease_ttl!r}")
         self._client = client
@@ -99,6 +103,7 @@ class ShardCoordinator:
         self.lease_ttl = lease_ttl
         self._on_lease_lost = on_lease_lost
         self._state = state
+        self._holds_state = holds_state
         self._lock = threading.Lock()
         self._keeper: LeaseKeeper | None = None
         self._epoch: int | None = None
@@ -153,10 +158,12 @@ class ShardCoordinator:
         keeper = self._keeper
         return keeper is not None and keeper.lost
 
-    def set_state(self, state: str) -> None:
-        """Publish this replica's state (e.g. catching-up, in-sync) in its member key."""
+    def set_state(self, state: str, holds_state: bool = False) -> None:
+        """Publish this replica's state (e.g. catching-up, in-sync) in its member key, and whether it
+        holds state it followed from a primary (see the module docstring)."""
         keeper = self._require_keeper()
         self._state = state
+        self._holds_state = holds_state
         self._client.put(self.keys.member(self.replica_index), self._member().encode(), lease=keeper.lease.id)
 
     def shard_state(self) -> ShardState:
@@ -206,7 +213,7 @@ class ShardCoordinator:
     def may_campaign(self, state_is_fresh: bool) -> bool:
         """Whether this replica may lead now (see the module docstring); a campaign re-checks atomically."""
         state = self.shard_state()
-        return eligible(self.replica_id, state.in_sync, state.members, state_is_fresh)
+        return eligible(self.replica_id, state.in_sync, state.members, state_is_fresh, self._holds_state)
 
     def campaign(self, state_is_fresh: bool) -> int | None:
         """Try to become leader: the new epoch when won, None when not eligible or someone else leads.
@@ -218,14 +225,18 @@ class ShardCoordinator:
         state = self.shard_state()
         if state.leader is not None:
             return None
-        if not eligible(self.replica_id, state.in_sync, state.members, state_is_fresh):
+        if not eligible(self.replica_id, state.in_sync, state.members, state_is_fresh, self._holds_state):
             return None
         compare = [create_revision_is(self.keys.leader, 0),
                    mod_revision_is(self.keys.isr, state.in_sync.mod_revision if state.in_sync else 0)]
         if state.in_sync is not None and self.replica_id not in state.in_sync.members:
-            # Counting on no isr member being alive: none of their keys may have changed meanwhile.
+            # Counting on no isr member being alive (and, without state of its own, on no other member
+            # holding any): none of those keys may have changed meanwhile.
+            counted = {r for r, _ in state.in_sync.members}
+            if not self._holds_state:
+                counted |= set(state.members) - {self.replica_index}
             compare += [mod_revision_is(self.keys.member(r), state.member_revisions.get(r, 0))
-                        for r in sorted({r for r, _ in state.in_sync.members})]
+                        for r in sorted(counted)]
         leader = Leader.encode(self.replica_index, self.address, self.incarnation, self.replication_address)
         success = [put_op(self.keys.leader, leader, lease=keeper.lease.id),
                    put_op(self.keys.isr, InSync.encode([self.replica_id], epoch=None))]
@@ -328,7 +339,7 @@ class ShardCoordinator:
             self._on_lease_lost()
 
     def _member(self) -> Member:
-        return Member(self.replica_index, self.address, self.incarnation, self._state)
+        return Member(self.replica_index, self.address, self.incarnation, self._state, self._holds_state)
 
     def _require_keeper(self) -> LeaseKeeper:
         keeper = self._keeper

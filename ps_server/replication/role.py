@@ -71,7 +71,7 @@ class Coordination(Protocol):
     def watch_leader(self, callback: Callable[[LeaderInfo | None], None]) -> None: ...
     def may_campaign(self, state_is_fresh: bool) -> bool: ...
     def campaign(self, state_is_fresh: bool) -> int | None: ...
-    def set_state(self, state: str) -> None: ...
+    def set_state(self, state: str, holds_state: bool = False) -> None: ...
     def set_in_sync(self, epoch: int, members: list[tuple[int, int]]) -> bool: ...
     def revoke_leader(self, leader: LeaderInfo) -> None: ...
     def close(self) -> None: ...
@@ -294,7 +294,8 @@ class ReplicaRole:
             return False
         try:
             # Outside the in-sync set a replica may lead only when no in-sync replica is alive; then
-            # what it holds (state it followed, or else its newest checkpoint) is the best there is.
+            # what it holds is the best there is: state it followed, or else (while no live replica
+            # holds followed state) its newest checkpoint.
             return self._coordination.may_campaign(True)
         except CoordinationError as error:
             event(log, logging.DEBUG, "cannot campaign while etcd is unreachable", error=str(error))
@@ -314,8 +315,8 @@ class ReplicaRole:
         self._log = UpdateLog(self.applied)
         self._epoch = epoch
         self._in_sync = set()
-        self._set_state(PRIMARY)
         self.has_state = True
+        self._set_state(PRIMARY)
         now = time.monotonic()
         self.last_election_seconds = now - started
         if self._answered_at and self._lost_at:

@@ -133,7 +133,7 @@ class ReplicaWiring:
         coordination = self.role.coordination if self._started else None
         if coordination is not None:
             try:
-                coordination.set_state(state)
+                coordination.set_state(state, holds_state=self.role.has_state)
             except CoordinationError as error:  # etcd away: the member key keeps its last state
                 event(log, logging.DEBUG, "could not publish the replica's state", error=str(error))
         serving = health_pb2.HealthCheckResponse.SERVING

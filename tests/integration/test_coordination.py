@@ -187,6 +187,30 @@ def test_a_replica_out_of_the_isr_waits_while_an_isr_member_lives(replicas):
     assert replacement.campaign(state_is_fresh=True) is None
 
 
+def test_with_the_in_sync_primary_gone_a_replica_that_followed_it_wins_over_a_restarted_one(replicas):
+    primary, follower = replicas(0, 10), replicas(1, 20)
+    assert primary.campaign(state_is_fresh=True) is not None  # isr = [primary]
+    follower.set_state("backup", holds_state=True)  # applied the primary's stream, not yet in the isr
+    restarted = replicas(0, 11)  # the primary's process restarted from its checkpoint
+    primary.close()  # the in-sync process is gone
+    assert not restarted.may_campaign(state_is_fresh=True)
+    assert restarted.campaign(state_is_fresh=True) is None
+    epoch = follower.campaign(state_is_fresh=True)
+    assert epoch is not None and follower.in_sync().members == ((1, 20),)
+
+
+def test_a_campaign_counting_on_no_member_holding_state_fails_if_one_starts_to(replicas):
+    primary, other = replicas(0, 10), replicas(1, 20)
+    assert primary.campaign(state_is_fresh=True) is not None
+    restarted = replicas(0, 11)
+    primary.close()
+    assert restarted.may_campaign(state_is_fresh=True)  # nobody holds followed state
+    stale = restarted.shard_state()
+    other.set_state("backup", holds_state=True)
+    restarted.shard_state = lambda: stale  # the campaign acts on the read from before that change...
+    assert restarted.campaign(state_is_fresh=True) is None  # ...and etcd's compare refuses it
+
+
 def test_losing_etcd_freezes_the_lease_validity_and_the_keepalive_recovers(etcd_server, replicas, caplog):
     caplog.set_level(logging.INFO, logger="ps_server.coordination")
     leader = replicas(0, 10, lease_ttl=2)

@@ -29,6 +29,26 @@ def test_outside_the_isr_only_a_fresh_state_and_only_when_every_isr_member_is_go
     assert not eligible((0, 11), ISR, {1: _member(1, 20)}, state_is_fresh=True)
 
 
+def test_with_every_isr_member_gone_a_replica_that_followed_comes_before_a_checkpoint():
+    followed = Member(1, "h:1", 21, "candidate", holds_state=True)
+    checkpoint_only = Member(0, "h:0", 11, "candidate", holds_state=False)
+    members = {0: checkpoint_only, 1: followed}
+    assert eligible((1, 21), ISR, members, state_is_fresh=True, holds_state=True)
+    assert not eligible((0, 11), ISR, members, state_is_fresh=True, holds_state=False)
+    # Once the follower is gone too, the checkpoint is what is left.
+    assert eligible((0, 11), ISR, {0: checkpoint_only}, state_is_fresh=True, holds_state=False)
+    # Two replicas with only their checkpoints: either may lead.
+    assert eligible((0, 11), ISR, {0: checkpoint_only, 1: Member(1, "h:1", 21, "starting")},
+                    state_is_fresh=True, holds_state=False)
+
+
+def test_a_member_record_carries_whether_it_holds_state():
+    member = Member(2, "h:2", 30, "backup", holds_state=True)
+    assert Member.from_kv(_kv("/wehub-ps/j/shards/0/members/2", member.encode(), 5, 5)) == member
+    assert not Member.from_kv(_kv("/wehub-ps/j/shards/0/members/2",
+                                  b'{"address": "h:2", "incarnation": 30, "state": "backup"}', 5, 5)).holds_state
+
+
 def test_before_any_isr_a_fresh_state_may_campaign():
     assert eligible((0, 1), None, {}, state_is_fresh=True)
     assert not eligible((0, 1), None, {}, state_is_fresh=False)
