@@ -41,11 +41,19 @@ class Replica:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> Replica:
+        """Start (or restart) on ``port``; 0 the first time lets the OS pick it, kept for restarts."""
         self.process.start(self.port)
+        self.port = self.process.port
         return self
 
     def launch(self) -> None:
         self.process.launch(self.port)
+
+    def wait_ready(self) -> Replica:
+        """After ``launch``: until it listens; its port is kept for restarts."""
+        self.process.wait_ready()
+        self.port = self.process.port
+        return self
 
     def health(self, service: str = PRIMARY_SERVICE, timeout: float = 2.0) -> int | None:
         """The health status of ``service`` here (the ParameterServer: SERVING on the primary only)."""
@@ -129,15 +137,16 @@ class ReplicatedCluster:
                 metrics_port = free_port() if self.metrics else 0
                 if metrics_port:
                     args += ("--metrics-port", str(metrics_port))
+                # Port 0: the OS picks each replica's port at its first start (no race for a free one).
                 members.append(Replica(shard, index, ServerProcess(shard, self.num_shards, directory, args),
-                                       free_port(), self.health_tls, self.health_token, metrics_port))
+                                       0, self.health_tls, self.health_token, metrics_port))
             self.shards.append(members)
 
     def start(self) -> ReplicatedCluster:
         for replica in self.all():
             replica.launch()
         for replica in self.all():
-            replica.process.wait_ready()
+            replica.wait_ready()
         self.wait_all_ready()
         return self
 

@@ -18,7 +18,7 @@ import uuid
 
 import grpc
 from etcd_server import EtcdServer, etcd_binary
-from ps_testing import ServerProcess, free_port
+from ps_testing import ServerProcess
 from replica_testing import Replica
 
 from faults.cluster import Cluster
@@ -62,14 +62,14 @@ class ReplicatedCluster(Cluster):
                 args += ["--replicas", str(REPLICAS), "--replica-index", str(index),
                          "--etcd-endpoints", self.etcd.endpoint, "--job-name", job,
                          "--primary-lease-seconds", str(LEASE_SECONDS)]
-                members.append(Replica(shard, index, ServerProcess(shard, NUM_SHARDS, directory, args),
-                                       free_port()))
+                # Port 0: the OS picks it at the first start; restarts reuse it.
+                members.append(Replica(shard, index, ServerProcess(shard, NUM_SHARDS, directory, args), 0))
             self.replicas.append(members)
+        self.servers = [replica.process for replica in self._all()]  # cleanup stops them, even if one fails
         for replica in self._all():
             replica.launch()
         for replica in self._all():
-            replica.process.wait_ready()
-        self.servers = [replica.process for replica in self._all()]
+            replica.wait_ready()
         for shard in range(NUM_SHARDS):
             self.wait_in_sync(shard)
 
