@@ -1,8 +1,9 @@
 """Steps per second of a training loop: blocking steps against overlapped ones.
 
-The model is the MLP of issue 21: ten 1024x1024 layers with biases (20
-variables, 10.5 M parameters, 42 MB of float32), gradients computed with
-numpy on a batch of 16, on 2 ps-servers and 1 worker. Measured in one run:
+The model is the training section's 10.5 M-parameter MLP
+(training_models.MLP_10M: ten 1024x1024 layers and a 1024x16 output, with
+biases, 22 variables, 42 MB of float32), gradients computed with numpy on a
+batch of 16, on 2 ps-servers and 1 worker. Measured in one run:
 
 * compute: the same forward and backward pass with no parameter server;
 * communication: ``pull(out=)`` plus ``push`` of the same variables;
@@ -27,38 +28,22 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import MachineCPU, ps_cluster  # noqa: E402
+from training_models import MLP_10M, Params, mlp_gradients  # noqa: E402
 
 from worker_client import SGD, PSClient  # noqa: E402
 
-LAYERS = 10
-WIDTH = 1024
-BATCH = 16
-NAMES = [f"{kind}{i}" for i in range(LAYERS) for kind in ("w", "b")]
+SHAPE = MLP_10M
+NAMES = SHAPE.names
 
 
-def initial_values() -> dict[str, np.ndarray]:
+def initial_values() -> Params:
     rng = np.random.default_rng(0)
-    values = {}
-    for i in range(LAYERS):
-        values[f"w{i}"] = (rng.standard_normal((WIDTH, WIDTH)) / np.sqrt(WIDTH)).astype(np.float32)
-        values[f"b{i}"] = np.zeros(WIDTH, dtype=np.float32)
-    return values
+    return {name: (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32) if len(shape) == 2
+            else np.zeros(shape, np.float32) for name, shape in SHAPE.shapes().items()}
 
 
-def gradients(params: dict[str, np.ndarray], x: np.ndarray, target: np.ndarray) -> dict[str, np.ndarray]:
-    """Forward and backward of the MLP (ReLU, squared error) in numpy."""
-    activations = [x]
-    for i in range(LAYERS):
-        z = activations[-1] @ params[f"w{i}"] + params[f"b{i}"]
-        activations.append(np.maximum(z, 0) if i < LAYERS - 1 else z)
-    delta = (activations[-1] - target) / BATCH
-    grads = {}
-    for i in reversed(range(LAYERS)):
-        grads[f"w{i}"] = activations[i].T @ delta
-        grads[f"b{i}"] = delta.sum(axis=0)
-        if i:
-            delta = (delta @ params[f"w{i}"].T) * (activations[i] > 0)
-    return grads
+def gradients(params: Params, x: np.ndarray, target: np.ndarray) -> Params:
+    return mlp_gradients(SHAPE, params, x, target)
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -114,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((BATCH, WIDTH)).astype(np.float32)
-    target = rng.standard_normal((BATCH, WIDTH)).astype(np.float32)
+    x = rng.standard_normal((SHAPE.batch, SHAPE.widths[0])).astype(np.float32)
+    target = rng.standard_normal((SHAPE.batch, SHAPE.widths[-1])).astype(np.float32)
     local = initial_values()
 
     with ps_cluster(2) as (addresses, servers), PSClient(addresses, worker_id="bench") as client:
@@ -147,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     compute_s, comm_s = 1 / results["compute"], 1 / results["communicate"]
     bound_plain = 1 / (compute_s + comm_s)
     bound_overlap = 1 / max(compute_s, comm_s)
-    print(f"model: {LAYERS} x {WIDTH}x{WIDTH} + biases, {len(NAMES)} variables, "
-          f"{sum(v.nbytes for v in local.values()) / 1e6:.0f} MB; batch {BATCH}; 1 worker, 2 servers; "
+    print(f"model: {SHAPE.name}, widths {SHAPE.widths}, {len(NAMES)} variables, "
+          f"{sum(v.nbytes for v in local.values()) / 1e6:.0f} MB; batch {SHAPE.batch}; 1 worker, 2 servers; "
           f"{os.cpu_count()} cores")
     print(f"{'loop':<38}{'steps/s':>9}{'ms/step':>9}{'machine busy':>14}{'CPU ms/step':>13}")
     for key, label in (("compute", "compute only (no parameter server)"),
