@@ -17,10 +17,11 @@ with ``--set device=cuda`` (CUDA parameters also need CuPy, the ``gpu`` extra).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any, Callable
 
-from ps_local.examples.digits_mlp import load_data
+# The digits example's settings: the same model, data and training; device 'cuda' computes in torch.
+from ps_local.examples.digits_mlp import Config, load_data
 from worker_client import PSClient
 
 NAME = "torch-digits"
@@ -30,16 +31,6 @@ TARGET = 0.90
 HIGHER_IS_BETTER = True
 
 PREFIX = "torch-mlp"
-
-
-@dataclass
-class Config:
-    epochs: int = 30
-    batch_size: int = 32
-    learning_rate: float = 0.1
-    hidden: int = 128
-    seed: int = 0
-    device: str = "cpu"  # "cpu", or "cuda" to compute on the GPU
 
 
 def _torch():
@@ -105,7 +96,7 @@ def train(client: PSClient, worker_index: int, num_workers: int, config: Config,
 def evaluate(client: PSClient, config: Config) -> float:
     """Accuracy of the current parameters on the held-out 20%."""
     torch = _torch()
-    model = build_model(Config(**{**vars(config), "device": "cpu"}))
+    model = build_model(replace(config, device="cpu"))
     client.pull([f"{PREFIX}/{name}" for name, _ in model.named_parameters()],
                 out={f"{PREFIX}/{name}": p.detach() for name, p in model.named_parameters()})
     _, _, x_test, y_test = load_data(config.seed)
