@@ -115,7 +115,9 @@ class PSClient:
     otherwise each received message faults in fresh pages, which cost a
     fifth of a worker's CPU; blocks up to 32 MiB come from the heap, so a
     training step's gradient arrays are reused rather than faulted in again
-    each step. It also caps malloc at 2 arenas, so that what
+    each step, and the heap keeps free twice the bytes of the largest push
+    (a step's values and gradients) instead of giving them back to the
+    kernel between steps. It also caps malloc at 2 arenas, so that what
     is kept does not grow with the cores (``MALLOC_ARENA_MAX`` in the
     environment wins). ``keep_freed_buffers=False`` leaves malloc as it is.
     """

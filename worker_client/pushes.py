@@ -13,6 +13,7 @@ import contextlib
 import logging
 import math
 import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ import numpy as np
 
 from wehub_ps.kernels.rowops import RowGather, take_rows
 from wehub_ps.kernels.segments import sort_ids, sum_sorted
+from wehub_ps.process import allocator
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.arrays import as_wire_array
 from wehub_ps.wire.codec import EXCHANGE_PUSH, join_pieces, split_push_response
@@ -158,7 +160,7 @@ class PushSender:
             response, pulled = split_push_response(answer)
             if outcome is not None:
                 outcome.delivered.add(shard.index)  # applied, whatever happens to the values riding back
-            if response.duplicate and call.attempts > 1:
+            if response.duplicate and this_call().attempts > 1:
                 session.state.count("duplicate_acks")
             session.state.record_versions(shard, {e.variable: e.version for e in response.versions}, ticket)
             session.note_cluster_step(response.cluster_step, response.dropped)
@@ -172,6 +174,11 @@ class PushSender:
         small = self._use_lane and framer.fits_one_message(push.items)
         call = ShardCall(shard, "push", ordinary, finish, EXCHANGE_PUSH,
                          (lambda: framer.one_message(push)) if small else None)
+        # Weak: the call holds ``finish``, and a strong reference back would make a cycle that keeps the
+        # pushed arrays alive (through ``ordinary``) until Python's cyclic collector runs, steps later.
+        # The heap then grows by a whole step's gradients at a time and freed memory goes back to the
+        # kernel in bursts, to be faulted in again (docs/benchmarks.md, "Training loops").
+        this_call = weakref.ref(call)
         return call
 
 
@@ -237,6 +244,10 @@ class Pushes:
             for name, pair in [*rows.items(), *selected.items()]:
                 for shard, item in self._row_items(variables[name], *pair).items():
                     by_shard.setdefault(shard, []).append(item)
+            # A training step allocates and frees its gradients (and values) each step: keep that much
+            # freed heap for the next one rather than faulting it in again (wehub_ps.process.allocator).
+            allocator.keep_room_for_step(sum(item.values.nbytes for items in by_shard.values() for item in items
+                                             if isinstance(item.values, np.ndarray)))
             if self.topk is None:
                 return self._sender.send(by_shard, ps_pb2.GRADIENT, self._plan_prefetch(by_shard, next_pull))
             return self._push_topk(by_shard, variables, selected, chosen_from, next_pull)

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from wehub_ps.process.allocator import DEFAULT_ARENA_MAX, keep_freed_buffers
+from wehub_ps.process.allocator import DEFAULT_ARENA_MAX, keep_freed_buffers, keep_room_for_step
 
 glibc_only = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                                 reason="mallopt thresholds exist in glibc only")
@@ -52,6 +52,45 @@ def test_freed_blocks_are_reused_without_page_faults():
     # 50 rounds x 4 MiB / 4 KiB pages = 51,200 faults when the memory goes back each time.
     assert untuned > 10_000, f"glibc's defaults faulted only {untuned} pages: the test no longer tells"
     assert tuned < untuned // 20, f"tuned {tuned} page faults vs {untuned} with glibc's defaults"
+
+
+# A training step: 21 arrays of 4 MiB (84 MiB, over the default trim threshold) allocated, written
+# and freed together, 10 times. Without room kept for the step, the freed heap top goes back to the
+# kernel after each round and the next round faults it in again.
+_STEP_CHURN = textwrap.dedent("""
+    import resource, sys
+    from wehub_ps.process.allocator import WORKER_MMAP_THRESHOLD, keep_freed_buffers, keep_room_for_step
+    assert keep_freed_buffers(mmap_threshold=WORKER_MMAP_THRESHOLD)
+    if sys.argv[1] == "room":
+        assert keep_room_for_step(21 * (4 << 20))
+        assert not keep_room_for_step(4 << 20)  # only ever raised
+        assert keep_freed_buffers(mmap_threshold=WORKER_MMAP_THRESHOLD)  # a second client keeps the room
+    def faults():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step = [bytearray(4 << 20) for _ in range(21)]
+    del step
+    before = faults()
+    for _ in range(10):
+        step = [bytearray(4 << 20) for _ in range(21)]
+        del step
+    print(faults() - before)
+""")
+
+
+@glibc_only
+def test_room_kept_for_a_step_stops_its_memory_going_back_to_the_kernel_each_step():
+    runs = {mode: int(subprocess.run([sys.executable, "-c", _STEP_CHURN, mode], capture_output=True, text=True,
+                                     timeout=120, check=True).stdout.strip()) for mode in ("worker", "room")}
+    # 10 rounds x 84 MiB / 4 KiB pages = 215,040 faults when the memory goes back each round.
+    assert runs["worker"] > 100_000, f"only {runs['worker']} page faults without room: the test no longer tells"
+    assert runs["room"] < runs["worker"] // 20, runs
+
+
+def test_room_for_a_step_changes_nothing_where_freed_buffers_are_not_kept():
+    done = subprocess.run([sys.executable, "-c", "from wehub_ps.process.allocator import keep_room_for_step;"
+                           "print(keep_room_for_step(1 << 30))"], capture_output=True, text=True, timeout=60,
+                          check=True)
+    assert done.stdout.strip() == "False"
 
 
 @glibc_only
