@@ -21,8 +21,9 @@ step      pull + push of a 100K-parameter model in 20 variables over 2 servers,
           p50 and p99, against the bare gRPC bidi round trip
 replication  one shard with 2 replicas (a primary and a backup that applies every
           update before the push is acknowledged; etcd and both on this machine)
-          against 1: the dense section's 100 MB push and the step section's
-          pull + push of 100K parameters in 20 variables, p50 and p99; skipped
+          against 1, both running and measured alternately: the dense
+          section's 100 MB push (median of 7) and the step section's pull +
+          push of 100K parameters in 20 variables, p50 and p99; skipped
           without etcd
 memory    server RSS during 4 concurrent 100 MB pushes; a client's peak RSS
 sparse    pull_rows / push_rows of 4,096 ids x 64 dims from a 10M-row table on
@@ -57,6 +58,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 
@@ -326,8 +329,8 @@ def _step_seconds(variables: int, steps: int) -> list[float]:
         return _steps(client, variables, steps)
 
 
-def _steps(client, variables: int, steps: int) -> list[float]:
-    """Seconds per ``client.step()`` (pull + push) of 100K float32 parameters in ``variables`` variables."""
+def _step_fn(client, variables: int) -> Callable[[], None]:
+    """One ``client.step()`` (pull + push) of 100K float32 parameters in ``variables`` new variables."""
     from worker_client import SGD
 
     names = [f"v{i}" for i in range(variables)]
@@ -340,7 +343,12 @@ def _steps(client, variables: int, steps: int) -> list[float]:
         with client.step(names) as s:
             s.push(grads)
 
-    return time_calls(step, steps, warmup=steps // 10)
+    return step
+
+
+def _steps(client, variables: int, steps: int) -> list[float]:
+    """Seconds per ``client.step()`` (pull + push) of 100K float32 parameters in ``variables`` variables."""
+    return time_calls(_step_fn(client, variables), steps, warmup=steps // 10)
 
 
 def section_step(rtt_p50: float, results: dict) -> list[Row]:
@@ -360,7 +368,13 @@ def section_step(rtt_p50: float, results: dict) -> list[Row]:
 
 
 def section_replication(repeats: int, results: dict) -> list[Row]:
-    """One shard with R=2 replicas (etcd and both on this machine) against R=1, in the same run."""
+    """One shard with R=2 replicas (etcd and both on this machine) against R=1, in the same run.
+
+    Both shards run at once and the measurements alternate (a push on
+    R=1, then one on R=2; then blocks of steps), so that whatever else
+    the machine does in the meantime weighs on both alike. Each figure is
+    the median of its kind.
+    """
     import bench_replication
 
     from worker_client import PSClient
@@ -369,17 +383,29 @@ def section_replication(repeats: int, results: dict) -> list[Row]:
     if etcd is None:
         print("  replication: skipped (no etcd: install it or set ETCD_BINARY)", file=sys.stderr, flush=True)
         return []
-    figures = {}
-    for replicas in (1, 2):
-        with bench_replication.replicated_shard(replicas, etcd) as (address, _), \
-                PSClient([address], worker_id="bench") as client:
+    pushes: dict[int, list[float]] = {1: [], 2: []}
+    steps: dict[int, list[float]] = {1: [], 2: []}
+    with ExitStack() as stack:
+        clients = {}
+        for replicas in (1, 2):
+            address, _ = stack.enter_context(bench_replication.replicated_shard(replicas, etcd))
+            clients[replicas] = client = stack.enter_context(PSClient([address], worker_id="bench"))
             create_model(client)
-            grads = zero_grads()
-            push = best(time_calls(lambda: client.push(grads), repeats))
-            steps = _steps(client, 20, 1000)
-        figures[replicas] = {"push": MODEL_BYTES / push / 1e9,
-                             "p50_ms": float(np.percentile(steps, 50)) * 1e3,
-                             "p99_ms": float(np.percentile(steps, 99)) * 1e3}
+        grads = zero_grads()
+        for client in clients.values():
+            client.push(grads)  # warm-up
+        for _ in range(max(repeats, 7)):
+            for replicas, client in clients.items():
+                pushes[replicas] += time_calls(lambda c=client: c.push(grads), 1, warmup=0)
+        step_fns = {replicas: _step_fn(client, 20) for replicas, client in clients.items()}
+        for block in range(11):  # the first block warms up
+            for replicas, step in step_fns.items():
+                seconds = time_calls(step, 100, warmup=0)
+                if block:
+                    steps[replicas] += seconds
+    figures = {replicas: {"push": MODEL_BYTES / median(pushes[replicas]) / 1e9,
+                          "p50_ms": float(np.percentile(steps[replicas], 50)) * 1e3,
+                          "p99_ms": float(np.percentile(steps[replicas], 99)) * 1e3} for replicas in (1, 2)}
     one, two = figures[1], figures[2]
     results["replication"] = {"r1": one, "r2": two}
     return [_row("replication", "push 100 MB, 1 shard, R=2 (acked by the backup)", two["push"], "GB/s",
