@@ -351,12 +351,22 @@ def _steps(client, variables: int, steps: int) -> list[float]:
     return time_calls(_step_fn(client, variables), steps, warmup=steps // 10)
 
 
+def per_variable_seconds(p50_20_vars: float | None = None) -> tuple[float, float]:
+    """What each variable adds to a step: (seconds per variable, p50 of the 200-variable step).
+
+    The step section's 100K parameters in 20 and then in 200 variables
+    over 2 servers; ``p50_20_vars`` when the 20-variable p50 is known.
+    """
+    if p50_20_vars is None:
+        p50_20_vars = float(np.percentile(_step_seconds(20, 300), 50))
+    many = float(np.percentile(_step_seconds(200, 300), 50))
+    return (many - p50_20_vars) / 180, many
+
+
 def section_step(rtt_p50: float, results: dict) -> list[Row]:
     seconds = _step_seconds(20, 1000)
     p50, p99 = float(np.percentile(seconds, 50)), float(np.percentile(seconds, 99))
-    # The same parameters in ten times as many variables: what each variable costs a step.
-    many = float(np.percentile(_step_seconds(200, 300), 50))
-    per_variable = (many - p50) / 180
+    per_variable, many = per_variable_seconds(p50)
     results["step"] = {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3, "rtt_p50_ms": rtt_p50 * 1e3,
                        "p50_200_vars_ms": many * 1e3, "per_variable_us": per_variable * 1e6}
     return [_row("step", "step p50 (100K params, 20 vars, 2 servers)", p50 * 1e3, "ms", rtt_p50 * 1e3,
@@ -684,7 +694,9 @@ def main(argv: list[str] | None = None) -> int:
         elif section == "training":
             import bench_training
 
-            rows += bench_training.section_training(tcp, rtt, results, _row)
+            per_variable = (results["step"]["per_variable_us"] / 1e6 if "step" in results
+                            else per_variable_seconds()[0])
+            rows += bench_training.section_training(tcp, rtt, per_variable, results, _row)
         print(f"  {section} measured in {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
     print_table(rows)
     if args.json:
