@@ -217,10 +217,41 @@ def _bare_grpc_streams(count: int) -> Iterator[Callable[[bytes], None]]:
 
 
 def grpc_round_trips(count: int) -> list[float]:
-    """Seconds of ``count`` 8-byte round trips on an open bidi stream (another process answers)."""
-    request = struct.pack("<Q", 8)
-    with _bare_grpc_streams(1) as round_trip:
-        return time_calls(lambda: round_trip(request), count, warmup=100)
+    """Seconds of ``count`` 8-byte round trips on an open bidi stream (another process echoes)."""
+    import queue
+
+    import grpc
+
+    code = """
+import sys, grpc
+from concurrent import futures
+def echo(it, ctx):
+    for m in it:
+        yield m
+h = grpc.method_handlers_generic_handler("bench.Echo", {"Echo": grpc.stream_stream_rpc_method_handler(echo)})
+s = grpc.server(futures.ThreadPoolExecutor(4)); s.add_generic_rpc_handlers((h,))
+port = s.add_insecure_port("127.0.0.1:0"); s.start(); print(port, flush=True); sys.stdin.read()
+"""
+    server = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=child_env())
+    try:
+        port = int(server.stdout.readline())
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            responses = channel.stream_stream("/bench.Echo/Echo")(iter(requests.get, None))
+            seconds = []
+            for i in range(count + 100):
+                start = time.perf_counter()
+                requests.put(b"12345678")
+                next(responses)
+                if i >= 100:
+                    seconds.append(time.perf_counter() - start)
+            requests.put(None)
+            responses.cancel()
+        return seconds
+    finally:
+        server.stdin.close()
+        stop_process(server)
 
 
 def grpc_pull_push_seconds(servers: int, nbytes_per_server: int, count: int) -> list[float]:
