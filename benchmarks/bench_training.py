@@ -12,7 +12,9 @@ with the others, each loop of its model for a fixed number of steps:
   for the MLPs, ``with client.step()``.
 
 The plain loop is judged against 1 / (compute + communication) of the same
-run (target 0.8x), communication against raw TCP moving the same bytes. For
+run (target 0.8x), communication against raw TCP moving the same bytes; the
+100K plain step also against two bare round trips plus what its variables
+cost, and against bare gRPC servers moving its bytes the same way. For
 each loop the run also reports the CPU it took per step: the worker
 processes', the servers' and the whole machine's (kernel included), which
 says what the cores allow when they are all busy.
@@ -35,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import MachineCPU, child_env, median, ps_cluster, stop_process  # noqa: E402
+from common import MachineCPU, child_env, grpc_pull_push_seconds, median, ps_cluster, stop_process  # noqa: E402
 from training_models import MLP_10M, MLP_100K, MLPLoops, RecommenderLoops  # noqa: E402
 
 #: (timed steps, warm-up steps) per loop and model: about a minute for the section on 2 busy cores.
@@ -195,7 +197,7 @@ def bytes_per_step(model: str) -> int:
 
 
 def rows_for(model: str, count: int, loops: dict, tcp: float, rtt: float, per_variable: float,
-             make_row: Callable) -> list:
+             bare_pull_push: float, make_row: Callable) -> list:
     """The section's rows for one model and number of workers (rates summed over the workers)."""
     compute, comm = loops["compute"], loops["comm"]
     # Per worker: seconds per step of compute and of communication, each measured alone.
@@ -230,6 +232,9 @@ def rows_for(model: str, count: int, loops: dict, tcp: float, rtt: float, per_va
         rows.append(make_row("training", f"  plain loop p50 against 2 gRPC round trips + {variables} x "
                                          f"{per_variable * 1e6:.0f} us per variable",
                              loops["plain"]["p50_ms"], "ms", floor * 1e3, "that floor", 1, higher=False))
+        rows.append(make_row("training", "  plain loop p50 against bare gRPC moving the same bytes alike",
+                             loops["plain"]["p50_ms"], "ms", bare_pull_push * 1e3,
+                             "bare gRPC pull + push p50, 2 servers", target_text="report"))
     return rows
 
 
@@ -242,13 +247,15 @@ def section_training(tcp: float, rtt: float, per_variable: float, results: dict,
     steps = steps or STEPS
     rows = []
     results["training"] = {}
+    # The 100K step's communication with nothing but gRPC: its bytes from and to 2 bare servers at once.
+    bare_pull_push = median(grpc_pull_push_seconds(2, bytes_per_step("mlp100k") // 4, 1000))
     for model in models:
         figures = measure(model, *steps[model])
         results["training"][model] = {str(count): {loop: {k: v for k, v in f.items() if k != "seconds"}
                                                    for loop, f in loops.items()}
                                       for count, loops in figures.items()}
         for count, loops in figures.items():
-            rows += rows_for(model, count, loops, tcp, rtt, per_variable, make_row)
+            rows += rows_for(model, count, loops, tcp, rtt, per_variable, bare_pull_push, make_row)
     return rows
 
 

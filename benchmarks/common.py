@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -163,6 +164,58 @@ def memcpy_seconds(nbytes: int, repeats: int) -> list[float]:
     return time_calls(lambda: np.copyto(dst, src), repeats)
 
 
+#: A bare gRPC server: each request on its bidi stream starts with 8 bytes, the size of the answer.
+_SIZED_ECHO = """
+import struct, sys, grpc
+from concurrent import futures
+def echo(it, ctx):
+    for m in it:
+        yield bytes(struct.unpack("<Q", m[:8])[0])
+h = grpc.method_handlers_generic_handler("bench.Echo", {"Echo": grpc.stream_stream_rpc_method_handler(echo)})
+s = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_receive_message_length", 64 << 20)])
+s.add_generic_rpc_handlers((h,))
+port = s.add_insecure_port("127.0.0.1:0"); s.start(); print(port, flush=True); sys.stdin.read()
+"""
+
+
+@contextmanager
+def _bare_grpc_streams(count: int) -> Iterator[Callable[[bytes], None]]:
+    """``count`` bare gRPC servers (child processes), an open stream to each; yields ``round_trip(request)``.
+
+    ``round_trip`` sends the request to every server, then reads every answer.
+    """
+    import queue
+
+    import grpc
+
+    servers = [subprocess.Popen([sys.executable, "-c", _SIZED_ECHO], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True, env=child_env()) for _ in range(count)]
+    channels = []
+    try:
+        options = [("grpc.max_receive_message_length", 64 << 20)]
+        channels = [grpc.insecure_channel(f"127.0.0.1:{int(s.stdout.readline())}", options=options)
+                    for s in servers]
+        requests = [queue.SimpleQueue() for _ in channels]
+        streams = [c.stream_stream("/bench.Echo/Echo")(iter(q.get, None)) for c, q in zip(channels, requests)]
+
+        def round_trip(request: bytes) -> None:
+            for q in requests:
+                q.put(request)
+            for stream in streams:
+                next(stream)
+
+        yield round_trip
+        for q, stream in zip(requests, streams):
+            q.put(None)
+            stream.cancel()
+    finally:
+        for channel in channels:
+            channel.close()
+        for server in servers:
+            server.stdin.close()
+            stop_process(server)
+
+
 def grpc_round_trips(count: int) -> list[float]:
     """Seconds of ``count`` 8-byte round trips on an open bidi stream (another process echoes)."""
     import queue
@@ -199,6 +252,24 @@ port = s.add_insecure_port("127.0.0.1:0"); s.start(); print(port, flush=True); s
     finally:
         server.stdin.close()
         stop_process(server)
+
+
+def grpc_pull_push_seconds(servers: int, nbytes_per_server: int, count: int) -> list[float]:
+    """Seconds of a bare gRPC "pull then push" of ``nbytes_per_server`` to each of ``servers`` at once.
+
+    The floor of a plain training step's communication: one round trip in
+    which every server answers with its bytes, then one in which it gets
+    them and answers 8 bytes, over open streams to bare servers.
+    """
+    pull = struct.pack("<Q", nbytes_per_server)
+    push = struct.pack("<Q", 8) + bytes(nbytes_per_server)
+
+    def step() -> None:
+        round_trip(pull)
+        round_trip(push)
+
+    with _bare_grpc_streams(servers) as round_trip:
+        return time_calls(step, count, warmup=count // 10)
 
 
 # ---- ps-server processes ----
