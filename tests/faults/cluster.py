@@ -97,7 +97,8 @@ class Cluster:
         with open(output, "wb") as out:
             self.workers[index] = subprocess.Popen(
                 [sys.executable, worker_process.__file__, json.dumps(config)], stdout=out, stderr=out,
-                stdin=subprocess.DEVNULL, cwd=str(ROOT), env=child_env())
+                # A worker that crashes leaves every thread's stack in its output, which a violation quotes.
+                stdin=subprocess.DEVNULL, cwd=str(ROOT), env=child_env({"PYTHONFAULTHANDLER": "1"}))
 
     def _admin_client(self) -> Any:
         """The controller's client (unregistered: it observes, checkpoints and probes limits)."""

@@ -17,9 +17,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from wehub_ps.errors import Reason
 from wehub_ps.wire.rpc import INCARNATION_METADATA_KEY, MAX_MESSAGE_BYTES, SERVICE_NAME, method_path
@@ -43,7 +44,13 @@ _WATCH_SECONDS, _WATCH_TIMEOUT_SECONDS = 1.0, 2.0
 
 
 class _Connection:
-    """One gRPC channel to one replica: its method callables and its Exchange lane."""
+    """One gRPC channel to one replica: its method callables and its Exchange lane.
+
+    Every callable is made here, before another thread can see the channel:
+    gRPC registers a method on the channel's C core without a lock, and
+    doing so while another thread closes the channel (a shard moving to
+    another replica) crashes the process with SIGSEGV.
+    """
 
     def __init__(self, address: str, options: list[tuple[str, object]],
                  credentials: grpc.ChannelCredentials | None, open_lane_metadata: Callable[[], object],
@@ -60,6 +67,8 @@ class _Connection:
         self.heartbeat = self.channel.unary_unary(method_path("Heartbeat"))
         self.checkpoint = self.channel.unary_unary(method_path("Checkpoint"))
         self.finish = self.channel.unary_unary(method_path("Finish"))
+        #: The health Check (ps-admin's status, a replicated shard's watch of its primary).
+        self.health_check: Callable[..., Any] = health_pb2_grpc.HealthStub(self.channel).Check
         exchange = self.channel.stream_stream(method_path("Exchange"))
         #: The long-lived stream for small requests (see worker_client.transport.lane).
         self.lane = ExchangeLane(lambda requests, timeout: exchange(requests, timeout=timeout,
@@ -78,13 +87,10 @@ class _Connection:
         self.channel.close()
 
 
-def _health_of(channel: grpc.Channel, timeout: float) -> str:
-    """The gRPC health status of the ParameterServer service on ``channel``, or 'UNREACHABLE'."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+def _health_of(check: Callable[..., Any], timeout: float) -> str:
+    """The gRPC health status of the ParameterServer service through ``check``, or 'UNREACHABLE'."""
     try:
-        answer = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
+        answer = check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
     except (grpc.RpcError, ValueError):  # ValueError: the channel was closed (the client left that replica)
         return "UNREACHABLE"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
@@ -160,7 +166,7 @@ class ShardChannel:
         silent = 0
         while not self._watching.wait(_WATCH_SECONDS):
             conn = self._conn
-            status = _health_of(conn.channel, _WATCH_TIMEOUT_SECONDS)
+            status = _health_of(conn.health_check, _WATCH_TIMEOUT_SECONDS)
             silent = silent + 1 if status == "UNREACHABLE" else 0
             if silent >= 2:
                 self.follow(PSUnavailableError(f"ps-server {conn.address} did not answer health checks for "
@@ -266,7 +272,7 @@ class ShardChannel:
 
     def health(self, timeout: float) -> str:
         """The gRPC health status of the ParameterServer service ('SERVING', ...), or 'UNREACHABLE'."""
-        return _health_of(self._conn.channel, timeout)
+        return _health_of(self._conn.health_check, timeout)
 
     def replica_health(self, timeout: float) -> dict[str, str]:
         """Each replica's health status, by address (the others over a channel opened for the check)."""
@@ -274,10 +280,10 @@ class ShardChannel:
         statuses = {}
         for address in self.replicas:
             if address == conn.address:
-                statuses[address] = _health_of(conn.channel, timeout)
+                statuses[address] = _health_of(conn.health_check, timeout)
                 continue
             with self._probe_channel(address) as channel:
-                statuses[address] = _health_of(channel, timeout)
+                statuses[address] = _health_of(health_pb2_grpc.HealthStub(channel).Check, timeout)
         return statuses
 
     def describe_each_replica(self, request: bytes, timeout: float) -> dict[str, bytes | PSError]:

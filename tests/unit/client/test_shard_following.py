@@ -7,10 +7,13 @@ on them; the errors are built as the transport would translate them.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 
 import grpc
 import pytest
+from ps_testing import child_env
 
 from wehub_ps.errors import REASON_METADATA_KEY, Reason
 from wehub_ps.wire.rpc import PRIMARY_METADATA_KEY
@@ -200,3 +203,28 @@ def test_giving_up_keeps_the_hint():
     with pytest.raises(NotPrimaryError) as info:
         call_with_retry(call, RetryPolicy(timeout=0.0), "push", A, sleep=lambda s: None)
     assert info.value.primary == B and "gave up" in str(info.value)
+
+
+# The primary watch checks health every half millisecond while this thread moves the shard between two
+# replicas as fast as it can, each move closing the channel the watch may be using. gRPC crashes the
+# process (SIGSEGV) when a method is registered on a channel being closed, so this runs in a child.
+_WATCH_WHILE_MOVING = """
+import sys, time
+import worker_client.transport.channels as channels
+from worker_client import PSUnavailableError
+channels._WATCH_SECONDS, channels._WATCH_TIMEOUT_SECONDS = 0.0005, 0.05
+shard = channels.ShardChannel(0, ["127.0.0.1:1", "127.0.0.1:2"])
+moves, end = 0, time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    moves += shard.follow(PSUnavailableError("cut", address=shard.address, code="UNAVAILABLE"))
+    time.sleep(0.0005)
+shard.close()
+print(moves)
+"""
+
+
+def test_the_primary_watch_survives_the_shard_moving_under_it():
+    done = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _WATCH_WHILE_MOVING, "5"],
+                          check=False, capture_output=True, text=True, timeout=60, env=child_env())
+    assert done.returncode == 0, f"exit {done.returncode}:\n{done.stderr[-3000:]}"
+    assert int(done.stdout) > 1000, "the shard moved too rarely for the test to tell"
