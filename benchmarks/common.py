@@ -178,6 +178,15 @@ port = s.add_insecure_port("127.0.0.1:0"); s.start(); print(port, flush=True); s
 """
 
 
+def _close_bare(channels: list, servers: list[subprocess.Popen]) -> None:
+    """Close the channels to bare gRPC servers, then stop the servers (their stdin closed first)."""
+    for channel in channels:
+        channel.close()
+    for server in servers:
+        server.stdin.close()
+        stop_process(server)
+
+
 @contextmanager
 def _bare_grpc_streams(count: int) -> Iterator[Callable[[bytes], None]]:
     """``count`` bare gRPC servers (child processes), an open stream to each; yields ``round_trip(request)``.
@@ -209,11 +218,7 @@ def _bare_grpc_streams(count: int) -> Iterator[Callable[[bytes], None]]:
             q.put(None)
             stream.cancel()
     finally:
-        for channel in channels:
-            channel.close()
-        for server in servers:
-            server.stdin.close()
-            stop_process(server)
+        _close_bare(channels, servers)
 
 
 def grpc_round_trips(count: int) -> list[float]:
@@ -503,11 +508,7 @@ def bare_rows_seconds(rows_per_server: int, batches: Sequence[np.ndarray], grads
             answers.cancel()
         return results[0], results[1]
     finally:
-        for channel in channels:
-            channel.close()
-        for server in servers:
-            server.stdin.close()
-            stop_process(server)
+        _close_bare(channels, servers)
 
 
 # A worker of the bare 2-worker reference: pulls then pushes ``nbytes`` per
