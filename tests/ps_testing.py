@@ -8,9 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -39,6 +40,32 @@ def metric_value(text: str, sample: str) -> float:
         if line.startswith(sample + " "):
             return float(line.split()[-1])
     raise AssertionError(f"{sample} not in the metrics:\n{text}")
+
+
+def run_in_threads(worker: Callable[[int], object], count: int, timeout: float = 600.0) -> list:
+    """``worker(index)`` for every index below ``count``, in threads at once; what each returned, by index.
+
+    Every thread is waited for; then any error is raised (the first by index)
+    and a thread still running after ``timeout`` fails the test.
+    """
+    results: list = [None] * count
+    errors: dict[int, BaseException] = {}
+
+    def run(index: int) -> None:
+        try:
+            results[index] = worker(index)
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
+            errors[index] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"worker-{i}") for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if errors:
+        raise errors[min(errors)]
+    assert not any(t.is_alive() for t in threads), f"worker threads still running after {timeout:g}s"
+    return results
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:

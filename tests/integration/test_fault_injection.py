@@ -12,11 +12,11 @@ nothing applied twice.
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pytest
 from fault_proxy import FaultProxy
+from ps_testing import run_in_threads
 
 from worker_client import SGD, FixedShardsPartitioner, PSClient
 
@@ -47,25 +47,14 @@ def test_random_connection_cuts_lose_nothing_and_duplicate_nothing(cluster_facto
             direct.create_variable("small", shape=SMALL, initializer="constant", optimizer=SGD(learning_rate=1.0))
             initial = direct.pull()
 
-        stats, errors = [], []
+        def worker(index: int) -> dict:
+            with PSClient([p.address for p in proxies], worker_id=f"worker-{index}", chunk_bytes=chunk_bytes,
+                          retry_timeout=120, heartbeat=False) as client:
+                for step in range(pushes):
+                    client.push(gradients(index, step))
+                return client.stats()
 
-        def worker(index: int) -> None:
-            try:
-                with PSClient([p.address for p in proxies], worker_id=f"worker-{index}", chunk_bytes=chunk_bytes,
-                              retry_timeout=120, heartbeat=False) as client:
-                    for step in range(pushes):
-                        client.push(gradients(index, step))
-                    stats.append(client.stats())
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=worker, args=(i,), name=f"worker-{i}") for i in range(WORKERS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(600)
-        assert not errors, errors
-        assert not any(t.is_alive() for t in threads)
+        stats = run_in_threads(worker, WORKERS)
 
         with PSClient(cluster.addresses, worker_id="check") as direct:
             final = direct.pull()

@@ -10,13 +10,13 @@ which measures the staleness an overlapped step adds.
 
 from __future__ import annotations
 
-import threading
 import time
 import tracemalloc
 
 import numpy as np
 import pytest
 from fault_proxy import FaultProxy
+from ps_testing import run_in_threads
 
 from worker_client import SGD, FixedShardsPartitioner, OverlapRefusedError, PSClient, PSUnavailableError
 
@@ -52,33 +52,21 @@ def run_workers(addresses: list[str], workers: int, steps: int, pull_ahead: bool
                 names: list[str] | None = None, **client_args) -> list[dict]:
     """Each worker thread runs ``steps`` overlapped steps pulling ``names``; the gradient arrays are
     overwritten right after each hand-off (the push must have copied them). Returns each worker's stats."""
-    stats, errors = [], []
+    def worker(index: int) -> dict:
+        with PSClient(addresses, worker_id=f"worker-{index}", **client_args) as client:
+            reused = {name: np.empty_like(g) for name, g in gradients(index, 0).items()}
+            for step in range(steps):
+                with client.step(names, overlap=True, pull_ahead=pull_ahead) as s:
+                    assert s.params["small"].shape == SMALL
+                    for name, grad in gradients(index, step).items():
+                        reused[name][...] = grad
+                    s.push(reused)
+                    for array in reused.values():
+                        array.fill(1e6)  # the background push sends its own copy
+            client.flush()
+            return client.stats()
 
-    def worker(index: int) -> None:
-        try:
-            with PSClient(addresses, worker_id=f"worker-{index}", **client_args) as client:
-                reused = {name: np.empty_like(g) for name, g in gradients(index, 0).items()}
-                for step in range(steps):
-                    with client.step(names, overlap=True, pull_ahead=pull_ahead) as s:
-                        assert s.params["small"].shape == SMALL
-                        for name, grad in gradients(index, step).items():
-                            reused[name][...] = grad
-                        s.push(reused)
-                        for array in reused.values():
-                            array.fill(1e6)  # the background push sends its own copy
-                client.flush()
-                stats.append(client.stats())
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(i,), name=f"worker-{i}") for i in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    assert not errors, errors
-    assert not any(t.is_alive() for t in threads)
-    return stats
+    return run_in_threads(worker, workers)
 
 
 @pytest.mark.parametrize("pull_ahead", [False, True])
