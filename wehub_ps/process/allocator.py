@@ -79,6 +79,17 @@ _applied: tuple[int, int, int | None] | None = None
 _step_trim = 0
 
 
+def _mallopt():
+    """glibc's ``mallopt(param, value)``, or None where the C library has none."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    return mallopt
+
+
 def keep_freed_buffers(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD,
                        trim_threshold: int = DEFAULT_TRIM_THRESHOLD,
                        arena_max: int | None = DEFAULT_ARENA_MAX) -> bool:
@@ -106,12 +117,9 @@ def keep_freed_buffers(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD,
             return True
         if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
             return False
-        try:
-            mallopt = ctypes.CDLL(None).mallopt
-        except (OSError, AttributeError):
+        mallopt = _mallopt()
+        if mallopt is None:
             return False
-        mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-        mallopt.restype = ctypes.c_int
         # mallopt answers 1 on success, 0 on error.
         if not (mallopt(_M_MMAP_THRESHOLD, mmap_threshold) and mallopt(_M_TRIM_THRESHOLD, trim_threshold)
                 and (arena_max is None or mallopt(_M_ARENA_MAX, arena_max))):
@@ -144,10 +152,8 @@ def keep_room_for_step(step_bytes: int) -> bool:
     with _lock:
         if _applied is None or wanted <= _applied[1]:
             return False
-        mallopt = ctypes.CDLL(None).mallopt
-        mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-        mallopt.restype = ctypes.c_int
-        if not mallopt(_M_TRIM_THRESHOLD, wanted):
+        mallopt = _mallopt()
+        if mallopt is None or not mallopt(_M_TRIM_THRESHOLD, wanted):
             return False
         _applied = (_applied[0], wanted, _applied[2])
         _step_trim = wanted
