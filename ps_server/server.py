@@ -112,7 +112,8 @@ class PSServer:
                               default_chunk_bytes=config.chunk_bytes, max_chunk_bytes=max_chunk_bytes,
                               changes=self.replica.role if self.replica is not None else UNLOGGED),
             metrics=self.metrics,
-            admission=admission, lane_port=self.lanes.port if self.lanes is not None else 0,
+            admission=admission,
+            lane_port=(config.advertise_lane_port or self.lanes.port) if self.lanes is not None else 0,
             server_id=self.server_id, max_chunk_bytes=max_chunk_bytes, checkpointer=checkpointer,
             restored_from=lambda: self.restored_from, finish_requested=self.finish_requested,
             allow_finish=config.allow_finish, role=role)

@@ -88,6 +88,7 @@ class ServerConfig:
     # stream; each holds a thread and up to --stream-window-bytes of receive window.
     max_exchange_streams: int = 512
     lane_port: int = -1
+    advertise_lane_port: int = 0
     drain_timeout: float = 30.0
     checkpoint_interval: float = 300.0
     keep_checkpoints: int = 3
@@ -201,6 +202,8 @@ class ServerConfig:
             raise ConfigError(f"--job-name must be a non-empty name without '/', got {self.job_name!r}")
         if not -1 <= self.lane_port < 65536:
             raise ConfigError(f"--lane-port must be -1 (no TCP lane) or in [0, 65535], got {self.lane_port}")
+        if not 0 <= self.advertise_lane_port < 65536:
+            raise ConfigError(f"--advertise-lane-port must be in [0, 65535], got {self.advertise_lane_port}")
         if not 0 <= self.replication_port < 65536:
             raise ConfigError(f"--replication-port must be in [0, 65535], got {self.replication_port}")
         if not 1 <= self.primary_lease_seconds <= 60:
@@ -279,6 +282,8 @@ _HELP = {
     "lane_port": "port of the TCP lane, where workers send small pulls and pushes as frames instead of over "
                  "the gRPC Exchange stream (a round trip about 6x cheaper); -1 none, 0 a free one; reported "
                  "to clients by Describe",
+    "advertise_lane_port": "the lane port Describe reports to clients, when they reach it at another port "
+                           "than the one bound (a Service's port, a proxy); 0: the bound port",
     "replication_port": "port backups connect to for the stream of updates (replicas > 1); 0 picks a free "
                         "one, announced through etcd",
     "primary_lease_seconds": "TTL of the primary's etcd lease: a primary that stopped renewing it is "

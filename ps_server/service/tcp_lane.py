@@ -113,7 +113,9 @@ class TcpLanes:
             presented, incarnation = self._check_hello(raw)
             self._admission.enter_stream(incarnation)
         except RequestError as error:
-            self._refuse(connection, STATUS_BY_REASON[error.reason], error.reason.value, error.message)
+            status = (grpc.StatusCode.UNAUTHENTICATED if error.reason is Reason.UNAUTHENTICATED
+                      else STATUS_BY_REASON[error.reason])  # as the gRPC port's auth interceptor answers
+            self._refuse(connection, status, error.reason.value, error.message)
             return
         connection.set_timeout(None)
         with self._lock:
@@ -175,8 +177,8 @@ class TcpLanes:
     @staticmethod
     def _refuse(connection: FramedConnection, status: grpc.StatusCode, reason: str, message: str) -> None:
         """Answer the whole lane with an error (id 0) and let the connection close."""
-        event(log, logging.INFO, "lane refused", peer=connection.peer, reason=reason or status.name,
-              message=message)
+        event(log, logging.DEBUG, "lane refused", peer=connection.peer, reason=reason or status.name,
+              detail=message)
         try:
             connection.set_timeout(5.0)
             connection.send([exchange_error(0, status, reason, message)])
