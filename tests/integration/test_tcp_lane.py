@@ -20,7 +20,16 @@ from ps_testing import run_in_threads
 from tls_material import make_tls_material
 
 from wehub_ps.v1 import ps_pb2
-from wehub_ps.wire.codec import EXCHANGE_ERROR, EXCHANGE_PULL, decode_envelope, encode_envelope
+from wehub_ps.wire.arrays import byte_view
+from wehub_ps.wire.codec import (
+    EXCHANGE_ERROR,
+    EXCHANGE_PULL,
+    EXCHANGE_PUSH,
+    OutgoingChunk,
+    decode_envelope,
+    encode_envelope,
+    encode_push_request,
+)
 from wehub_ps.wire.rpc import method_path
 from worker_client import SGD, PSClient, PSError
 
@@ -307,3 +316,38 @@ def test_a_frozen_server_fails_a_lane_request_at_its_deadline(cluster_factory):
         value = client.pull(["w"])["w"]
     # The push that raised may have been applied once the server thawed (docs/failure-semantics.md).
     assert float(value[0]) in (-2.0, -3.0) and np.all(value == value[0]), value
+
+
+def test_a_rotated_token_cuts_an_open_lane_before_its_next_push_is_applied(cluster_factory, token_file):
+    cluster = cluster_factory(1, *LANE, "--auth-token-file", str(token_file))
+    address = cluster.addresses[0]
+    with PSClient([address], auth_token="lane-token", register=False) as client:
+        client.create_variable("w", shape=(4,), initializer="zeros", optimizer=SGD(learning_rate=1.0))
+    port = _lane_port(address, "lane-token")
+    lane = RawLane(port)
+    lane.hello("lane-token")
+    lane.pull(1, "w")
+    assert lane.answer()[:2] == (1, EXCHANGE_PULL)
+    token_file.write_text("new-token\n")
+    deadline = time.monotonic() + 15
+    while True:  # the server re-reads its token file every 2 s
+        try:
+            _lane_port(address, "lane-token")
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+            break
+        assert time.monotonic() < deadline, "the server kept accepting the old token"
+        time.sleep(0.2)
+    begin = ps_pb2.PushBegin(worker_id="raw", incarnation="raw", sequence=1, shard_index=0, num_shards=1,
+                             kind=ps_pb2.GRADIENT,
+                             items=[ps_pb2.PushItem(variable="w", elements=4, wire_dtype=ps_pb2.FLOAT32)])
+    header = ps_pb2.ChunkHeader(variable="w", offset=0, count=4, dtype=ps_pb2.FLOAT32)
+    push = encode_push_request(begin, [OutgoingChunk(header, byte_view(np.ones(4, np.float32)))])
+    lane.send_frame(encode_envelope(2, EXCHANGE_PUSH, push))
+    error = lane.expect_error(0, "UNAUTHENTICATED")
+    assert "rotated" in error.message
+    assert lane.read_frame() is None
+    lane.close()
+    with PSClient([address], auth_token="new-token", register=False) as reader:
+        np.testing.assert_array_equal(reader.pull(["w"])["w"], np.zeros(4, np.float32))
+        assert _on_tcp(reader) == [True]
