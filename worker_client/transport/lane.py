@@ -117,6 +117,10 @@ class ExchangeLane:
         self._open_stream = open_stream
         self._address = address
         self._request_timeout = request_timeout
+        # The watchdog looks at the deadline this often: a late answer is given up on within a tenth of
+        # request_timeout (at most 1 s) past its deadline, and a request never wakes the watchdog (a
+        # thread switch per request would cost a small step more than the check).
+        self._watch_seconds = min(1.0, max(0.05, request_timeout / 10))
         # Held by the one request using the lane; guards every field below but those of _watch.
         self._busy = threading.Lock()
         self._stream: LaneStream | None = None
@@ -127,7 +131,7 @@ class ExchangeLane:
         # Guards the deadline of the request waiting for its answer (_deadline,
         # monotonic, None when none waits), _expired (the watchdog cancelled
         # the stream for it), _watched (the stream it would cancel), _watchdog
-        # and _shut; notified when a deadline is set and at shutdown.
+        # and _shut; notified at shutdown (the watchdog polls deadlines).
         self._watch = threading.Condition(threading.Lock())
         self._deadline: float | None = None
         self._expired = False
@@ -166,7 +170,6 @@ class ExchangeLane:
                 self._watchdog = threading.Thread(target=self._watch_deadlines, daemon=True,
                                                   name=f"ps-lane-deadline-{self._address}")
                 self._watchdog.start()
-            self._watch.notify()
         try:
             stream.send(encode_envelope(request_id, field, payload))
         except BaseException as error:
@@ -255,11 +258,11 @@ class ExchangeLane:
         with self._watch:
             while not self._shut:
                 if self._deadline is None:
-                    self._watch.wait()
+                    self._watch.wait(self._watch_seconds)
                     continue
                 remaining = self._deadline - time.monotonic()
                 if remaining > 0:
-                    self._watch.wait(remaining)
+                    self._watch.wait(min(remaining, self._watch_seconds))
                     continue
                 self._deadline = None
                 self._expired = True
