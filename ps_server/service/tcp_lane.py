@@ -16,7 +16,9 @@ again before each request (a rotated token cuts an open lane off before
 its next push is applied), and TLS with the gRPC port's certificate and
 client CA.
 
-A connection opens with a ``LaneHello`` frame within ``_HELLO_SECONDS``. A
+A connection opens with a ``LaneHello`` frame within ``_HELLO_SECONDS``; at
+most ``--max-exchange-streams`` + ``_HANDSHAKING_CONNECTIONS`` connections
+are open at once (one more is closed as it is accepted). A
 refused hello, a frame over the server's message bound, or a token that is
 no longer valid is answered with an ExchangeResponse of id 0 (the whole
 lane) carrying the error, and the connection is closed. A frame that is
@@ -57,6 +59,8 @@ _HELLO_SECONDS = 10.0
 _WAIT_SECONDS = 600.0
 # Room in a frame for the envelope around the largest message the gRPC port accepts.
 _ENVELOPE_BYTES = 64
+# Connections open at once beyond --max-exchange-streams: those still saying hello (or refused).
+_HANDSHAKING_CONNECTIONS = 64
 
 
 def lane_tls(config: ServerConfig) -> ssl.SSLContext | None:
@@ -80,7 +84,8 @@ class TcpLanes:
         self._admission = admission
         self._tokens = tokens
         self._listener = FrameListener(config.host, config.lane_port, self._serve, lane_tls(config),
-                                       name=name, max_frame_bytes=config.max_message_bytes + _ENVELOPE_BYTES)
+                                       name=name, max_frame_bytes=config.max_message_bytes + _ENVELOPE_BYTES,
+                                       max_connections=config.max_exchange_streams + _HANDSHAKING_CONNECTIONS)
         #: The port bound (the one asked for, or a free one for 0).
         self.port = self._listener.port
         self._lock = threading.Lock()

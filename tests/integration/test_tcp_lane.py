@@ -229,6 +229,11 @@ def test_stalled_large_frames_hold_no_memory_and_the_bound_on_lanes_holds(cluste
         time.sleep(0.5)
         grown = _rss_bytes(server.popen.pid) - rss_before
         assert grown < 64 << 20, f"the server's RSS grew {grown >> 20} MiB for 40 stalled 60 MB frames"
+        # Connections that never say hello: past 48 + 64 open ones, each is closed as it is accepted.
+        silent = [RawLane(port) for _ in range(80)]
+        lanes += silent
+        closed = sum(1 for lane in silent[-10:] if lane.read_frame() is None)
+        assert closed == 10, f"{10 - closed} of the last 10 connections over the bound were kept open"
         # Every lane is taken, yet a client's pulls and pushes go on over ordinary calls.
         with PSClient([address], worker_id="late", **QUICK) as client:
             client.push({"w": np.ones(16, np.float32)})

@@ -146,13 +146,18 @@ class FrameListener:
 
     ``handle`` gets each connection once TLS (if any) is set up; the
     connection is closed when it returns. ``stop`` closes the port and every
-    connection still open.
+    connection still open. ``max_connections``: a connection accepted while
+    that many are open (their handshakes included) is closed at once, so
+    connections that never say anything cannot pile up threads.
     """
 
     def __init__(self, host: str, port: int, handle: Callable[[FramedConnection], None],
                  tls: ssl.SSLContext | None = None, name: str = "ps-replication",
-                 max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+                 max_frame_bytes: int = MAX_FRAME_BYTES, max_connections: int | None = None) -> None:
         self._handle = handle
+        self._max_connections = max_connections
+        # Connections accepted and not yet ended (guarded by _lock).
+        self._accepted = 0
         self._tls = tls
         self._name = name
         self._max_frame_bytes = max_frame_bytes
@@ -177,8 +182,24 @@ class FrameListener:
                 sock, peer = self._sock.accept()
             except OSError:
                 return  # closed by stop()
-            threading.Thread(target=self._serve, args=(sock, f"{peer[0]}:{peer[1]}"),
+            with self._lock:
+                full = self._max_connections is not None and self._accepted >= self._max_connections
+                if not full:
+                    self._accepted += 1
+            if full:
+                event(log, logging.DEBUG, "connection closed: too many open", port=self.port,
+                      listener=self._name, peer=f"{peer[0]}:{peer[1]}", max_connections=self._max_connections)
+                sock.close()
+                continue
+            threading.Thread(target=self._serve_accepted, args=(sock, f"{peer[0]}:{peer[1]}"),
                              name=f"{self._name}-connection", daemon=True).start()
+
+    def _serve_accepted(self, sock: socket.socket, peer: str) -> None:
+        try:
+            self._serve(sock, peer)
+        finally:
+            with self._lock:
+                self._accepted -= 1
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
         try:
