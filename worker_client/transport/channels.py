@@ -116,13 +116,15 @@ class _Connection:
         return ps_pb2.DescribeResponse.FromString(raw).lane_port
 
     def close(self) -> None:
-        """Close the lane (when no request holds it; one that does fails and closes it) and the channel.
+        """Close the lane (a request using it fails and closes it) and the channel.
 
         Calls still running on the channel fail (CANCELLED) and are retried by their callers.
         """
         if self.lane.try_acquire():
             self.lane.close()
             self.lane.release()
+        else:
+            self.lane.interrupt()  # the request using it fails now and is retried on the replica in use
         self.lane.shutdown()
         self.channel.close()
 

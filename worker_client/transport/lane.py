@@ -236,6 +236,19 @@ class ExchangeLane:
         if stream is not None:
             stream.close()
 
+    def interrupt(self) -> None:
+        """End the stream a request is using, from another thread: its wait fails at once (UNAVAILABLE).
+
+        For a connection being left while a request waits on it: closing a
+        gRPC channel ends its Exchange stream, but nothing of the channel
+        ends a TCP lane's socket, and a request waiting there for a host
+        that was cut off would wait for the kernel to give up on the
+        connection (minutes).
+        """
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()
+
     def shutdown(self) -> None:
         """Stop the watchdog thread (the channel is closing); the lane is not used again."""
         with self._watch:

@@ -78,3 +78,44 @@ def test_the_lane_says_hello_with_the_token_and_incarnation_then_carries_frames(
         stream.close()
     finally:
         listener.close()
+
+
+def test_leaving_a_connection_ends_a_request_waiting_on_its_tcp_lane():
+    """A request waits on a lane whose server never answers (a host cut off); leaving the replica ends it."""
+    from wehub_ps.wire.codec import EXCHANGE_PULL
+    from worker_client.errors import PSUnavailableError
+    from worker_client.transport.channels import _Connection
+    from worker_client.transport.lane import ExchangeLane
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    try:
+        opener, _ = _opener(lambda: listener.getsockname()[1])
+        # A connection (its gRPC channel never used) whose lane opens on the listener above.
+        connection = _Connection(f"127.0.0.1:{free_port()}", [], None, lambda: None, 300.0)
+        connection.lane = lane = ExchangeLane(opener, "127.0.0.1:1", request_timeout=300.0)
+        outcome: dict[str, object] = {}
+
+        def request() -> None:
+            assert lane.try_acquire()
+            try:
+                lane.request(EXCHANGE_PULL, b"", "pull")
+            except PSUnavailableError as error:
+                outcome["error"] = error
+            finally:
+                lane.release()
+
+        waiting = threading.Thread(target=request, daemon=True)
+        waiting.start()
+        accepted, _ = listener.accept()  # the server takes the connection and never answers
+        deadline = threading.Event()
+        deadline.wait(0.2)
+        assert waiting.is_alive(), "the request did not wait"
+        connection.close()  # as ShardChannel.follow does when it leaves a replica
+        waiting.join(2)
+        assert not waiting.is_alive(), "closing the connection did not end the request waiting on its lane"
+        assert "TCP lane" in str(outcome["error"])
+        accepted.close()
+    finally:
+        listener.close()
