@@ -186,26 +186,34 @@ class Cluster:
 
     def start_servers(self) -> None:
         """One ps-server per shard; returns once each serves."""
-        self.tcp_lane = self.rng.random() < 0.5
-        self.report.notes.append("small pulls and pushes over TCP lanes (--lane-port), each behind a fault proxy"
-                                 if self.tcp_lane else "small pulls and pushes over gRPC Exchange streams")
-        self.servers = []
-        for i in range(NUM_SHARDS):
-            args = self._server_args()
-            if self.tcp_lane:
-                # The lane port is fixed (restarts reuse it) and reached through its own proxy, whose port
-                # Describe reports: cuts and restarts hit small pulls and pushes as they hit gRPC calls.
-                lane_port = free_port()
-                proxy = FaultProxy(lane_port, seed=self.rng.randrange(1 << 30), mean_bytes_up=30_000,
-                                   mean_bytes_down=3_000, cut_at_start=0.05)
-                proxy.cutting = False
-                self.lane_proxies.append(proxy)
-                args += ["--lane-port", str(lane_port), "--advertise-lane-port", str(proxy.port)]
-            self.servers.append(ServerProcess(i, NUM_SHARDS, self.workdir, args))
+        self.draw_lane()
+        self.servers = [ServerProcess(i, NUM_SHARDS, self.workdir, self._server_args() + self.lane_args())
+                        for i in range(NUM_SHARDS)]
         for server in self.servers:
             server.launch()
         for server in self.servers:
             server.wait_ready()
+
+    def draw_lane(self) -> None:
+        """Whether this mode's servers have TCP lanes: drawn from the seed, so both run over the runs."""
+        self.tcp_lane = self.rng.random() < 0.5
+        self.report.notes.append("small pulls and pushes over TCP lanes (--lane-port), each behind a fault proxy"
+                                 if self.tcp_lane else "small pulls and pushes over gRPC Exchange streams")
+
+    def lane_args(self) -> list[str]:
+        """One server's lane flags (none without lanes), its lane proxy appended to ``lane_proxies``.
+
+        The lane port is fixed (restarts reuse it) and reached through its own proxy, whose port
+        Describe reports: cuts and restarts hit small pulls and pushes as they hit gRPC calls.
+        """
+        if not self.tcp_lane:
+            return []
+        lane_port = free_port()
+        proxy = FaultProxy(lane_port, seed=self.rng.randrange(1 << 30), mean_bytes_up=30_000,
+                           mean_bytes_down=3_000, cut_at_start=0.05)
+        proxy.cutting = False
+        self.lane_proxies.append(proxy)
+        return ["--lane-port", str(lane_port), "--advertise-lane-port", str(proxy.port)]
 
     def admin_addresses(self) -> list[str]:
         """What the controller's clients are given: the servers themselves, one entry per shard."""
