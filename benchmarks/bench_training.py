@@ -254,7 +254,8 @@ def rows_for(model: str, count: int, loops: dict, tcp: float, rtt: float, per_va
         if "plain_grpc" in loops:
             rows.append(make_row("training", "  plain loop p50 over gRPC Exchange streams (servers without "
                                              "--lane-port)", loops["plain_grpc"]["p50_ms"], "ms",
-                                 loops["plain"]["p50_ms"], "over TCP lanes", target_text="report", higher=False))
+                                 loops["plain"]["p50_ms"], "over TCP lanes", target_text="report",
+                                 higher=False))
     return rows
 
 
