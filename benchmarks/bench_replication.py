@@ -142,7 +142,8 @@ def replicated_shard(replicas: int, etcd: str | None = None) -> Iterator[tuple[s
     stopped by PID on exit, then etcd.
     """
     if replicas == 1:
-        with ps_cluster(1) as (addresses, procs):
+        # Both replica counts alike: over gRPC Exchange streams (replicated servers here have no lane port).
+        with ps_cluster(1, lane=False) as (addresses, procs):
             yield addresses[0], procs
         return
     if etcd is None:

@@ -37,7 +37,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import MachineCPU, child_env, grpc_pull_push_seconds, median, ps_cluster, stop_process  # noqa: E402
+from common import (  # noqa: E402
+    MachineCPU,
+    child_env,
+    grpc_pull_push_seconds,
+    median,
+    ps_cluster,
+    socket_pull_push_seconds,
+    stop_process,
+)
 from training_models import MLP_10M, MLP_100K, MLPLoops, RecommenderLoops  # noqa: E402
 
 #: (timed steps, warm-up steps) per loop and model: about a minute for the section on 2 busy cores.
@@ -171,20 +179,25 @@ class _Workers:
                 stop_process(proc)
 
 
-def measure(model: str, steps: int, warmup: int, worker_counts=WORKER_COUNTS) -> dict:
-    """Every loop of ``model`` with each number of workers on 2 fresh servers: {workers: {loop: figures}}."""
+def measure(model: str, steps: int, warmup: int, worker_counts=WORKER_COUNTS, lane: bool = True,
+            loops: tuple[str, ...] | None = None) -> dict:
+    """Every loop of ``model`` (or ``loops``) with each number of workers on 2 fresh servers.
+
+    {workers: {loop: figures}}. ``lane``: the servers have TCP lanes (else small requests take the
+    gRPC Exchange stream).
+    """
     from worker_client import PSClient
 
     figures: dict = {}
-    with ps_cluster(2) as (addresses, procs):
+    with ps_cluster(2, lane=lane) as (addresses, procs):
         with PSClient(addresses, worker_id="train-setup", register=False) as client:
             _setup(client, model)
         servers = [proc.pid for proc in procs]
         for count in worker_counts:
             workers = _Workers(addresses, model, count)
             try:
-                loops = ("compute", "comm", "plain") + (("step",) if model != "recommender" else ())
-                figures[count] = {loop: workers.run(loop, steps, warmup, servers) for loop in loops}
+                run = loops or ("compute", "comm", "plain") + (("step",) if model != "recommender" else ())
+                figures[count] = {loop: workers.run(loop, steps, warmup, servers) for loop in run}
             finally:
                 workers.close()
     return figures
@@ -197,7 +210,7 @@ def bytes_per_step(model: str) -> int:
 
 
 def rows_for(model: str, count: int, loops: dict, tcp: float, rtt: float, per_variable: float,
-             bare_pull_push: float, make_row: Callable) -> list:
+             bare: dict[str, float], make_row: Callable) -> list:
     """The section's rows for one model and number of workers (rates summed over the workers)."""
     compute, comm = loops["compute"], loops["comm"]
     # Per worker: seconds per step of compute and of communication, each measured alone.
@@ -233,8 +246,16 @@ def rows_for(model: str, count: int, loops: dict, tcp: float, rtt: float, per_va
                                          f"{per_variable * 1e6:.0f} us per variable",
                              loops["plain"]["p50_ms"], "ms", floor * 1e3, "that floor", 1, higher=False))
         rows.append(make_row("training", "  plain loop p50 against bare gRPC moving the same bytes alike",
-                             loops["plain"]["p50_ms"], "ms", bare_pull_push * 1e3,
+                             loops["plain"]["p50_ms"], "ms", bare["grpc"] * 1e3,
                              "bare gRPC pull + push p50, 2 servers", target_text="report"))
+        rows.append(make_row("training", "  plain loop p50 against bare sockets moving the same bytes alike",
+                             loops["plain"]["p50_ms"], "ms", bare["socket"] * 1e3,
+                             "bare socket pull + push p50, 2 servers", target_text="report"))
+        if "plain_grpc" in loops:
+            rows.append(make_row("training", "  plain loop p50 over gRPC Exchange streams (servers without "
+                                             "--lane-port)", loops["plain_grpc"]["p50_ms"], "ms",
+                                 loops["plain"]["p50_ms"], "over TCP lanes", target_text="report",
+                                 higher=False))
     return rows
 
 
@@ -247,15 +268,22 @@ def section_training(tcp: float, rtt: float, per_variable: float, results: dict,
     steps = steps or STEPS
     rows = []
     results["training"] = {}
-    # The 100K step's communication with nothing but gRPC: its bytes from and to 2 bare servers at once.
-    bare_pull_push = median(grpc_pull_push_seconds(2, bytes_per_step("mlp100k") // 4, 1000))
+    # The 100K step's communication with nothing but gRPC, and with nothing but sockets: its bytes
+    # from and to 2 bare servers at once.
+    per_server = bytes_per_step("mlp100k") // 4
+    bare = {"grpc": median(grpc_pull_push_seconds(2, per_server, 1000)),
+            "socket": median(socket_pull_push_seconds(2, per_server, 1000))}
     for model in models:
         figures = measure(model, *steps[model])
+        if model == "mlp100k" and 1 in figures:
+            # The same plain loop where small requests take the gRPC Exchange stream: what the lane gains.
+            figures[1]["plain_grpc"] = measure(model, *steps[model], worker_counts=(1,), lane=False,
+                                               loops=("plain",))[1]["plain"]
         results["training"][model] = {str(count): {loop: {k: v for k, v in f.items() if k != "seconds"}
                                                    for loop, f in loops.items()}
                                       for count, loops in figures.items()}
         for count, loops in figures.items():
-            rows += rows_for(model, count, loops, tcp, rtt, per_variable, bare_pull_push, make_row)
+            rows += rows_for(model, count, loops, tcp, rtt, per_variable, bare, make_row)
     return rows
 
 

@@ -221,6 +221,77 @@ def _bare_grpc_streams(count: int) -> Iterator[Callable[[bytes], None]]:
         _close_bare(channels, servers)
 
 
+# A bare framed-socket server: each frame (4-byte length, then the bytes) whose first 8 bytes say n is
+# answered by a frame of n zero bytes; a thread per connection, as ps-server's TCP lane.
+_SIZED_SOCKET_ECHO = """
+import socket, struct, sys, threading
+def read(sock, n):
+    data = bytearray(n); view = memoryview(data); got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k: raise EOFError
+        got += k
+    return data
+def serve(sock):
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        while True:
+            body = read(sock, struct.unpack("<I", read(sock, 4))[0])
+            (n,) = struct.unpack("<Q", body[:8])
+            sock.sendall(struct.pack("<I", n) + bytes(n))
+    except (EOFError, OSError):
+        sock.close()
+listener = socket.socket(); listener.bind(("127.0.0.1", 0)); listener.listen()
+print(listener.getsockname()[1], flush=True)
+threading.Thread(target=lambda: sys.stdin.read() or listener.close(), daemon=True).start()
+while True:
+    try:
+        connection, _ = listener.accept()
+    except OSError:
+        break
+    threading.Thread(target=serve, args=(connection,), daemon=True).start()
+"""
+
+
+def socket_pull_push_seconds(servers: int, nbytes_per_server: int, count: int) -> list[float]:
+    """:func:`grpc_pull_push_seconds` over bare framed sockets: what a TCP lane's step could cost at best."""
+    procs = [subprocess.Popen([sys.executable, "-c", _SIZED_SOCKET_ECHO], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=child_env()) for _ in range(servers)]
+    socks: list[socket.socket] = []
+    try:
+        socks = [socket.create_connection(("127.0.0.1", int(p.stdout.readline()))) for p in procs]
+        for sock in socks:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        answers = [bytearray(nbytes_per_server) for _ in socks]
+        head = bytearray(4)
+
+        def read_into(sock: socket.socket, buffer) -> None:
+            view, got = memoryview(buffer), 0
+            while got < len(view):
+                got += sock.recv_into(view[got:])
+
+        def round_trip(request: bytes) -> None:
+            for sock in socks:
+                sock.sendall(struct.pack("<I", len(request)) + request)
+            for sock, answer in zip(socks, answers):
+                read_into(sock, head)
+                read_into(sock, memoryview(answer)[:struct.unpack("<I", head)[0]])
+
+        pull = struct.pack("<Q", nbytes_per_server)
+        push = struct.pack("<Q", 8) + bytes(nbytes_per_server)
+
+        def step() -> None:
+            round_trip(pull)
+            round_trip(push)
+        return time_calls(step, count, warmup=count // 10)
+    finally:
+        for sock in socks:
+            sock.close()
+        for proc in procs:
+            proc.stdin.close()
+            stop_process(proc)
+
+
 def grpc_round_trips(count: int) -> list[float]:
     """Seconds of ``count`` 8-byte round trips on an open bidi stream (another process echoes)."""
     import queue
@@ -293,8 +364,14 @@ def wait_for_port(proc: subprocess.Popen, port_file: Path, log_file: Path) -> in
 
 
 @contextmanager
-def ps_cluster(num_servers: int, *flags: str) -> Iterator[tuple[list[str], list[subprocess.Popen]]]:
-    """Start ``num_servers`` ps-servers; yield (addresses in shard order, processes); always stop them."""
+def ps_cluster(num_servers: int, *flags: str,
+               lane: bool = True) -> Iterator[tuple[list[str], list[subprocess.Popen]]]:
+    """Start ``num_servers`` ps-servers; yield (addresses in shard order, processes); always stop them.
+
+    ``lane``: with a TCP lane each (``--lane-port 0``), as README recommends; clients then use it.
+    """
+    if lane:
+        flags = ("--lane-port", "0", *flags)
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="bench-ps-") as tmp:
         try:

@@ -98,7 +98,7 @@ def _start_servers(group: ProcessGroup, args: argparse.Namespace) -> list[str]:
     for i in range(num_ps):
         port_file = os.path.join(group.workdir, f"ps-{i}.port")
         proc = group.start(f"ps-{i}", [
-            sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0",
+            sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0", "--lane-port", "0",
             "--port-file", port_file, "--shard-index", str(i), "--num-shards", str(num_ps),
             "--log-level", args.log_level, "--consistency", args.consistency,
             "--staleness", str(args.staleness), "--backup-workers", str(args.backup_workers),

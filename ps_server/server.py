@@ -46,6 +46,7 @@ from ps_server.service.context import ShardContext
 from ps_server.service.roles import ShardRole, SingleReplica
 from ps_server.service.servicer import ParameterServerService
 from ps_server.service.standard_services import HealthServicer, add_reflection
+from ps_server.service.tcp_lane import TcpLanes
 from wehub_ps.process.logs import event
 from wehub_ps.wire.rpc import SERVICE_NAME
 
@@ -96,6 +97,14 @@ class PSServer:
 
             self.replica = ReplicaWiring(self)
             role = self.replica.role
+        admission = Admission(config.max_concurrent_rpcs, config.max_exchange_streams)
+        #: The bearer token (--auth-token-file) that gRPC calls, lanes and metrics scrapes must present.
+        self.tokens = TokenFile(config.auth_token_file) if config.auth_token_file else None
+        #: --lane-port: the TCP lane (ps_server.service.tcp_lane), bound now: Describe reports its port.
+        self.lanes: TcpLanes | None = None
+        if config.lane_port >= 0:
+            self.lanes = TcpLanes(config, lambda raw, wait: self.service.answer_exchange(raw, wait),
+                                  admission, self.tokens, name=f"ps{config.shard_index}-lane")
         self.context = ShardContext(
             store=self.store, ledger=self.ledger, lifecycle=self.lifecycle, membership=self.membership,
             consistency=self.consistency, workers=workers,
@@ -103,7 +112,8 @@ class PSServer:
                               default_chunk_bytes=config.chunk_bytes, max_chunk_bytes=max_chunk_bytes,
                               changes=self.replica.role if self.replica is not None else UNLOGGED),
             metrics=self.metrics,
-            admission=Admission(config.max_concurrent_rpcs, config.max_exchange_streams),
+            admission=admission,
+            lane_port=(config.advertise_lane_port or self.lanes.port) if self.lanes is not None else 0,
             server_id=self.server_id, max_chunk_bytes=max_chunk_bytes, checkpointer=checkpointer,
             restored_from=lambda: self.restored_from, finish_requested=self.finish_requested,
             allow_finish=config.allow_finish, role=role)
@@ -134,8 +144,6 @@ class PSServer:
         self._executor = futures.ThreadPoolExecutor(
             max_workers=slots, thread_name_prefix=f"ps{config.shard_index}-rpc")
         interceptors = []
-        #: The bearer token (--auth-token-file) that gRPC calls and metrics scrapes must present.
-        self.tokens = TokenFile(config.auth_token_file) if config.auth_token_file else None
         if self.tokens is not None:
             interceptors.append(AuthInterceptor(self.tokens))
         self.grpc_server = grpc.server(self._executor, options=options, interceptors=interceptors,
@@ -183,6 +191,8 @@ class PSServer:
     def start_transport(self) -> None:
         """Accept connections; health answers NOT_SERVING and work is refused until ready."""
         self.grpc_server.start()
+        if self.lanes is not None:
+            self.lanes.start()
         if self.health_server is not None:
             self.health_server.start()
         if self.config.metrics_port:
@@ -275,6 +285,9 @@ class PSServer:
                 log.exception("final checkpoint failed")
         self.store.gate.seal()  # without a checkpoint dir, or when the final checkpoint failed
         ended_streams = self.service.end_exchange_streams()
+        if self.lanes is not None:
+            ended_streams += self.lanes.end_lanes()
+            self.lanes.stop()
         if not self.grpc_server.stop(grace).wait(grace + _STOP_MARGIN_SECONDS):
             # SIGTERM must end the process: the final checkpoint is written, and
             # a call gRPC never releases must not keep the pod alive.

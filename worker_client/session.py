@@ -160,7 +160,8 @@ class Session:
     def __init__(self, addresses: Sequence[str | Sequence[str]] | str, worker_id: str, *, register: bool,
                  chunk_bytes: int, control_timeout: float, data_timeout: float, retry_timeout: float,
                  tls_ca: str | bytes | None, tls_cert: str | bytes | None, tls_key: str | bytes | None,
-                 server_name: str | None, auth_token: str | None, auth_token_file: str | None) -> None:
+                 server_name: str | None, auth_token: str | None, auth_token_file: str | None,
+                 tcp_lane: bool = True) -> None:
         replicas = check_addresses(addresses)
         #: Each shard's entry as PS_ADDRESSES spells it: 'host:port', replicas joined by '|'.
         self.addresses = tuple(shard_spec(r) for r in replicas)
@@ -185,7 +186,9 @@ class Session:
         credentials = self._tls.channel_credentials() if self._tls is not None else None
         self.shards = [ShardChannel(i, r, credentials=credentials, server_name=server_name,
                                     token=self._token, incarnation=self.incarnation,
-                                    request_timeout=data_timeout)
+                                    request_timeout=data_timeout,
+                                    tls_context=self._tls.context if self._tls is not None else None,
+                                    tcp_lane=tcp_lane)
                        for i, r in enumerate(replicas)]
         self.executor = futures.ThreadPoolExecutor(
             max_workers=max(2, 2 * len(self.shards)), thread_name_prefix=f"ps-client-{worker_id}")

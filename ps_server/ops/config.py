@@ -87,6 +87,8 @@ class ServerConfig:
     # One idle stream per worker process: room for 256 workers, each replacing its
     # stream; each holds a thread and up to --stream-window-bytes of receive window.
     max_exchange_streams: int = 512
+    lane_port: int = -1
+    advertise_lane_port: int = 0
     drain_timeout: float = 30.0
     checkpoint_interval: float = 300.0
     keep_checkpoints: int = 3
@@ -198,6 +200,10 @@ class ServerConfig:
                               "replicated (use one replica per shard, and checkpoints, for sync training)")
         if not self.job_name or "/" in self.job_name:
             raise ConfigError(f"--job-name must be a non-empty name without '/', got {self.job_name!r}")
+        if not -1 <= self.lane_port < 65536:
+            raise ConfigError(f"--lane-port must be -1 (no TCP lane) or in [0, 65535], got {self.lane_port}")
+        if not 0 <= self.advertise_lane_port < 65536:
+            raise ConfigError(f"--advertise-lane-port must be in [0, 65535], got {self.advertise_lane_port}")
         if not 0 <= self.replication_port < 65536:
             raise ConfigError(f"--replication-port must be in [0, 65535], got {self.replication_port}")
         if not 1 <= self.primary_lease_seconds <= 60:
@@ -273,6 +279,11 @@ _HELP = {
     "job_name": "names this cluster's keys in etcd (/wehub-ps/<job-name>/...)",
     "advertise_address": "'host:port' other replicas and workers reach this one at; default the host name "
                          "and the bound port",
+    "lane_port": "port of the TCP lane, where workers send small pulls and pushes as frames instead of over "
+                 "the gRPC Exchange stream (a round trip about 6x cheaper); -1 none, 0 a free one; reported "
+                 "to clients by Describe",
+    "advertise_lane_port": "the lane port Describe reports to clients, when they reach it at another port "
+                           "than the one bound (a Service's port, a proxy); 0: the bound port",
     "replication_port": "port backups connect to for the stream of updates (replicas > 1); 0 picks a free "
                         "one, announced through etcd",
     "primary_lease_seconds": "TTL of the primary's etcd lease: a primary that stopped renewing it is "

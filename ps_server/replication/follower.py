@@ -18,9 +18,9 @@ from ps_server.durability.restore import RestoredState
 from ps_server.replication.records import Divergence, RecordApplier
 from ps_server.replication.role import LeaderInfo, ReplicaRole
 from ps_server.replication.snapshots import SnapshotReceiver
-from ps_server.replication.transport import ConnectionClosed, FramedConnection, connect
 from wehub_ps.process.logs import event
 from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.frames import ConnectionClosed, FramedConnection, connect
 from wehub_ps.wire.replication import answer, decode_record_message
 
 __all__ = ["Follower"]

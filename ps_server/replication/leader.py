@@ -1,6 +1,6 @@
 """The primary's side of a backup's stream: a snapshot, then every change, and the answers.
 
-A backup connects to the primary's replication port (transport.py) and
+A backup connects to the primary's replication port (wehub_ps.wire.frames) and
 sends FollowStart; the primary attaches it to its log in the same hold of
 the order lock as it takes the snapshot (role.attach), sends the snapshot
 and then the records. Every message sent is answered by the sequence the
@@ -20,10 +20,10 @@ from ps_server.durability.writer import ShardSnapshot
 from ps_server.replication.log import BackupLink
 from ps_server.replication.role import PRIMARY, ReplicaRole
 from ps_server.replication.snapshots import SnapshotSender
-from ps_server.replication.transport import ConnectionClosed, FramedConnection
 from wehub_ps.errors import Reason
 from wehub_ps.process.logs import event
 from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.frames import ConnectionClosed, FramedConnection
 from wehub_ps.wire.replication import decode_answer, record_message
 
 __all__ = ["BackupStreams"]

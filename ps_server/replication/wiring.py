@@ -29,10 +29,10 @@ from ps_server.replication.observe import ReplicationCollector
 from ps_server.replication.records import RecordApplier
 from ps_server.replication.role import BACKUP, PRIMARY, ReplicaRole, ReplicaSettings
 from ps_server.replication.snapshots import take_snapshot
-from ps_server.replication.transport import ReplicationListener
 from ps_server.service.auth import TokenFile
 from ps_server.service.standard_services import HealthServicer
 from wehub_ps.process.logs import event
+from wehub_ps.wire.frames import FrameListener
 from wehub_ps.wire.rpc import SERVICE_NAME
 
 __all__ = ["ReplicaWiring"]
@@ -84,7 +84,7 @@ class ReplicaWiring:
             ping_seconds=max(0.05, settings.lease_seconds / 4),
             token_matches=lambda presented: server.tokens is None or server.tokens.matches(presented),
             snapshot_parent=config.checkpoint_dir or None)
-        self._listener = ReplicationListener(config.host, config.replication_port, streams.serve,
+        self._listener = FrameListener(config.host, config.replication_port, streams.serve,
                                              _server_tls(config))
 
     def start(self) -> None:

@@ -59,7 +59,7 @@ def describe_response(context: ShardContext) -> ps_pb2.DescribeResponse:
         shard_index=store.shard_index, num_shards=store.num_shards,
         server_id=context.server_id, server_version=__version__,
         variables=[variable_info(info) for info in store.describe()],
-        chunk_bytes_limit=context.max_chunk_bytes,
+        chunk_bytes_limit=context.max_chunk_bytes, lane_port=context.lane_port,
         stored_bytes=store.reserved_bytes, memory_limit_bytes=store.memory_limit,
         worker_lease_seconds=context.membership.lease_seconds,
         workers=worker_infos(context.membership))

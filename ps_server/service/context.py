@@ -44,5 +44,7 @@ class ShardContext:
     #: Set by a client's finish() when ``allow_finish`` (--allow-finish): the daemon then shuts down.
     finish_requested: threading.Event
     allow_finish: bool
+    #: The TCP lane's port (--lane-port), 0 without one; Describe reports it.
+    lane_port: int = 0
     #: This replica's role in its shard's replica set (SingleReplica: unreplicated).
     role: ShardRole = field(default_factory=SingleReplica)

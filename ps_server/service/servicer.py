@@ -44,7 +44,7 @@ from wehub_ps.wire.protowire import CodecError
 from wehub_ps.wire.rpc import SERVICE_NAME
 from wehub_ps.wire.small_messages import encode_push_response
 
-__all__ = ["ParameterServerService"]
+__all__ = ["ParameterServerService", "exchange_error"]
 
 log = logging.getLogger("ps_server.service.servicer")
 
@@ -354,40 +354,50 @@ class ParameterServerService:
         the unary call would have had) and the stream carries on.
         """
         for raw in request_iterator:
-            request_id = 0
+            yield self.answer_exchange(raw, context.time_remaining())
+
+    def answer_exchange(self, raw: bytes | bytearray, wait_seconds: float | None) -> bytes:
+        """The ExchangeResponse to one ExchangeRequest (an Exchange stream's or a TCP lane's).
+
+        ``wait_seconds``: how long an ssp/sync pull or a sync push may wait
+        for the other workers. Never raises a RequestError: it is the answer.
+        """
+        request_id = 0
+        try:
             try:
+                request_id, field, payload = decode_envelope(raw)
+            except CodecError as exc:
+                raise RequestError(Reason.MALFORMED_MESSAGE,
+                                   f"request is not a valid wehub_ps.v1.ExchangeRequest: {exc}") from None
+            self._role.check_primary()
+            if field == EXCHANGE_PULL:
+                msg = parse(ps_pb2.PullRequest, payload)
+                names = [item.variable for item in msg.items]
                 try:
-                    request_id, field, payload = decode_envelope(raw)
-                except CodecError as exc:
-                    raise RequestError(Reason.MALFORMED_MESSAGE,
-                                       f"request is not a valid wehub_ps.v1.ExchangeRequest: {exc}") from None
-                self._role.check_primary()
-                if field == EXCHANGE_PULL:
-                    msg = parse(ps_pb2.PullRequest, payload)
-                    names = [item.variable for item in msg.items]
-                    try:
-                        plan = self._pulls.plan(_pull_query(msg), whole_reply=True)
-                        with plan.hold:
-                            self._consistency.before_pull(msg.worker_id, msg.step, context.time_remaining())
-                            # Concatenated PullResponses are one PullResponse (repeated field).
-                            messages = pull_messages(plan)
-                            reply = encode_envelope(request_id, EXCHANGE_PULL,
-                                                    [p for pieces in messages for p in pieces])
-                    except RequestError as error:
-                        self._count_pulls(names, error.reason.value)
-                        raise
-                    self._count_pulls(names, "ok")
-                    self._metrics.bytes_sent.inc(len(reply))
-                elif field == EXCHANGE_PUSH:
-                    reply = encode_envelope(request_id, EXCHANGE_PUSH,
-                                            self._run_push([payload], context.time_remaining()))
-                else:
-                    raise RequestError(Reason.INVALID_REQUEST, "an ExchangeRequest carries a pull or a push")
-            except RequestError as error:
-                status = STATUS_BY_REASON[error.reason]
-                reply = encode_envelope(request_id, EXCHANGE_ERROR, ps_pb2.ExchangeError(
-                    code=status.value[0], reason=error.reason.value, message=error.message).SerializeToString())
-            yield reply
+                    plan = self._pulls.plan(_pull_query(msg), whole_reply=True)
+                    with plan.hold:
+                        self._consistency.before_pull(msg.worker_id, msg.step, wait_seconds)
+                        # Concatenated PullResponses are one PullResponse (repeated field).
+                        messages = pull_messages(plan)
+                        reply = encode_envelope(request_id, EXCHANGE_PULL,
+                                                [p for pieces in messages for p in pieces])
+                except RequestError as error:
+                    self._count_pulls(names, error.reason.value)
+                    raise
+                self._count_pulls(names, "ok")
+                self._metrics.bytes_sent.inc(len(reply))
+                return reply
+            if field == EXCHANGE_PUSH:
+                return encode_envelope(request_id, EXCHANGE_PUSH, self._run_push([payload], wait_seconds))
+            raise RequestError(Reason.INVALID_REQUEST, "an ExchangeRequest carries a pull or a push")
+        except RequestError as error:
+            return exchange_error(request_id, STATUS_BY_REASON[error.reason], error.reason.value, error.message)
+
+
+def exchange_error(request_id: int, status: grpc.StatusCode, reason: str, message: str) -> bytes:
+    """An ExchangeResponse that fails request ``request_id`` (0: the whole lane) with ``status``."""
+    return encode_envelope(request_id, EXCHANGE_ERROR, ps_pb2.ExchangeError(
+        code=status.value[0], reason=reason, message=message).SerializeToString())
 
 
 class _LoggedStream:

@@ -13,7 +13,7 @@ checkpoint on their checkpoint volume.
 
 Two runs:
 
-* loopback: every server on 127.0.0.1 with its gRPC, health and metrics ports
+* loopback: every server on 127.0.0.1 with its gRPC, lane, health and metrics ports
   replaced by free ports (only those settings change); the workers'
   PS_ADDRESSES entries are mapped to them; TLS still verifies the rendered
   PS_SERVER_NAME.

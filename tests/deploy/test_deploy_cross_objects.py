@@ -245,6 +245,25 @@ def _egress_blocked(o):
     _kind(o, "NetworkPolicy", "worker")["spec"]["egress"][0]["ports"][0]["port"] = 7002
 
 
+def _lane_port_undeclared(o):
+    container = _container(_kind(o, "StatefulSet"))
+    container["ports"] = [p for p in container["ports"] if p["name"] != "lane"]
+
+
+def _lane_port_free(o):
+    _env(_container(_kind(o, "StatefulSet")), "PS_LANE_PORT", "0")
+
+
+def _lane_blocked(o):
+    for rule in _kind(o, "NetworkPolicy", "ps")["spec"]["ingress"]:
+        rule["ports"] = [p for p in rule["ports"] if p["port"] != 7004]
+
+
+def _lane_egress_blocked(o):
+    for rule in _kind(o, "NetworkPolicy", "worker")["spec"]["egress"]:
+        rule["ports"] = [p for p in rule["ports"] if p["port"] != 7004]
+
+
 def _allow_finish_on_statefulset(o):
     _container(_kind(o, "StatefulSet"))["args"] = ["--allow-finish"]
 
@@ -374,6 +393,7 @@ REPLICATED_BROKEN = [
     ("overlays/replicated", _replication_port_unset, "PS_REPLICATION_PORT=None: the replication stream"),
     ("overlays/replicated", _replication_port_undeclared, "PS_REPLICATION_PORT=7003 is not a containerPort"),
     ("overlays/replicated", _replication_port_blocked, "(replication): no NetworkPolicy lets it in"),
+    ("overlays/replicated", _lane_blocked, "(TCP lane): no NetworkPolicy lets it in"),
 ]
 
 BROKEN = [
@@ -413,6 +433,10 @@ BROKEN = [
     ("overlays/cpu", _worker_holds_server_key, "workers hold the servers' private key"),
     ("overlays/cpu", _no_client_cert, "require a client certificate"),
     ("overlays/cpu", _egress_blocked, "no NetworkPolicy lets it out"),
+    ("overlays/cpu", _lane_port_undeclared, "PS_LANE_PORT=7004 is not a container port"),
+    ("overlays/cpu", _lane_port_free, "PS_LANE_PORT='0': the TCP lane needs a fixed port"),
+    ("overlays/cpu", _lane_blocked, "(TCP lane): no NetworkPolicy lets it in"),
+    ("jobset", _lane_egress_blocked, "(TCP lane): no NetworkPolicy lets it out"),
     ("overlays/cpu", _allow_finish_on_statefulset, "--allow-finish on a long-lived StatefulSet"),
     ("jobset", _jobset_no_finish, "no worker sets PS_FINISH_CLUSTER=1"),
     ("jobset", _jobset_addresses, "not the first ps-server pod's stable name"),

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 from fault_proxy import FaultProxy
-from ps_testing import ROOT, ServerProcess, child_env
+from ps_testing import ROOT, ServerProcess, child_env, free_port
 
 from faults import layout
 from faults import worker as worker_process
@@ -60,6 +60,9 @@ class Cluster:
         self.go_file = workdir / "go"  # the workers' addresses, written once the variables exist
         self.servers: list[ServerProcess] = []
         self.proxies: list[FaultProxy] = []
+        # With TCP lanes (drawn per mode): a proxy per shard in front of its lane port too.
+        self.tcp_lane = False
+        self.lane_proxies: list[FaultProxy] = []
         self.workers: dict[int, subprocess.Popen] = {}
         self.worker_outputs: list[pathlib.Path] = []
         self.worker_output: dict[int, pathlib.Path] = {}  # index -> output of its current process
@@ -164,6 +167,11 @@ class Cluster:
                 # Durable before any fault: a SIGKILL may lose updates after the last checkpoint
                 # (the limit events check these rows stay trained, not what a crash may lose).
                 client.checkpoint()
+            client.pull(["small"])
+            lanes = [shard._conn.tcp_lane.on_tcp for shard in client._session.shards
+                     if shard._conn.tcp_lane is not None and shard._conn.lane._stream is not None]
+            if self.tcp_lane and not any(lanes):
+                self.report.fail("lane", "the servers have TCP lanes, yet the client's lanes are gRPC streams")
 
         self.call_admin(create)
         tmp = self.go_file.with_suffix(".tmp")
@@ -178,12 +186,34 @@ class Cluster:
 
     def start_servers(self) -> None:
         """One ps-server per shard; returns once each serves."""
-        self.servers = [ServerProcess(i, NUM_SHARDS, self.workdir, self._server_args())
+        self.draw_lane()
+        self.servers = [ServerProcess(i, NUM_SHARDS, self.workdir, self._server_args() + self.lane_args())
                         for i in range(NUM_SHARDS)]
         for server in self.servers:
             server.launch()
         for server in self.servers:
             server.wait_ready()
+
+    def draw_lane(self) -> None:
+        """Whether this mode's servers have TCP lanes: drawn from the seed, so both run over the runs."""
+        self.tcp_lane = self.rng.random() < 0.5
+        self.report.notes.append("small pulls and pushes over TCP lanes (--lane-port), each behind a fault proxy"
+                                 if self.tcp_lane else "small pulls and pushes over gRPC Exchange streams")
+
+    def lane_args(self) -> list[str]:
+        """One server's lane flags (none without lanes), its lane proxy appended to ``lane_proxies``.
+
+        The lane port is fixed (restarts reuse it) and reached through its own proxy, whose port
+        Describe reports: cuts and restarts hit small pulls and pushes as they hit gRPC calls.
+        """
+        if not self.tcp_lane:
+            return []
+        lane_port = free_port()
+        proxy = FaultProxy(lane_port, seed=self.rng.randrange(1 << 30), mean_bytes_up=30_000,
+                           mean_bytes_down=3_000, cut_at_start=0.05)
+        proxy.cutting = False
+        self.lane_proxies.append(proxy)
+        return ["--lane-port", str(lane_port), "--advertise-lane-port", str(proxy.port)]
 
     def admin_addresses(self) -> list[str]:
         """What the controller's clients are given: the servers themselves, one entry per shard."""
@@ -195,8 +225,8 @@ class Cluster:
         return [p.address for p in self.proxies]
 
     def shard_proxies(self, shard: int) -> list[FaultProxy]:
-        """The proxies in front of ``shard``'s servers."""
-        return [self.proxies[shard]]
+        """The proxies in front of ``shard``'s servers (and of their TCP lanes)."""
+        return [self.proxies[shard], *self.lane_proxies[shard:shard + 1]]
 
     def take_fresh_ids(self, shard: int, count: int) -> np.ndarray:
         """``count`` ids on ``shard`` that no push and no earlier call uses."""
@@ -283,7 +313,7 @@ class Cluster:
             if popen.poll() is None:
                 popen.kill()
                 popen.wait(30)
-        for proxy in self.proxies:
+        for proxy in [*self.proxies, *self.lane_proxies]:
             proxy.stop()
         for server in self.servers:
             if server.popen is not None and server.popen.poll() is None:

@@ -51,6 +51,7 @@ class ReplicatedCluster(Cluster):
                                "or set ETCD_BINARY")
         self.etcd = EtcdServer(self.workdir / "etcd", binary).start()
         job = f"faults-{uuid.uuid4().hex[:8]}"
+        self.draw_lane()
         self.replicas = []
         for shard in range(NUM_SHARDS):
             members = []
@@ -61,7 +62,7 @@ class ReplicatedCluster(Cluster):
                 args[args.index("--checkpoint-dir") + 1] = str(directory / "ckpt")  # one per replica
                 args += ["--replicas", str(REPLICAS), "--replica-index", str(index),
                          "--etcd-endpoints", self.etcd.endpoint, "--job-name", job,
-                         "--primary-lease-seconds", str(LEASE_SECONDS)]
+                         "--primary-lease-seconds", str(LEASE_SECONDS), *self.lane_args()]
                 # Port 0: the OS picks it at the first start; restarts reuse it.
                 members.append(Replica(shard, index, ServerProcess(shard, NUM_SHARDS, directory, args), 0))
             self.replicas.append(members)
@@ -80,10 +81,13 @@ class ReplicatedCluster(Cluster):
         return ["|".join(r.address for r in members) for members in self.replicas]
 
     def worker_addresses(self) -> list[str]:
-        return ["|".join(p.address for p in self.shard_proxies(shard)) for shard in range(NUM_SHARDS)]
+        return ["|".join(p.address for p in self.proxies[shard * REPLICAS:(shard + 1) * REPLICAS])
+                for shard in range(NUM_SHARDS)]
 
     def shard_proxies(self, shard: int) -> list:
-        return self.proxies[shard * REPLICAS:(shard + 1) * REPLICAS]
+        """The proxies in front of ``shard``'s replicas (and of their TCP lanes)."""
+        replicas = slice(shard * REPLICAS, (shard + 1) * REPLICAS)
+        return [*self.proxies[replicas], *self.lane_proxies[replicas]]
 
     # ---- the replicas' roles ----
 

@@ -77,7 +77,8 @@ class FaultSchedule:
             self.probes.restart_while_checkpointing(shard)
         elif kind == "cut":
             if self.rng.random() < 0.5:
-                for proxy in (cluster.proxies if self.rng.random() < 0.3 else cluster.shard_proxies(shard)):
+                everywhere = [*cluster.proxies, *cluster.lane_proxies]
+                for proxy in (everywhere if self.rng.random() < 0.3 else cluster.shard_proxies(shard)):
                     proxy.cut_open()
             else:  # a burst: every connection for a while is cut at a random byte
                 proxies = cluster.shard_proxies(shard)

@@ -93,20 +93,26 @@ def test_garbage_over_a_lane_is_a_typed_error(channels):
 
 
 class _InterruptedOnce:
-    """A lane's answer stream whose first wait is interrupted (as by Ctrl-C) with the answer on its way."""
+    """A lane's stream whose first wait is interrupted (as by Ctrl-C) with the answer on its way."""
 
     def __init__(self, stream) -> None:
         self._stream = stream
         self.interrupted = False
 
-    def __next__(self):
+    def send(self, message: bytes) -> None:
+        self._stream.send(message)
+
+    def receive(self, what: str):
         if not self.interrupted:
             self.interrupted = True
             raise KeyboardInterrupt
-        return next(self._stream)
+        return self._stream.receive(what)
 
     def cancel(self) -> None:
         self._stream.cancel()
+
+    def close(self) -> None:
+        self._stream.close()
 
 
 def test_a_lane_interrupted_while_waiting_starts_afresh(channels):
@@ -116,7 +122,7 @@ def test_a_lane_interrupted_while_waiting_starts_afresh(channels):
     try:
         lane.request(EXCHANGE_PULL, _pull(0, name), "pull")  # opens the stream
         request_id = lane.send(EXCHANGE_PULL, _pull(0, name))
-        lane._responses = interrupted = _InterruptedOnce(lane._responses)
+        lane._stream = interrupted = _InterruptedOnce(lane._stream)
         with pytest.raises(KeyboardInterrupt):
             lane.receive(request_id, "pull")
         assert interrupted.interrupted

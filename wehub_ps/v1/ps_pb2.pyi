@@ -250,7 +250,7 @@ class DescribeRequest(_message.Message):
     def __init__(self, any_replica: _Optional[bool] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "server_id", "server_version", "variables", "chunk_bytes_limit", "workers", "worker_lease_seconds", "last_checkpoint", "restored_from", "consistency", "stored_bytes", "memory_limit_bytes", "replication")
+    __slots__ = ("shard_index", "num_shards", "server_id", "server_version", "variables", "chunk_bytes_limit", "workers", "worker_lease_seconds", "last_checkpoint", "restored_from", "consistency", "stored_bytes", "memory_limit_bytes", "replication", "lane_port")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +265,7 @@ class DescribeResponse(_message.Message):
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     REPLICATION_FIELD_NUMBER: _ClassVar[int]
+    LANE_PORT_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     server_id: str
@@ -279,7 +280,8 @@ class DescribeResponse(_message.Message):
     stored_bytes: int
     memory_limit_bytes: int
     replication: ReplicaStatus
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., server_id: _Optional[str] = ..., server_version: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., chunk_bytes_limit: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., worker_lease_seconds: _Optional[float] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., restored_from: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., consistency: _Optional[_Union[ConsistencyInfo, _Mapping]] = ..., stored_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., replication: _Optional[_Union[ReplicaStatus, _Mapping]] = ...) -> None: ...
+    lane_port: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., server_id: _Optional[str] = ..., server_version: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., chunk_bytes_limit: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., worker_lease_seconds: _Optional[float] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., restored_from: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., consistency: _Optional[_Union[ConsistencyInfo, _Mapping]] = ..., stored_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., replication: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., lane_port: _Optional[int] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
     __slots__ = ("replica_index", "replicas", "role", "epoch", "primary_address", "applied_sequence", "backups", "etcd_reachable")
@@ -616,6 +618,14 @@ class ExchangeError(_message.Message):
     reason: str
     message: str
     def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class LaneHello(_message.Message):
+    __slots__ = ("token", "incarnation")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    incarnation: str
+    def __init__(self, token: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class ExchangeResponse(_message.Message):
     __slots__ = ("id", "pull", "push", "error")

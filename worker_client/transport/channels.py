@@ -15,20 +15,24 @@ next replica, and the retry (worker_client.transport.retry) goes there.
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from wehub_ps.errors import Reason
+from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.rpc import INCARNATION_METADATA_KEY, MAX_MESSAGE_BYTES, SERVICE_NAME, method_path
 from worker_client.errors import NotPrimaryError, PSError, PSUnavailableError, translate_rpc_error
 from worker_client.transport.credentials import BearerToken
-from worker_client.transport.lane import ExchangeLane
+from worker_client.transport.lane import ExchangeLane, GrpcStream, LaneStream
+from worker_client.transport.tcp_lane import TcpLaneOpener
 
-__all__ = ["ShardChannel"]
+__all__ = ["ShardChannel", "TcpLaneSettings"]
 
 log = logging.getLogger("worker_client")
 
@@ -41,6 +45,19 @@ _BUSY_REASONS = frozenset({Reason.TOO_MANY_RPCS.value, Reason.EXCHANGE_STREAMS.v
 _MOVE_ON_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
 #: A replicated shard's watch of its primary: a health check this often, each given this long.
 _WATCH_SECONDS, _WATCH_TIMEOUT_SECONDS = 1.0, 2.0
+# Opening a TCP lane (its Describe and its connection) waits at most this long.
+_LANE_CONNECT_SECONDS = 10.0
+_DESCRIBE = ps_pb2.DescribeRequest().SerializeToString()
+
+
+@dataclass(frozen=True)
+class TcpLaneSettings:
+    """What a connection needs to open a server's TCP lane (worker_client.transport.tcp_lane)."""
+
+    tls: ssl.SSLContext | None
+    server_name: str | None
+    token: BearerToken
+    incarnation: str | None
 
 
 class _Connection:
@@ -54,7 +71,7 @@ class _Connection:
 
     def __init__(self, address: str, options: list[tuple[str, object]],
                  credentials: grpc.ChannelCredentials | None, open_lane_metadata: Callable[[], object],
-                 request_timeout: float) -> None:
+                 request_timeout: float, tcp_lane: TcpLaneSettings | None = None) -> None:
         self.address = address
         if credentials is not None:
             self.channel = grpc.secure_channel(address, credentials, options=options)
@@ -70,19 +87,44 @@ class _Connection:
         #: The health Check (ps-admin's status, a replicated shard's watch of its primary).
         self.health_check: Callable[..., Any] = health_pb2_grpc.HealthStub(self.channel).Check
         exchange = self.channel.stream_stream(method_path("Exchange"))
-        #: The long-lived stream for small requests (see worker_client.transport.lane).
-        self.lane = ExchangeLane(lambda requests, timeout: exchange(requests, timeout=timeout,
-                                                                    metadata=open_lane_metadata()),
-                                 address, request_timeout)
+
+        def open_grpc() -> GrpcStream:
+            return GrpcStream(lambda requests, timeout: exchange(requests, timeout=timeout,
+                                                                 metadata=open_lane_metadata()), address)
+
+        open_stream: Callable[[], LaneStream] = open_grpc
+        #: Opens the lane on the server's TCP lane port when it has one (None: the Exchange stream only).
+        self.tcp_lane: TcpLaneOpener | None = None
+        if tcp_lane is not None:
+            self.tcp_lane = TcpLaneOpener(address, lambda: self._lane_port(tcp_lane, request_timeout),
+                                          open_grpc, tcp_lane.tls, tcp_lane.server_name, tcp_lane.token.value,
+                                          tcp_lane.incarnation, min(request_timeout, _LANE_CONNECT_SECONDS))
+            open_stream = self.tcp_lane
+        #: The long-lived lane for small requests (see worker_client.transport.lane).
+        self.lane = ExchangeLane(open_stream, address, request_timeout)
+
+    def _lane_port(self, settings: TcpLaneSettings, request_timeout: float) -> int:
+        """The server's TCP lane port from a Describe, 0 when it has none (PSError when it cannot answer)."""
+        try:
+            raw = self.describe(_DESCRIBE, timeout=min(request_timeout, _LANE_CONNECT_SECONDS),
+                                metadata=settings.token.metadata())
+        except grpc.RpcError as error:
+            raise translate_rpc_error(error, self.address, "exchange") from error
+        except ValueError:  # the channel was closed: the client closed, or left this replica
+            raise PSUnavailableError(f"exchange: the connection to ps-server {self.address} was closed",
+                                     address=self.address, code="CANCELLED") from None
+        return ps_pb2.DescribeResponse.FromString(raw).lane_port
 
     def close(self) -> None:
-        """Close the lane (when no request holds it; one that does fails and closes it) and the channel.
+        """Close the lane (a request using it fails and closes it) and the channel.
 
         Calls still running on the channel fail (CANCELLED) and are retried by their callers.
         """
         if self.lane.try_acquire():
             self.lane.close()
             self.lane.release()
+        else:
+            self.lane.interrupt()  # the request using it fails now and is retried on the replica in use
         self.lane.shutdown()
         self.channel.close()
 
@@ -108,7 +150,8 @@ class ShardChannel:
                  credentials: grpc.ChannelCredentials | None = None,
                  server_name: str | None = None,
                  token: BearerToken | None = None, incarnation: str | None = None,
-                 request_timeout: float = 300.0) -> None:
+                 request_timeout: float = 300.0, tls_context: ssl.SSLContext | None = None,
+                 tcp_lane: bool = True) -> None:
         self.index = index
         #: Every replica of the shard, in the order given; the first is tried first.
         self.replicas: tuple[str, ...] = (address,) if isinstance(address, str) else tuple(address)
@@ -141,6 +184,9 @@ class ShardChannel:
         # The server bounds the Exchange streams of each worker process (incarnation).
         self._incarnation = incarnation
         self._closed = False
+        # Small requests go over the server's TCP lane when it has one (tcp_lane), else the Exchange stream.
+        self._tcp_lane = (TcpLaneSettings(tls_context, server_name, self._token, incarnation)
+                          if tcp_lane and (credentials is None or tls_context is not None) else None)
         # Guards _conn's replacement and _closed's setting (calls read _conn without it: one read, whole).
         self._switch_lock = threading.Lock()
         # Primaries named by a replica that are not in the list, warned about once each.
@@ -180,7 +226,7 @@ class ShardChannel:
 
     def _connect(self, address: str) -> _Connection:
         return _Connection(address, self._options, self._credentials, self._lane_metadata,
-                           self._request_timeout)
+                           self._request_timeout, self._tcp_lane)
 
     @property
     def address(self) -> str:

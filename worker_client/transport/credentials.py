@@ -125,6 +125,10 @@ class BearerToken:
         """The call metadata carrying the current token (None without a token)."""
         return self._metadata
 
+    def value(self) -> str:
+        """The current token ('' without one): what a TCP lane's hello presents."""
+        return self._token or ""
+
     def reread(self) -> bool:
         """Read the file again; True when it now holds a different token.
 

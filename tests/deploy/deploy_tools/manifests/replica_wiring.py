@@ -1,8 +1,9 @@
 """Checks of replicated shards (deploy/overlays/replicated): each shard's StatefulSet carries
 its shard as a literal pod label the server reads, the workers list every shard's replicas in
-order ('|' between replicas, ',' between shards), the replication stream has a fixed container
-port, the replicas reach each other (that port, and the gRPC port) and etcd, and
-the disruption budgets keep one replica of each shard and etcd's quorum."""
+order ('|' between replicas, ',' between shards) and reach them (the gRPC port and the TCP lane),
+the replication stream has a fixed container port, the replicas reach each other (that port,
+and the gRPC port) and etcd, and the disruption budgets keep one replica of each shard and
+etcd's quorum."""
 
 from __future__ import annotations
 
@@ -70,6 +71,12 @@ def replica_server_problems(unit: PodUnit, container: dict, env: dict) -> list[s
 def replication_port(env: dict) -> int:
     """PS_REPLICATION_PORT (0 when unset or not a number: ps-server then picks a free port)."""
     value = env.get("PS_REPLICATION_PORT")
+    return int(value) if isinstance(value, str) and value.isdigit() else 0
+
+
+def lane_port(env: dict) -> int:
+    """PS_LANE_PORT (0 when unset, -1 or not a fixed number: no TCP lane a NetworkPolicy could name)."""
+    value = env.get("PS_LANE_PORT")
     return int(value) if isinstance(value, str) and value.isdigit() else 0
 
 
@@ -197,4 +204,6 @@ def replica_address_problems(where: str, raw: str, worker: PodUnit, server_units
             problems.append(f"{where}: PS_ADDRESSES has {len(groups)} shards but the servers run with "
                             f"PS_NUM_SHARDS={env.get('PS_NUM_SHARDS')}")
         problems += policy_allows(objects, worker, unit, int(env.get("PS_PORT") or 0), where)
+        if lane_port(env):
+            problems += policy_allows(objects, worker, unit, lane_port(env), f"{where} (TCP lane)")
     return problems

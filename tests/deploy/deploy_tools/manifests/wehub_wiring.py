@@ -18,6 +18,7 @@ from .pod_templates import (
     secret_keys,
 )
 from .replica_wiring import (
+    lane_port,
     replica_address_problems,
     replica_server_problems,
     replica_set_problems,
@@ -187,6 +188,14 @@ def _server_problems(unit: PodUnit, container: dict, objects: list[dict]) -> lis
             continue
         if not str(value).isdigit() or int(value) not in numbers:
             problems.append(f"{where}: {var}={value} is not a container port")
+    # The TCP lane (off at -1): a fixed, declared port, so that NetworkPolicies can let workers in.
+    lane = env.get("PS_LANE_PORT")
+    if lane is not None and str(lane) != "-1":
+        if not lane_port(env):
+            problems.append(f"{where}: PS_LANE_PORT={lane!r}: the TCP lane needs a fixed port (0 picks a "
+                            "free one, which no NetworkPolicy lets through)")
+        elif lane_port(env) not in numbers:
+            problems.append(f"{where}: PS_LANE_PORT={lane} is not a container port")
     health = port_vars["PS_HEALTH_PORT"]
     if replicated:
         problems += server_probe_problems(where, container, health)
@@ -301,9 +310,11 @@ def _worker_problems(unit: PodUnit, container: dict, objects: list[dict],
     if shards is not None and str(shards) != str(len(parsed)):
         problems.append(f"{where}: PS_ADDRESSES has {len(parsed)} entries but the servers run with "
                         f"PS_NUM_SHARDS={shards}")
-    # A worker must be allowed to reach the servers' port by some NetworkPolicy
-    # if the servers are isolated for ingress.
+    # A worker must be allowed to reach the servers' port (and their TCP lane, which it
+    # dials on the same host) by some NetworkPolicy if the servers are isolated for ingress.
     problems += _policy_allows(objects, unit, group, parsed[0][1], where)
+    if lane_port(server_env):
+        problems += _policy_allows(objects, unit, group, lane_port(server_env), f"{where} (TCP lane)")
     return problems
 
 

@@ -27,7 +27,8 @@ IMAGE_ENV = {
 IMAGE_WORKDIR = "/tmp"
 
 #: The settings that carry a listening port or address, as env and as flags.
-PORT_SETTINGS = {"PS_PORT": "--port", "PS_HEALTH_PORT": "--health-port", "PS_METRICS_PORT": "--metrics-port"}
+PORT_SETTINGS = {"PS_PORT": "--port", "PS_LANE_PORT": "--lane-port", "PS_HEALTH_PORT": "--health-port",
+                 "PS_METRICS_PORT": "--metrics-port"}
 HOST_SETTINGS = {"PS_HOST": "--host"}
 
 
@@ -128,7 +129,7 @@ def to_loopback(pod: Pod) -> None:
 
     def port(value: str) -> str:
         if not value.isdigit() or int(value) not in pod.ports:
-            if value.isdigit() and int(value) == 0:
+            if value in ("0", "-1"):  # a free port; -1: off (--lane-port)
                 return value
             raise ContractError(f"{pod.name}: listens on port {value}, which is not a container port "
                                 f"({sorted(pod.ports)})")
