@@ -391,7 +391,8 @@ class ParameterServerService:
                 return encode_envelope(request_id, EXCHANGE_PUSH, self._run_push([payload], wait_seconds))
             raise RequestError(Reason.INVALID_REQUEST, "an ExchangeRequest carries a pull or a push")
         except RequestError as error:
-            return exchange_error(request_id, STATUS_BY_REASON[error.reason], error.reason.value, error.message)
+            return exchange_error(request_id, STATUS_BY_REASON[error.reason], error.reason.value,
+                                  error.message)
 
 
 def exchange_error(request_id: int, status: grpc.StatusCode, reason: str, message: str) -> bytes:

@@ -171,7 +171,8 @@ class Cluster:
             lanes = [shard._conn.tcp_lane.on_tcp for shard in client._session.shards
                      if shard._conn.tcp_lane is not None and shard._conn.lane._stream is not None]
             if self.tcp_lane and not any(lanes):
-                self.report.fail("lane", "the servers have TCP lanes, yet the client's lanes are gRPC streams")
+                self.report.fail("lane",
+                                 "the servers have TCP lanes, yet the client's lanes are gRPC streams")
 
         self.call_admin(create)
         tmp = self.go_file.with_suffix(".tmp")
@@ -197,8 +198,9 @@ class Cluster:
     def draw_lane(self) -> None:
         """Whether this mode's servers have TCP lanes: drawn from the seed, so both run over the runs."""
         self.tcp_lane = self.rng.random() < 0.5
-        self.report.notes.append("small pulls and pushes over TCP lanes (--lane-port), each behind a fault proxy"
-                                 if self.tcp_lane else "small pulls and pushes over gRPC Exchange streams")
+        self.report.notes.append(
+            "small pulls and pushes over TCP lanes (--lane-port), each behind a fault proxy"
+            if self.tcp_lane else "small pulls and pushes over gRPC Exchange streams")
 
     def lane_args(self) -> list[str]:
         """One server's lane flags (none without lanes), its lane proxy appended to ``lane_proxies``.

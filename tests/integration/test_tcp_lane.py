@@ -1,4 +1,4 @@
-"""The TCP lane (``--lane-port``): small pulls and pushes as frames on a socket, with the Exchange stream's rules.
+"""The TCP lane (``--lane-port``): small pulls and pushes as socket frames, with the Exchange stream's rules.
 
 Real ps-server processes; raw sockets stand in for hostile clients. Which
 lane a client uses is read from its connection (``tcp_lane.on_tcp``), the
@@ -52,8 +52,8 @@ def token_file(tmp_path):
 
 def _on_tcp(client: PSClient) -> list[bool]:
     """Whether each shard's lane is open, on the server's TCP lane."""
-    return [shard._conn.tcp_lane is not None and shard._conn.tcp_lane.on_tcp and shard._conn.lane._stream is not None
-            for shard in client._session.shards]
+    return [shard._conn.tcp_lane is not None and shard._conn.tcp_lane.on_tcp
+            and shard._conn.lane._stream is not None for shard in client._session.shards]
 
 
 def _lane_port(address: str, token: str | None = None) -> int:
@@ -141,7 +141,8 @@ def test_known_gradients_from_many_workers_are_exact_over_tcp_lanes(cluster_fact
         with PSClient(cluster.addresses, worker_id=f"worker-{index}") as client:
             for _ in range(pushes):
                 client.pull(names)
-                client.push({name: np.full(64, (index + 1) * (k + 1), np.float32) for k, name in enumerate(names)})
+                client.push({name: np.full(64, (index + 1) * (k + 1), np.float32)
+                             for k, name in enumerate(names)})
             assert _on_tcp(client) == [True, True]
 
     run_in_threads(worker, workers, timeout=240)
@@ -189,7 +190,8 @@ def test_bad_hellos_and_frames_get_precise_errors_and_change_nothing(cluster_fac
     assert (answer_id, field) == (8, EXCHANGE_PULL)
     lane.sock.sendall(_LENGTH.pack(0xFFFFFFF0))  # a frame over --max-message-bytes: refused unread
     error = lane.expect_error(0, "")
-    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and "--max-message-bytes" in error.message
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert "--max-message-bytes" in error.message
     assert lane.read_frame() is None
     lane.close()
 

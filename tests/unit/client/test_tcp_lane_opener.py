@@ -1,4 +1,4 @@
-"""Opening a shard's lane: the server's TCP lane when it has one and it can be reached, else the Exchange stream.
+"""Opening a shard's lane: the server's TCP lane when it has one and can be reached, else the Exchange stream.
 
 A listening socket in the test plays the lane port; a sentinel plays the
 gRPC stream (no server needed to tell which one was opened).
@@ -25,7 +25,8 @@ def _opener(port_of, address="127.0.0.1:1") -> tuple[TcpLaneOpener, list[int]]:
     def lane_port() -> int:
         asked.append(1)
         return port_of()
-    return TcpLaneOpener(address, lane_port, lambda: GRPC_STREAM, None, None, lambda: "tok", "inc-1", 2.0), asked
+    opener = TcpLaneOpener(address, lane_port, lambda: GRPC_STREAM, None, None, lambda: "tok", "inc-1", 2.0)
+    return opener, asked
 
 
 def test_a_server_without_a_lane_port_gets_the_exchange_stream():
