@@ -20,6 +20,7 @@ for path in (str(_ROOT), str(_ROOT / "tests")):
 
 from etcd_server import EtcdServer, EtcdTls, etcd_binary  # noqa: E402
 from ps_testing import ClusterFactory  # noqa: E402
+from tls_material import make_tls_material  # noqa: E402
 
 
 @pytest.fixture
@@ -30,6 +31,20 @@ def cluster_factory(tmp_path):
         yield factory
     finally:
         factory.stop_all()
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    """A CA, server and client certificates (tests/tls_material.py), shared by a module's tests."""
+    return make_tls_material(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    """A bearer token file for --auth-token-file / auth_token_file, holding 's3cret-token'."""
+    path = tmp_path / "token"
+    path.write_text("s3cret-token\n")
+    return path
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ps_testing import free_port
-from tls_material import make_tls_material
 
 from wehub_ps.errors import REASON_METADATA_KEY
 from wehub_ps.v1 import ps_pb2
@@ -34,18 +33,6 @@ QUICK = {"connect_timeout": 3, "retry_timeout": 1, "control_timeout": 3}
 # A TLS mismatch must be named at once, not after connect_timeout of retries.
 PATIENT = {"connect_timeout": 60, "retry_timeout": 60, "control_timeout": 5}
 NAMED_WITHIN_SECONDS = 20.0
-
-
-@pytest.fixture(scope="module")
-def tls(tmp_path_factory):
-    return make_tls_material(tmp_path_factory.mktemp("tls"))
-
-
-@pytest.fixture
-def token_file(tmp_path):
-    path = tmp_path / "token"
-    path.write_text("s3cret-token\n")
-    return path
 
 
 def _state(address: str, **client_args) -> dict:

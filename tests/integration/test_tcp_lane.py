@@ -17,7 +17,6 @@ import grpc
 import numpy as np
 import pytest
 from ps_testing import run_in_threads
-from tls_material import make_tls_material
 
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.arrays import byte_view
@@ -36,18 +35,6 @@ from worker_client import SGD, PSClient, PSError
 LANE = ("--lane-port", "0")
 QUICK = dict(connect_timeout=10, retry_timeout=10)
 _LENGTH = struct.Struct("<I")
-
-
-@pytest.fixture(scope="module")
-def tls(tmp_path_factory):
-    return make_tls_material(tmp_path_factory.mktemp("tls"))
-
-
-@pytest.fixture
-def token_file(tmp_path):
-    path = tmp_path / "token"
-    path.write_text("lane-token\n")
-    return path
 
 
 def _on_tcp(client: PSClient) -> list[bool]:
@@ -156,12 +143,12 @@ def test_known_gradients_from_many_workers_are_exact_over_tcp_lanes(cluster_fact
 def test_bad_hellos_and_frames_get_precise_errors_and_change_nothing(cluster_factory, token_file):
     cluster = cluster_factory(1, *LANE, "--auth-token-file", str(token_file))
     address = cluster.addresses[0]
-    with PSClient([address], auth_token="lane-token") as client:
+    with PSClient([address], auth_token="s3cret-token") as client:
         client.create_variable("w", shape=(8,), initializer="zeros", optimizer=SGD(learning_rate=1.0))
         client.push({"w": np.ones(8, np.float32)})
         assert _on_tcp(client) == [True]
         before = client.pull(["w"])["w"].copy()
-    port = _lane_port(address, "lane-token")
+    port = _lane_port(address, "s3cret-token")
 
     refusals = [("", "UNAUTHENTICATED", "requires a bearer token"), ("wrong", "UNAUTHENTICATED", "not valid")]
     for token, reason, fragment in refusals:
@@ -180,7 +167,7 @@ def test_bad_hellos_and_frames_get_precise_errors_and_change_nothing(cluster_fac
     lane.close()
 
     lane = RawLane(port)
-    lane.hello("lane-token")
+    lane.hello("s3cret-token")
     lane.send_frame(b"\x08")  # a truncated envelope: answered, and the lane carries on
     lane.expect_error(0, "MALFORMED_MESSAGE")
     lane.pull(7, "nope")
@@ -196,7 +183,7 @@ def test_bad_hellos_and_frames_get_precise_errors_and_change_nothing(cluster_fac
     lane.close()
 
     lane = RawLane(port)  # a connection that never says hello is closed by the server in time; others go on
-    with PSClient([address], auth_token="lane-token", register=False) as reader:
+    with PSClient([address], auth_token="s3cret-token", register=False) as reader:
         np.testing.assert_array_equal(reader.pull(["w"])["w"], before)
         assert _on_tcp(reader) == [True]
     lane.close()
@@ -328,18 +315,18 @@ def test_a_frozen_server_fails_a_lane_request_at_its_deadline(cluster_factory):
 def test_a_rotated_token_cuts_an_open_lane_before_its_next_push_is_applied(cluster_factory, token_file):
     cluster = cluster_factory(1, *LANE, "--auth-token-file", str(token_file))
     address = cluster.addresses[0]
-    with PSClient([address], auth_token="lane-token", register=False) as client:
+    with PSClient([address], auth_token="s3cret-token", register=False) as client:
         client.create_variable("w", shape=(4,), initializer="zeros", optimizer=SGD(learning_rate=1.0))
-    port = _lane_port(address, "lane-token")
+    port = _lane_port(address, "s3cret-token")
     lane = RawLane(port)
-    lane.hello("lane-token")
+    lane.hello("s3cret-token")
     lane.pull(1, "w")
     assert lane.answer()[:2] == (1, EXCHANGE_PULL)
     token_file.write_text("new-token\n")
     deadline = time.monotonic() + 15
     while True:  # the server re-reads its token file every 2 s
         try:
-            _lane_port(address, "lane-token")
+            _lane_port(address, "s3cret-token")
         except grpc.RpcError as error:
             assert error.code() == grpc.StatusCode.UNAUTHENTICATED
             break
