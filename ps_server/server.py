@@ -245,7 +245,8 @@ class PSServer:
         if self.config.port_file:
             _write_atomically(self.config.port_file, f"{self.port}\n")
         event(log, logging.INFO, "serving", host=self.config.host, port=self.port, health_port=self.health_port,
-              metrics_port=self.metrics_port, tls=bool(self.config.tls_cert),
+              metrics_port=self.metrics_port, lane_port=self.lanes.port if self.lanes is not None else None,
+              tls=bool(self.config.tls_cert),
               mutual_tls=bool(self.config.tls_client_ca), auth=bool(self.config.auth_token_file),
               shard_index=self.config.shard_index, num_shards=self.config.num_shards,
               consistency=self.config.consistency, server_id=self.server_id)
@@ -286,8 +287,7 @@ class PSServer:
         self.store.gate.seal()  # without a checkpoint dir, or when the final checkpoint failed
         ended_streams = self.service.end_exchange_streams()
         if self.lanes is not None:
-            ended_streams += self.lanes.end_lanes()
-            self.lanes.stop()
+            ended_streams += self.lanes.stop()
         if not self.grpc_server.stop(grace).wait(grace + _STOP_MARGIN_SECONDS):
             # SIGTERM must end the process: the final checkpoint is written, and
             # a call gRPC never releases must not keep the pod alive.

@@ -26,7 +26,7 @@ import grpc
 from wehub_ps.errors import REASON_METADATA_KEY, Reason
 from wehub_ps.process.logs import event
 
-__all__ = ["TokenFile", "AuthInterceptor"]
+__all__ = ["TokenFile", "AuthInterceptor", "STALE_TOKEN", "token_refusal"]
 
 log = logging.getLogger("ps_server.service.auth")
 
@@ -103,8 +103,18 @@ def _denying(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
     return grpc.unary_unary_rpc_method_handler(deny)
 
 
-_STALE = ("the bearer token of this stream is no longer valid: --auth-token-file of this ps-server was "
-          "rotated; reconnect with the new token")
+#: Why an open stream (or TCP lane) is cut off at its next message after a rotation.
+STALE_TOKEN = ("the bearer token of this stream is no longer valid: --auth-token-file of this ps-server was "
+               "rotated; reconnect with the new token")
+
+
+def token_refusal(tokens: TokenFile, presented: bytes) -> str | None:
+    """Why a call (or a TCP lane's hello) presenting ``presented`` is refused; None when it may go on."""
+    if not presented:
+        return "this ps-server requires a bearer token: pass auth_token / PS_AUTH_TOKEN_FILE to the client"
+    if not tokens.matches(presented):
+        return "the bearer token is not valid for this ps-server"
+    return None
 
 
 def _revalidating(handler: grpc.RpcMethodHandler, tokens: TokenFile,
@@ -118,7 +128,7 @@ def _revalidating(handler: grpc.RpcMethodHandler, tokens: TokenFile,
     def checked(requests: Iterator, context: grpc.ServicerContext) -> Iterator:
         for request in requests:
             if not tokens.matches(presented):
-                _refuse(context, _STALE)
+                _refuse(context, STALE_TOKEN)
             yield request
 
     if handler.response_streaming:
@@ -147,11 +157,9 @@ class AuthInterceptor(grpc.ServerInterceptor):
         if handler is None or handler_call_details.method.startswith(_OPEN_PREFIXES):
             return handler
         presented = _presented_token(handler_call_details.invocation_metadata)
-        if not presented:
-            return _denying(handler, "this ps-server requires a bearer token: pass auth_token / "
-                                     "PS_AUTH_TOKEN_FILE to the client")
-        if not self._tokens.matches(presented):
-            return _denying(handler, "the bearer token is not valid for this ps-server")
+        refusal = token_refusal(self._tokens, presented)
+        if refusal is not None:
+            return _denying(handler, refusal)
         if handler.request_streaming:
             return _revalidating(handler, self._tokens, presented)
         return handler

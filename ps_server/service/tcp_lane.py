@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import ssl
-import threading
 import time
 from collections.abc import Callable
 
@@ -40,14 +39,13 @@ from ps_server.core.admission import Admission
 from ps_server.core.errors import RequestError
 from ps_server.core.pushes import MAX_WORKER_ID_LENGTH
 from ps_server.ops.config import ServerConfig
-from ps_server.service.auth import TokenFile
+from ps_server.service.auth import STALE_TOKEN, TokenFile, token_refusal
 from ps_server.service.calls import STATUS_BY_REASON
 from ps_server.service.servicer import exchange_error
 from wehub_ps.errors import Reason
 from wehub_ps.process.logs import event
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.frames import ConnectionClosed, FramedConnection, FrameListener, FrameTooLarge
-from wehub_ps.wire.protowire import CodecError
 
 __all__ = ["TcpLanes", "lane_tls"]
 
@@ -88,24 +86,16 @@ class TcpLanes:
                                        max_connections=config.max_exchange_streams + _HANDSHAKING_CONNECTIONS)
         #: The port bound (the one asked for, or a free one for 0).
         self.port = self._listener.port
-        self._lock = threading.Lock()
-        self._open = 0
 
     def start(self) -> None:
         self._listener.start()
 
-    def stop(self) -> None:
-        """Close the port and every lane (a request being answered finishes; its answer is lost)."""
-        self._listener.stop()
+    def stop(self) -> int:
+        """Close the port and every lane (clients retry their requests); how many lanes were open.
 
-    def end_lanes(self) -> int:
-        """Close every open lane (clients retry their requests elsewhere or later); returns how many."""
-        return self._listener.close_connections()
-
-    @property
-    def open_lanes(self) -> int:
-        with self._lock:
-            return self._open
+        A request being answered finishes; its answer is lost.
+        """
+        return self._listener.stop()
 
     def _serve(self, connection: FramedConnection) -> None:
         connection.set_timeout(_HELLO_SECONDS)
@@ -123,13 +113,9 @@ class TcpLanes:
             self._refuse(connection, status, error.reason.value, error.message)
             return
         connection.set_timeout(None)
-        with self._lock:
-            self._open += 1
         try:
             self._answer_requests(connection, presented)
         finally:
-            with self._lock:
-                self._open -= 1
             self._admission.exit_stream(incarnation)
 
     def _check_hello(self, raw: bytearray) -> tuple[bytes, str]:
@@ -140,12 +126,9 @@ class TcpLanes:
             raise RequestError(Reason.MALFORMED_MESSAGE,
                                f"the first frame on a lane is a wehub_ps.v1.LaneHello: {exc}") from None
         presented = hello.token.encode()
-        if self._tokens is not None:
-            if not presented:
-                raise RequestError(Reason.UNAUTHENTICATED, "this ps-server requires a bearer token: pass "
-                                                           "auth_token / PS_AUTH_TOKEN_FILE to the client")
-            if not self._tokens.matches(presented):
-                raise RequestError(Reason.UNAUTHENTICATED, "the bearer token is not valid for this ps-server")
+        refusal = token_refusal(self._tokens, presented) if self._tokens is not None else None
+        if refusal is not None:
+            raise RequestError(Reason.UNAUTHENTICATED, refusal)
         if len(hello.incarnation) > MAX_WORKER_ID_LENGTH:
             raise RequestError(Reason.INVALID_REQUEST,
                                f"a lane's incarnation must be at most {MAX_WORKER_ID_LENGTH} characters")
@@ -165,15 +148,9 @@ class TcpLanes:
                 return
             if self._tokens is not None and not self._tokens.matches(presented):
                 self._refuse(connection, grpc.StatusCode.UNAUTHENTICATED, Reason.UNAUTHENTICATED.value,
-                             "the bearer token of this lane is no longer valid: --auth-token-file of this "
-                             "ps-server was rotated; reconnect with the new token")
+                             STALE_TOKEN)
                 return
-            wait = max(0.0, _WAIT_SECONDS - (time.monotonic() - opened))
-            try:
-                reply = self._answer(raw, wait)
-            except CodecError as error:  # answer_exchange answers these; kept as a last guard
-                reply = exchange_error(0, grpc.StatusCode.INVALID_ARGUMENT, Reason.MALFORMED_MESSAGE.value,
-                                       str(error))
+            reply = self._answer(raw, max(0.0, _WAIT_SECONDS - (time.monotonic() - opened)))
             try:
                 connection.send([reply])
             except ConnectionClosed:

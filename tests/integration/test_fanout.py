@@ -99,8 +99,8 @@ class _InterruptedOnce:
         self._stream = stream
         self.interrupted = False
 
-    def send(self, message: bytes) -> None:
-        self._stream.send(message)
+    def send(self, pieces: list) -> None:
+        self._stream.send(pieces)
 
     def receive(self, what: str):
         if not self.interrupted:

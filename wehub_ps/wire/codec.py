@@ -74,6 +74,7 @@ __all__ = [
     "decode_pull_response",
     "decode_push_request",
     "encode_envelope",
+    "envelope_pieces",
     "decode_envelope",
 ]
 
@@ -375,17 +376,21 @@ _ENVELOPE_PAYLOAD_KEYS = {tag(number, WIRE_LEN)[0]: number for number in _ENVELO
                           if len(tag(number, WIRE_LEN)) == 1}
 
 
-def encode_envelope(request_id: int, field: int, payload: bytes | memoryview | list) -> bytes:
-    """An ExchangeRequest/ExchangeResponse around an already serialised payload.
+def envelope_pieces(request_id: int, field: int, payload: bytes | memoryview | list) -> list:
+    """An ExchangeRequest/ExchangeResponse around an already serialised payload, as pieces.
 
     ``payload`` may be a list of pieces (of one or several concatenated
-    messages of the payload type, see push_request_pieces): they are joined
-    once, with the envelope, so tensor bytes are copied once here too.
+    messages of the payload type, see push_request_pieces); they are not
+    copied, so a socket writes them with one scatter-gather send.
     """
     pieces = payload if isinstance(payload, list) else [payload]
     size = sum(piece_size(p) for p in pieces)
-    head = _TAG_ENVELOPE_ID + varint(request_id) + tag(field, WIRE_LEN) + varint(size)
-    return join_pieces([head, *pieces])
+    return [_TAG_ENVELOPE_ID + varint(request_id) + tag(field, WIRE_LEN) + varint(size), *pieces]
+
+
+def encode_envelope(request_id: int, field: int, payload: bytes | memoryview | list) -> bytes:
+    """:func:`envelope_pieces` joined once: tensor bytes are copied once here too."""
+    return join_pieces(envelope_pieces(request_id, field, payload))
 
 
 def decode_envelope(message: bytes) -> tuple[int, int, memoryview]:

@@ -233,10 +233,11 @@ class FrameListener:
             connection.close()
         return len(connections)
 
-    def stop(self) -> None:
+    def stop(self) -> int:
+        """Close the port and every connection; how many connections were open."""
         self._stopped.set()
         self._sock.close()
-        self.close_connections()
+        return self.close_connections()
 
 
 def connect(address: str, tls: ssl.SSLContext | None, timeout: float, server_name: str | None = None,

@@ -18,7 +18,6 @@ import logging
 import ssl
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -30,9 +29,9 @@ from wehub_ps.wire.rpc import INCARNATION_METADATA_KEY, MAX_MESSAGE_BYTES, SERVI
 from worker_client.errors import NotPrimaryError, PSError, PSUnavailableError, translate_rpc_error
 from worker_client.transport.credentials import BearerToken
 from worker_client.transport.lane import ExchangeLane, GrpcStream, LaneStream
-from worker_client.transport.tcp_lane import TcpLaneOpener
+from worker_client.transport.tcp_lane import TcpLaneOpener, TcpLaneSettings
 
-__all__ = ["ShardChannel", "TcpLaneSettings"]
+__all__ = ["ShardChannel"]
 
 log = logging.getLogger("worker_client")
 
@@ -48,16 +47,6 @@ _WATCH_SECONDS, _WATCH_TIMEOUT_SECONDS = 1.0, 2.0
 # Opening a TCP lane (its Describe and its connection) waits at most this long.
 _LANE_CONNECT_SECONDS = 10.0
 _DESCRIBE = ps_pb2.DescribeRequest().SerializeToString()
-
-
-@dataclass(frozen=True)
-class TcpLaneSettings:
-    """What a connection needs to open a server's TCP lane (worker_client.transport.tcp_lane)."""
-
-    tls: ssl.SSLContext | None
-    server_name: str | None
-    token: BearerToken
-    incarnation: str | None
 
 
 class _Connection:
@@ -96,9 +85,9 @@ class _Connection:
         #: Opens the lane on the server's TCP lane port when it has one (None: the Exchange stream only).
         self.tcp_lane: TcpLaneOpener | None = None
         if tcp_lane is not None:
-            self.tcp_lane = TcpLaneOpener(address, lambda: self._lane_port(tcp_lane, request_timeout),
-                                          open_grpc, tcp_lane.tls, tcp_lane.server_name, tcp_lane.token.value,
-                                          tcp_lane.incarnation, min(request_timeout, _LANE_CONNECT_SECONDS))
+            self.tcp_lane = TcpLaneOpener(address, tcp_lane,
+                                          lambda: self._lane_port(tcp_lane, request_timeout), open_grpc,
+                                          min(request_timeout, _LANE_CONNECT_SECONDS))
             open_stream = self.tcp_lane
         #: The long-lived lane for small requests (see worker_client.transport.lane).
         self.lane = ExchangeLane(open_stream, address, request_timeout)

@@ -48,7 +48,7 @@ import grpc
 
 from wehub_ps.errors import Reason
 from wehub_ps.v1 import ps_pb2
-from wehub_ps.wire.codec import EXCHANGE_ERROR, decode_envelope, encode_envelope
+from wehub_ps.wire.codec import EXCHANGE_ERROR, decode_envelope, envelope_pieces, join_pieces
 from worker_client.errors import PSError, PSUnavailableError, error_for, translate_rpc_error
 
 __all__ = ["ExchangeLane", "GrpcStream", "LaneRefused", "LaneStream", "LIFETIME_SECONDS"]
@@ -68,8 +68,12 @@ class LaneRefused(PSUnavailableError):
 class LaneStream(Protocol):
     """What carries a lane's requests and answers, one request at a time."""
 
-    def send(self, message: bytes) -> None:
-        """Send one ExchangeRequest (PSError when the stream broke)."""
+    def send(self, pieces: list) -> None:
+        """Send one ExchangeRequest, given as pieces (PSError when the stream broke).
+
+        The pieces may be views of the caller's arrays and of its thread's
+        conversion arena: they are sent, or copied, before this returns.
+        """
 
     def receive(self, what: str) -> bytes | bytearray:
         """The next ExchangeResponse; PSError (translated) when the stream failed or ended."""
@@ -89,8 +93,8 @@ class GrpcStream:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._responses = open_call(iter(self._requests.get, _CLOSE), timeout=LIFETIME_SECONDS)
 
-    def send(self, message: bytes) -> None:
-        self._requests.put(message)
+    def send(self, pieces: list) -> None:
+        self._requests.put(join_pieces(pieces))  # gRPC sends it later, from its own thread
 
     def receive(self, what: str) -> bytes:
         try:
@@ -171,7 +175,7 @@ class ExchangeLane:
                                                   name=f"ps-lane-deadline-{self._address}")
                 self._watchdog.start()
         try:
-            stream.send(encode_envelope(request_id, field, payload))
+            stream.send(envelope_pieces(request_id, field, payload))
         except BaseException as error:
             expired = self._disarm()
             self.close()

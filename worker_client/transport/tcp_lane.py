@@ -20,19 +20,36 @@ import logging
 import ssl
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from wehub_ps.cluster import ClusterConfigError, split_host_port
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.frames import ConnectionClosed, FramedConnection, connect
 from worker_client.errors import PSUnavailableError
+from worker_client.transport.credentials import BearerToken
 from worker_client.transport.lane import LaneStream
 
-__all__ = ["SocketStream", "TcpLaneOpener"]
+__all__ = ["SocketStream", "TcpLaneOpener", "TcpLaneSettings"]
 
 log = logging.getLogger("worker_client")
 
 # After the lane port could not be reached: the Exchange stream, for this long.
 _UNREACHABLE_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class TcpLaneSettings:
+    """What a connection needs to open a server's TCP lane, besides the server's address."""
+
+    tls: ssl.SSLContext | None
+    server_name: str | None
+    token: BearerToken
+    incarnation: str | None
+
+
+def _broken(address: str, what: str, error: ConnectionClosed) -> PSUnavailableError:
+    return PSUnavailableError(f"{what}: the TCP lane to ps-server {address} broke: {error}", address=address,
+                              code="UNAVAILABLE")
 
 
 class SocketStream:
@@ -42,27 +59,24 @@ class SocketStream:
         self._connection = connection
         self._address = address
 
-    def send(self, message: bytes) -> None:
+    def send(self, pieces: list) -> None:
+        # Written with one sendmsg, never joined: the tensor bytes are copied once, by the kernel.
         try:
-            self._connection.send([message])
+            self._connection.send(pieces)
         except ConnectionClosed as error:
-            raise self._broken("exchange", error) from None
+            raise _broken(self._address, "exchange", error) from None
 
     def receive(self, what: str) -> bytearray:
         try:
             return self._connection.receive()
         except ConnectionClosed as error:
-            raise self._broken(what, error) from None
+            raise _broken(self._address, what, error) from None
 
     def cancel(self) -> None:
         self._connection.close()
 
     def close(self) -> None:
         self._connection.close()
-
-    def _broken(self, what: str, error: ConnectionClosed) -> PSUnavailableError:
-        return PSUnavailableError(f"{what}: the TCP lane to ps-server {self._address} broke: {error}",
-                                  address=self._address, code="UNAVAILABLE")
 
 
 class TcpLaneOpener:
@@ -73,16 +87,12 @@ class TcpLaneOpener:
     Exchange stream.
     """
 
-    def __init__(self, address: str, lane_port: Callable[[], int], open_grpc: Callable[[], LaneStream],
-                 tls: ssl.SSLContext | None, server_name: str | None, token: Callable[[], str],
-                 incarnation: str | None, connect_timeout: float) -> None:
+    def __init__(self, address: str, settings: TcpLaneSettings, lane_port: Callable[[], int],
+                 open_grpc: Callable[[], LaneStream], connect_timeout: float) -> None:
         self._address = address
+        self._settings = settings
         self._lane_port = lane_port
         self._open_grpc = open_grpc
-        self._tls = tls
-        self._server_name = server_name
-        self._token = token
-        self._incarnation = incarnation or ""
         self._connect_timeout = connect_timeout
         self._unreachable_until = 0.0
         #: Whether the lane in use is the TCP lane (tests and logs).
@@ -101,7 +111,8 @@ class TcpLaneOpener:
             return self._open_grpc()
         lane_address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            connection = connect(lane_address, self._tls, self._connect_timeout, self._server_name)
+            connection = connect(lane_address, self._settings.tls, self._connect_timeout,
+                                 self._settings.server_name)
         except ConnectionClosed as error:
             self._unreachable_until = time.monotonic() + _UNREACHABLE_SECONDS
             log.warning("ps-server %s: its TCP lane %s cannot be reached (%s); small pulls and pushes use "
@@ -110,12 +121,12 @@ class TcpLaneOpener:
                         extra={"fields": {"address": self._address, "lane": lane_address,
                                           "error": str(error)}})
             return self._open_grpc()
+        settings = self._settings
+        hello = ps_pb2.LaneHello(token=settings.token.value(), incarnation=settings.incarnation or "")
         try:
-            connection.send([ps_pb2.LaneHello(token=self._token(), incarnation=self._incarnation)
-                             .SerializeToString()])
+            connection.send([hello.SerializeToString()])
         except ConnectionClosed as error:
             connection.close()
-            raise PSUnavailableError(f"exchange: the TCP lane to ps-server {self._address} broke: {error}",
-                                     address=self._address, code="UNAVAILABLE") from None
+            raise _broken(self._address, "exchange", error) from None
         self.on_tcp = True
         return SocketStream(connection, self._address)

@@ -14,7 +14,8 @@ from ps_testing import free_port
 
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.frames import FramedConnection
-from worker_client.transport.tcp_lane import SocketStream, TcpLaneOpener
+from worker_client.transport.credentials import BearerToken
+from worker_client.transport.tcp_lane import SocketStream, TcpLaneOpener, TcpLaneSettings
 
 GRPC_STREAM = object()
 
@@ -25,7 +26,8 @@ def _opener(port_of, address="127.0.0.1:1") -> tuple[TcpLaneOpener, list[int]]:
     def lane_port() -> int:
         asked.append(1)
         return port_of()
-    opener = TcpLaneOpener(address, lane_port, lambda: GRPC_STREAM, None, None, lambda: "tok", "inc-1", 2.0)
+    settings = TcpLaneSettings(None, None, BearerToken("tok", None), "inc-1")
+    opener = TcpLaneOpener(address, settings, lane_port, lambda: GRPC_STREAM, 2.0)
     return opener, asked
 
 
@@ -65,7 +67,7 @@ def test_the_lane_says_hello_with_the_token_and_incarnation_then_carries_frames(
         opener, _ = _opener(lambda: listener.getsockname()[1])
         stream = opener()
         assert isinstance(stream, SocketStream) and opener.on_tcp
-        stream.send(b"ping")
+        stream.send([b"pi", memoryview(b"ng")])  # pieces, written as one frame
         assert bytes(stream.receive("pull")) == b"answer to ping"
         server.join(5)
         hello = seen["hello"]
