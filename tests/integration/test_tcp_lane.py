@@ -140,6 +140,18 @@ def test_known_gradients_from_many_workers_are_exact_over_tcp_lanes(cluster_fact
         np.testing.assert_array_equal(values[name], np.full(64, -total * (k + 1), np.float32))
 
 
+def test_row_pushes_and_pulls_are_exact_over_tcp_lanes(cluster_factory):
+    cluster = cluster_factory(2, *LANE)
+    ids = np.arange(40, dtype=np.int64) * 7919 + 10**12  # spread over both shards
+    with PSClient(cluster.addresses, worker_id="rows") as client:
+        client.create_embedding("emb", dim=4, initializer="zeros", optimizer=SGD(learning_rate=1.0))
+        for step in range(20):
+            client.push_rows("emb", ids, np.full((len(ids), 4), step + 1, np.float32))
+        assert _on_tcp(client) == [True, True]
+        rows = client.pull_rows("emb", ids)
+    np.testing.assert_array_equal(rows, np.full((len(ids), 4), -sum(range(1, 21)), np.float32))
+
+
 def test_bad_hellos_and_frames_get_precise_errors_and_change_nothing(cluster_factory, token_file):
     cluster = cluster_factory(1, *LANE, "--auth-token-file", str(token_file))
     address = cluster.addresses[0]

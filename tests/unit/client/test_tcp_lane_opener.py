@@ -10,9 +10,12 @@ import logging
 import socket
 import threading
 
+import numpy as np
 from ps_testing import free_port
 
+from wehub_ps.kernels.rowops import RowGather
 from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.codec import join_pieces
 from wehub_ps.wire.frames import FramedConnection
 from worker_client.transport.credentials import BearerToken
 from worker_client.transport.tcp_lane import SocketStream, TcpLaneOpener, TcpLaneSettings
@@ -67,8 +70,10 @@ def test_the_lane_says_hello_with_the_token_and_incarnation_then_carries_frames(
         opener, _ = _opener(lambda: listener.getsockname()[1])
         stream = opener()
         assert isinstance(stream, SocketStream) and opener.on_tcp
-        stream.send([b"pi", memoryview(b"ng")])  # pieces, written as one frame
-        assert bytes(stream.receive("pull")) == b"answer to ping"
+        rows = RowGather(np.arange(12, dtype=np.float32).reshape(4, 3), np.array([2, 0]))
+        pieces = [b"pi", memoryview(b"ng"), rows]  # written as one frame, the rows gathered
+        stream.send(pieces)
+        assert bytes(stream.receive("pull")) == b"answer to " + join_pieces(pieces)
         server.join(5)
         hello = seen["hello"]
         assert (hello.token, hello.incarnation) == ("tok", "inc-1")
