@@ -138,6 +138,27 @@ class ServerProcess:
         if self.popen is not None and self.popen.poll() is None:
             os.kill(self.popen.pid, signum)
 
+    def freeze(self, timeout: float = 5.0) -> None:
+        """SIGSTOP, and wait until every thread is stopped: kill() returns before they are, and a
+        request sent in between could still be answered."""
+        assert self.popen is not None
+        self.signal(signal.SIGSTOP)
+        tasks = pathlib.Path(f"/proc/{self.popen.pid}/task")
+        deadline = time.monotonic() + timeout
+        while True:
+            states = []
+            for task in tasks.iterdir():
+                try:
+                    states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+                except OSError:  # the thread ended meanwhile
+                    continue
+            if states and all(state == "T" for state in states):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ps-server {self.shard_index} not stopped {timeout:g}s after SIGSTOP: "
+                                   f"{states}")
+            time.sleep(0.005)
+
     def wait(self, timeout: float = 30.0) -> int:
         assert self.popen is not None
         return self.popen.wait(timeout)

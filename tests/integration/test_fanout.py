@@ -145,7 +145,7 @@ def test_a_lane_request_to_a_server_that_stopped_answering_ends_at_its_deadline(
     with PSClient(cluster.addresses, data_timeout=1, retry_timeout=3, heartbeat=False) as client:
         client.create_variable("v", shape=(8,), initializer="zeros", optimizer=SGD(learning_rate=1.0))
         client.push({"v": np.ones(8, np.float32)})  # the lane is open and in use
-        server.signal(signal.SIGSTOP)
+        server.freeze()
         try:
             started = time.monotonic()
             with pytest.raises(PSUnavailableError, match="DEADLINE_EXCEEDED") as info:

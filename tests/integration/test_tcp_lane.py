@@ -309,7 +309,7 @@ def test_a_frozen_server_fails_a_lane_request_at_its_deadline(cluster_factory):
         client.create_variable("w", shape=(4,), initializer="zeros", optimizer=SGD(learning_rate=1.0))
         client.push({"w": np.ones(4, np.float32)})
         assert _on_tcp(client) == [True]
-        server.signal(signal.SIGSTOP)
+        server.freeze()
         started = time.monotonic()
         try:
             with pytest.raises(PSError):
