@@ -14,7 +14,9 @@ with the others, each loop of its model for a fixed number of steps:
 The plain loop is judged against 1 / (compute + communication) of the same
 run (target 0.8x), communication against raw TCP moving the same bytes; the
 100K plain step also against two bare round trips plus what its variables
-cost, and against bare gRPC servers moving its bytes the same way. For
+cost, and against bare gRPC servers moving its bytes the same way; and
+what one small request costs (a pull and a push of 4 floats on 1 server)
+against bare framed sockets making the same round trips. For
 each loop the run also reports the CPU it took per step: the worker
 processes', the servers' and the whole machine's (kernel included), which
 says what the cores allow when they are all busy.
@@ -203,6 +205,51 @@ def measure(model: str, steps: int, warmup: int, worker_counts=WORKER_COUNTS, la
     return figures
 
 
+def request_cost(count: int) -> dict:
+    """What one small request costs beyond its round trip: a pull(out=) and a push of one variable of
+    4 floats on 1 server with a TCP lane, ``count`` of each, in this process.
+
+    p50 of each call, and the CPU per request of this process and of the server (kernel included).
+    """
+    import numpy as np
+
+    from worker_client import PSClient
+
+    with ps_cluster(1) as (addresses, procs), PSClient(addresses, worker_id="train-request") as client:
+        client.create_variable("tiny", (4,))
+        out, grad = {"tiny": np.zeros(4, np.float32)}, {"tiny": np.ones(4, np.float32)}
+        pulls, pushes = [], []
+        for i in range(count + count // 10):
+            if i == count // 10:  # warmed up
+                pulls.clear()
+                pushes.clear()
+                before = resource.getrusage(resource.RUSAGE_SELF)
+                server_start = _process_cpu_seconds(procs[0].pid)
+            start = time.perf_counter()
+            client.pull("tiny", out=out)
+            pulled = time.perf_counter()
+            client.push(grad)
+            pushes.append(time.perf_counter() - pulled)
+            pulls.append(pulled - start)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        server_cpu = _process_cpu_seconds(procs[0].pid) - server_start
+    worker_cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return {"pull_p50_ms": median(pulls) * 1e3, "push_p50_ms": median(pushes) * 1e3,
+            "worker_cpu_us": worker_cpu / (2 * count) * 1e6, "server_cpu_us": server_cpu / (2 * count) * 1e6}
+
+
+def request_rows(cost: dict, bare_ms: float, make_row: Callable) -> list:
+    """The rows of :func:`request_cost`, against bare framed sockets making the same two round trips."""
+    return [make_row("training", f"  one small request: pull + push of 4 floats, 1 server, TCP lane (p50 "
+                                 f"pull {cost['pull_p50_ms']:.2f}, push {cost['push_p50_ms']:.2f} ms)",
+                     cost["pull_p50_ms"] + cost["push_p50_ms"], "ms", bare_ms,
+                     "bare socket pull + push p50, same bytes", target_text="report", higher=False),
+            make_row("training", f"    CPU per request: worker {cost['worker_cpu_us']:.0f} us, server "
+                                 f"{cost['server_cpu_us']:.0f} us",
+                     cost["worker_cpu_us"] + cost["server_cpu_us"], "us", bare_ms * 1e3 / 2,
+                     "bare socket round trip", target_text="report", higher=False)]
+
+
 def bytes_per_step(model: str) -> int:
     if model == "recommender":
         return RecommenderLoops.bytes_per_step()
@@ -273,6 +320,9 @@ def section_training(tcp: float, rtt: float, per_variable: float, results: dict,
     per_server = bytes_per_step("mlp100k") // 4
     bare = {"grpc": median(grpc_pull_push_seconds(2, per_server, 1000)),
             "socket": median(socket_pull_push_seconds(2, per_server, 1000))}
+    if "mlp100k" in models:
+        results["training"]["request"] = cost = request_cost(2000)
+        cost["bare_socket_ms"] = median(socket_pull_push_seconds(1, 16, 2000)) * 1e3
     for model in models:
         figures = measure(model, *steps[model])
         if model == "mlp100k" and 1 in figures:
@@ -284,6 +334,8 @@ def section_training(tcp: float, rtt: float, per_variable: float, results: dict,
                                       for count, loops in figures.items()}
         for count, loops in figures.items():
             rows += rows_for(model, count, loops, tcp, rtt, per_variable, bare, make_row)
+            if model == "mlp100k" and count == 1:
+                rows += request_rows(cost, cost["bare_socket_ms"], make_row)
     return rows
 
 

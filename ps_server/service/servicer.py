@@ -35,6 +35,7 @@ from wehub_ps.wire.codec import (
     decode_envelope,
     decode_push_request,
     encode_envelope,
+    envelope_pieces,
     join_pieces,
     piece_size,
     push_response_pieces,
@@ -354,13 +355,15 @@ class ParameterServerService:
         the unary call would have had) and the stream carries on.
         """
         for raw in request_iterator:
-            yield self.answer_exchange(raw, context.time_remaining())
+            yield join_pieces(self.answer_exchange(raw, context.time_remaining()))
 
-    def answer_exchange(self, raw: bytes | bytearray, wait_seconds: float | None) -> bytes:
-        """The ExchangeResponse to one ExchangeRequest (an Exchange stream's or a TCP lane's).
+    def answer_exchange(self, raw: bytes | bytearray, wait_seconds: float | None) -> list:
+        """The ExchangeResponse to one ExchangeRequest (an Exchange stream's or a TCP lane's), as pieces.
 
-        ``wait_seconds``: how long an ssp/sync pull or a sync push may wait
-        for the other workers. Never raises a RequestError: it is the answer.
+        Pieces (codec.envelope_pieces): a socket writes them unjoined, so a
+        pull's tensor bytes are copied once, into the answer. ``wait_seconds``:
+        how long an ssp/sync pull or a sync push may wait for the other
+        workers. Never raises a RequestError: it is the answer.
         """
         request_id = 0
         try:
@@ -379,20 +382,20 @@ class ParameterServerService:
                         self._consistency.before_pull(msg.worker_id, msg.step, wait_seconds)
                         # Concatenated PullResponses are one PullResponse (repeated field).
                         messages = pull_messages(plan)
-                        reply = encode_envelope(request_id, EXCHANGE_PULL,
+                        reply = envelope_pieces(request_id, EXCHANGE_PULL,
                                                 [p for pieces in messages for p in pieces])
                 except RequestError as error:
                     self._count_pulls(names, error.reason.value)
                     raise
                 self._count_pulls(names, "ok")
-                self._metrics.bytes_sent.inc(len(reply))
+                self._metrics.bytes_sent.inc(sum(piece_size(p) for p in reply))
                 return reply
             if field == EXCHANGE_PUSH:
-                return encode_envelope(request_id, EXCHANGE_PUSH, self._run_push([payload], wait_seconds))
+                return envelope_pieces(request_id, EXCHANGE_PUSH, self._run_push([payload], wait_seconds))
             raise RequestError(Reason.INVALID_REQUEST, "an ExchangeRequest carries a pull or a push")
         except RequestError as error:
-            return exchange_error(request_id, STATUS_BY_REASON[error.reason], error.reason.value,
-                                  error.message)
+            return [exchange_error(request_id, STATUS_BY_REASON[error.reason], error.reason.value,
+                                   error.message)]
 
 
 def exchange_error(request_id: int, status: grpc.StatusCode, reason: str, message: str) -> bytes:

@@ -45,6 +45,7 @@ from ps_server.service.servicer import exchange_error
 from wehub_ps.errors import Reason
 from wehub_ps.process.logs import event
 from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.codec import buffer_pieces
 from wehub_ps.wire.frames import ConnectionClosed, FramedConnection, FrameListener, FrameTooLarge
 
 __all__ = ["TcpLanes", "lane_tls"]
@@ -76,7 +77,7 @@ def lane_tls(config: ServerConfig) -> ssl.SSLContext | None:
 class TcpLanes:
     """The lane port: accepts connections and answers their requests, each connection on its own thread."""
 
-    def __init__(self, config: ServerConfig, answer: Callable[[bytearray, float | None], bytes],
+    def __init__(self, config: ServerConfig, answer: Callable[[bytearray, float | None], list],
                  admission: Admission, tokens: TokenFile | None, name: str) -> None:
         self._answer = answer
         self._admission = admission
@@ -152,7 +153,7 @@ class TcpLanes:
                 return
             reply = self._answer(raw, max(0.0, _WAIT_SECONDS - (time.monotonic() - opened)))
             try:
-                connection.send([reply])
+                connection.send(buffer_pieces(reply))
             except ConnectionClosed:
                 return
 

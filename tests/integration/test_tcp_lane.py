@@ -149,7 +149,19 @@ def test_row_pushes_and_pulls_are_exact_over_tcp_lanes(cluster_factory):
             client.push_rows("emb", ids, np.full((len(ids), 4), step + 1, np.float32))
         assert _on_tcp(client) == [True, True]
         rows = client.pull_rows("emb", ids)
+        # A dense variable's rows are gathered into the server's answer as it is sent.
+        client.create_variable("table", shape=(300, 4), initializer="zeros", optimizer=SGD(learning_rate=1.0))
+        dense_ids = np.arange(0, 300, 7, dtype=np.int64)  # both shards' rows
+        for step in range(20):
+            client.push_rows("table", dense_ids, np.full((len(dense_ids), 4), step + 1, np.float32))
+        dense_rows = client.pull_rows("table", dense_ids)
+        assert _on_tcp(client) == [True, True]
+        whole = client.pull("table")["table"]
     np.testing.assert_array_equal(rows, np.full((len(ids), 4), -sum(range(1, 21)), np.float32))
+    np.testing.assert_array_equal(dense_rows, np.full((len(dense_ids), 4), -sum(range(1, 21)), np.float32))
+    expected = np.zeros((300, 4), np.float32)
+    expected[dense_ids] = -sum(range(1, 21))
+    np.testing.assert_array_equal(whole, expected)
 
 
 def test_bad_hellos_and_frames_get_precise_errors_and_change_nothing(cluster_factory, token_file):

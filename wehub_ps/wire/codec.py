@@ -64,6 +64,7 @@ __all__ = [
     "DecodedChunk",
     "OutgoingChunk",
     "join_pieces",
+    "buffer_pieces",
     "piece_size",
     "encode_pull_response",
     "encode_push_request",
@@ -149,6 +150,11 @@ def join_pieces(pieces: list) -> bytes:
             position = end
 
     return filled_bytes(sum(sizes), fill)
+
+
+def buffer_pieces(pieces: list) -> list:
+    """``pieces`` as buffers a scatter-gather send takes: each RowGather gathered, nothing else copied."""
+    return [memoryview(p.gather()).cast("B") if type(p) is RowGather else p for p in pieces]
 
 
 @dataclass(frozen=True, slots=True)

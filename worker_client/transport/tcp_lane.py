@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from wehub_ps.cluster import ClusterConfigError, split_host_port
-from wehub_ps.kernels.rowops import RowGather
 from wehub_ps.v1 import ps_pb2
+from wehub_ps.wire.codec import buffer_pieces
 from wehub_ps.wire.frames import ConnectionClosed, FramedConnection, connect
 from worker_client.errors import PSUnavailableError
 from worker_client.transport.credentials import BearerToken
@@ -62,10 +62,8 @@ class SocketStream:
 
     def send(self, pieces: list) -> None:
         # Written with one sendmsg, never joined: the tensor bytes are copied once, by the kernel.
-        # The rows of a row push (RowGather) are gathered first, as joining them would.
-        buffers = [memoryview(p.gather()).cast("B") if type(p) is RowGather else p for p in pieces]
         try:
-            self._connection.send(buffers)
+            self._connection.send(buffer_pieces(pieces))
         except ConnectionClosed as error:
             raise _broken(self._address, "exchange", error) from None
 
