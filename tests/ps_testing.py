@@ -92,6 +92,8 @@ class ServerProcess:
     extra_args: Sequence[str] = ()
     popen: subprocess.Popen | None = None
     port: int = 0
+    #: What ``python`` runs: the ps-server, or a test's variant of it.
+    program: Sequence[str] = ("-m", "ps_server")
 
     @property
     def port_file(self) -> pathlib.Path:
@@ -113,7 +115,7 @@ class ServerProcess:
     def launch(self, port: int = 0) -> None:
         if self.port_file.exists():
             self.port_file.unlink()
-        argv = [sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", str(port),
+        argv = [sys.executable, *self.program, "--host", "127.0.0.1", "--port", str(port),
                 "--port-file", str(self.port_file), "--shard-index", str(self.shard_index),
                 "--num-shards", str(self.num_shards), *self.extra_args]
         log = open(self.log_path, "ab")

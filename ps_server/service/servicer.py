@@ -363,7 +363,8 @@ class ParameterServerService:
         Pieces (codec.envelope_pieces): a socket writes them unjoined, so a
         pull's tensor bytes are copied once, into the answer. ``wait_seconds``:
         how long an ssp/sync pull or a sync push may wait for the other
-        workers. Never raises a RequestError: it is the answer.
+        workers. Never raises: a RequestError is the answer, and so is an
+        unexpected error (UNKNOWN, logged with its traceback).
         """
         request_id = 0
         try:
@@ -396,6 +397,13 @@ class ParameterServerService:
         except RequestError as error:
             return [exchange_error(request_id, STATUS_BY_REASON[error.reason], error.reason.value,
                                    error.message)]
+        except Exception as error:  # noqa: BLE001 - a bug: answered, as gRPC answers a handler's exception
+            # UNKNOWN, which clients do not retry: on a TCP lane the connection would otherwise
+            # break, and the client retry the request for its whole retry_timeout.
+            log.error("exchange request failed with an unexpected error", exc_info=True,
+                      extra={"fields": {"request_id": request_id, "error": repr(error)}})
+            return [exchange_error(request_id, grpc.StatusCode.UNKNOWN, "",
+                                   f"ps-server failed to answer: {type(error).__name__}: {error}")]
 
 
 def exchange_error(request_id: int, status: grpc.StatusCode, reason: str, message: str) -> bytes:

@@ -16,7 +16,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from ps_testing import run_in_threads
+from ps_testing import ROOT, Cluster, ServerProcess, run_in_threads
 
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.arrays import byte_view
@@ -369,3 +369,28 @@ def test_a_rotated_token_cuts_an_open_lane_before_its_next_push_is_applied(clust
     with PSClient([address], auth_token="new-token", register=False) as reader:
         np.testing.assert_array_equal(reader.pull(["w"])["w"], np.zeros(4, np.float32))
         assert _on_tcp(reader) == [True]
+
+
+@pytest.mark.parametrize("tcp_lane", [True, False], ids=["tcp-lane", "exchange-stream"])
+def test_a_server_bug_fails_its_request_at_once_and_the_lane_carries_on(cluster_factory, tmp_path, tcp_lane):
+    # A ps-server whose pulls of "boom" raise an exception it does not expect (tests/buggy_ps_server.py).
+    server = ServerProcess(0, 1, tmp_path, LANE, program=(str(ROOT / "tests" / "buggy_ps_server.py"),))
+    cluster_factory.clusters.append(Cluster([server]))  # stopped at teardown
+    server.start()
+    with PSClient([server.address], worker_id="bug", tcp_lane=tcp_lane, retry_timeout=120) as client:
+        client.create_variable("fine", (4,), initializer="zeros", optimizer=SGD(learning_rate=1.0))
+        client.create_variable("boom", (4,), initializer="zeros")
+        client.pull("fine")
+        assert _on_tcp(client) == [tcp_lane]
+        started = time.monotonic()
+        with pytest.raises(PSError, match="planted bug") as raised:
+            client.pull("boom")
+        # Not retried as if the server were unavailable: a bug answers UNKNOWN, as gRPC answers a
+        # handler's exception, and the caller hears of it at once.
+        assert raised.value.code == "UNKNOWN"
+        assert time.monotonic() - started < 30
+        client.push({"fine": np.full(4, 3, np.float32)})
+        np.testing.assert_array_equal(client.pull("fine")["fine"], np.full(4, -3, np.float32))
+        assert _on_tcp(client) == [tcp_lane]
+    assert server.popen.poll() is None
+    assert "planted bug" in server.log_text()
