@@ -82,6 +82,13 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def memory_status(pid: int) -> dict[str, int]:
+    """A process's resident bytes now (VmRSS) and at its peak (VmHWM), from /proc (Linux)."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM")}
+
+
 @dataclass
 class ServerProcess:
     """One ps-server child process."""

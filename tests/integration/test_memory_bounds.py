@@ -24,6 +24,7 @@ import uuid
 import grpc
 import numpy as np
 import pytest
+from ps_testing import memory_status
 
 from wehub_ps.errors import REASON_METADATA_KEY
 from wehub_ps.v1 import ps_pb2
@@ -57,12 +58,6 @@ MAX_VARIABLES = 1000
 # --max-message-bytes) and its decoded chunk headers (~1 KiB each, at most --max-variables + 1,024).
 OVERHEAD = 224 * MiB + 2 * KEEP_FREED + 3 * MAX_MESSAGE + (MAX_VARIABLES + 1024) * 1024
 StatusCode = grpc.StatusCode
-
-
-def _status(pid: int) -> dict[str, int]:
-    with open(f"/proc/{pid}/status") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM")}
 
 
 def _reset_peak(pid: int) -> None:
@@ -144,10 +139,10 @@ def _state(server: _Server, table_rows: bool = True) -> tuple:
 def pattern(server, figures, request):
     """Runs one pattern: state and RSS before, state unchanged and RSS bounded after."""
     before = _state(server)
-    rss_before = _status(server.pid)["VmRSS"]
+    rss_before = memory_status(server.pid)["VmRSS"]
     _reset_peak(server.pid)
     yield
-    now = _status(server.pid)
+    now = memory_status(server.pid)
     name = request.node.name.removeprefix("test_")
     figures.append(f"{name:<40} before {rss_before / MiB:6.1f}  after {now['VmRSS'] / MiB:6.1f}  "
                    f"peak {now['VmHWM'] / MiB:6.1f}")
@@ -305,7 +300,7 @@ def test_many_streams(server, pattern):
         thread.start()
     for thread in threads:
         thread.join(60)
-    peak_while_held = _status(server.pid)["VmHWM"]
+    peak_while_held = memory_status(server.pid)["VmHWM"]
     for call in calls:
         call.cancel()
     assert outcomes.count("holding") >= 1 and outcomes.count("RESOURCE_EXHAUSTED") >= 1, outcomes
@@ -354,7 +349,7 @@ def test_a_hash_table_filling_the_limit(cluster_factory, figures):
     pid = cluster.servers[0].popen.pid
     with PSClient(cluster.addresses) as client:
         client.create_embedding("narrow_table", 4, initializer="zeros")
-        rss_before = _status(pid)["VmRSS"]
+        rss_before = memory_status(pid)["VmRSS"]
         _reset_peak(pid)
         batch = 100_000
         for start in range(0, 100 * batch, batch):
@@ -368,7 +363,7 @@ def test_a_hash_table_filling_the_limit(cluster_factory, figures):
         info = client.describe()[0]
         assert info.variables["narrow_table"]["num_rows"] == start  # the refused pull created none
         assert info.stored_bytes <= limit
-    now = _status(pid)
+    now = memory_status(pid)
     figures.append(f"{'a_hash_table_filling_the_limit (256 MiB)':<40} before {rss_before / MiB:6.1f}  "
                    f"after {now['VmRSS'] / MiB:6.1f}  peak {now['VmHWM'] / MiB:6.1f}  ({start} rows)")
     assert now["VmHWM"] <= limit + OVERHEAD
@@ -386,7 +381,7 @@ def test_abandoned_synchronous_pushes(cluster_factory, figures):
         client.create_variable("big", shape=(2048, 1024), initializer=Uniform(seed=4),  # 8 MiB
                                optimizer=SGD(learning_rate=1.0))
         before = client.pull(["big"])["big"].tobytes(), client.describe()[0].variables["big"]
-    rss_before = _status(pid)["VmRSS"]
+    rss_before = memory_status(pid)["VmRSS"]
     _reset_peak(pid)
     zeros = byte_view(np.zeros(1024, np.float32))
     refused = None
@@ -408,7 +403,7 @@ def test_abandoned_synchronous_pushes(cluster_factory, figures):
     assert error.code() == StatusCode.RESOURCE_EXHAUSTED and n >= 3, (n, error.details())
     with PSClient(cluster.addresses) as client:
         assert (client.pull(["big"])["big"].tobytes(), client.describe()[0].variables["big"]) == before
-    now = _status(pid)
+    now = memory_status(pid)
     figures.append(f"{'abandoned_synchronous_pushes':<40} before {rss_before / MiB:6.1f}  "
                    f"after {now['VmRSS'] / MiB:6.1f}  peak {now['VmHWM'] / MiB:6.1f}  (refused at {n})")
     assert now["VmHWM"] <= LIMIT + OVERHEAD
@@ -427,7 +422,7 @@ def test_a_synchronous_steps_sum_of_rows_filling_the_limit(cluster_factory, figu
     with PSClient(cluster.addresses, worker_id="never-pushes") as client:  # keeps step 0 open
         client.create_embedding("wide", width, initializer="zeros", optimizer=SGD(learning_rate=1.0))
         client.pull_rows("wide", ids)  # the rows exist: the pushes below add to the sum only
-        rss_before = _status(pid)["VmRSS"]
+        rss_before = memory_status(pid)["VmRSS"]
         _reset_peak(pid)
         grads = byte_view(np.ones(rows * width, np.float32))
         refused = None
@@ -452,7 +447,7 @@ def test_a_synchronous_steps_sum_of_rows_filling_the_limit(cluster_factory, figu
         assert info.stored_bytes <= LIMIT
         assert info.stored_bytes >= n * 3 * rows * (8 + 4 * width), "the sums of the n pushes are booked"
         assert info.variables["wide"]["version"] == 0, "step 0 is still open"
-    now = _status(pid)
+    now = memory_status(pid)
     figures.append(f"{'a_synchronous_steps_sum_of_rows':<40} before {rss_before / MiB:6.1f}  "
                    f"after {now['VmRSS'] / MiB:6.1f}  peak {now['VmHWM'] / MiB:6.1f}  (refused at {n})")
     assert now["VmHWM"] <= LIMIT + OVERHEAD

@@ -16,7 +16,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from ps_testing import ROOT, Cluster, ServerProcess, run_in_threads
+from ps_testing import ROOT, Cluster, ServerProcess, memory_status, run_in_threads
 
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.arrays import byte_view
@@ -50,13 +50,6 @@ def _lane_port(address: str, token: str | None = None) -> int:
                                                           timeout=10, metadata=metadata)
     return ps_pb2.DescribeResponse.FromString(raw).lane_port
 
-
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 class RawLane:
@@ -221,7 +214,7 @@ def test_stalled_large_frames_hold_no_memory_and_the_bound_on_lanes_holds(cluste
         client.create_variable("w", shape=(16,), initializer="zeros", optimizer=SGD(learning_rate=1.0))
         before = client.pull(["w"])["w"].copy()
     port = _lane_port(address)
-    rss_before = _rss_bytes(server.popen.pid)
+    rss_before = memory_status(server.popen.pid)["VmRSS"]
     lanes = []
     try:
         for i in range(40):  # each announces a 60 MB push and sends 1 KiB of it, then stalls
@@ -240,7 +233,7 @@ def test_stalled_large_frames_hold_no_memory_and_the_bound_on_lanes_holds(cluste
         for _, _, payload in refused:
             assert ps_pb2.ExchangeError.FromString(payload).reason == "EXCHANGE_STREAMS"
         time.sleep(0.5)
-        grown = _rss_bytes(server.popen.pid) - rss_before
+        grown = memory_status(server.popen.pid)["VmRSS"] - rss_before
         assert grown < 64 << 20, f"the server's RSS grew {grown >> 20} MiB for 40 stalled 60 MB frames"
         # Connections that never say hello: past 48 + 64 open ones, each is closed as it is accepted.
         silent = [RawLane(port) for _ in range(80)]
