@@ -97,6 +97,9 @@ class PSServer:
 
             self.replica = ReplicaWiring(self)
             role = self.replica.role
+            if checkpointer is not None:
+                replica_role = self.replica.role
+                checkpointer.holds_state = lambda: replica_role.has_state
         admission = Admission(config.max_concurrent_rpcs, config.max_exchange_streams)
         #: The bearer token (--auth-token-file) that gRPC calls, lanes and metrics scrapes must present.
         self.tokens = TokenFile(config.auth_token_file) if config.auth_token_file else None

@@ -2,8 +2,11 @@
 
 Under ``/wehub-ps/<job>/shard/<index>/``:
 
-- ``members/<replica_index>``: ``{"address", "incarnation", "state"}`` on the
-  member process's lease, so it vanishes when the process does;
+- ``members/<replica_index>``: ``{"address", "incarnation", "state",
+  "holds_state", "epoch", "sequence"}`` on the member process's lease, so it
+  vanishes when the process does; ``epoch``/``sequence`` are the position of
+  the state it holds (``ps_server.coordination.positions``), published when
+  its role changes;
 - ``leader``: ``{"replica_index", "address", "incarnation"}`` on the leader's
   lease. The EPOCH of a term is this key's create_revision: etcd revisions
   are unique and grow, so a later term always has a larger epoch;
@@ -21,6 +24,7 @@ import json
 from dataclasses import dataclass
 
 from ps_server.coordination.etcd_ops import KeyValue
+from ps_server.coordination.positions import NO_STATE, Position
 
 __all__ = ["InSync", "Leader", "Member", "ReplicaId", "ShardKeys"]
 
@@ -107,19 +111,24 @@ class Member:
     address: str
     incarnation: int
     state: str
-    #: Whether it holds state it followed from a primary (not only its checkpoint).
+    #: Whether it holds state it followed from a primary or led (not only its checkpoint).
     holds_state: bool = False
+    #: Where that state stands (NO_STATE when it holds none).
+    position: Position = NO_STATE
 
     @classmethod
     def from_kv(cls, kv: KeyValue) -> Member:
         data = _load(kv)
         replica_index = int(kv.key.rsplit(b"/", 1)[1])
+        holds_state = bool(data.get("holds_state", False))
+        position = Position(int(data.get("epoch", 0)), int(data.get("sequence", 0))) if holds_state else NO_STATE
         return cls(replica_index, str(data["address"]), int(data["incarnation"]), str(data["state"]),
-                   bool(data.get("holds_state", False)))
+                   holds_state, position)
 
     def encode(self) -> bytes:
         return _dump({"address": self.address, "incarnation": self.incarnation, "state": self.state,
-                      "holds_state": self.holds_state})
+                      "holds_state": self.holds_state, "epoch": self.position.epoch,
+                      "sequence": self.position.sequence})
 
     @property
     def id(self) -> ReplicaId:

@@ -11,13 +11,19 @@ Safety rests on etcd transactions, never on this process's own view:
   loses it after the TTL, and ``lease_valid_until()`` tells the leader when
   to stop acknowledging before that can happen.
 
-Eligibility (``may_campaign``): a replica may lead when it is in the isr;
-or, with a fresh state (empty at first start, or just restored from the
-latest checkpoint), when no isr exists yet or no isr member is alive (no
-``members/<i>`` key with the isr entry's incarnation): every in-sync copy is
-gone. Then a replica holding state it followed from the last primary comes
-first: one with only its checkpoint (``holds_state`` false in its member
-key) waits while such a replica lives, since the follower's state is newer.
+Eligibility (``may_campaign``, :func:`eligible`): each member publishes
+whether it holds state (followed from a primary, or led) and that state's
+position (``ps_server.coordination.positions``). A replica may lead when it
+is in the isr and no other live isr member holds a fresher state (every isr
+member holds every acknowledged change, so any of them is safe; the freshest
+loses the fewest unacknowledged ones). Outside the isr it may lead only when
+no isr member is alive (no ``members/<i>`` key with the isr entry's
+incarnation): every in-sync copy is gone. Then the freshest state left
+leads: a replica holding state may lead when no other live member holds a
+fresher one, and one holding nothing (it would restore its newest
+checkpoint) only while no live member holds state at all. A replica that
+lost its etcd lease but kept its state keeps its incarnation, so an isr
+entry still names it.
 
 Thread-safety: every method may be called from any thread. Callbacks run on
 the keeper's thread (``on_lease_lost``) or a watcher's (``watch_leader``).
@@ -36,6 +42,7 @@ from ps_server.coordination.etcd_client import EtcdClient
 from ps_server.coordination.etcd_ops import WatchEvent, create_revision_is, delete_op, mod_revision_is, put_op
 from ps_server.coordination.etcdpb import etcd_pb2
 from ps_server.coordination.lease_keeper import LeaseKeeper
+from ps_server.coordination.positions import NO_STATE, Position, fresher
 from ps_server.coordination.records import InSync, Leader, Member, ReplicaId, ShardKeys
 from ps_server.coordination.watch import Watcher
 from wehub_ps.process.logs import event
@@ -56,18 +63,23 @@ class ShardState:
     revision: int
 
 
-def eligible(replica: ReplicaId, in_sync: InSync | None, members: dict[int, Member],
-             state_is_fresh: bool, holds_state: bool = True) -> bool:
-    """Whether ``replica`` may campaign, by the rule in this module's docstring."""
-    if in_sync is not None and replica in in_sync.members:
-        return True
-    if not state_is_fresh:
-        return False
-    if in_sync is None:
-        return True
-    if any(r in members and members[r].incarnation == i for r, i in in_sync.members):
-        return False
-    return holds_state or not any(m.holds_state for r, m in members.items() if r != replica[0])
+def eligible(replica: ReplicaId, in_sync: InSync | None, members: dict[int, Member], holds_state: bool,
+             position: Position = NO_STATE) -> bool:
+    """Whether ``replica`` (holding state at ``position``, or none) may campaign: this module's rule."""
+    others = [m for r, m in members.items() if r != replica[0]]
+
+    def fresher_holder(candidates: list[Member]) -> bool:
+        if not holds_state:
+            return any(m.holds_state for m in candidates)
+        return any(m.holds_state and fresher(m.position, position) for m in candidates)
+
+    if in_sync is not None:
+        live_in_sync = [m for m in others if m.id in in_sync.members]
+        if replica in in_sync.members:
+            return not fresher_holder(live_in_sync)
+        if live_in_sync:
+            return False
+    return not fresher_holder(others)
 
 
 def _lease_is(key: str, lease: int) -> etcd_pb2.Compare:
@@ -91,7 +103,7 @@ class ShardCoordinator:
     def __init__(self, client: EtcdClient, *, job: str, shard_index: int, replica_index: int,
                  incarnation: int, address: str, lease_ttl: int = 2, replication_address: str = "",
                  on_lease_lost: Callable[[], None] | None = None,
-                 state: str = "starting", holds_state: bool = False) -> None:
+                 state: str = "starting", holds_state: bool = False, position: Position = NO_STATE) -> None:
         if not isinstance(lease_ttl, int) or lease_ttl < 1:
             raise ValueError(f"lease_ttl must be a whole number of seconds >= 1, got {lease_ttl!r}")
         self._client = client
@@ -104,6 +116,7 @@ class ShardCoordinator:
         self._on_lease_lost = on_lease_lost
         self._state = state
         self._holds_state = holds_state
+        self._position = position
         self._lock = threading.Lock()
         self._keeper: LeaseKeeper | None = None
         self._epoch: int | None = None
@@ -158,12 +171,13 @@ class ShardCoordinator:
         keeper = self._keeper
         return keeper is not None and keeper.lost
 
-    def set_state(self, state: str, holds_state: bool = False) -> None:
-        """Publish this replica's state (e.g. catching-up, in-sync) in its member key, and whether it
-        holds state it followed from a primary (see the module docstring)."""
+    def set_state(self, state: str, holds_state: bool = False, position: Position = NO_STATE) -> None:
+        """Publish this replica's state (e.g. catching-up, backup) in its member key, whether it holds
+        state it followed from a primary or led, and that state's position (see the module docstring)."""
         keeper = self._require_keeper()
         self._state = state
         self._holds_state = holds_state
+        self._position = position if holds_state else NO_STATE
         self._client.put(self.keys.member(self.replica_index), self._member().encode(), lease=keeper.lease.id)
 
     def shard_state(self) -> ShardState:
@@ -210,33 +224,29 @@ class ShardCoordinator:
             watcher.stop()
         return watcher
 
-    def may_campaign(self, state_is_fresh: bool) -> bool:
+    def may_campaign(self) -> bool:
         """Whether this replica may lead now (see the module docstring); a campaign re-checks atomically."""
         state = self.shard_state()
-        return eligible(self.replica_id, state.in_sync, state.members, state_is_fresh, self._holds_state)
+        return eligible(self.replica_id, state.in_sync, state.members, self._holds_state, self._position)
 
-    def campaign(self, state_is_fresh: bool) -> int | None:
+    def campaign(self) -> int | None:
         """Try to become leader: the new epoch when won, None when not eligible or someone else leads.
 
-        Winning also writes isr = [this replica]. A winner that was not in the
-        isr (``in_sync()`` read before) must restore from the checkpoint.
+        Winning also writes isr = [this replica]. The transaction holds only if
+        the leader key, the isr and every member key read are as they were
+        read: the decision counted on who is alive and on what they hold.
         """
         keeper = self._require_keeper()
         state = self.shard_state()
         if state.leader is not None:
             return None
-        if not eligible(self.replica_id, state.in_sync, state.members, state_is_fresh, self._holds_state):
+        if not eligible(self.replica_id, state.in_sync, state.members, self._holds_state, self._position):
             return None
         compare = [create_revision_is(self.keys.leader, 0),
                    mod_revision_is(self.keys.isr, state.in_sync.mod_revision if state.in_sync else 0)]
-        if state.in_sync is not None and self.replica_id not in state.in_sync.members:
-            # Counting on no isr member being alive (and, without state of its own, on no other member
-            # holding any): none of those keys may have changed meanwhile.
-            counted = {r for r, _ in state.in_sync.members}
-            if not self._holds_state:
-                counted |= set(state.members) - {self.replica_index}
-            compare += [mod_revision_is(self.keys.member(r), state.member_revisions.get(r, 0))
-                        for r in sorted(counted)]
+        counted = set(state.members) | ({r for r, _ in state.in_sync.members} if state.in_sync else set())
+        compare += [mod_revision_is(self.keys.member(r), state.member_revisions.get(r, 0))
+                    for r in sorted(counted - {self.replica_index})]
         leader = Leader.encode(self.replica_index, self.address, self.incarnation, self.replication_address)
         success = [put_op(self.keys.leader, leader, lease=keeper.lease.id),
                    put_op(self.keys.isr, InSync.encode([self.replica_id], epoch=None))]
@@ -283,6 +293,15 @@ class ShardCoordinator:
             event(_log, logging.WARNING, "revoked the lease of a dead leader", shard=self.keys.shard_index,
                   leader=leader.replica_index, epoch=leader.epoch, by=self.replica_index)
         return revoked
+
+    def step_down(self, epoch: int) -> bool:
+        """End term ``epoch`` by deleting its leader key, if that term still holds it (a deposed leader
+        whose lease lives on would otherwise keep the shard without a primary until it dies)."""
+        result = self._client.txn([create_revision_is(self.keys.leader, epoch)], [delete_op(self.keys.leader)])
+        with self._lock:
+            if self._epoch == epoch:
+                self._epoch = None
+        return result.succeeded
 
     def resign(self) -> bool:
         """Give up leadership (delete the leader key if this replica's term still holds it)."""
@@ -339,7 +358,8 @@ class ShardCoordinator:
             self._on_lease_lost()
 
     def _member(self) -> Member:
-        return Member(self.replica_index, self.address, self.incarnation, self._state, self._holds_state)
+        return Member(self.replica_index, self.address, self.incarnation, self._state, self._holds_state,
+                      self._position)
 
     def _require_keeper(self) -> LeaseKeeper:
         keeper = self._keeper

@@ -52,6 +52,9 @@ class Checkpointer:
         self._persist_open_pushes = persist_open_pushes
         self._on_written = on_written
         self._consistency_state = consistency_state
+        #: Whether the store holds state worth a checkpoint: a replica that has not yet installed or
+        #: led any (ps_server.replication) holds an empty store that must never shadow a real checkpoint.
+        self.holds_state: Callable[[], bool] = lambda: True
         # Serialises checkpoints (held during the write) and guards _last_generation.
         self._lock = threading.Lock()
         # Guards _last only, so Describe never waits for a write in progress.
@@ -79,7 +82,11 @@ class Checkpointer:
         ``final`` (shutdown): the snapshot also seals the store's apply gate,
         so nothing is applied after the instant this checkpoint holds.
         RequestError(SHUTTING_DOWN) once the final checkpoint was taken.
+        Skipped (None) while the store holds no state (``holds_state``).
         """
+        if not self.holds_state():
+            event(log, logging.INFO, "checkpoint skipped: this replica holds no state yet", reason=reason)
+            return None
         with self._lock:
             paused = time.perf_counter()
             with self._store.gate.exclusive(seal=final):

@@ -1,10 +1,12 @@
 """A backup's side of the replication stream: load the snapshot, apply every record, answer each message.
 
 Records are applied one at a time, in the primary's order, on this
-stream's thread (see records.RecordApplier). Each message is answered
-with the sequence applied so far: the primary waits for that before it
-acknowledges a change to its worker, and reads it as proof that this
-backup still follows it (see role.py).
+stream's thread (see records.RecordApplier), and only when they continue
+the log this stream's snapshot started (``positions.continues``). Each
+message is answered with the position applied so far, or, before the
+snapshot is installed, with none: the primary waits for an answer naming
+its term before it acknowledges a change to its worker, and reads any
+answer as proof that this backup still follows it (see role.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import ssl
 from collections.abc import Callable
 
+from ps_server.coordination.positions import Position, continues
 from ps_server.durability.restore import RestoredState
 from ps_server.replication.records import Divergence, RecordApplier
 from ps_server.replication.role import LeaderInfo, ReplicaRole
@@ -63,24 +66,25 @@ class Follower:
         connection.set_timeout(settings.replication_timeout)
         self._connection = connection
         event(log, logging.INFO, "following the primary", primary=leader.address, epoch=leader.epoch)
+        #: Where this stream has brought the state: None until its snapshot is installed.
+        held: Position | None = None
         try:
             connection.send([start])
             while True:
                 raw = connection.receive()
                 record = decode_record_message(raw)
                 if record is not None:
-                    if record.epoch < role.epoch:
-                        return f"the primary's term {record.epoch} is older than {role.epoch}"
-                    if not role.has_state or record.sequence != role.applied + 1:
-                        event(log, logging.ERROR, "record out of order", sequence=record.sequence,
-                              applied=role.applied)
-                        return "a record out of order"
+                    if held is None or not continues(held, record.epoch, record.sequence):
+                        event(log, logging.ERROR, "a record does not continue the log; starting over",
+                              record=f"{record.epoch}/{record.sequence}", held=str(held))
+                        return "a record that does not continue the log this replica holds"
                     try:
                         self._applier.apply(record)
                     except Divergence as error:
                         event(log, logging.ERROR, "cannot apply the primary's change", error=str(error))
-                        role.has_state = False
+                        role.lost_state()
                         return "a change could not be applied"
+                    held = Position(held.epoch, record.sequence)
                     role.applied = record.sequence
                 else:
                     message = ps_pb2.ReplicationMessage.FromString(bytes(raw))
@@ -97,15 +101,18 @@ class Follower:
                     elif kind == "snapshot_done":
                         if receiver is None:
                             return "the primary sent no snapshot"
-                        role.install(functools.partial(self._install, receiver.load()))
-                        event(log, logging.INFO, "snapshot loaded", sequence=message.snapshot_done,
+                        if message.epoch != leader.epoch:
+                            return f"the primary leads term {message.epoch}, not {leader.epoch}"
+                        held = Position(message.epoch, message.snapshot_done)
+                        role.install(functools.partial(self._install, receiver.load()), held)
+                        event(log, logging.INFO, "snapshot loaded", position=str(held),
                               bytes=receiver.bytes_received)
                         receiver.close()
                         receiver = None
-                        role.applied = message.snapshot_done
-                        role.has_state = True
-                connection.send([answer(role.applied)])
-                role.answered_primary(role.applied)
+                # Before the snapshot is installed the answer names no term: it acknowledges nothing.
+                reply = answer(held.epoch, held.sequence) if held is not None else answer(0, 0)
+                connection.send([reply])
+                role.answered_primary(installed=held is not None)
         except ConnectionClosed as error:
             return f"stream broke: {error}"
         finally:

@@ -89,7 +89,7 @@ class BackupStreams:
         return start
 
     def _send(self, connection: FramedConnection, link: BackupLink, snapshot: ShardSnapshot) -> None:
-        epoch = self._role.epoch
+        epoch = link.epoch
         sender = SnapshotSender(snapshot, self._snapshot_parent)
         try:
             for piece in sender.pieces():
@@ -127,6 +127,6 @@ def _read_answers(connection: FramedConnection, link: BackupLink) -> None:
         while link.closed is None:
             request = _parse(connection.receive())
             if request.WhichOneof("kind") == "applied":
-                link.answered(request.applied)
+                link.answered(request.epoch, request.applied)
     except (ConnectionClosed, RequestError) as error:
         link.close(link.closed or f"the backup's answers ended: {error}")

@@ -3,7 +3,10 @@
 The primary applies a change and appends its record in one hold of the
 order lock (:meth:`UpdateLog.ordered`), so the sequence numbers are the
 order the changes were applied in; every attached backup gets the records
-in that order. Records are held only until each backup acknowledged them,
+in that order, each carrying the term's epoch. An answer counts as an
+acknowledgement only when it names this term (``positions.acknowledges``):
+a backup names it once it installed this term's snapshot on the stream.
+Records are held only until each backup acknowledged them,
 up to a byte bound per backup: a backup that falls further behind is cut
 off (it catches up again from a snapshot) instead of growing the primary.
 """
@@ -15,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from ps_server.coordination.positions import acknowledges
 from wehub_ps.wire.replication import record_pieces
 
 __all__ = ["BackupLink", "UpdateLog"]
@@ -30,7 +34,9 @@ class BackupLink:
     """
 
     def __init__(self, replica_index: int, incarnation: int, address: str, max_bytes: int,
-                 on_change: Callable[[], None]) -> None:
+                 on_change: Callable[[], None], epoch: int) -> None:
+        #: The primary's term: only answers naming it acknowledge changes.
+        self.epoch = epoch
         self.replica_index = replica_index
         self.incarnation = incarnation
         self.address = address
@@ -40,8 +46,10 @@ class BackupLink:
         #: (sequence, the record as pieces, its bytes)
         self._queue: deque[tuple[int, list, int]] = deque()
         self.queued_bytes = 0
-        #: The newest sequence the backup applied (and acknowledged).
+        #: The newest sequence of this term's log the backup applied (and acknowledged).
         self.acknowledged = 0
+        #: Answers that proved the backup alive but acknowledged nothing (another term, no snapshot yet).
+        self.ignored_answers = 0
         #: The sequence the backup's snapshot holds: records after it are queued from the start.
         self.start_sequence = 0
         #: The newest sequence sent (or in the snapshot).
@@ -89,13 +97,17 @@ class BackupLink:
             self._unanswered.append(now)
             self.sent_sequence = max(self.sent_sequence, sequence)
 
-    def answered(self, applied: int) -> None:
-        """The backup answered the oldest unanswered message: it has applied up to ``applied``."""
+    def answered(self, epoch: int, applied: int) -> None:
+        """The backup answered the oldest unanswered message: it has applied up to ``applied`` of term
+        ``epoch``'s log. Any answer proves it alive; only one naming this term acknowledges changes."""
         with self._cond:
             if self._unanswered:
                 self.proof = self._unanswered.popleft()
             self.waiting_since = self._unanswered[0] if self._unanswered else 0.0
-            self.acknowledged = max(self.acknowledged, applied)
+            if acknowledges(self.epoch, epoch):
+                self.acknowledged = max(self.acknowledged, applied)
+            else:
+                self.ignored_answers += 1
         self._on_change()
 
     def close(self, why: str) -> None:

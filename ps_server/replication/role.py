@@ -21,7 +21,15 @@ proof lapsed.
 
 A replica that starts following a primary (at start, after its stream
 broke, or deposed) is sent a snapshot that replaces its whole state, then
-the changes after it.
+the changes after it. Records and answers carry (epoch, sequence), checked
+by the rules of ``ps_server.coordination.positions``.
+
+A replica keeps the state it holds across everything but a snapshot that
+replaces it or a change it could not apply: deposed, or cut off from etcd
+past its lease, it still holds every change it applied, so it rejoins with
+its state (and its incarnation, which the isr names) and an election
+prefers the freshest state alive; a restore from disk happens only when no
+live replica holds state.
 """
 
 from __future__ import annotations
@@ -41,11 +49,12 @@ from typing import Protocol
 import numpy as np
 
 from ps_server.coordination import CoordinationError
+from ps_server.coordination.positions import NO_STATE, Position
 from ps_server.core.errors import RequestError
 from ps_server.replication import records
 from ps_server.replication.log import BackupLink, UpdateLog
 from wehub_ps.errors import Reason
-from wehub_ps.process.logs import event
+from wehub_ps.process.logs import Throttled, event
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.rpc import PRIMARY_METADATA_KEY
 
@@ -69,11 +78,12 @@ class Coordination(Protocol):
     def lease_valid_until(self) -> float: ...
     def leader(self) -> LeaderInfo | None: ...
     def watch_leader(self, callback: Callable[[LeaderInfo | None], None]) -> None: ...
-    def may_campaign(self, state_is_fresh: bool) -> bool: ...
-    def campaign(self, state_is_fresh: bool) -> int | None: ...
-    def set_state(self, state: str, holds_state: bool = False) -> None: ...
+    def may_campaign(self) -> bool: ...
+    def campaign(self) -> int | None: ...
+    def set_state(self, state: str, holds_state: bool = False, position: Position = NO_STATE) -> None: ...
     def set_in_sync(self, epoch: int, members: list[tuple[int, int]]) -> bool: ...
     def revoke_leader(self, leader: LeaderInfo) -> None: ...
+    def step_down(self, epoch: int) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -99,6 +109,8 @@ STARTING, CATCHING_UP, BACKUP, CANDIDATE, PRIMARY, DEPOSED, STOPPING = (
 # A primary's proof of its lease ends this much before the TTL does (clock rates, scheduling).
 _PROOF_MARGIN = 0.1
 
+_cannot_update_in_sync = Throttled(log, logging.WARNING, "cannot update the in-sync set while etcd is unreachable")
+
 
 class ReplicaRole:
     """One replica's state machine: a ps_server.service.roles.ShardRole and a core.ordering.ChangeLog."""
@@ -115,12 +127,15 @@ class ReplicaRole:
         self.follow: Callable[[LeaderInfo], str] | None = None
         #: Ends the stream ``follow`` runs (the primary's term ended while it was silent).
         self.interrupt_follow: Callable[[], None] = lambda: None
-        #: A coordination for a new incarnation: a replica that lost its etcd lease rejoins as a new member.
+        #: A coordination with a new lease for an incarnation: a replica that lost its etcd lease rejoins.
         self.new_coordination: Callable[[int], Coordination] | None = None
         self._rejoin = False
         self._state = STARTING
-        #: Called with the new state on every change (health, metrics).
+        #: Called with the new state on every change (health, metrics, the member key).
         self.on_state: Callable[[str], None] = lambda state: None
+        #: Primary: called when whether it can prove its term changes (the primary-only health).
+        self.on_proof: Callable[[bool], None] = lambda proven: None
+        self._proven = False
         self._epoch = 0
         self._leader: LeaderInfo | None = None
         self._log: UpdateLog | None = None
@@ -129,9 +144,13 @@ class ReplicaRole:
         self._links: dict[tuple[int, int], BackupLink] = {}
         self._in_sync: set[tuple[int, int]] = set()
         self._acks = threading.Condition()
-        #: Backup: the newest sequence applied, and when the primary was last answered.
+        #: The state held: the newest sequence applied (a primary's log goes on from it) and the epoch of
+        #: the term whose log that is; has_state is False while it holds nothing followed or led.
         self.applied = 0
+        self.state_epoch = 0
         self.has_state = False
+        #: Backup: whether the stream being followed has installed its snapshot (in sync from then on).
+        self._installed = False
         self._answered_at = 0.0
         self._primary_gone = False
         self._wake = threading.Event()
@@ -236,6 +255,9 @@ class ReplicaRole:
                     and leader.incarnation != self.settings.incarnation):
                 self._revoke(leader, "the leader key belongs to this replica's previous process")
                 continue
+            if leader is not None and leader.incarnation == self.settings.incarnation:
+                self._step_down(leader)  # deposed, yet its term's key lives on: end the term
+                continue
             if leader is not None and leader.incarnation != self.settings.incarnation:
                 self._follow_leader(leader)
                 continue
@@ -247,6 +269,7 @@ class ReplicaRole:
     def _follow_leader(self, leader: LeaderInfo) -> None:
         if self._rejoin:
             return  # a replica without its lease first rejoins as a new member, then follows
+        self._installed = False
         self._set_state(CATCHING_UP)
         self._primary_gone = False
         assert self.follow is not None
@@ -265,6 +288,15 @@ class ReplicaRole:
         if not self._primary_gone and time.monotonic() - started < 1.0:
             self._wake.wait(0.25)  # a primary that refuses at once (still starting): not a busy loop
 
+    def _step_down(self, leader: LeaderInfo) -> None:
+        event(log, logging.WARNING, "ending the term this replica no longer leads", epoch=leader.epoch,
+              state=self._state)
+        try:
+            self._coordination.step_down(leader.epoch)
+        except CoordinationError as error:  # etcd unreachable: the lease's TTL ends it instead
+            event(log, logging.DEBUG, "could not end the term", error=str(error))
+        self._wake.wait(0.1)
+
     def _revoke(self, leader: LeaderInfo, why: str) -> None:
         event(log, logging.WARNING, "revoking a gone primary's lease", primary=leader.address,
               epoch=leader.epoch, why=why)
@@ -274,18 +306,34 @@ class ReplicaRole:
             event(log, logging.WARNING, "could not revoke the primary's lease", error=str(error))
             self._wake.wait(0.1)
 
-    def install(self, install: Callable[[], None]) -> None:
-        """Replace the state with a snapshot's; a deposed primary's calls still in flight are shut out."""
+    def install(self, install: Callable[[], None], position: Position) -> None:
+        """Replace the state with a snapshot's at ``position``; a deposed primary's calls still in flight
+        are shut out."""
         log_ = self._log
         with log_.ordered() if log_ is not None else contextlib.nullcontext():
+            self.has_state = False  # until the install is whole
             install()
             self._log = None
+            self.applied, self.state_epoch = position.sequence, position.epoch
+            self.has_state = True
+            self._installed = True
 
-    def answered_primary(self, applied: int) -> None:
-        """The follower answered a message of its primary (the promise not to campaign starts anew)."""
-        self.applied = applied
+    def lost_state(self) -> None:
+        """A change could not be applied: what this replica holds is no state to lead with."""
+        self.has_state = False
+        self.applied, self.state_epoch = 0, 0
+
+    def position(self) -> Position:
+        """Where the state held stands (NO_STATE when it holds none)."""
+        if not self.has_state:
+            return NO_STATE
+        return Position(self.state_epoch, self.last_sequence())
+
+    def answered_primary(self, installed: bool) -> None:
+        """The follower answered a message of its primary (the promise not to campaign starts anew);
+        ``installed``: this stream's snapshot is in place, so the answer acknowledged changes."""
         self._answered_at = time.monotonic()
-        if self._state == CATCHING_UP and self.has_state:
+        if self._state == CATCHING_UP and installed:
             self._set_state(BACKUP)
 
     def _may_campaign(self) -> bool:
@@ -296,7 +344,7 @@ class ReplicaRole:
             # Outside the in-sync set a replica may lead only when no in-sync replica is alive; then
             # what it holds is the best there is: state it followed, or else (while no live replica
             # holds followed state) its newest checkpoint.
-            return self._coordination.may_campaign(True)
+            return self._coordination.may_campaign()
         except CoordinationError as error:
             event(log, logging.DEBUG, "cannot campaign while etcd is unreachable", error=str(error))
             return False
@@ -305,17 +353,23 @@ class ReplicaRole:
         started = time.monotonic()
         self._set_state(CANDIDATE)
         try:
-            epoch = self._coordination.campaign(True)
+            epoch = self._coordination.campaign()
         except CoordinationError as error:
             event(log, logging.WARNING, "campaign failed", error=str(error))
             return
         if epoch is None:
             return
+        held = self.position()
         self._become_primary(self.has_state)
-        self._log = UpdateLog(self.applied)
+        # The term's log goes on from the state it was elected with; after a restore from disk it starts
+        # at 0, so (epoch, sequence) tells a reset from a continuation.
+        start = held.sequence if self.has_state else 0
+        self._log = UpdateLog(start)
+        self.applied, self.state_epoch = start, epoch
         self._epoch = epoch
         self._in_sync = set()
         self.has_state = True
+        self._proven = self.proves_lease()  # just won on a lease etcd confirmed
         self._set_state(PRIMARY)
         now = time.monotonic()
         self.last_election_seconds = now - started
@@ -325,7 +379,8 @@ class ReplicaRole:
         self._monitor = threading.Thread(target=self._watch_backups, name="ps-replica-monitor", daemon=True)
         self._monitor.start()
         event(log, logging.WARNING if self._answered_at else logging.INFO, "elected primary", epoch=epoch,
-              sequence=self.applied, replica_index=self.settings.replica_index,
+              sequence=start, held=str(held), restored=held == NO_STATE,
+              replica_index=self.settings.replica_index,
               election_seconds=round(self.last_election_seconds, 3),
               failover_seconds=round(self.last_failover_seconds, 3) if self._lost_at else None)
 
@@ -429,7 +484,7 @@ class ReplicaRole:
         self.check_primary()
         assert self._log is not None
         link = BackupLink(start.replica_index, start.incarnation, start.address,
-                          self.settings.max_backup_bytes, self._notify)
+                          self.settings.max_backup_bytes, self._notify, self._epoch)
         with self._log.ordered():
             taken = snapshot()
             self._log.attach(link)
@@ -469,10 +524,27 @@ class ReplicaRole:
                          and link.proof}
             if failed or caught_up:
                 self._change_in_sync(failed, caught_up)
+            self._publish_proof()
             self._log_consistency()
             for key, link in list(self._links.items()):
                 if link.closed is not None and key not in self._in_sync:
                     del self._links[key]
+
+    def _publish_proof(self) -> None:
+        """Tell the health service whether this primary can prove its term (it acknowledges nothing
+        without the proof, so probes and clients must not take it for the primary meanwhile)."""
+        proven = self._state == PRIMARY and self.proves_lease()
+        if proven != self._proven:
+            self._proven = proven
+            if not proven:
+                event(log, logging.WARNING, "cannot prove this replica still leads: not serving until it can",
+                      epoch=self._epoch)
+            self.on_proof(proven)
+
+    @property
+    def proven(self) -> bool:
+        """Primary: whether the last check proved its term (see proves_lease)."""
+        return self._proven
 
     def _log_consistency(self) -> None:
         if self.consistency_state is None:
@@ -498,9 +570,8 @@ class ReplicaRole:
         try:
             written = self._coordination.set_in_sync(self._epoch, members)
         except CoordinationError as error:
-            event(log, logging.WARNING, "cannot update the in-sync set while etcd is unreachable",
-                  failed=sorted(k[0] for k in failed), caught_up=sorted(k[0] for k in caught_up),
-                  error=str(error))
+            _cannot_update_in_sync(failed=sorted(k[0] for k in failed),
+                                   caught_up=sorted(k[0] for k in caught_up), error=str(error))
             return
         if not written:
             self._deposed("the in-sync set could not be written: another replica leads")
@@ -515,7 +586,8 @@ class ReplicaRole:
             event(log, logging.INFO, "backup in sync", replica_index=key[0])
 
     def lease_lost(self) -> None:
-        """The coordinator found this replica's etcd lease gone: it is no longer a member (nor in sync)."""
+        """The coordinator found this replica's etcd lease gone: it rejoins with a new lease (keeping
+        its state, if it holds any) before it follows or campaigns again."""
         self._rejoin = True  # first: the loop must rejoin before it follows anyone
         if self._state == PRIMARY:
             self._deposed("its etcd lease expired")
@@ -523,10 +595,13 @@ class ReplicaRole:
         self._wake.set()
 
     def _rejoin_as_new_member(self) -> None:
-        """A new incarnation with a new lease: it catches up from a snapshot like a restarted replica."""
+        """Rejoin the replica set with a new lease. A replica holding state keeps its incarnation: the
+        isr may name it, and it still holds every change it applied, so it may still be elected from
+        the isr (the primary, if any, drops it from the isr first if it stops waiting for it). One
+        holding nothing is a new member and catches up from a snapshot like a restarted replica."""
         assert self.new_coordination is not None and self._coordination is not None
         self._coordination.close()
-        incarnation = random.getrandbits(48)
+        incarnation = self.settings.incarnation if self.has_state else random.getrandbits(48)
         try:
             coordination = self.new_coordination(incarnation)
             coordination.start()
@@ -538,12 +613,12 @@ class ReplicaRole:
         self.settings = dataclasses.replace(self.settings, incarnation=incarnation)
         self._coordination = coordination
         self._rejoin = False
-        self.has_state = False
         self._answered_at = 0.0
-        self._set_state(STARTING)
+        self._set_state(CANDIDATE if self.has_state else STARTING)
         self.on_state(self._state)
         coordination.watch_leader(self._leader_changed)
-        event(log, logging.WARNING, "rejoined the replica set as a new member", incarnation=incarnation)
+        event(log, logging.WARNING, "rejoined the replica set with a new lease", incarnation=incarnation,
+              holds_state=self.has_state, position=str(self.position()))
 
     def _deposed(self, why: str) -> None:
         if self._state == DEPOSED:
@@ -552,15 +627,16 @@ class ReplicaRole:
             # Its lease is gone too (frozen past it): rejoin as a new member before following anyone,
             # so the in-sync set never names a process etcd has already dropped.
             self._rejoin = True
-        self._set_state(DEPOSED)
-        event(log, logging.ERROR, "no longer the primary; following the new one", why=why, epoch=self._epoch)
+        self._set_state(DEPOSED)  # calls waiting for the order see it and apply nothing more
+        event(log, logging.ERROR, "no longer the primary; following the new one", why=why, epoch=self._epoch,
+              position=str(self.position()))
         with self._acks:
             self._acks.notify_all()
         for link in list(self._links.values()):
             link.close("this replica is no longer the primary")
         self._links = {}
         self._in_sync = set()
-        self.has_state = False
+        self._publish_proof()
         self._wake.set()
 
     # ---- status ----

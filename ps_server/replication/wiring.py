@@ -71,6 +71,7 @@ class ReplicaWiring:
             replication_timeout=config.replication_timeout, max_backup_bytes=config.max_backup_bytes)
         self.role = ReplicaRole(settings, self._become_primary)
         self.role.on_state = self._state_changed
+        self.role.on_proof = lambda proven: self._set_health(self.role.state)
         self._applier = RecordApplier(server.store, server.ledger, server.consistency,
                                       on_finish=server.finish_requested.set,
                                       on_checkpoint=self._checkpoint)
@@ -133,14 +134,19 @@ class ReplicaWiring:
         coordination = self.role.coordination if self._started else None
         if coordination is not None:
             try:
-                coordination.set_state(state, holds_state=self.role.has_state)
+                coordination.set_state(state, holds_state=self.role.has_state, position=self.role.position())
             except CoordinationError as error:  # etcd away: the member key keeps its last state
                 event(log, logging.DEBUG, "could not publish the replica's state", error=str(error))
+        self._set_health(state)
+
+    def _set_health(self, state: str) -> None:
+        """'' SERVING on the primary and in-sync backups; the service's name on a primary that can prove
+        its term (it acknowledges nothing without the proof)."""
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         health = self._server.health
         health.set("", serving if state in (PRIMARY, BACKUP) else not_serving)
-        health.set(SERVICE_NAME, serving if state == PRIMARY else not_serving)
+        health.set(SERVICE_NAME, serving if state == PRIMARY and self.role.proven else not_serving)
 
     def _checkpoint(self) -> None:
         """The primary wrote a checkpoint on a worker's request: write one here too."""

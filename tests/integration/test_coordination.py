@@ -58,10 +58,10 @@ def replicas(client):
 
 def test_first_campaign_wins_and_the_second_is_refused(replicas):
     first, second = replicas(0, 10), replicas(1, 20)
-    assert first.may_campaign(state_is_fresh=True) and second.may_campaign(state_is_fresh=True)  # no isr yet
-    epoch = first.campaign(state_is_fresh=True)
+    assert first.may_campaign() and second.may_campaign()  # no isr yet
+    epoch = first.campaign()
     assert epoch is not None and first.epoch == epoch
-    assert second.campaign(state_is_fresh=True) is None
+    assert second.campaign() is None
     assert second.leader() == Leader(0, "127.0.0.1:7000", 10, epoch, second.leader().lease)
     in_sync = second.in_sync()
     assert (in_sync.epoch, in_sync.members) == (epoch, ((0, 10),))
@@ -73,14 +73,14 @@ def test_first_campaign_wins_and_the_second_is_refused(replicas):
 
 def test_each_term_has_a_larger_epoch(replicas):
     a, b = replicas(0, 10), replicas(1, 20)
-    first = a.campaign(state_is_fresh=True)
+    first = a.campaign()
     assert a.set_in_sync(first, [(0, 10), (1, 20)])
     assert a.resign()
-    second = b.campaign(state_is_fresh=False)  # in the isr: a fresh state is not needed
+    second = b.campaign()  # in the isr: a fresh state is not needed
     assert second is not None and second > first
     assert b.set_in_sync(second, [(1, 20), (0, 10)])
     assert b.resign()
-    third = a.campaign(state_is_fresh=False)
+    third = a.campaign()
     assert third is not None and third > second
     assert a.leader().epoch == third
 
@@ -88,10 +88,10 @@ def test_each_term_has_a_larger_epoch(replicas):
 def test_a_deposed_leader_cannot_write_the_isr(replicas):
     lost = threading.Event()
     a, b = replicas(0, 10, on_lease_lost=lost.set), replicas(1, 20)
-    old = a.campaign(state_is_fresh=True)
+    old = a.campaign()
     assert a.set_in_sync(old, [(0, 10), (1, 20)])
     assert b.revoke_leader(b.leader())
-    new = b.campaign(state_is_fresh=False)
+    new = b.campaign()
     assert new is not None and new > old
     assert not a.set_in_sync(old, [(0, 10)])  # the deposed leader is fenced out
     assert not b.set_in_sync(old, [(1, 20)])  # and so is any write for the old term
@@ -109,7 +109,7 @@ lost = threading.Event()
 client = EtcdClient([sys.argv[1]], timeout=2.0)
 leader = ShardCoordinator(client, job="test-job", shard_index=0, replica_index=0, incarnation=10,
                           address="127.0.0.1:7000", lease_ttl=1, on_lease_lost=lost.set).start()
-epoch = leader.campaign(state_is_fresh=True)
+epoch = leader.campaign()
 assert leader.set_in_sync(epoch, [(0, 10), (1, 20)])
 print("leader", epoch, flush=True)
 lost.wait(60)
@@ -140,7 +140,7 @@ def test_a_frozen_leader_loses_its_lease_and_an_in_sync_backup_takes_over(etcd_s
         assert seen.get(timeout=5) is None, "the frozen leader's key did not expire"
         expired = time.monotonic() - frozen
         assert expired < 3.0, f"a 1 s lease took {expired:.2f} s to expire"
-        new_epoch = backup.campaign(state_is_fresh=False)
+        new_epoch = backup.campaign()
         assert new_epoch is not None and new_epoch > int(old_epoch)
         assert seen.get(timeout=5).replica_index == 1
         popen.send_signal(signal.SIGCONT)
@@ -157,13 +157,13 @@ def test_revoking_a_dead_leaders_lease_fails_over_at_once(replicas):
     lost = threading.Event()
     leader = replicas(0, 10, lease_ttl=5, on_lease_lost=lost.set)
     backup = replicas(1, 20, lease_ttl=5)
-    epoch = leader.campaign(state_is_fresh=True)
+    epoch = leader.campaign()
     assert leader.set_in_sync(epoch, [(0, 10), (1, 20)])
     seen = backup.leader()
     started = time.monotonic()
     assert backup.revoke_leader(seen)
     assert backup.leader() is None
-    new_epoch = backup.campaign(state_is_fresh=False)
+    new_epoch = backup.campaign()
     elapsed = time.monotonic() - started
     assert new_epoch is not None and elapsed < 2.0, f"failover took {elapsed:.2f} s with a 5 s lease"
     assert not backup.revoke_leader(seen), "a past term's lease was revoked again"
@@ -173,48 +173,47 @@ def test_revoking_a_dead_leaders_lease_fails_over_at_once(replicas):
 
 def test_a_replica_out_of_the_isr_waits_while_an_isr_member_lives(replicas):
     a, b = replicas(0, 10), replicas(1, 20)
-    epoch = a.campaign(state_is_fresh=True)
+    epoch = a.campaign()
     assert epoch is not None and a.resign()  # isr = [a]; a lives on without leading
-    assert not b.may_campaign(state_is_fresh=True)
-    assert b.campaign(state_is_fresh=True) is None
+    assert not b.may_campaign()
+    assert b.campaign() is None
     replacement = replicas(0, 11)  # replica 0 restarted: a new incarnation is not the in-sync one...
     a.close()  # ...and the in-sync process is gone: every in-sync copy is lost
-    assert not b.may_campaign(state_is_fresh=False)  # a partial state may not lead
-    assert b.may_campaign(state_is_fresh=True)  # a state restored from the checkpoint may
-    new_epoch = b.campaign(state_is_fresh=True)
+    assert b.may_campaign()  # nobody holds state: b's newest checkpoint is what is left
+    new_epoch = b.campaign()
     assert new_epoch is not None and new_epoch > epoch
     assert b.in_sync().members == ((1, 20),) and b.in_sync().epoch == new_epoch
-    assert replacement.campaign(state_is_fresh=True) is None
+    assert replacement.campaign() is None
 
 
 def test_with_the_in_sync_primary_gone_a_replica_that_followed_it_wins_over_a_restarted_one(replicas):
     primary, follower = replicas(0, 10), replicas(1, 20)
-    assert primary.campaign(state_is_fresh=True) is not None  # isr = [primary]
+    assert primary.campaign() is not None  # isr = [primary]
     follower.set_state("backup", holds_state=True)  # applied the primary's stream, not yet in the isr
     restarted = replicas(0, 11)  # the primary's process restarted from its checkpoint
     primary.close()  # the in-sync process is gone
-    assert not restarted.may_campaign(state_is_fresh=True)
-    assert restarted.campaign(state_is_fresh=True) is None
-    epoch = follower.campaign(state_is_fresh=True)
+    assert not restarted.may_campaign()
+    assert restarted.campaign() is None
+    epoch = follower.campaign()
     assert epoch is not None and follower.in_sync().members == ((1, 20),)
 
 
 def test_a_campaign_counting_on_no_member_holding_state_fails_if_one_starts_to(replicas):
     primary, other = replicas(0, 10), replicas(1, 20)
-    assert primary.campaign(state_is_fresh=True) is not None
+    assert primary.campaign() is not None
     restarted = replicas(0, 11)
     primary.close()
-    assert restarted.may_campaign(state_is_fresh=True)  # nobody holds followed state
+    assert restarted.may_campaign()  # nobody holds followed state
     stale = restarted.shard_state()
     other.set_state("backup", holds_state=True)
     restarted.shard_state = lambda: stale  # the campaign acts on the read from before that change...
-    assert restarted.campaign(state_is_fresh=True) is None  # ...and etcd's compare refuses it
+    assert restarted.campaign() is None  # ...and etcd's compare refuses it
 
 
 def test_losing_etcd_freezes_the_lease_validity_and_the_keepalive_recovers(etcd_server, replicas, caplog):
     caplog.set_level(logging.INFO, logger="ps_server.coordination")
     leader = replicas(0, 10, lease_ttl=2)
-    epoch = leader.campaign(state_is_fresh=True)
+    epoch = leader.campaign()
     watcher = replicas(1, 20)
     seen: queue.Queue = queue.Queue()
     watcher.watch_leader(seen.put)
@@ -265,7 +264,7 @@ def test_mutual_tls(etcd_factory, tmp_path):
     try:
         replica = ShardCoordinator(trusted, job="tls", shard_index=0, replica_index=0, incarnation=1,
                                    address="127.0.0.1:7000").start()
-        assert replica.campaign(state_is_fresh=True) is not None
+        assert replica.campaign() is not None
         replica.close()
     finally:
         trusted.close()

@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 from typing import Any, TextIO
 
-__all__ = ["JsonFormatter", "configure", "event"]
+__all__ = ["JsonFormatter", "Throttled", "configure", "event"]
 
 
 class JsonFormatter(logging.Formatter):
@@ -47,3 +48,31 @@ def configure(level: str = "info", stream: TextIO | None = None) -> None:
 def event(logger: logging.Logger, level: int, message: str, **fields: Any) -> None:
     """Log one event with structured fields."""
     logger.log(level, message, extra={"fields": fields})
+
+
+class Throttled:
+    """An event that may repeat many times a second, logged at most once per ``interval`` seconds.
+
+    Each line that is logged says, in ``repeated``, how many were held back
+    since the previous one, so a reader still sees how often it happened.
+    """
+
+    def __init__(self, logger: logging.Logger, level: int, message: str, interval: float = 5.0) -> None:
+        self._logger = logger
+        self._level = level
+        self._message = message
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._last = -float("inf")
+        self._held_back = 0
+
+    def __call__(self, **fields: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last < self._interval:
+                self._held_back += 1
+                return
+            repeated, self._held_back, self._last = self._held_back, 0, now
+        if repeated:
+            fields["repeated"] = repeated
+        event(self._logger, self._level, self._message, **fields)

@@ -36,6 +36,7 @@ _COMPLETED = field_tag(ps_pb2.PushApplied, "completed", WIRE_VARINT)
 _EPOCH = field_tag(ps_pb2.ReplicationMessage, "epoch", WIRE_VARINT)
 _RECORD = field_tag(ps_pb2.ReplicationMessage, "record", WIRE_LEN)
 _APPLIED = field_tag(ps_pb2.FollowRequest, "applied", WIRE_VARINT)
+_ANSWER_EPOCH = field_tag(ps_pb2.FollowRequest, "epoch", WIRE_VARINT)
 
 _RECORD_FIELD = field_number(ps_pb2.ReplicationMessage, "record")
 _EPOCH_FIELD = field_number(ps_pb2.ReplicationMessage, "epoch")
@@ -136,9 +137,10 @@ def _decode_push(buf: memoryview, start: int, stop: int) -> PushView:
     return PushView(stream, begin, message, completed)
 
 
-def answer(applied: int) -> bytes:
-    """A backup's FollowRequest: it applied every change up to ``applied``."""
-    return _APPLIED + varint(applied)
+def answer(epoch: int, applied: int) -> bytes:
+    """A backup's FollowRequest: it applied every change up to ``applied`` of term ``epoch``'s log
+    (``epoch`` 0: it has not installed this stream's snapshot yet)."""
+    return _APPLIED + varint(applied) + (_ANSWER_EPOCH + varint(epoch) if epoch else b"")
 
 
 def decode_answer(data: bytes | bytearray) -> ps_pb2.FollowRequest:

@@ -7,6 +7,7 @@ import pytest
 from ps_server.coordination import CoordinationError, EtcdClient, InSync, KeyValue, Leader, Member, ShardKeys
 from ps_server.coordination.etcd_ops import prefix_end
 from ps_server.coordination.lease_keeper import safety_margin
+from ps_server.coordination.positions import NO_STATE, Position, acknowledges, continues, fresher
 from ps_server.coordination.shard import eligible
 
 ISR = InSync(epoch=7, members=((0, 10), (1, 20)))
@@ -16,42 +17,66 @@ def _member(replica_index: int, incarnation: int) -> Member:
     return Member(replica_index, f"h:{replica_index}", incarnation, "in-sync")
 
 
-def test_an_isr_member_may_campaign_whatever_its_state():
-    assert eligible((1, 20), ISR, {0: _member(0, 10)}, state_is_fresh=False)
+def _holder(replica_index: int, incarnation: int, epoch: int, sequence: int) -> Member:
+    return Member(replica_index, f"h:{replica_index}", incarnation, "candidate", True, Position(epoch, sequence))
 
 
-def test_outside_the_isr_only_a_fresh_state_and_only_when_every_isr_member_is_gone():
-    assert not eligible((2, 30), ISR, {0: _member(0, 10)}, state_is_fresh=True)
-    assert not eligible((2, 30), ISR, {}, state_is_fresh=False)
-    assert eligible((2, 30), ISR, {}, state_is_fresh=True)
+def test_an_isr_member_may_campaign_unless_a_live_isr_member_holds_fresher_state():
+    assert eligible((1, 20), ISR, {0: _member(0, 10)}, holds_state=False)
+    assert eligible((1, 20), ISR, {0: _member(0, 10)}, holds_state=True, position=Position(7, 3))
+    fresher_peer = {0: _holder(0, 10, 7, 9)}
+    assert not eligible((1, 20), ISR, fresher_peer, holds_state=True, position=Position(7, 3))
+    assert eligible((1, 20), ISR, fresher_peer, holds_state=True, position=Position(7, 9))  # a tie: either
+    assert not eligible((1, 20), ISR, fresher_peer, holds_state=False)  # it would restore from disk
+    # A later term's state is fresher than any sequence of an earlier term.
+    assert eligible((1, 20), ISR, fresher_peer, holds_state=True, position=Position(8, 1))
+
+
+def test_outside_the_isr_only_when_every_isr_member_is_gone():
+    assert not eligible((2, 30), ISR, {0: _member(0, 10)}, holds_state=True, position=Position(9, 9))
+    assert eligible((2, 30), ISR, {}, holds_state=False)
     # A restarted replica (same slot, new incarnation) is not the in-sync process.
-    assert eligible((2, 30), ISR, {0: _member(0, 11), 1: _member(1, 21)}, state_is_fresh=True)
-    assert not eligible((0, 11), ISR, {1: _member(1, 20)}, state_is_fresh=True)
+    assert eligible((2, 30), ISR, {0: _member(0, 11), 1: _member(1, 21)}, holds_state=False)
+    assert not eligible((0, 11), ISR, {1: _member(1, 20)}, holds_state=True, position=Position(7, 5))
 
 
-def test_with_every_isr_member_gone_a_replica_that_followed_comes_before_a_checkpoint():
-    followed = Member(1, "h:1", 21, "candidate", holds_state=True)
+def test_with_every_isr_member_gone_the_freshest_state_alive_leads_and_disk_comes_last():
+    followed = _holder(1, 21, 7, 40)
+    led_earlier = _holder(2, 31, 5, 900)
     checkpoint_only = Member(0, "h:0", 11, "candidate", holds_state=False)
-    members = {0: checkpoint_only, 1: followed}
-    assert eligible((1, 21), ISR, members, state_is_fresh=True, holds_state=True)
-    assert not eligible((0, 11), ISR, members, state_is_fresh=True, holds_state=False)
-    # Once the follower is gone too, the checkpoint is what is left.
-    assert eligible((0, 11), ISR, {0: checkpoint_only}, state_is_fresh=True, holds_state=False)
+    members = {0: checkpoint_only, 1: followed, 2: led_earlier}
+    assert eligible((1, 21), ISR, members, holds_state=True, position=Position(7, 40))
+    assert not eligible((2, 31), ISR, members, holds_state=True, position=Position(5, 900))
+    assert not eligible((0, 11), ISR, members, holds_state=False)
+    # Once the holders are gone, the checkpoint is what is left.
+    assert eligible((0, 11), ISR, {0: checkpoint_only}, holds_state=False)
     # Two replicas with only their checkpoints: either may lead.
-    assert eligible((0, 11), ISR, {0: checkpoint_only, 1: Member(1, "h:1", 21, "starting")},
-                    state_is_fresh=True, holds_state=False)
+    assert eligible((0, 11), ISR, {0: checkpoint_only, 1: Member(1, "h:1", 21, "starting")}, holds_state=False)
 
 
-def test_a_member_record_carries_whether_it_holds_state():
-    member = Member(2, "h:2", 30, "backup", holds_state=True)
+def test_a_member_record_carries_whether_it_holds_state_and_where():
+    member = _holder(2, 30, 12, 345)
     assert Member.from_kv(_kv("/wehub-ps/j/shards/0/members/2", member.encode(), 5, 5)) == member
-    assert not Member.from_kv(_kv("/wehub-ps/j/shards/0/members/2",
-                                  b'{"address": "h:2", "incarnation": 30, "state": "backup"}', 5, 5)).holds_state
+    old_format = Member.from_kv(_kv("/wehub-ps/j/shards/0/members/2",
+                                    b'{"address": "h:2", "incarnation": 30, "state": "backup"}', 5, 5))
+    assert not old_format.holds_state and old_format.position == NO_STATE
 
 
-def test_before_any_isr_a_fresh_state_may_campaign():
-    assert eligible((0, 1), None, {}, state_is_fresh=True)
-    assert not eligible((0, 1), None, {}, state_is_fresh=False)
+def test_before_any_isr_the_freshest_holder_or_anyone_when_none_holds_state():
+    assert eligible((0, 1), None, {}, holds_state=False)
+    assert not eligible((0, 1), None, {1: _holder(1, 2, 3, 4)}, holds_state=False)
+    assert eligible((0, 1), None, {1: _holder(1, 2, 3, 4)}, holds_state=True, position=Position(3, 5))
+
+
+def test_the_log_rules():
+    held = Position(7, 10)
+    assert continues(held, 7, 11)
+    assert not continues(held, 7, 12) and not continues(held, 7, 10)
+    assert not continues(held, 8, 11), "a record of another term never continues this one"
+    assert not continues(NO_STATE, 0, 1), "nothing continues before a snapshot is installed"
+    assert acknowledges(7, 7)
+    assert not acknowledges(7, 6) and not acknowledges(7, 0), "another term's answer acknowledges nothing"
+    assert fresher(Position(8, 0), Position(7, 10**9)) and not fresher(held, held)
 
 
 def _kv(key: str, value: bytes, create: int, mod: int, lease: int = 0) -> KeyValue:
