@@ -1,0 +1,127 @@
+"""Replicated shards against the network: etcd cut off (packets dropped, no reset), proofs that lapse.
+
+Real ps-server processes and a real etcd on loopback; partitions are
+iptables DROP rules on the test's own etcd port (tests/port_partition.py),
+so open connections stall as on a cut link instead of being refused. The
+workers' pushes are counted one by one (tests/replica_faults.py): every
+acknowledged push must be applied exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from port_partition import PortPartition, available
+from replica_faults import SlotPusher, check_slots, create_slots
+from replica_testing import ReplicatedCluster
+
+from worker_client import PSClient
+
+SLOTS = 20_000
+
+_unavailable = available()
+if _unavailable is not None and os.environ.get("WEHUB_PS_REQUIRE_NETFAULTS") != "1":
+    pytestmark = pytest.mark.skip(reason=f"network partitions need root and iptables: {_unavailable}")
+
+
+@pytest.fixture
+def replicated(tmp_path, etcd_server):
+    """``start(*extra_args) -> ReplicatedCluster`` (1 shard, 2 replicas, 1 s leases); stopped after."""
+    clusters: list[ReplicatedCluster] = []
+
+    def start(*extra_args: str) -> ReplicatedCluster:
+        cluster = ReplicatedCluster(tmp_path / f"replicated-{len(clusters)}", etcd_server.endpoint, 1, 2,
+                                    extra_args=extra_args)
+        clusters.append(cluster)
+        return cluster.start()
+
+    yield start, etcd_server
+    for cluster in clusters:
+        for replica in cluster.all():
+            replica.process.signal(signal.SIGCONT)
+        cluster.stop()
+
+
+def _etcd_port(etcd) -> int:
+    return int(etcd.endpoint.rpartition(":")[2])
+
+
+def _wait(condition, timeout: float, what: str, cluster: ReplicatedCluster) -> float:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout}s:\n{cluster.logs()}"
+        time.sleep(0.02)
+    return time.monotonic()
+
+
+def test_etcd_cut_off_past_the_lease_loses_no_acknowledged_push(replicated):
+    """Both replicas stay up while etcd is unreachable for three leases: their leases expire in etcd,
+    and when it returns each rejoins with the state it holds. The next primary is elected from that
+    state, never from an (empty) checkpoint: every push acknowledged before, during and after the cut
+    is applied exactly once."""
+    start, etcd = replicated
+    cluster = start()
+    client = PSClient(cluster.addresses, worker_id="w0", retry_timeout=60)
+    create_slots(client, "slots", 1, SLOTS)
+    pusher = SlotPusher(client, "slots", 0, SLOTS, pause=0.002).start()
+    try:
+        _wait(lambda: len(pusher.acknowledged) >= 100, 30, "no pushes acknowledged", cluster)
+        with PortPartition(_etcd_port(etcd)):
+            time.sleep(3 * cluster.lease_seconds + 1)
+        # Each replica learns from etcd that its lease expired during the cut, and rejoins.
+        _wait(lambda: all("rejoined the replica set" in r.process.log_text() for r in cluster.all()), 30,
+              "the replicas did not rejoin after their leases expired", cluster)
+        rejoined = time.monotonic()
+        _wait(lambda: len([t for t in pusher.acknowledged.values() if t > rejoined]) >= 100, 60,
+              "no pushes acknowledged after the replicas rejoined", cluster)
+        primary = cluster.primary(0)
+    finally:
+        pusher.join(60)
+    check = check_slots(client.pull(["slots"])["slots"], [pusher])
+    client.close()
+    logs = cluster.logs()
+    assert not check.violations, (f"{len(check.violations)} violations: {check.violations[:5]}\n{logs}")
+    # Only the shard's first election starts from disk (nothing held anywhere yet).
+    assert logs.count('"restored": true') == 1, "a replica restored from disk while one held state"
+    print(f"etcd cut {3 * cluster.lease_seconds + 1}s; primary afterwards: replica {primary.replica_index}; "
+          f"{check.acknowledged} acknowledged pushes checked exactly once, {check.raised} raised")
+
+
+def test_a_primary_that_cannot_prove_its_term_stops_answering_serving(replicated):
+    """etcd cut off and the backup frozen: the primary has no proof of its term after a lease, so its
+    primary-only health turns NOT_SERVING (it would acknowledge nothing anyway) and stays so; when both
+    return, a primary serves again and nothing acknowledged was lost."""
+    start, etcd = replicated
+    cluster = start()
+    primary = cluster.primary(0)
+    backup = next(r for r in cluster.shards[0] if r is not primary)
+    client = PSClient(cluster.addresses, worker_id="w0", retry_timeout=60)
+    create_slots(client, "slots", 1, SLOTS)
+    pusher = SlotPusher(client, "slots", 0, SLOTS, pause=0.002).start()
+    try:
+        _wait(lambda: len(pusher.acknowledged) >= 50, 30, "no pushes acknowledged", cluster)
+        with PortPartition(_etcd_port(etcd)):
+            backup.process.signal(signal.SIGSTOP)
+            cut = time.monotonic()
+            lapsed = _wait(lambda: not primary.is_primary(), 3 * cluster.lease_seconds + 2,
+                           "the primary without proof still answered SERVING", cluster)
+            for _ in range(10):  # and it stays so while the proof is missing
+                assert not primary.is_primary(), f"SERVING again without a proof:\n{cluster.logs()}"
+                time.sleep(0.1)
+            backup.process.signal(signal.SIGCONT)
+        healed = time.monotonic()
+        _wait(lambda: len([t for t in pusher.acknowledged.values() if t > healed]) >= 50, 60,
+              "no pushes acknowledged after the cut healed", cluster)
+    finally:
+        backup.process.signal(signal.SIGCONT)
+        pusher.join(60)
+    check = check_slots(client.pull(["slots"])["slots"], [pusher])
+    client.close()
+    assert not check.violations, (f"{len(check.violations)} violations: {check.violations[:5]}\n"
+                                  f"{cluster.logs()}")
+    assert lapsed - cut < cluster.lease_seconds + 1.5
+    print(f"health NOT_SERVING {lapsed - cut:.2f}s after the cut (lease {cluster.lease_seconds}s); "
+          f"{check.acknowledged} acknowledged pushes checked exactly once")
