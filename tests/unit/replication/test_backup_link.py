@@ -1,0 +1,32 @@
+"""What a backup's answers count for on its primary's side (ps_server/replication/log.py)."""
+
+from __future__ import annotations
+
+from ps_server.replication.log import BackupLink, UpdateLog
+
+
+def _link(epoch: int) -> BackupLink:
+    return BackupLink(1, 99, "h:1", 1 << 20, lambda: None, epoch)
+
+
+def test_only_answers_naming_the_primarys_term_acknowledge():
+    link = _link(epoch=7)
+    for _ in range(4):
+        link.sending(0)
+    link.answered(0, 150)  # before its snapshot: alive, nothing held of this term
+    link.answered(6, 150)  # a stale term's position, however large
+    assert link.acknowledged == 0 and link.ignored_answers == 2
+    assert link.proof > 0, "any answer proves the backup alive"
+    link.answered(7, 120)
+    assert link.acknowledged == 120
+    link.answered(7, 110)  # answers come in order; never lower what was acknowledged
+    assert link.acknowledged == 120
+
+
+def test_a_new_terms_log_goes_on_from_the_state_it_was_elected_with():
+    log = UpdateLog(41)
+    link = _link(epoch=9)
+    with log.ordered():
+        assert log.attach(link) == 41
+        assert log.append([b""], 1) == 42
+    assert link.take(0.0)[0][0] == 42
