@@ -294,6 +294,33 @@ class ShardCoordinator:
                   leader=leader.replica_index, epoch=leader.epoch, by=self.replica_index)
         return revoked
 
+    def end_silent_term(self, epoch: int) -> bool:
+        """End term ``epoch``, whose leader this replica no longer hears from, by deleting its leader key;
+        only while this replica is in the isr, fenced on the isr as read.
+
+        Safe without any clock: the leader acknowledges nothing without this
+        replica's answer until it removed it from the isr in etcd, and that
+        write changes the isr this transaction is fenced on. So if the key is
+        deleted, everything acknowledged in the term is on this replica; if
+        the leader removed it first, nothing happens and it catches up again.
+        A leader that still reaches etcd removes a silent backup
+        (--replication-timeout) before the backup gives up on it
+        (--failover-after, longer), so a backup cut off from its leader alone
+        does not depose a leader the workers still reach.
+        """
+        state = self.shard_state()
+        if state.leader is None or state.leader.epoch != epoch:
+            return False
+        if state.in_sync is None or self.replica_id not in state.in_sync.members:
+            return False
+        compare = [create_revision_is(self.keys.leader, epoch),
+                   mod_revision_is(self.keys.isr, state.in_sync.mod_revision)]
+        result = self._client.txn(compare, [delete_op(self.keys.leader)])
+        if result.succeeded:
+            event(_log, logging.WARNING, "ended the term of a silent leader", shard=self.keys.shard_index,
+                  leader=state.leader.replica_index, epoch=epoch, by=self.replica_index)
+        return result.succeeded
+
     def step_down(self, epoch: int) -> bool:
         """End term ``epoch`` by deleting its leader key, if that term still holds it (a deposed leader
         whose lease lives on would otherwise keep the shard without a primary until it dies)."""

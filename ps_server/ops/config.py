@@ -113,7 +113,8 @@ class ServerConfig:
     advertise_address: str = ""
     replication_port: int = 0
     primary_lease_seconds: int = 2
-    replication_timeout: float = 5.0
+    replication_timeout: float = 0.5
+    failover_after: float = 0.8
     max_backup_bytes: int = 256 << 20
     etcd_ca: str | None = None
     etcd_cert: str | None = None
@@ -211,6 +212,11 @@ class ServerConfig:
         if not math.isfinite(self.replication_timeout) or self.replication_timeout <= 0:
             raise ConfigError(f"--replication-timeout must be positive seconds, got "
                               f"{self.replication_timeout}")
+        if not math.isfinite(self.failover_after) or self.failover_after <= self.replication_timeout:
+            raise ConfigError(f"--failover-after ({self.failover_after}) must be more seconds than "
+                              f"--replication-timeout ({self.replication_timeout}): a primary that still "
+                              "reaches etcd drops a silent backup from the in-sync set before that backup "
+                              "may end the primary's term")
         if self.max_backup_bytes < 1 << 20:
             raise ConfigError(f"--max-backup-bytes must be at least 1 MiB, got {self.max_backup_bytes}")
         if self.tls_cert and not self.tls_client_ca:
@@ -291,6 +297,9 @@ _HELP = {
                              "sooner, longer rides out slower etcd",
     "replication_timeout": "seconds a backup may leave an update unanswered before the primary drops it from "
                            "the in-sync set (it catches up again)",
+    "failover_after": "seconds an in-sync backup hears nothing from its primary (it pings every fifth of "
+                      "this) before it ends the primary's term and is elected; more than "
+                      "--replication-timeout",
     "max_backup_bytes": "bytes of updates queued for one backup at most; a backup further behind is cut off "
                         "and catches up from a snapshot",
     "etcd_ca": "PEM CA bundle that signed etcd's certificate: talk to etcd over TLS",

@@ -30,6 +30,10 @@ __all__ = ["Follower"]
 
 log = logging.getLogger("ps_server.replication")
 
+#: Silence tolerated before this stream's snapshot is installed (the primary may be writing a large one
+#: first); once in sync, the primary's silence for --failover-after ends the stream.
+_CATCH_UP_SILENCE = 60.0
+
 
 class Follower:
     def __init__(self, role: ReplicaRole, shard_index: int, num_shards: int, applier: RecordApplier,
@@ -58,12 +62,12 @@ class Follower:
         self._applier.forget_streams()
         receiver: SnapshotReceiver | None = None
         try:
-            connection = connect(leader.replication_address, self._tls, settings.replication_timeout)
+            connection = connect(leader.replication_address, self._tls, settings.failover_after)
         except ConnectionClosed as error:
             return str(error)
-        # Silence longer than this (the primary pings every lease / 4) means the primary is gone; a
-        # primary whose term ended (its lease expired) is let go sooner, by interrupt().
-        connection.set_timeout(settings.replication_timeout)
+        # Once in sync, silence longer than --failover-after (the primary pings five times as often) means
+        # the primary is gone or cut off; a primary whose term ended is let go sooner, by interrupt().
+        connection.set_timeout(_CATCH_UP_SILENCE)
         self._connection = connection
         event(log, logging.INFO, "following the primary", primary=leader.address, epoch=leader.epoch)
         #: Where this stream has brought the state: None until its snapshot is installed.
@@ -105,6 +109,7 @@ class Follower:
                             return f"the primary leads term {message.epoch}, not {leader.epoch}"
                         held = Position(message.epoch, message.snapshot_done)
                         role.install(functools.partial(self._install, receiver.load()), held)
+                        connection.set_timeout(settings.failover_after)
                         event(log, logging.INFO, "snapshot loaded", position=str(held),
                               bytes=receiver.bytes_received)
                         receiver.close()
@@ -114,6 +119,9 @@ class Follower:
                 connection.send([reply])
                 role.answered_primary(installed=held is not None)
         except ConnectionClosed as error:
+            if held is not None and isinstance(error.__cause__, TimeoutError):
+                role.primary_silent()
+                return f"the primary sent nothing for {settings.failover_after:g}s"
             return f"stream broke: {error}"
         finally:
             self._connection = None

@@ -84,6 +84,7 @@ class Coordination(Protocol):
     def set_in_sync(self, epoch: int, members: list[tuple[int, int]]) -> bool: ...
     def revoke_leader(self, leader: LeaderInfo) -> None: ...
     def step_down(self, epoch: int) -> bool: ...
+    def end_silent_term(self, epoch: int) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -98,6 +99,8 @@ class ReplicaSettings:
     lease_seconds: float
     #: A backup that leaves a message unanswered this long is dropped from the in-sync set.
     replication_timeout: float
+    #: An in-sync backup that hears nothing from its primary this long ends the primary's term.
+    failover_after: float
     #: Changes queued for one backup at most before it is cut off (it catches up again).
     max_backup_bytes: int
 
@@ -151,6 +154,8 @@ class ReplicaRole:
         self.has_state = False
         #: Backup: whether the stream being followed has installed its snapshot (in sync from then on).
         self._installed = False
+        #: Backup: the stream followed ended because the primary fell silent (not refused or closed).
+        self._silent = False
         self._answered_at = 0.0
         self._primary_gone = False
         self._wake = threading.Event()
@@ -222,6 +227,8 @@ class ReplicaRole:
             self.interrupt_follow()  # the term ended: a frozen or cut-off primary sends nothing more
         if leader is not None and leader.epoch > self._epoch and self._state == PRIMARY:
             self._deposed(f"replica {leader.replica_index} was elected (epoch {leader.epoch})")
+        elif leader is None and self._state == PRIMARY:
+            self._deposed("its term ended in etcd (its leader key is gone)")
         self._leader = leader  # None: the term ended; refusals name no primary until the next is known
         if leader is not None:
             self._epoch = max(self._epoch, leader.epoch)
@@ -270,6 +277,7 @@ class ReplicaRole:
         if self._rejoin:
             return  # a replica without its lease first rejoins as a new member, then follows
         self._installed = False
+        self._silent = False
         self._set_state(CATCHING_UP)
         self._primary_gone = False
         assert self.follow is not None
@@ -284,9 +292,28 @@ class ReplicaRole:
             # The primary's process is gone: nothing can be acknowledged there any more.
             self._primary_gone = True
             self._revoke(leader, "the primary's port refuses connections")
+        elif self._silent and self._installed:
+            self._end_silent_term(leader)
         self._set_state(CANDIDATE if self.has_state else STARTING)
         if not self._primary_gone and time.monotonic() - started < 1.0:
             self._wake.wait(0.25)  # a primary that refuses at once (still starting): not a busy loop
+
+    def primary_silent(self) -> None:
+        """The follower heard nothing from its primary for --failover-after while in sync."""
+        self._silent = True
+
+    def _end_silent_term(self, leader: LeaderInfo) -> None:
+        """An in-sync backup whose primary fell silent (its host lost, or cut off) ends the primary's term
+        in etcd (fenced on the isr, see ShardCoordinator.end_silent_term) and campaigns at once."""
+        try:
+            ended = self._coordination.end_silent_term(leader.epoch)
+        except CoordinationError as error:
+            event(log, logging.WARNING, "could not end a silent primary's term", error=str(error))
+            return
+        if ended:
+            self._primary_gone = True  # the term is over: nothing can be acknowledged in it any more
+            event(log, logging.WARNING, "ended the term of a silent primary", primary=leader.address,
+                  epoch=leader.epoch, silent_for=self.settings.failover_after)
 
     def _step_down(self, leader: LeaderInfo) -> None:
         event(log, logging.WARNING, "ending the term this replica no longer leads", epoch=leader.epoch,
@@ -378,6 +405,8 @@ class ReplicaRole:
             self.last_failover_seconds = now - self._lost_at
         self._monitor = threading.Thread(target=self._watch_backups, name="ps-replica-monitor", daemon=True)
         self._monitor.start()
+        # Apart from the monitor, which may wait seconds on an unreachable etcd.
+        threading.Thread(target=self._watch_proof, name="ps-replica-proof", daemon=True).start()
         event(log, logging.WARNING if self._answered_at else logging.INFO, "elected primary", epoch=epoch,
               sequence=start, held=str(held), restored=held == NO_STATE,
               replica_index=self.settings.replica_index,
@@ -524,11 +553,17 @@ class ReplicaRole:
                          and link.proof}
             if failed or caught_up:
                 self._change_in_sync(failed, caught_up)
-            self._publish_proof()
             self._log_consistency()
             for key, link in list(self._links.items()):
                 if link.closed is not None and key not in self._in_sync:
                     del self._links[key]
+
+    def _watch_proof(self) -> None:
+        """Primary: every 50 ms, whether it can still prove its term (for the primary-only health)."""
+        while not self._stopping.is_set() and self._state == PRIMARY:
+            self._publish_proof()
+            self._stopping.wait(0.05)
+        self._publish_proof()
 
     def _publish_proof(self) -> None:
         """Tell the health service whether this primary can prove its term (it acknowledges nothing

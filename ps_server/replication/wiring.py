@@ -68,7 +68,8 @@ class ReplicaWiring:
         settings = ReplicaSettings(
             replica_index=config.replica_index, replicas=config.replicas, address="",
             incarnation=int(server.server_id[:12], 16), lease_seconds=float(config.primary_lease_seconds),
-            replication_timeout=config.replication_timeout, max_backup_bytes=config.max_backup_bytes)
+            replication_timeout=config.replication_timeout, failover_after=config.failover_after,
+            max_backup_bytes=config.max_backup_bytes)
         self.role = ReplicaRole(settings, self._become_primary)
         self.role.on_state = self._state_changed
         self.role.on_proof = lambda proven: self._set_health(self.role.state)
@@ -82,7 +83,7 @@ class ReplicaWiring:
         streams = BackupStreams(
             self.role, config.shard_index, config.num_shards,
             lambda: take_snapshot(server.store, server.ledger, server.consistency, server.server_id),
-            ping_seconds=max(0.05, settings.lease_seconds / 4),
+            ping_seconds=max(0.02, min(settings.lease_seconds / 4, settings.failover_after / 5)),
             token_matches=lambda presented: server.tokens is None or server.tokens.matches(presented),
             snapshot_parent=config.checkpoint_dir or None)
         self._listener = FrameListener(config.host, config.replication_port, streams.serve,
