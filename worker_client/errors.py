@@ -230,8 +230,9 @@ def error_for(code: grpc.StatusCode, reason: str | None, details: str, address: 
     ``primary``: with reason NOT_PRIMARY, the primary the refusing replica named.
     """
     if reason == Reason.NOT_PRIMARY.value:
-        names = f"the primary is {primary}" if primary else "it knows no primary yet"
-        return NotPrimaryError(f"{what}: ps-server {address} is not the primary of its shard ({names}): "
+        # Only what the refusal carries is added, once; the server's details say what it knows.
+        names = f" (the primary is {primary})" if primary and primary not in details else ""
+        return NotPrimaryError(f"{what}: ps-server {address} is not the primary of its shard{names}: "
                                f"{details}", address=address, reason=reason, code=code.name,
                                primary=primary or None)
     cls = _BY_REASON.get(reason or "") or _BY_CODE.get(code, PSInternalError)

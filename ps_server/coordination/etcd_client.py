@@ -44,9 +44,15 @@ _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # Reconnect quickly after etcd restarts (gRPC's default backoff grows to 120 s);
 # ping idle connections so a silently vanished etcd breaks the streams. etcd
 # refuses pings more often than every 5 s (--grpc-keepalive-min-time).
+# gRPC gives a connection attempt max(min_reconnect_backoff, the current
+# backoff) to complete (TCP and HTTP/2 handshakes): that is the connect
+# timeout. It must outlast a lost SYN (Linux resends it after 1 s), or the
+# first connection fails whenever one packet is lost; the backoff between
+# attempts stays short (initial, max).
+_CONNECT_TIMEOUT_MS = 3000
 _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", _CONNECT_TIMEOUT_MS),
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),

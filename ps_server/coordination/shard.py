@@ -51,6 +51,13 @@ __all__ = ["ShardCoordinator", "ShardState", "eligible"]
 
 _log = logging.getLogger(__name__)
 
+#: ``start``'s retries while etcd is away: the first after 0.1 s, doubling to 2 s, so a replica
+#: started just before etcd joins at once and one waiting longer asks once every 2 s.
+_START_BACKOFF = 0.1
+_START_MAX_BACKOFF = 2.0
+#: At most one "waiting for etcd" line per this many seconds.
+_START_LOG_SECONDS = 5.0
+
 
 @dataclass(frozen=True)
 class ShardState:
@@ -136,8 +143,38 @@ class ShardCoordinator:
 
     # --- membership and lease -------------------------------------------------------------------
 
-    def start(self) -> ShardCoordinator:
-        """Take a lease, renew it from a thread, announce this replica (CoordinationError: etcd away)."""
+    def start(self, wait: float = 0.0) -> ShardCoordinator:
+        """Take a lease, renew it from a thread, announce this replica; blocks; idempotent.
+
+        ``wait``: seconds to keep trying, with backoff, while no etcd endpoint
+        answers (etcd starting after this process, a first connection that
+        is slow), logging what it waits for; 0 tries once. Raises
+        CoordinationError when etcd refuses, or is still away after ``wait``
+        (a call under way may add up to the client's timeout to that).
+        """
+        deadline = time.monotonic() + wait
+        backoff = _START_BACKOFF
+        logged_at = -float("inf")
+        while True:
+            try:
+                return self._join()
+            except CoordinationError as error:
+                now = time.monotonic()
+                if not error.unreachable or self._closed or now >= deadline:
+                    if wait > 0 and error.unreachable and not self._closed:
+                        raise CoordinationError(
+                            f"etcd did not answer for {wait:g} s: {error}", unreachable=True) from error
+                    raise
+                if now - logged_at >= _START_LOG_SECONDS:
+                    logged_at = now
+                    event(_log, logging.WARNING, "waiting for etcd", endpoints=self._client.endpoints,
+                          waited_seconds=round(wait - (deadline - now), 1), gives_up_after=wait,
+                          error=str(error))
+                time.sleep(min(backoff, deadline - now))
+                backoff = min(_START_MAX_BACKOFF, backoff * 2)
+
+    def _join(self) -> ShardCoordinator:
+        """One try of ``start``: the lease, its keeper, the member key."""
         with self._lock:
             if self._keeper is not None or self._closed:
                 return self

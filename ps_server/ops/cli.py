@@ -8,6 +8,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from ps_server.coordination import CoordinationError
 from ps_server.durability.format import CheckpointError
 from ps_server.ops.config import ConfigError, parse_config
 from ps_server.server import create_server
@@ -46,6 +47,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.start()
     except CheckpointError as exc:
         event(log, logging.ERROR, "cannot restore", error=str(exc))
+        server.grpc_server.stop(0)
+        return 1
+    except CoordinationError as exc:
+        event(log, logging.ERROR, f"cannot start: this replica could not join its replica set through etcd "
+              f"at {config.etcd_endpoints} (--etcd-endpoints) within --etcd-start-timeout "
+              f"{config.etcd_start_timeout:g} s", error=str(exc), etcd_endpoints=config.etcd_endpoints)
         server.grpc_server.stop(0)
         return 1
     while not stop.wait(0.2):

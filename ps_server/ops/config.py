@@ -119,6 +119,7 @@ class ServerConfig:
     etcd_ca: str | None = None
     etcd_cert: str | None = None
     etcd_key: str | None = None
+    etcd_start_timeout: float = 60.0
     #: PS_* variables that no setting reads (a misspelling?); logged at start.
     unknown_environment: tuple[str, ...] = ()
 
@@ -217,6 +218,8 @@ class ServerConfig:
                               f"--replication-timeout ({self.replication_timeout}): a primary that still "
                               "reaches etcd drops a silent backup from the in-sync set before that backup "
                               "may end the primary's term")
+        if not math.isfinite(self.etcd_start_timeout) or self.etcd_start_timeout <= 0:
+            raise ConfigError(f"--etcd-start-timeout must be positive seconds, got {self.etcd_start_timeout}")
         if self.max_backup_bytes < 1 << 20:
             raise ConfigError(f"--max-backup-bytes must be at least 1 MiB, got {self.max_backup_bytes}")
         if self.tls_cert and not self.tls_client_ca:
@@ -305,6 +308,9 @@ _HELP = {
     "etcd_ca": "PEM CA bundle that signed etcd's certificate: talk to etcd over TLS",
     "etcd_cert": "PEM client certificate for etcd (mutual TLS)",
     "etcd_key": "PEM private key of --etcd-cert",
+    "etcd_start_timeout": "seconds a starting replica waits for etcd to answer (retrying, logging what it "
+                          "waits for) before it exits with an error; covers etcd starting after the replica "
+                          "and a slow first connection",
 }
 
 

@@ -90,6 +90,11 @@ class ReplicaWiring:
                                              _server_tls(config))
 
     def start(self) -> None:
+        """Join the replica set and start the role's loop; blocks until etcd answered.
+
+        CoordinationError when etcd is away for ``--etcd-start-timeout`` or
+        refuses this replica; nothing of the replica is left running then.
+        """
         server = self._server
         config = server.config
         host = _advertised_host(config.host)
@@ -109,6 +114,12 @@ class ReplicaWiring:
                 replication_address=replication_address, on_lease_lost=self.role.lease_lost)
 
         coordination = coordination_for(self.role.settings.incarnation)
+        try:  # etcd may start after this process, or answer its first connection late
+            coordination.start(wait=config.etcd_start_timeout)
+        except CoordinationError:
+            client.close()
+            self._listener.stop()
+            raise
         self.role.connect(address, coordination)
         self.role.new_coordination = coordination_for
         follower = Follower(self.role, config.shard_index, config.num_shards, self._applier, server.install,

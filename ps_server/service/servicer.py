@@ -42,7 +42,7 @@ from wehub_ps.wire.codec import (
 )
 from wehub_ps.wire.dtypes import to_numpy_dtype
 from wehub_ps.wire.protowire import CodecError
-from wehub_ps.wire.rpc import SERVICE_NAME
+from wehub_ps.wire.rpc import PRIMARY_METADATA_KEY, SERVICE_NAME
 from wehub_ps.wire.small_messages import encode_push_response
 
 __all__ = ["ParameterServerService", "exchange_error"]
@@ -396,7 +396,7 @@ class ParameterServerService:
             raise RequestError(Reason.INVALID_REQUEST, "an ExchangeRequest carries a pull or a push")
         except RequestError as error:
             return [exchange_error(request_id, STATUS_BY_REASON[error.reason], error.reason.value,
-                                   error.message)]
+                                   error.message, dict(error.trailers).get(PRIMARY_METADATA_KEY, ""))]
         except Exception as error:  # noqa: BLE001 - a bug: answered, as gRPC answers a handler's exception
             # UNKNOWN, which clients do not retry: on a TCP lane the connection would otherwise
             # break, and the client retry the request for its whole retry_timeout.
@@ -406,10 +406,16 @@ class ParameterServerService:
                                    f"ps-server failed to answer: {type(error).__name__}: {error}")]
 
 
-def exchange_error(request_id: int, status: grpc.StatusCode, reason: str, message: str) -> bytes:
-    """An ExchangeResponse that fails request ``request_id`` (0: the whole lane) with ``status``."""
+def exchange_error(request_id: int, status: grpc.StatusCode, reason: str, message: str,
+                   primary: str = "") -> bytes:
+    """An ExchangeResponse that fails request ``request_id`` (0: the whole lane) with ``status``.
+
+    ``primary``: a NOT_PRIMARY refusal's primary, which the ordinary calls
+    send in the trailing metadata; here it is a field, so a client on an
+    Exchange stream or a TCP lane follows it as it follows the metadata.
+    """
     return encode_envelope(request_id, EXCHANGE_ERROR, ps_pb2.ExchangeError(
-        code=status.value[0], reason=reason, message=message).SerializeToString())
+        code=status.value[0], reason=reason, message=message, primary=primary).SerializeToString())
 
 
 class _LoggedStream:

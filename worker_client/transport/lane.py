@@ -211,16 +211,13 @@ class ExchangeLane:
         if answer_id == 0 and answer_field == EXCHANGE_ERROR:
             # The whole lane failed (a TCP lane's hello refused, its token no longer valid): never read.
             self.close()
-            err = ps_pb2.ExchangeError.FromString(answer)
-            raise self._refusal(error_for(_status(err.code), err.reason or None, err.message, self._address,
-                                          what))
+            raise self._refusal(_exchange_error(answer, self._address, what))
         if answer_id != request_id:
             self.close()
             raise error_for(grpc.StatusCode.INTERNAL, None, f"answer {answer_id} to request {request_id}",
                             self._address, what)
         if answer_field == EXCHANGE_ERROR:
-            err = ps_pb2.ExchangeError.FromString(answer)
-            raise error_for(_status(err.code), err.reason or None, err.message, self._address, what)
+            raise _exchange_error(answer, self._address, what)
         return answer_field, answer
 
     def _late(self, what: str) -> PSError:
@@ -290,6 +287,12 @@ class ExchangeLane:
         self.close()
         self._stream = self._open_stream()
         self._opened_at = time.monotonic()
+
+
+def _exchange_error(answer: memoryview, address: str, what: str) -> PSError:
+    """The typed exception for an ExchangeError answer; a NOT_PRIMARY one names the primary it gave."""
+    err = ps_pb2.ExchangeError.FromString(answer)
+    return error_for(_status(err.code), err.reason or None, err.message, address, what, err.primary or None)
 
 
 def _status(code: int) -> grpc.StatusCode:

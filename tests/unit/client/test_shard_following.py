@@ -169,7 +169,12 @@ def test_not_primary_is_translated_with_its_hint():
     without = translate_rpc_error(_FailedCall(grpc.StatusCode.UNAVAILABLE, (
         (REASON_METADATA_KEY, "NOT_PRIMARY"),)), A, "pull")
     assert type(without) is NotPrimaryError and without.primary is None
-    assert "knows no primary" in str(without)
+    # Nothing is claimed that the refusal did not say: no primary named, none invented or denied.
+    assert str(without) == f"pull: ps-server {A} is not the primary of its shard: this replica is a backup"
+    # A primary the details name already is not repeated.
+    named = error_for(grpc.StatusCode.UNAVAILABLE, "NOT_PRIMARY", f"this replica is backup; the primary is {B}",
+                      A, "pull", B)
+    assert str(named).count(B) == 1 and named.primary == B
     # The trailer means nothing without the reason.
     plain = translate_rpc_error(_FailedCall(grpc.StatusCode.UNAVAILABLE, ((PRIMARY_METADATA_KEY, B),)), A,
                                 "pull")
