@@ -170,7 +170,7 @@ class ActivePush:
         pulls and requests hold, rows other requests create or evict, other
         streams of the push), which no check taken before applying can hold
         still. So a replicated shard logs exactly that prefix of the message
-        (``_LoggedStream.applied`` in the servicer), and a backup applies it
+        (``_LoggedStream.refused`` in the servicer), and a backup applies it
         whole with this same code: its values, optimizer slots and ledger
         are the primary's, and a retry of the push applies the rest exactly
         once on whichever replica leads.
