@@ -257,11 +257,17 @@ class PushSession:
             return self.applied_elements == self.total_elements
 
     def to_json(self) -> dict:
-        """The applied chunks (claimed-but-unapplied ones cannot exist under the apply gate)."""
+        """The applied chunks (claimed-but-unapplied ones cannot exist under the apply gate).
+
+        A variable none of whose chunks was applied is left out: a chunk
+        claimed and released (refused) leaves the record of a chunk that
+        never came, as on a replica that was sent only what was applied.
+        """
         with self._lock:
+            chunks = {var: [[off, n] for off, (n, applied) in sorted(claimed.items()) if applied]
+                      for var, claimed in self._chunks.items()}
             return {"total": self.total_elements, "steps": dict(self.steps),
-                    "chunks": {var: [[off, n] for off, (n, applied) in sorted(chunks.items()) if applied]
-                               for var, chunks in self._chunks.items()}}
+                    "chunks": {var: applied for var, applied in chunks.items() if applied}}
 
     @classmethod
     def from_json(cls, key: tuple[str, str, int], data: dict) -> "PushSession":

@@ -7,7 +7,10 @@ checked at the begin (cluster identity, variables, sizes, dtypes), before
 anything is applied; each chunk is checked again before it is applied.
 A stream that breaks midway leaves the chunks before the break applied and
 recorded in the ledger, and a retry of the same push completes it, exactly
-once.
+once. A message whose chunk is refused while it is applied (a hash table
+at its row or memory limit) breaks the same way, at that chunk: the chunks
+before it stay applied (:attr:`ActivePush.applied_chunks`), which is what a
+replicated shard logs of the message (see :meth:`ActivePush.apply_many`).
 
 No gRPC and no protobuf here: the service layer decodes the messages into
 a :class:`PushStart` and :class:`PushChunk` values and feeds them in.
@@ -139,6 +142,9 @@ class ActivePush:
         self._observer = observer
         #: An ASSIGN push: whether its upload became a variable's initial value.
         self._installed = False
+        #: Chunks of the newest message, from its first, that :meth:`apply_many` applied (or found
+        #: applied before): all of them once it returns, those before the refused one when it raises.
+        self.applied_chunks = 0
 
     def apply(self, chunk: PushChunk) -> None:
         """Check one chunk and apply it unless this push applied it before."""
@@ -153,9 +159,26 @@ class ActivePush:
         the histogram among the server's largest costs in such a step). A
         chunk that fails its checks refuses the whole message before any of
         it is applied.
+
+        A chunk refused while it is applied (a hash table's rows past its
+        limit, its growth past the memory limit, a chunk overlapping one the
+        push recorded with other bounds) raises there: the chunks before it
+        stay applied and recorded, the refused chunk and those after it
+        change nothing, and :attr:`applied_chunks` says how many came before
+        it. Refusals are not booked for the whole message first because
+        they depend on more than the message (the memory that concurrent
+        pulls and requests hold, rows other requests create or evict, other
+        streams of the push), which no check taken before applying can hold
+        still. So a replicated shard logs exactly that prefix of the message
+        (``_LoggedStream.refused`` in the servicer), and a backup applies it
+        whole with this same code: its values, optimizer slots and ledger
+        are the primary's, and a retry of the push applies the rest exactly
+        once on whichever replica leads.
         """
+        self.applied_chunks = 0
         checked = [self._check(chunk) for chunk in chunks]
         if self._session is None or not checked:
+            self.applied_chunks = len(checked)
             return  # the whole push is a duplicate, or nothing came
         self._session.make_room(len(checked))  # a message past the push's bound is refused whole
         started = time.perf_counter()
@@ -164,7 +187,9 @@ class ActivePush:
         # sees each chunk either applied and recorded, or neither.
         with self._store.gate.shared():
             for name, item, offset, values in checked:
-                if values.size and self._apply_one(name, item, offset, values):
+                whole = bool(values.size) and self._apply_one(name, item, offset, values)
+                self.applied_chunks += 1
+                if whole:
                     completed = True
                     self._finalize()
         if self._observer is not None:

@@ -7,7 +7,9 @@ the primary's order, one at a time, so its values, optimizer slots and
 ledger end up bit-identical. Decisions that depend on other workers
 (consistency waits) were taken by the primary before it applied anything;
 a backup applies what the primary applied, so it passes no consistency
-controller and never waits.
+controller and never waits. Of a push message the primary refused part way
+(a later chunk past a table's limit), the record carries the chunks the
+primary applied before the refusal, so a backup applies exactly those.
 """
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ from ps_server.core.errors import RequestError
 from ps_server.core.pushes import PushChunk, PushKind, PushStart
 from wehub_ps.errors import Reason
 from wehub_ps.v1 import ps_pb2
-from wehub_ps.wire.codec import DecodedChunk
+from wehub_ps.wire.codec import DecodedChunk, OutgoingChunk, join_pieces, push_request_pieces
 from wehub_ps.wire.dtypes import WIRE_TO_NUMPY
 
-__all__ = ["BeginParts", "push_start", "push_chunk", "push_chunks"]
+__all__ = ["BeginParts", "push_start", "push_chunk", "push_chunks", "chunks_message"]
 
 _KINDS = {ps_pb2.GRADIENT: PushKind.GRADIENT, ps_pb2.ASSIGN: PushKind.ASSIGN}
 
@@ -106,3 +106,14 @@ def push_chunks(chunks: list[DecodedChunk]) -> list[PushChunk]:
 def _dtype(code: int) -> np.dtype | int:
     """The numpy dtype of a wire dtype code, or the code itself when it names none."""
     return WIRE_TO_NUMPY.get(code, code)
+
+
+def chunks_message(chunks: list[DecodedChunk]) -> bytes:
+    """A PushRequest of ``chunks`` that decodes to them in this order (a message's applied prefix).
+
+    Each chunk is its own TensorChunk: a ChunkBatch would put the small
+    chunks after the large ones, and a replica applies chunks in the order
+    it decodes them (an LRU table's access order, a sync step's sum).
+    """
+    return b"".join(join_pieces(push_request_pieces(None, [OutgoingChunk(chunk.header, chunk.data)]))
+                    for chunk in chunks)

@@ -21,7 +21,7 @@ from ps_server.service.builders import checkpoint_info, describe_response, varia
 from ps_server.service.calls import STATUS_BY_REASON, CallSlots, abort, parse, unary
 from ps_server.service.context import ShardContext
 from ps_server.service.pull_stream import pull_messages
-from ps_server.service.push_messages import BeginParts, push_chunks, push_start
+from ps_server.service.push_messages import BeginParts, chunks_message, push_chunks, push_start
 from ps_server.service.roles import ShardRole
 from wehub_ps.errors import Reason
 from wehub_ps.specs import SpecError
@@ -31,6 +31,7 @@ from wehub_ps.wire.codec import (
     EXCHANGE_ERROR,
     EXCHANGE_PULL,
     EXCHANGE_PUSH,
+    DecodedChunk,
     TooManyChunks,
     decode_envelope,
     decode_push_request,
@@ -322,7 +323,11 @@ class ParameterServerService:
                 if logged.replicated:
                     with logged.ordered():
                         if chunks:
-                            active.apply_many(push_chunks(chunks))
+                            try:
+                                active.apply_many(push_chunks(chunks))
+                            except BaseException:
+                                logged.refused(raw, chunks, active.applied_chunks)
+                                raise
                         if whole:  # the push's only message (Exchange): applied and finished in one record
                             try:
                                 result = active.finish()
@@ -422,9 +427,12 @@ class _LoggedStream:
     """One push stream's records in a replicated shard's log (nothing when unreplicated).
 
     Each applied message is logged in the same hold of the shard's order as
-    its apply; the stream's begin goes with its first record. A stream that
-    breaks after logging anything logs its end too, so the backups let go of
-    it as the primary did.
+    its apply; the stream's begin goes with its first record. Of a message
+    refused part way, the chunks applied before the refusal are logged
+    (``refused``). A stream that breaks after its begin was applied logs its
+    end too, with the begin when no record carried it yet, so the backups
+    open the push in their ledgers and let go of the stream as the primary
+    did.
     """
 
     def __init__(self, role: ShardRole) -> None:
@@ -442,10 +450,10 @@ class _LoggedStream:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        if self.replicated and self._begin_logged and not self._ended:
+        if self.replicated and not self._ended and (self._begin_logged or self.begin is not None):
             try:
                 with self._role.ordered():
-                    self._role.push_ended(self._stream, None, False)
+                    self._role.push_ended(self._stream, self._first_begin(), False)
             except RequestError:
                 pass  # no longer the primary: its backups follow another one
 
@@ -456,6 +464,12 @@ class _LoggedStream:
         """Under ``ordered``: one message's chunks were applied (``completed``: and the push finished)."""
         self._ended = completed
         self.sequence = self._role.push_applied(self._stream, self._first_begin(), message, completed)
+
+    def refused(self, message: bytes | memoryview, chunks: list[DecodedChunk], applied: int) -> None:
+        """Under ``ordered``: ``message`` (of ``chunks``) was refused after its first ``applied``
+        chunks were applied; those are logged, as a message of their own when they are not all."""
+        if applied:
+            self.applied(message if applied == len(chunks) else chunks_message(chunks[:applied]))
 
     def ended(self) -> None:
         """Under ``ordered``: the push finished."""

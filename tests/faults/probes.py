@@ -1,7 +1,8 @@
 """The faults that check a guarantee as they run, each reporting its own violations.
 
 Token rotation (a rotated-out token is refused, also on an open stream),
-requests over a table's bound (refused, nothing changed), idle clients
+requests over a table's bound (refused, nothing changed; a push message
+refused part way keeps what it applied before the refusal), idle clients
 holding streams (control calls still served), and Checkpoint calls while a
 restarted server restores (no checkpoint lacks a variable).
 """
@@ -21,6 +22,7 @@ import numpy as np
 
 from faults.cluster import Cluster
 from faults.layout import IDLE_CLIENTS, LIMIT_ROWS, VARIABLES
+from faults.replicated import ReplicatedCluster
 from faults.report import Report, Timeline
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.rpc import method_path
@@ -189,6 +191,8 @@ class Probes:
                 pass
             except PSError as error:
                 self.report.fail("limit", f"limit: {what} raised {type(error).__name__}: {error}")
+        if cluster.trained:  # "limited" holds 2 rows of LIMIT_ROWS per shard: new ones fit a push, not it
+            self.refused_part_way(shard)
         after = cluster.call_admin(rows)
         if after != before:
             self.report.fail("limit", f"limit: refused requests changed the tables' rows per shard: "
@@ -198,6 +202,37 @@ class Probes:
             if not np.array_equal(values, np.ones_like(values)):
                 self.report.fail("limit", f"limit: trained rows of {name!r} changed by refused requests: "
                                  f"{values[:, 0].tolist()} (expected all 1)")
+
+    def refused_part_way(self, shard: int) -> None:
+        """One push message: new rows of ``emb``, then new rows of ``limited`` that it has no room for.
+
+        The ``limited`` chunk is refused (RESOURCE_EXHAUSTED) after the ``emb``
+        chunk was applied, and that one stays applied. Its rows are read back
+        (``cluster.refused_prefixes``): no later push touches them, so with
+        replicas they must hold these values at the end, after any failover,
+        on every replica alike (``ReplicatedCluster.check_replicas``).
+        """
+        from worker_client import PSError, ResourceExhaustedError
+
+        cluster = self.cluster
+        emb = cluster.take_fresh_ids(shard, 2)
+        over = cluster.take_fresh_ids(shard, LIMIT_ROWS - 1)  # within a push's bound, past the free rows
+        ones = np.ones((len(over), 2), np.float32)
+        try:
+            cluster.call_admin(lambda c: c.push({}, rows={"emb": (emb, ones[:len(emb)]),
+                                                          "limited": (over, ones)}))
+            self.report.fail("limit", "limit: a push of rows over limited's free rows was accepted")
+        except ResourceExhaustedError:
+            pass
+        except PSError as error:
+            self.report.fail("limit", f"limit: a push of rows over limited's free rows raised "
+                                      f"{type(error).__name__}: {error}")
+        values = cluster.call_admin(lambda c: c.pull_rows("emb", emb))
+        if not np.array_equal(values, -np.ones_like(values)):
+            self.report.fail("limit", f"limit: the emb rows a push applied before its refused chunk hold "
+                                      f"{values.tolist()} (expected all -1: applied once, kept)")
+        if isinstance(cluster, ReplicatedCluster):
+            cluster.refused_prefixes.append(("emb", emb, values))
 
     # ---- idle streams
 

@@ -50,7 +50,9 @@ loses none of its record.
   the docs say clients ride out); a call answered with a token rotated out
   ``probes.TOKEN_GRACE`` s before, on a stream opened before; a worker or server that
   hangs; a SIGTERM that does not exit 0; a limit request not refused with
-  RESOURCE_EXHAUSTED or one that changed a table; a checkpoint written
+  RESOURCE_EXHAUSTED or one that changed a table (a push message refused
+  part way must keep, applied once, the rows of its chunks before the
+  refused one, and change the full table not at all); a checkpoint written
   while restoring that lacks variables; ``checkpoint()`` refused while idle
   clients hold streams; a step (pull and push) longer than
   ``oracle.STALL_SECONDS``.
@@ -59,9 +61,13 @@ loses none of its record.
 replicas on a real etcd, each behind its own proxy, and the faults are
 ``replicated.REPLICA_KINDS`` (SIGKILL of the primary or the backup, the
 primary frozen with SIGSTOP until the other replica leads, etcd stopped and
-restarted) besides connection cuts, Checkpoint calls and worker SIGKILLs.
-One in-sync replica of each shard always survives, so no loss is allowed:
-every acknowledged push is in the values exactly once.
+restarted) besides connection cuts, Checkpoint calls, worker SIGKILLs and
+requests over the table limits (among them a push message refused after
+its first chunk applied). One in-sync replica of each shard always
+survives, so no loss is allowed: every acknowledged push is in the values
+exactly once. At the end every shard's replicas must hold the same bits
+(values, optimizer slots, rows, versions, ledger), and the rows a push
+refused part way applied must still hold what they did after the refusal.
 
 Run: ``python tests/faults/randomized.py --seed 7`` (``--modes``, ``--kinds``, ``--replicas``,
 ``--events``, ``--budget``, ``--soak``, ``--workdir`` to keep the logs);
@@ -119,6 +125,8 @@ def run_mode(mode: str, seed: int, events: int, kinds: list[str], budget: float,
         if cluster.config["consistency"] == "sync":
             cluster.flush_sync_step()
         Oracle(cluster, timeline, report).check()
+        if isinstance(cluster, ReplicatedCluster):
+            cluster.check_replicas()
 
     started = time.monotonic()
     phases = []

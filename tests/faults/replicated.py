@@ -7,6 +7,14 @@ before each one the controller waits until the shard's other replica is in
 the primary's in-sync set, and a killed or frozen replica is brought back
 and waited for. So the oracle allows no loss at all (no loss window is ever
 opened): every acknowledged push is in the values exactly once.
+
+At the end (``check_replicas``) every replica of a shard writes a checkpoint
+at the same point of the shard's order, and they must hold the same bits:
+values, optimizer slots, hash-table rows, versions and the ledger, also
+after the pushes the "limit" kind has refused part way (a message whose
+later chunk a full table refused keeps the chunks before it, on every
+replica); the rows those pushes applied must also have survived every
+failover.
 """
 
 from __future__ import annotations
@@ -17,9 +25,10 @@ import time
 import uuid
 
 import grpc
+import numpy as np
 from etcd_server import EtcdServer, etcd_binary
 from ps_testing import ServerProcess
-from replica_testing import Replica
+from replica_testing import Replica, checkpoint_contents
 
 from faults.cluster import Cluster
 from faults.layout import NUM_SHARDS
@@ -31,7 +40,8 @@ LEASE_SECONDS = 1
 #: kind -> weight. primary-stop: SIGSTOP the primary until the other replica leads, then SIGCONT.
 REPLICA_KINDS = {"primary-kill": 3, "primary-stop": 1, "backup-kill": 2, "etcd-restart": 1}
 #: The single-server kinds that also make sense with replicas (the rest stop or restart one server).
-SHARED_KINDS = ("cut", "checkpoint", "worker-kill")
+#: "limit" pushes over a table's free rows, also one message refused part way (probes.refused_part_way).
+SHARED_KINDS = ("cut", "checkpoint", "worker-kill", "limit")
 #: Modes ps-server refuses to replicate (sync steps are not replicated).
 UNREPLICATED_MODES = ("sync",)
 IN_SYNC_TIMEOUT = 60.0
@@ -43,8 +53,14 @@ class ReplicatedCluster(Cluster):
 
     etcd: EtcdServer | None = None
     replicas: list[list[Replica]]
+    #: Rows that pushes refused part way applied, as read back then: (table, ids, values).
+    refused_prefixes: list[tuple[str, np.ndarray, np.ndarray]]
 
     def start_servers(self) -> None:
+        self.refused_prefixes = []
+        self._start_replicas()
+
+    def _start_replicas(self) -> None:
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError("the replicated mode needs etcd: apt-get install etcd-server, "
@@ -117,6 +133,53 @@ class ReplicatedCluster(Cluster):
                                    f"(backups: {[(b.replica_index, b.in_sync) for b in backups]})")
             time.sleep(0.05)
 
+    def wait_caught_up(self, shard: int, timeout: float = IN_SYNC_TIMEOUT) -> None:
+        """Until every running replica of ``shard`` applied all its primary had applied when asked."""
+        primary = self.wait_in_sync(shard, timeout)
+        target = self._status(primary).applied_sequence
+        deadline = time.monotonic() + timeout
+        for replica in self.replicas[shard]:
+            while (replica is not primary and replica.running()
+                   and self._status(replica).applied_sequence < target):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"shard {shard}: replica {replica.replica_index} did not apply "
+                                       f"sequence {target} within {timeout:.0f}s")
+                time.sleep(0.05)
+
+    def check_replicas(self) -> None:
+        """At the end, the workers stopped: every replica of a shard holds the same bits.
+
+        A ``checkpoint()`` makes every in-sync replica write one at the same
+        point of its shard's order; their values, optimizer slots, hash-table
+        rows, versions and ledgers are compared. The rows of pushes refused
+        part way must hold what they held after the refusal.
+        """
+        for shard in range(NUM_SHARDS):
+            self.wait_in_sync(shard)
+        self.call_admin(lambda c: c.checkpoint())
+        for shard in range(NUM_SHARDS):
+            self.wait_caught_up(shard)
+            (first, *others) = self.replicas[shard]
+            expected = checkpoint_contents(self._newest_checkpoint(first))
+            for replica in others:
+                differ = _differences(expected, checkpoint_contents(self._newest_checkpoint(replica)))
+                if differ:
+                    self.report.fail("replicas differ", f"shard {shard}: replicas {first.replica_index} and "
+                                                        f"{replica.replica_index} differ in {differ}")
+        for table, ids, values in self.refused_prefixes:
+            now = self.call_admin(lambda c, table=table, ids=ids: c.pull_rows(table, ids))
+            if now.tobytes() != values.tobytes():
+                self.report.fail("refused push", f"{table} rows {ids.tolist()} that a push refused part way "
+                                                  f"applied held {values.tolist()}, now {now.tolist()}")
+
+    def _newest_checkpoint(self, replica: Replica):
+        """The newest checkpoint in ``replica``'s own --checkpoint-dir."""
+        found = sorted((replica.process.workdir / "ckpt").glob("shard-*/ckpt-*"))
+        if not found:
+            raise RuntimeError(f"replica {replica.replica_index} of shard {replica.shard_index} wrote no "
+                               "checkpoint")
+        return found[-1]
+
     def _status(self, replica: Replica) -> ps_pb2.ReplicaStatus:
         """``replica``'s ReplicaStatus (Replica.status with the servers' bearer token)."""
         token = self.token_file.read_text().strip()
@@ -171,3 +234,13 @@ class ReplicatedCluster(Cluster):
         super().cleanup()
         if self.etcd is not None:
             self.etcd.kill()
+
+
+def _differences(first: tuple[dict, dict], second: tuple[dict, dict]) -> list[str]:
+    """What two checkpoints (checkpoint_contents) hold differently: tensor names, "variables", "ledger"."""
+    (tensors_a, state_a), (tensors_b, state_b) = first, second
+    names = sorted(set(tensors_a) | set(tensors_b))
+    differ = [name for name in names if name not in tensors_a or name not in tensors_b
+              or tensors_a[name].dtype != tensors_b[name].dtype
+              or tensors_a[name].tobytes() != tensors_b[name].tobytes()]
+    return differ + [key for key in ("variables", "ledger") if state_a.get(key) != state_b.get(key)]

@@ -46,7 +46,8 @@ def test_random_faults_lose_and_repeat_only_what_the_docs_allow(tmp_path, capsys
 
 @pytest.mark.timeout(600)
 def test_random_faults_of_replicated_shards_lose_nothing_acknowledged(tmp_path, etcd_factory):
-    """--replicas 2: replica SIGKILLs and freezes, etcd restarts and cuts, one in-sync replica always left.
+    """--replicas 2: replica SIGKILLs and freezes, etcd restarts, cuts and refused pushes, one in-sync
+    replica always left; at the end each shard's replicas hold the same bits.
 
     ``etcd_factory`` only to skip (or fail in CI) where etcd is not installed: the run starts its own.
     """
