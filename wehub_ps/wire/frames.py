@@ -48,8 +48,18 @@ from dataclasses import dataclass
 
 from wehub_ps.process.logs import event
 
-__all__ = ["ConnectionClosed", "FrameTooLarge", "FramedConnection", "FrameListener", "Handshake",
-           "RefusalLog", "connect", "HANDSHAKE_FRAME_BYTES", "HANDSHAKE_SECONDS", "MAX_FRAME_BYTES"]
+__all__ = [
+    "HANDSHAKE_FRAME_BYTES",
+    "HANDSHAKE_SECONDS",
+    "MAX_FRAME_BYTES",
+    "ConnectionClosed",
+    "FrameListener",
+    "FrameTooLarge",
+    "FramedConnection",
+    "Handshake",
+    "RefusalLog",
+    "connect",
+]
 
 log = logging.getLogger("wehub_ps.wire.frames")
 

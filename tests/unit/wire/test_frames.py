@@ -186,8 +186,8 @@ def test_stop_ends_connections_in_their_handshake_and_after():
     silent.close()
 
 
-@pytest.mark.parametrize("bad", [dict(max_pending=0), dict(max_pending=1, seconds=0.0),
-                                 dict(max_pending=1, max_bytes=0)])
+@pytest.mark.parametrize("bad", [{"max_pending": 0}, {"max_pending": 1, "seconds": 0.0},
+                                 {"max_pending": 1, "max_bytes": 0}])
 def test_a_handshake_names_a_bad_setting(bad):
     name = next(key for key, value in bad.items() if not value)
     with pytest.raises(ValueError, match=name):
