@@ -23,7 +23,7 @@ from ps_server.replication.snapshots import SnapshotSender
 from wehub_ps.errors import Reason
 from wehub_ps.process.logs import event
 from wehub_ps.v1 import ps_pb2
-from wehub_ps.wire.frames import ConnectionClosed, FramedConnection
+from wehub_ps.wire.frames import ConnectionClosed, FramedConnection, RefusalLog
 from wehub_ps.wire.replication import decode_answer, record_message
 
 __all__ = ["BackupStreams"]
@@ -32,7 +32,7 @@ log = logging.getLogger("ps_server.replication")
 
 
 class BackupStreams:
-    """Serves each connected backup (ReplicationListener's handler)."""
+    """Serves each connected backup (the replication port's FrameListener handler)."""
 
     def __init__(self, role: ReplicaRole, shard_index: int, num_shards: int,
                  take_snapshot: Callable[[], ShardSnapshot], ping_seconds: float,
@@ -44,23 +44,22 @@ class BackupStreams:
         self._ping_seconds = ping_seconds
         self._token_matches = token_matches
         self._snapshot_parent = snapshot_parent
+        self._refusals = RefusalLog(log, "backup refused")
 
-    def serve(self, connection: FramedConnection) -> None:
-        connection.set_timeout(30.0)  # the backup's FollowStart
+    def serve(self, connection: FramedConnection, first: bytearray) -> None:
+        """Serve one backup whose first frame, ``first``, arrived whole (FrameListener's handler)."""
         try:
-            start = self._start(connection)
+            start = self._start(first)
             link, snapshot = self._role.attach(start, self._take_snapshot)
         except RequestError as error:
-            event(log, logging.WARNING, "backup refused", peer=connection.peer, reason=error.reason.value,
-                  why=error.message)
+            # Anyone who reaches the port can be refused: at WARNING once a minute, with counts.
+            self._refusals.refused(error.reason.value, peer=connection.peer, why=error.message)
             try:
+                connection.set_timeout(5.0)
                 connection.send([ps_pb2.ReplicationMessage(refused=error.message).SerializeToString()])
             except ConnectionClosed:
                 pass
             return
-        except ConnectionClosed:
-            return
-        connection.set_timeout(None)
         answers = threading.Thread(target=_read_answers, args=(connection, link),
                                    name=f"ps-backup-answers-{start.replica_index}", daemon=True)
         answers.start()
@@ -75,8 +74,8 @@ class BackupStreams:
             event(log, logging.INFO, "backup stream ended", replica_index=link.replica_index,
                   why=link.closed, acknowledged=link.acknowledged)
 
-    def _start(self, connection: FramedConnection) -> ps_pb2.FollowStart:
-        first = _parse(connection.receive())
+    def _start(self, raw: bytearray) -> ps_pb2.FollowStart:
+        first = _parse(raw)
         if first.WhichOneof("kind") != "start":
             raise RequestError(Reason.INVALID_REQUEST, "a replication stream starts with FollowStart")
         start = first.start

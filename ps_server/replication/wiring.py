@@ -32,12 +32,16 @@ from ps_server.replication.snapshots import take_snapshot
 from ps_server.service.auth import TokenFile
 from ps_server.service.standard_services import HealthServicer
 from wehub_ps.process.logs import event
-from wehub_ps.wire.frames import FrameListener
+from wehub_ps.wire.frames import HANDSHAKE_FRAME_BYTES, FrameListener, Handshake
 from wehub_ps.wire.rpc import SERVICE_NAME
 
 __all__ = ["ReplicaWiring"]
 
 log = logging.getLogger("ps_server.replication")
+
+# Replication connections open beyond --replicas, and at most this many before their FollowStart: room for
+# backups reconnecting together; strangers hold at most 4 threads and 4 x 16 KiB.
+_HANDSHAKING_CONNECTIONS = 4
 
 
 class ReplicatedServer(Protocol):
@@ -86,8 +90,14 @@ class ReplicaWiring:
             ping_seconds=max(0.02, min(settings.lease_seconds / 4, settings.failover_after / 5)),
             token_matches=lambda presented: server.tokens is None or server.tokens.matches(presented),
             snapshot_parent=config.checkpoint_dir or None)
-        self._listener = FrameListener(config.host, config.replication_port, streams.serve,
-                                             _server_tls(config))
+        # A backup holds one connection; a restarted one may connect again before the primary sees its
+        # old connection end. The primary only reads FollowRequests from them (a FollowStart, then the
+        # sequence applied): every frame is within the handshake's bound.
+        self._listener = FrameListener(
+            config.host, config.replication_port, streams.serve,
+            Handshake(max_pending=_HANDSHAKING_CONNECTIONS),
+            max_connections=config.replicas + _HANDSHAKING_CONNECTIONS, tls=_server_tls(config),
+            max_frame_bytes=HANDSHAKE_FRAME_BYTES)
 
     def start(self) -> None:
         """Join the replica set and start the role's loop; blocks until etcd answered.

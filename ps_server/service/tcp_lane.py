@@ -16,14 +16,19 @@ again before each request (a rotated token cuts an open lane off before
 its next push is applied), and TLS with the gRPC port's certificate and
 client CA.
 
-A connection opens with a ``LaneHello`` frame within ``_HELLO_SECONDS``; at
-most ``--max-exchange-streams`` + ``_HANDSHAKING_CONNECTIONS`` connections
-are open at once (one more is closed as it is accepted). A
-refused hello, a frame over the server's message bound, or a token that is
-no longer valid is answered with an ExchangeResponse of id 0 (the whole
-lane) carrying the error, and the connection is closed. A frame that is
-not an ExchangeRequest is answered with MALFORMED_MESSAGE and the lane
-carries on, as on the stream.
+A connection opens with a ``LaneHello`` frame, whole within
+``HANDSHAKE_SECONDS`` of the accept and at most ``HANDSHAKE_FRAME_BYTES``
+long (wehub_ps.wire.frames: a stranger's frame is never buffered to the
+message bound before its token is checked). At most
+``--max-exchange-streams`` + ``_HANDSHAKING_CONNECTIONS`` connections are
+open at once, at most ``_HANDSHAKING_CONNECTIONS`` of them before their
+hello; one more is closed as it is accepted (its client then uses the
+Exchange stream, worker_client.transport.tcp_lane). A refused hello, a
+hello or a frame over its bound, or a token that is no longer valid is
+answered with an ExchangeResponse of id 0 (the whole lane) carrying the
+error, and the connection is closed. A frame that is not an
+ExchangeRequest is answered with MALFORMED_MESSAGE and the lane carries
+on, as on the stream.
 """
 
 from __future__ import annotations
@@ -46,19 +51,18 @@ from wehub_ps.errors import Reason
 from wehub_ps.process.logs import event
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.codec import buffer_pieces
-from wehub_ps.wire.frames import ConnectionClosed, FramedConnection, FrameListener, FrameTooLarge
+from wehub_ps.wire.frames import ConnectionClosed, FramedConnection, FrameListener, FrameTooLarge, Handshake
 
 __all__ = ["TcpLanes", "lane_tls"]
 
 log = logging.getLogger("ps_server.service.tcp_lane")
 
-# The hello must arrive within this long of the connection (and its TLS handshake).
-_HELLO_SECONDS = 10.0
 # A request may wait (ssp/sync) at most this long, as on an Exchange stream, whose client opens it for 600 s.
 _WAIT_SECONDS = 600.0
 # Room in a frame for the envelope around the largest message the gRPC port accepts.
 _ENVELOPE_BYTES = 64
-# Connections open at once beyond --max-exchange-streams: those still saying hello (or refused).
+# Connections open at once beyond --max-exchange-streams, and at most this many before their hello: room
+# for the workers of a job (re)connecting together, at most 64 x 16 KiB of hellos held for strangers.
 _HANDSHAKING_CONNECTIONS = 64
 
 
@@ -82,9 +86,12 @@ class TcpLanes:
         self._answer = answer
         self._admission = admission
         self._tokens = tokens
-        self._listener = FrameListener(config.host, config.lane_port, self._serve, lane_tls(config),
-                                       name=name, max_frame_bytes=config.max_message_bytes + _ENVELOPE_BYTES,
-                                       max_connections=config.max_exchange_streams + _HANDSHAKING_CONNECTIONS)
+        self._listener = FrameListener(config.host, config.lane_port, self._serve,
+                                       Handshake(max_pending=_HANDSHAKING_CONNECTIONS),
+                                       config.max_exchange_streams + _HANDSHAKING_CONNECTIONS,
+                                       lane_tls(config), name=name,
+                                       max_frame_bytes=config.max_message_bytes + _ENVELOPE_BYTES,
+                                       on_first_too_large=self._hello_too_large)
         #: The port bound (the one asked for, or a free one for 0).
         self.port = self._listener.port
 
@@ -98,22 +105,15 @@ class TcpLanes:
         """
         return self._listener.stop()
 
-    def _serve(self, connection: FramedConnection) -> None:
-        connection.set_timeout(_HELLO_SECONDS)
+    def _serve(self, connection: FramedConnection, hello: bytearray) -> None:
         try:
-            raw = connection.receive()
-        except ConnectionClosed as error:
-            event(log, logging.DEBUG, "lane closed before its hello", peer=connection.peer, error=str(error))
-            return
-        try:
-            presented, incarnation = self._check_hello(raw)
+            presented, incarnation = self._check_hello(hello)
             self._admission.enter_stream(incarnation)
         except RequestError as error:
             status = (grpc.StatusCode.UNAUTHENTICATED if error.reason is Reason.UNAUTHENTICATED
                       else STATUS_BY_REASON[error.reason])  # as the gRPC port's auth interceptor answers
             self._refuse(connection, status, error.reason.value, error.message)
             return
-        connection.set_timeout(None)
         try:
             self._answer_requests(connection, presented)
         finally:
@@ -156,6 +156,11 @@ class TcpLanes:
                 connection.send(buffer_pieces(reply))
             except ConnectionClosed:
                 return
+
+    def _hello_too_large(self, connection: FramedConnection, error: FrameTooLarge) -> None:
+        self._refuse(connection, grpc.StatusCode.RESOURCE_EXHAUSTED, "",
+                     f"a LaneHello of {error.size} bytes is over the bound of {error.limit} (is the bearer "
+                     f"token over 8 KiB?)")
 
     @staticmethod
     def _refuse(connection: FramedConnection, status: grpc.StatusCode, reason: str, message: str) -> None:

@@ -12,12 +12,22 @@ received and decoded. The figures are printed per pattern (``pytest -s``).
 
 The patterns run in order against one server; the abandoned pushes come
 last, because the ledger keeps holding their bytes.
+
+The framed ports (the TCP lane, a replicated primary's replication port)
+get their own servers: raw sockets play peers that never authenticate
+(slow-drip first frames, huge incomplete ones, connections past every cap)
+while a real worker pushes and pulls; the server's peak RSS growth and its
+threads stay within the handshake's bounds (docs/failure-semantics.md).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import socket
+import struct
 import threading
+import time
 import urllib.request
 import uuid
 
@@ -38,6 +48,7 @@ from wehub_ps.wire.codec import (
     encode_envelope,
     encode_push_request,
 )
+from wehub_ps.wire.frames import MAX_FRAME_BYTES
 from wehub_ps.wire.rpc import method_path
 from wehub_ps.wire.small_messages import (
     encode_chunk_header,
@@ -451,3 +462,260 @@ def test_a_synchronous_steps_sum_of_rows_filling_the_limit(cluster_factory, figu
     figures.append(f"{'a_synchronous_steps_sum_of_rows':<40} before {rss_before / MiB:6.1f}  "
                    f"after {now['VmRSS'] / MiB:6.1f}  peak {now['VmHWM'] / MiB:6.1f}  (refused at {n})")
     assert now["VmHWM"] <= LIMIT + OVERHEAD
+
+
+# ---- the framed ports: the TCP lane and the replication port ------------------------------------
+
+_LENGTH = struct.Struct("<I")
+# What hostile peers may add to a server's peak RSS through a framed port: at most 64 first frames of
+# 16 KiB, their threads' stacks as far as touched, and the refusals' logs (measured: under 16 MiB).
+# Without the handshake's bounds the patterns below add hundreds of MiB.
+PORT_GROWTH = 48 * MiB
+# How long the hostile peers keep at it, and how long a connection may stay in its handshake (10 s
+# deadline, with slack for a loaded machine).
+FLOOD_SECONDS = 24.0
+HANDSHAKE_CUT_SECONDS = 14.0
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("Threads:")).split()[1])
+
+
+class _HostilePeers:
+    """Raw sockets against one loopback port, for at most ``FLOOD_SECONDS``.
+
+    ``drips`` connections send a first frame one byte every ``drip_seconds`` (each replaced when the
+    server cuts it, as an attacker would); ``huge`` announces first frames of ``announced`` bytes and
+    sends ``sent`` of them; ``crowd`` opens connections past every cap. ``stop`` closes every socket
+    and says how long the cut drips lasted.
+    """
+
+    def __init__(self, port: int, drips: int, drip_seconds: float = 3.0) -> None:
+        self._port = port
+        self._drips = drips
+        self._drip_seconds = drip_seconds
+        self._stop = threading.Event()
+        self._started = time.monotonic()
+        # Guards _sockets and lifetimes (the drip thread and the test's thread both add).
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        #: Seconds each drip connection lasted before the server cut it.
+        self.lifetimes: list[float] = []
+        self._thread = threading.Thread(target=self._drip, name="hostile-drips", daemon=True)
+
+    def _connect(self) -> socket.socket | None:
+        try:
+            sock = socket.create_connection(("127.0.0.1", self._port), timeout=5)
+        except OSError:
+            return None
+        with self._lock:
+            self._sockets.append(sock)
+        return sock
+
+    def start(self) -> _HostilePeers:
+        self._thread.start()
+        return self
+
+    def _drip(self) -> None:
+        frame = _LENGTH.pack(200) + bytes(200)  # would take 10 minutes at a byte every 3 s
+        live: dict[socket.socket, list] = {}  # socket -> [connected at, bytes sent, last sent at]
+        while not self._stop.is_set() and time.monotonic() - self._started < FLOOD_SECONDS:
+            while len(live) < self._drips and not self._stop.is_set():
+                sock = self._connect()
+                if sock is None:
+                    break
+                sock.setblocking(False)
+                live[sock] = [time.monotonic(), 0, 0.0]
+            now = time.monotonic()
+            for sock, state in list(live.items()):
+                try:
+                    if sock.recv(1) == b"":  # the server cut it (nothing is ever sent to a drip)
+                        raise ConnectionResetError
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    with self._lock:
+                        self.lifetimes.append(now - state[0])
+                    del live[sock]
+                    sock.close()
+                    continue
+                if now - state[2] >= self._drip_seconds and state[1] < len(frame):
+                    try:
+                        sock.send(frame[state[1]:state[1] + 1])
+                        state[1] += 1
+                        state[2] = now
+                    except OSError:
+                        pass  # seen as cut on the next round
+            self._stop.wait(0.1)
+
+    def huge(self, count: int, announced: int, sent: int, prefix: bytes = b"") -> None:
+        """``count`` first frames announcing ``announced`` bytes, ``sent`` of them sent, then left open."""
+        body = prefix + bytes(sent - len(prefix))
+        for _ in range(count):
+            sock = self._connect()
+            if sock is None:
+                continue
+            sock.settimeout(2.0)
+            try:
+                sock.sendall(_LENGTH.pack(announced) + body)
+            except OSError:
+                pass  # refused on its length, or the kernel's buffers are full: either way left open
+
+    def crowd(self, count: int) -> int:
+        """``count`` silent connections; how many the server closed at once (past its caps)."""
+        opened = [sock for sock in (self._connect() for _ in range(count)) if sock is not None]
+        time.sleep(1.0)
+        closed = 0
+        for sock in opened:
+            sock.setblocking(False)
+            try:
+                closed += sock.recv(1) == b""
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed += 1
+        return closed
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            sock.close()
+
+
+def _flood_figures(figures: list, name: str, pid: int, rss_before: int, threads: tuple[int, int],
+                   extra: str) -> int:
+    now = memory_status(pid)
+    figures.append(f"{name:<40} before {rss_before / MiB:6.1f}  after {now['VmRSS'] / MiB:6.1f}  "
+                   f"peak {now['VmHWM'] / MiB:6.1f}  threads {threads[0]} -> {threads[1]} at most  {extra}")
+    return now["VmHWM"] - rss_before
+
+
+def test_hostile_peers_on_the_lane_port(cluster_factory, token_file, figures, caplog):
+    """Slow-drip hellos holding every handshake slot, hellos announcing 16 MiB without a token, and
+    connections past every cap, against a server with --lane-port and a token: the drips are cut at
+    the handshake's deadline, nothing is buffered past 16 KiB before the token is checked, the RSS
+    stays bounded; a real worker's pushes and pulls are exact meanwhile (its lane, closed as it is
+    accepted, falls back to the Exchange stream) and over the lane again afterwards."""
+    cluster = cluster_factory(1, "--lane-port", "0", "--auth-token-file", str(token_file),
+                              "--max-exchange-streams", "16", "--max-message-bytes", str(MAX_MESSAGE),
+                              "--keep-freed-bytes", str(KEEP_FREED))
+    pid = cluster.servers[0].popen.pid
+    address = cluster.addresses[0]
+    gradient = np.arange(1024, dtype=np.float32)
+    with PSClient([address], auth_token="s3cret-token", register=False) as client:
+        client.create_variable("w", shape=(1024,), initializer="zeros", optimizer=SGD(learning_rate=1.0))
+        client.push({"w": gradient})  # the lane opens, and its answers' code is loaded
+    with grpc.insecure_channel(address) as channel:
+        port = ps_pb2.DescribeResponse.FromString(channel.unary_unary(method_path("Describe"))(
+            ps_pb2.DescribeRequest().SerializeToString(), timeout=10,
+            metadata=(("authorization", "Bearer s3cret-token"),))).lane_port
+    assert port
+    rss_before = memory_status(pid)["VmRSS"]
+    threads_before, threads_peak = _threads(pid), 0
+    _reset_peak(pid)
+    hostile = _HostilePeers(port, drips=64).start()
+    try:
+        time.sleep(1.0)  # the drips hold every handshake slot
+        hostile.huge(40, 16 * MiB, 4 * MiB)  # 160 MiB buffered if hellos were read to the message bound
+        crowded = hostile.crowd(150)
+        threads_peak = _threads(pid)
+        # A worker now: its lane is closed as it is accepted, twice, and its requests go over the stream.
+        with caplog.at_level(logging.WARNING, logger="worker_client"), \
+                PSClient([address], auth_token="s3cret-token", worker_id="during", retry_timeout=20,
+                         connect_timeout=10) as worker:
+            for step in range(1, 4):
+                worker.push({"w": gradient})
+                np.testing.assert_array_equal(worker.pull(["w"])["w"], -gradient * (1 + step))
+            threads_peak = max(threads_peak, _threads(pid))
+        fell_back = [r for r in caplog.records if "broke 2 times in a row" in r.getMessage()]
+        deadline = time.monotonic() + FLOOD_SECONDS
+        while len(hostile.lifetimes) < 64 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        hostile.stop()
+    grown = _flood_figures(figures, "lane port: drips, huge hellos, crowd", pid, rss_before,
+                           (threads_before, threads_peak), f"({len(hostile.lifetimes)} drips cut)")
+    assert crowded >= 100, f"only {crowded} of 150 connections past the caps were closed at once"
+    assert len(fell_back) == 1, "the worker's lane, closed at its accept, did not fall back to the stream"
+    assert len(hostile.lifetimes) >= 64, "slow-drip hellos were never cut off"
+    assert max(hostile.lifetimes) <= HANDSHAKE_CUT_SECONDS, sorted(hostile.lifetimes)[-5:]
+    assert threads_peak - threads_before <= 16 + 64 + 8
+    assert grown <= PORT_GROWTH, f"the server's peak RSS grew {grown / MiB:.1f} MiB"
+    # The flood over: a new worker's lane is the TCP lane again, and its values are exact.
+    with PSClient([address], auth_token="s3cret-token", worker_id="after") as worker:
+        worker.push({"w": gradient})
+        np.testing.assert_array_equal(worker.pull(["w"])["w"], -gradient * 5)
+        shard = worker._session.shards[0]
+        assert shard._conn.tcp_lane.on_tcp and shard._conn.lane._stream is not None
+
+
+def _replication_port(replica) -> int:
+    """The replication port the replica announced (its 'replica started' log line)."""
+    for line in replica.process.log_text().splitlines():
+        if '"replica started"' in line:
+            return int(json.loads(line)["replication_address"].rpartition(":")[2])
+    raise AssertionError("no 'replica started' line:\n" + replica.process.log_text()[-3000:])
+
+
+def test_hostile_peers_on_the_replication_port(tmp_path, etcd_server, token_file, figures):
+    """A replicated primary's replication port: 100 peers announcing 65 MiB frames, slow-drip
+    FollowStarts, FollowStarts with a wrong token, connections past every cap. The primary's RSS and
+    threads stay bounded, its backup stays in sync, and a worker's pushes and pulls are exact."""
+    from replica_testing import ReplicatedCluster
+
+    cluster = ReplicatedCluster(tmp_path / "replicated", etcd_server.endpoint, 1, 2,
+                                ("--auth-token-file", str(token_file)), health_token="s3cret-token")
+    try:
+        cluster.start()
+        primary = cluster.primary(0)
+        pid = primary.process.popen.pid
+        port = _replication_port(primary)
+        gradient = np.arange(1024, dtype=np.float32)
+        with PSClient(cluster.addresses, auth_token="s3cret-token", register=False) as client:
+            client.create_variable("w", shape=(1024,), initializer="zeros", optimizer=SGD(learning_rate=1.0))
+            client.push({"w": gradient})
+        rss_before = memory_status(pid)["VmRSS"]
+        threads_before, threads_peak = _threads(pid), 0
+        _reset_peak(pid)
+        hostile = _HostilePeers(port, drips=4).start()
+        try:
+            time.sleep(1.0)
+            # 100 x 2 MiB of frames announcing 65 MiB: 200 MiB if read before the token is checked.
+            hostile.huge(100, MAX_FRAME_BYTES, 2 * MiB)
+            wrong = ps_pb2.FollowRequest(start=ps_pb2.FollowStart(shard_index=0, num_shards=1, token="nope"))
+            for _ in range(20):  # whole FollowStarts with a wrong token: refused, logged at a bounded rate
+                hostile.huge(1, len(wrong.SerializeToString()), len(wrong.SerializeToString()),
+                             prefix=wrong.SerializeToString())
+            crowded = hostile.crowd(100)
+            threads_peak = _threads(pid)
+            with PSClient(cluster.addresses, auth_token="s3cret-token", worker_id="during",
+                          retry_timeout=20) as worker:
+                for step in range(1, 4):
+                    worker.push({"w": gradient})
+                    np.testing.assert_array_equal(worker.pull(["w"])["w"], -gradient * (1 + step))
+            threads_peak = max(threads_peak, _threads(pid))
+            deadline = time.monotonic() + FLOOD_SECONDS
+            while len(hostile.lifetimes) < 4 and time.monotonic() < deadline:
+                time.sleep(0.2)
+        finally:
+            hostile.stop()
+        grown = _flood_figures(figures, "replication port: huge, drips, crowd", pid, rss_before,
+                               (threads_before, threads_peak), f"({len(hostile.lifetimes)} drips cut)")
+        assert crowded >= 90, f"only {crowded} of 100 connections past the caps were closed at once"
+        assert len(hostile.lifetimes) >= 4 and max(hostile.lifetimes) <= HANDSHAKE_CUT_SECONDS
+        assert threads_peak - threads_before <= 2 + 4 + 8
+        assert grown <= PORT_GROWTH, f"the primary's peak RSS grew {grown / MiB:.1f} MiB"
+        warnings = [line for line in primary.process.log_text().splitlines()
+                    if '"level": "warning"' in line and "refused" in line]
+        assert len(warnings) <= 4, warnings  # once a minute per kind of refusal, not once per peer
+        # The flood over: the backup is still in sync and the primary serves.
+        cluster.wait_all_ready(timeout=30)
+        with PSClient(cluster.addresses, auth_token="s3cret-token", worker_id="after") as worker:
+            worker.push({"w": gradient})
+            np.testing.assert_array_equal(worker.pull(["w"])["w"], -gradient * 5)
+    finally:
+        cluster.stop()

@@ -177,6 +177,13 @@ def test_bad_hellos_and_frames_get_precise_errors_and_change_nothing(cluster_fac
         assert lane.read_frame() is None
         lane.close()
 
+    lane = RawLane(port)  # a hello announcing 1 MiB: refused on its length, before a byte of it is read
+    lane.sock.sendall(_LENGTH.pack(1 << 20) + bytes(1000))
+    error = lane.expect_error(0, "")
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and "LaneHello" in error.message
+    assert lane.read_frame() is None
+    lane.close()
+
     lane = RawLane(port)
     lane.send_frame(b"\xff\xff\xff")  # not a LaneHello
     assert "LaneHello" in lane.expect_error(0, "MALFORMED_MESSAGE").message

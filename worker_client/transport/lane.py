@@ -90,6 +90,9 @@ class GrpcStream:
 
     def __init__(self, open_call: Callable[..., Any], address: str) -> None:
         self._address = address
+        #: Seconds after which the lane replaces this stream (never more than ``LIFETIME_SECONDS``); set
+        #: shorter by whoever opened it to be back on another lane sooner.
+        self.lifetime = LIFETIME_SECONDS * 0.9
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._responses = open_call(iter(self._requests.get, _CLOSE), timeout=LIFETIME_SECONDS)
 
@@ -129,6 +132,8 @@ class ExchangeLane:
         self._busy = threading.Lock()
         self._stream: LaneStream | None = None
         self._opened_at = 0.0
+        # The stream in use is replaced after this long (a GrpcStream's own lifetime).
+        self._lifetime = LIFETIME_SECONDS * 0.9
         self._next_id = 1
         # Until then the server refuses this lane's stream (a float read and written whole: no lock).
         self._refused_until = 0.0
@@ -160,7 +165,7 @@ class ExchangeLane:
 
     def send(self, field: int, payload: bytes | list) -> int:
         """Send one request (the caller holds the lane); its id, for :meth:`receive`."""
-        if self._stream is None or time.monotonic() - self._opened_at > LIFETIME_SECONDS * 0.9:
+        if self._stream is None or time.monotonic() - self._opened_at > self._lifetime:
             self._reopen()
         stream = self._stream
         assert stream is not None
@@ -285,8 +290,9 @@ class ExchangeLane:
 
     def _reopen(self) -> None:
         self.close()
-        self._stream = self._open_stream()
+        self._stream = stream = self._open_stream()
         self._opened_at = time.monotonic()
+        self._lifetime = min(LIFETIME_SECONDS * 0.9, getattr(stream, "lifetime", LIFETIME_SECONDS * 0.9))
 
 
 def _exchange_error(answer: memoryview, address: str, what: str) -> PSError:

@@ -12,6 +12,20 @@ A lane port that cannot be reached while the gRPC port can (a firewall, a
 Kubernetes Service without the port) must not stop training: the lane
 warns once and uses the Exchange stream, trying the port again after
 :data:`_UNREACHABLE_SECONDS`.
+
+A lane port that can be reached but keeps breaking is treated the same
+way: a TCP lane that connects and then breaks before its first answer
+(the server closed it at once because its bound on connections is
+reached, a proxy that accepts and drops, a late answer cancelled by the
+request's deadline) counts one break; :data:`_BREAKS_BEFORE_FALLBACK`
+breaks in a row, and the lane warns and uses the Exchange stream for
+:data:`_UNREACHABLE_SECONDS`. The request that met the break fails as
+UNAVAILABLE and is retried like any other attempt, so the retry after the
+last break goes over the Exchange stream (or an ordinary call, when the
+server refuses that stream too). An answer on a TCP lane resets the count.
+The Exchange stream opened meanwhile is replaced when that time is up, and
+the next request tries the lane port again: once more on the lane, and
+back to the stream for as long again if it still breaks.
 """
 
 from __future__ import annotations
@@ -28,14 +42,17 @@ from wehub_ps.wire.codec import buffer_pieces
 from wehub_ps.wire.frames import ConnectionClosed, FramedConnection, connect
 from worker_client.errors import PSUnavailableError
 from worker_client.transport.credentials import BearerToken
-from worker_client.transport.lane import LaneStream
+from worker_client.transport.lane import GrpcStream, LaneStream
 
 __all__ = ["SocketStream", "TcpLaneOpener", "TcpLaneSettings"]
 
 log = logging.getLogger("worker_client")
 
-# After the lane port could not be reached: the Exchange stream, for this long.
+# After the lane port could not be reached, or its lanes kept breaking: the Exchange stream, for this long.
 _UNREACHABLE_SECONDS = 60.0
+# TCP lanes in a row that broke before their first answer, before the Exchange stream is used instead.
+# Two: one break may be a server restarting; the request that meets it costs one retry.
+_BREAKS_BEFORE_FALLBACK = 2
 
 
 @dataclass(frozen=True)
@@ -54,24 +71,40 @@ def _broken(address: str, what: str, error: ConnectionClosed) -> PSUnavailableEr
 
 
 class SocketStream:
-    """A :class:`LaneStream` on a framed connection to the server's lane port."""
+    """A :class:`LaneStream` on a framed connection to the server's lane port.
 
-    def __init__(self, connection: FramedConnection, address: str) -> None:
+    ``on_outcome`` (when given) hears once whether the lane answered:
+    True at its first answer, False when it broke before one. It is called
+    on the thread using the lane, which holds it.
+    """
+
+    def __init__(self, connection: FramedConnection, address: str,
+                 on_outcome: Callable[[bool], None] | None = None) -> None:
         self._connection = connection
         self._address = address
+        self._on_outcome = on_outcome
 
     def send(self, pieces: list) -> None:
         # Written with one sendmsg, never joined: the tensor bytes are copied once, by the kernel.
         try:
             self._connection.send(buffer_pieces(pieces))
         except ConnectionClosed as error:
+            self._outcome(False)
             raise _broken(self._address, "exchange", error) from None
 
     def receive(self, what: str) -> bytearray:
         try:
-            return self._connection.receive()
+            frame = self._connection.receive()
         except ConnectionClosed as error:
+            self._outcome(False)
             raise _broken(self._address, what, error) from None
+        self._outcome(True)
+        return frame
+
+    def _outcome(self, answered: bool) -> None:
+        on_outcome, self._on_outcome = self._on_outcome, None
+        if on_outcome is not None:
+            on_outcome(answered)
 
     def cancel(self) -> None:
         self._connection.close()
@@ -95,14 +128,22 @@ class TcpLaneOpener:
         self._lane_port = lane_port
         self._open_grpc = open_grpc
         self._connect_timeout = connect_timeout
+        # Until then (monotonic) the Exchange stream is used. The fields below are used by the thread
+        # holding the lane (ExchangeLane's busy lock): no lock of their own.
         self._unreachable_until = 0.0
+        # TCP lanes in a row that broke before answering.
+        self._breaks = 0
         #: Whether the lane in use is the TCP lane (tests and logs).
         self.on_tcp = False
 
     def __call__(self) -> LaneStream:
         self.on_tcp = False
-        if time.monotonic() < self._unreachable_until:
-            return self._open_grpc()
+        remaining = self._unreachable_until - time.monotonic()
+        if remaining > 0:
+            stream = self._open_grpc()
+            if isinstance(stream, GrpcStream):  # replaced when the lane port is to be tried again
+                stream.lifetime = min(stream.lifetime, remaining)
+            return stream
         port = self._lane_port()  # PSError when the server cannot answer: the request fails and is retried
         if not port:
             return self._open_grpc()
@@ -128,6 +169,24 @@ class TcpLaneOpener:
             connection.send([hello.SerializeToString()])
         except ConnectionClosed as error:
             connection.close()
+            self._outcome(lane_address, False)
             raise _broken(self._address, "exchange", error) from None
         self.on_tcp = True
-        return SocketStream(connection, self._address)
+        return SocketStream(connection, self._address, lambda answered: self._outcome(lane_address, answered))
+
+    def _outcome(self, lane_address: str, answered: bool) -> None:
+        """A TCP lane answered, or broke before it did: enough breaks in a row, and the stream for a while."""
+        if answered:
+            self._breaks = 0
+            return
+        self._breaks += 1
+        if self._breaks < _BREAKS_BEFORE_FALLBACK:
+            return
+        self._breaks = 0
+        self._unreachable_until = time.monotonic() + _UNREACHABLE_SECONDS
+        log.warning("ps-server %s: its TCP lane %s broke %d times in a row before answering (the server's "
+                    "bound on connections, or something between that drops them); small pulls and pushes "
+                    "use the gRPC Exchange stream for %gs, then try the lane again.", self._address,
+                    lane_address, _BREAKS_BEFORE_FALLBACK, _UNREACHABLE_SECONDS,
+                    extra={"fields": {"address": self._address, "lane": lane_address,
+                                      "breaks": _BREAKS_BEFORE_FALLBACK}})

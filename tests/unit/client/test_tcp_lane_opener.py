@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 
 import numpy as np
 from ps_testing import free_port
@@ -127,3 +128,90 @@ def test_leaving_a_connection_ends_a_request_waiting_on_its_tcp_lane():
         accepted.close()
     finally:
         listener.close()
+
+
+def test_a_lane_that_keeps_breaking_before_answering_falls_back_to_the_stream(caplog, monkeypatch):
+    """A lane port that accepts and at once closes (the server's bound on connections reached): two
+    breaks before an answer, and the Exchange stream is used (warned once) until the lane port is
+    tried again; a lane that answers resets the count."""
+    from worker_client.errors import PSUnavailableError
+    from worker_client.transport import tcp_lane
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    answer_next = threading.Event()
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                sock, peer = listener.accept()
+            except OSError:
+                return
+            if answer_next.is_set():
+                connection = FramedConnection(sock, str(peer))
+                connection.receive()  # the hello
+                connection.send([connection.receive()])
+            sock.close()
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+
+    def break_once(opener: TcpLaneOpener) -> None:
+        stream = opener()
+        assert isinstance(stream, SocketStream) and opener.on_tcp
+        try:
+            stream.send([b"request"])
+            stream.receive("push")
+        except PSUnavailableError:
+            pass
+        else:
+            raise AssertionError("a lane closed at its accept answered")
+        stream.close()
+
+    try:
+        opener, asked = _opener(lambda: listener.getsockname()[1])
+        with caplog.at_level(logging.WARNING, logger="worker_client"):
+            break_once(opener)
+            break_once(opener)
+            assert opener() is GRPC_STREAM and not opener.on_tcp
+            assert opener() is GRPC_STREAM  # for a while: the lane port is not asked for meanwhile
+        assert len(asked) == 2
+        warnings = [r for r in caplog.records if "broke 2 times in a row" in r.getMessage()]
+        assert len(warnings) == 1
+        # The time is up: the lane port is tried again; an answer there resets the count of breaks.
+        monkeypatch.setattr(opener, "_unreachable_until", 0.0)
+        break_once(opener)
+        answer_next.set()
+        stream = opener()
+        stream.send([b"ping"])
+        assert bytes(stream.receive("pull")) == b"ping"
+        stream.close()
+        answer_next.clear()
+        break_once(opener)
+        last = opener()
+        assert isinstance(last, SocketStream), "one break after an answer fell back"
+        last.close()
+        assert tcp_lane._BREAKS_BEFORE_FALLBACK == 2
+    finally:
+        stop.set()
+        listener.close()
+
+
+def test_the_stream_used_instead_of_a_broken_lane_is_replaced_when_the_lane_is_to_be_tried_again():
+    from worker_client.transport.lane import LIFETIME_SECONDS, ExchangeLane, GrpcStream
+
+    class _Call:  # what gRPC's stream_stream call returns, as far as the lane uses it
+        def cancel(self) -> None:
+            pass
+
+    settings = TcpLaneSettings(None, None, BearerToken("tok", None), "inc-1")
+    opener = TcpLaneOpener("127.0.0.1:1", settings, lambda: 1,
+                           lambda: GrpcStream(lambda requests, timeout: _Call(), "127.0.0.1:1"), 2.0)
+    opener._unreachable_until = time.monotonic() + 60.0  # as after the lane broke twice
+    lane = ExchangeLane(opener, "127.0.0.1:1")
+    lane._reopen()
+    assert isinstance(lane._stream, GrpcStream)
+    assert 50.0 < lane._lifetime <= 60.0 < LIFETIME_SECONDS * 0.9
+    lane.close()
