@@ -113,8 +113,8 @@ class ServerConfig:
     advertise_address: str = ""
     replication_port: int = 0
     primary_lease_seconds: int = 2
-    replication_timeout: float = 0.5
-    failover_after: float = 0.8
+    replication_timeout: float = 0.4
+    failover_after: float = 0.6
     max_backup_bytes: int = 256 << 20
     etcd_ca: str | None = None
     etcd_cert: str | None = None
