@@ -75,6 +75,10 @@ def test_a_primary_frozen_past_its_lease_acknowledges_nothing_after_it_resumes(r
                SlotPusher(following, "slots", 1, SLOTS, pause=0.005).start()]
     try:
         _wait(lambda: min(len(p.acknowledged) for p in pushers) >= 20, 30, "no pushes acknowledged", cluster)
+        # In sync at the freeze (a first push's kernels may have kept it from answering in time): an
+        # in-sync backup takes over; one outside the set would wait for the frozen primary.
+        _wait(lambda: _in_sync(old) == [(backup.replica_index, True)], 20, "the backup is not in sync",
+              cluster)
         old.process.signal(signal.SIGSTOP)
         frozen = time.monotonic()
         elected = _wait(lambda: _role(backup) == "primary", 15, "the backup was not elected", cluster)

@@ -100,8 +100,8 @@ def test_a_loop_of_lost_primaries_loses_and_repeats_no_acknowledged_push(cluster
             pusher.start()
         last_kill = time.monotonic()
         while (len(failovers) < CI_KILLS) if soak is None else (time.monotonic() - started < soak):
-            _wait_in_sync(cluster)
             time.sleep(max(0.0, last_kill + KILL_PERIOD - time.monotonic()))
+            _wait_in_sync(cluster)  # right before the fault: one in-sync replica must survive it
             primary = cluster.primary(0)
             if fault == "kill":
                 primary.process.signal(signal.SIGKILL)
