@@ -37,7 +37,8 @@ _NOT_IMPORTED = textwrap.dedent("""
 
 
 def _run(mode: str) -> None:
-    done = subprocess.run([sys.executable, "-c", _NOT_IMPORTED, mode], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", _NOT_IMPORTED, mode], capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 0, done.stderr
 
 
