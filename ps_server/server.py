@@ -253,7 +253,7 @@ class PSServer:
         if loops:
             # Not a daemon: the interpreter's exit waits for it (under a second) rather than
             # tearing down under LLVM's compiler, which runs without the GIL.
-            threading.Thread(target=prepare, args=(loops,), name="ps-compile").start()
+            threading.Thread(target=_prepare_quietly, args=(loops,), name="ps-compile").start()
 
     def mark_serving(self) -> None:
         """Ready for work: accept requests, health SERVING, port file written."""
@@ -347,6 +347,14 @@ def _bind(server: grpc.Server, address: str, credentials: grpc.ServerCredentials
     if port == 0:
         raise OSError(f"could not bind {address}")
     return port
+
+
+def _prepare_quietly(loops: list[str]) -> None:
+    """``prepare``, a failure logged: the first push that needs the loop then meets it as it would have."""
+    try:
+        prepare(loops)
+    except Exception as exc:  # noqa: BLE001 - any failure of numba's; the push path handles it again
+        event(log, logging.WARNING, "could not prepare the compiled loops", loops=loops, error=repr(exc))
 
 
 def create_server(config: ServerConfig) -> PSServer:
