@@ -115,6 +115,7 @@ class ServerConfig:
     primary_lease_seconds: int = 2
     replication_timeout: float = 0.4
     failover_after: float = 0.6
+    backup_stall_timeout: float = 5.0
     unclean_election_after: float = 60.0
     max_backup_bytes: int = 256 << 20
     etcd_ca: str | None = None
@@ -214,6 +215,9 @@ class ServerConfig:
         if not math.isfinite(self.replication_timeout) or self.replication_timeout <= 0:
             raise ConfigError(f"--replication-timeout must be positive seconds, got "
                               f"{self.replication_timeout}")
+        if not math.isfinite(self.backup_stall_timeout) or self.backup_stall_timeout < self.replication_timeout:
+            raise ConfigError(f"--backup-stall-timeout must be seconds >= --replication-timeout, got "
+                              f"{self.backup_stall_timeout}")
         if not math.isfinite(self.unclean_election_after) or self.unclean_election_after < 0:
             raise ConfigError(f"--unclean-election-after must be seconds >= 0 (0: never), got "
                               f"{self.unclean_election_after}")
@@ -304,6 +308,10 @@ _HELP = {
                              "sooner, longer rides out slower etcd",
     "replication_timeout": "seconds a backup may leave an update unanswered before the primary drops it from "
                            "the in-sync set (it catches up again)",
+    "backup_stall_timeout": "seconds an in-sync backup whose host still acknowledges the stream at the TCP "
+                            "level (its process slow: compiling, paused, loaded) may leave an update "
+                            "unanswered before it leaves the in-sync set; acknowledgements wait for it "
+                            "meanwhile",
     "unclean_election_after": "seconds every in-sync replica of a shard may be missing from etcd, without "
                               "proof that its process is gone (another incarnation in its slot, or its "
                               "port refusing connections), before a replica outside the in-sync set may "

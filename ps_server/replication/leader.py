@@ -51,6 +51,7 @@ class BackupStreams:
         try:
             start = self._start(first)
             link, snapshot = self._role.attach(start, self._take_snapshot)
+            link.transport_alive = connection.peer_acknowledged_within
         except RequestError as error:
             # Anyone who reaches the port can be refused: at WARNING once a minute, with counts.
             self._refusals.refused(error.reason.value, peer=connection.peer, why=error.message)

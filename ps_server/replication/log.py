@@ -66,6 +66,9 @@ class BackupLink:
         self.waiting_since = 0.0
         #: Why the link is closed (None while open).
         self.closed: str | None = None
+        #: Whether the backup's host acknowledged the stream's bytes within the given seconds at the TCP
+        #: level (None: not known); set by the stream (FramedConnection.peer_acknowledged_within).
+        self.transport_alive: Callable[[float], bool | None] = lambda seconds: None
 
     @property
     def key(self) -> tuple[int, int]:

@@ -101,6 +101,8 @@ class ReplicaSettings:
     replication_timeout: float
     #: An in-sync backup that hears nothing from its primary this long ends the primary's term.
     failover_after: float
+    #: A backup whose host still acknowledges at the TCP level may leave a message unanswered this long.
+    backup_stall_timeout: float
     #: Changes queued for one backup at most before it is cut off (it catches up again).
     max_backup_bytes: int
 
@@ -548,9 +550,8 @@ class ReplicaRole:
                 return  # deposed meanwhile
             now = time.monotonic()
             for key, link in list(self._links.items()):
-                if (link.closed is None and key in self._in_sync and link.waiting_since
-                        and now - link.waiting_since > self.settings.replication_timeout):
-                    link.close(f"no answer for {self.settings.replication_timeout:g}s")
+                if link.closed is None and key in self._in_sync and link.waiting_since:
+                    self._check_silence(link, now - link.waiting_since)
             failed = {key for key in self._in_sync if key not in self._links or self._links[key].closed}
             self._join(log_)
             caught_up = {key for key, since in self._joining.items() if key not in failed
@@ -568,6 +569,21 @@ class ReplicaRole:
             self._publish_proof()
             self._stopping.wait(0.05)
         self._publish_proof()
+
+    def _check_silence(self, link: BackupLink, unanswered: float) -> None:
+        """Drop an in-sync backup that left a message unanswered for --replication-timeout when its host
+        or link is silent too (no TCP acknowledgement meanwhile), or for --backup-stall-timeout when
+        only its process is slow (compiling, paused, loaded): a busy backup stalls acknowledgements for
+        a while rather than leave the in-sync set, where one more fault would lose what only the
+        primary then holds."""
+        timeout = self.settings.replication_timeout
+        if unanswered <= timeout:
+            return
+        host_alive = link.transport_alive(timeout)
+        if host_alive is False:
+            link.close(f"no answer for {timeout:g}s, nor a TCP acknowledgement")
+        elif unanswered > self.settings.backup_stall_timeout:
+            link.close(f"no answer for {self.settings.backup_stall_timeout:g}s")
 
     def _publish_proof(self) -> None:
         """Tell the health service whether this primary can prove its term (it acknowledges nothing

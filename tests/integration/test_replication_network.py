@@ -9,6 +9,7 @@ acknowledged push must be applied exactly once.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -174,3 +175,44 @@ def test_a_replica_outside_the_in_sync_set_waits_while_the_in_sync_primary_may_c
                                   f"{cluster.logs()}")
     print(f"backup stayed {waited} while the in-sync primary was silent; {check.acknowledged} "
           f"acknowledged pushes checked exactly once")
+
+
+def _replication_port(replica) -> int:
+    """The replication port a replica announced (its log's "replica started" line)."""
+    for line in replica.process.log_text().splitlines():
+        if '"replica started"' in line:
+            return int(json.loads(line)["replication_address"].rpartition(":")[2])
+    raise AssertionError(f"replica {replica.replica_index} logged no replication address")
+
+
+def test_a_backup_cut_off_without_a_reset_leaves_the_in_sync_set_and_training_goes_on(replicated):
+    """The link between primary and backup is cut (packets dropped): the primary sees neither answers nor
+    TCP acknowledgements and drops the backup from the in-sync set after --replication-timeout, instead of
+    stalling every acknowledgement; healed, the backup catches up. Nothing acknowledged is lost."""
+    start, _ = replicated
+    cluster = start()
+    primary = cluster.primary(0)
+    client = PSClient(cluster.addresses, worker_id="w0", retry_timeout=60)
+    create_slots(client, "slots", 1, SLOTS)
+    pusher = SlotPusher(client, "slots", 0, SLOTS, pause=0.002).start()
+    try:
+        _wait(lambda: len(pusher.acknowledged) >= 50, 30, "no pushes acknowledged", cluster)
+        cluster.wait_all_ready(30)
+        with PortPartition(_replication_port(primary)):
+            cut = time.monotonic()
+            _wait(lambda: len([t for t in pusher.acknowledged.values() if t > cut + 1.0]) >= 50, 30,
+                  "training did not go on with the backup cut off", cluster)
+        cluster.wait_all_ready(60)
+        healed = time.monotonic()
+        _wait(lambda: len([t for t in pusher.acknowledged.values() if t > healed]) >= 50, 30,
+              "no pushes acknowledged after the link healed", cluster)
+    finally:
+        pusher.join(60)
+    after_cut = sorted(t for t in pusher.acknowledged.values() if t > cut)
+    check = check_slots(client.pull(["slots"])["slots"], [pusher])
+    client.close()
+    logs = cluster.logs()
+    assert not check.violations, f"{len(check.violations)} violations: {check.violations[:5]}\n{logs}"
+    assert ("nor a TCP acknowledgement" in logs or "ended the term of a silent" in logs), logs
+    print(f"backup cut off: first acknowledgement {after_cut[0] - cut:.2f}s after the cut; "
+          f"{check.acknowledged} acknowledged pushes checked exactly once")

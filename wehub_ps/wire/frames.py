@@ -161,6 +161,22 @@ class FramedConnection:
             raise ConnectionClosed(f"receiving from {self.peer}: {error or type(error).__name__}") from error
         return buffer
 
+    def peer_acknowledged_within(self, seconds: float) -> bool | None:
+        """Whether the peer's TCP stack acknowledged everything sent, or something within ``seconds``:
+        its host and link are up, however slow its process (None where TCP_INFO is not available).
+
+        Read from Linux's ``struct tcp_info``: ``tcpi_unacked`` (offset 24) and ``tcpi_last_ack_recv``
+        (milliseconds since the last acknowledgement, offset 56)."""
+        try:
+            info = self._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        except (OSError, AttributeError):
+            return None
+        if len(info) < 60:
+            return None
+        unacked, = struct.unpack_from("<I", info, 24)
+        last_ack_ms, = struct.unpack_from("<I", info, 56)
+        return unacked == 0 or last_ack_ms < seconds * 1000
+
     def set_timeout(self, seconds: float | None) -> None:
         self._sock.settimeout(seconds)
 
