@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import logging
 import ssl
+import threading
+import time
 from collections.abc import Callable
 
 from ps_server.coordination.positions import Position, continues
@@ -29,6 +31,9 @@ from wehub_ps.wire.replication import answer, decode_record_message
 __all__ = ["Follower"]
 
 log = logging.getLogger("ps_server.replication")
+
+#: A probe frame: a FollowRequest the primary reads and answers nothing to.
+_PROBE = ps_pb2.FollowRequest(probe=True).SerializeToString()
 
 #: Silence tolerated before this stream's snapshot is installed (the primary may be writing a large one
 #: first); once in sync, the primary's silence for --failover-after ends the stream.
@@ -72,10 +77,13 @@ class Follower:
         event(log, logging.INFO, "following the primary", primary=leader.address, epoch=leader.epoch)
         #: Where this stream has brought the state: None until its snapshot is installed.
         held: Position | None = None
+        probe: _SilenceProbe | None = None
         try:
             connection.send([start])
             while True:
                 raw = connection.receive()
+                if probe is not None:
+                    probe.heard()
                 record = decode_record_message(raw)
                 if record is not None:
                     if held is None or not continues(held, record.epoch, record.sequence):
@@ -110,6 +118,7 @@ class Follower:
                         held = Position(message.epoch, message.snapshot_done)
                         role.install(functools.partial(self._install, receiver.load()), held)
                         connection.set_timeout(settings.failover_after)
+                        probe = _SilenceProbe(connection, settings.failover_after)
                         event(log, logging.INFO, "snapshot loaded", position=str(held),
                               bytes=receiver.bytes_received)
                         receiver.close()
@@ -120,10 +129,14 @@ class Follower:
                 role.answered_primary(installed=held is not None)
         except ConnectionClosed as error:
             if held is not None and isinstance(error.__cause__, TimeoutError):
-                role.primary_silent()
-                return f"the primary sent nothing for {settings.failover_after:g}s"
+                host_alive = connection.peer_acknowledged_within(0.75 * settings.failover_after)
+                role.primary_silent(host_alive)
+                return (f"the primary sent nothing for {settings.failover_after:g}s "
+                        f"({'its host still acknowledges' if host_alive else 'nor did its host acknowledge'})")
             return f"stream broke: {error}"
         finally:
+            if probe is not None:
+                probe.stop()
             self._connection = None
             connection.close()
             if receiver is not None:
@@ -134,3 +147,35 @@ class Follower:
         connection = self._connection
         if connection is not None:
             connection.close()
+
+
+class _SilenceProbe:
+    """While in sync: when the primary has sent nothing for half of --failover-after, send it one probe
+    frame (answered by nothing). At the silence's end, whether the primary's host acknowledged the probe
+    at the TCP level tells a lost host or link (end its term now) from a slow or frozen process (its
+    lease decides: etcd ends the term if it stops renewing)."""
+
+    def __init__(self, connection: FramedConnection, failover_after: float) -> None:
+        self._connection = connection
+        self._after = failover_after / 2
+        self._heard = time.monotonic()
+        self._probed_for = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ps-follow-probe", daemon=True)
+        self._thread.start()
+
+    def heard(self) -> None:
+        self._heard = time.monotonic()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._after / 4):
+            heard = self._heard
+            if time.monotonic() - heard >= self._after and self._probed_for != heard:
+                self._probed_for = heard
+                try:
+                    self._connection.send([_PROBE])
+                except ConnectionClosed:
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()

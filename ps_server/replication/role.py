@@ -288,25 +288,31 @@ class ReplicaRole:
         self._primary_gone = False
         assert self.follow is not None
         started = time.monotonic()
-        why = self.follow(leader)
+        try:
+            why = self.follow(leader)
+        except Exception as error:  # noqa: BLE001 - this thread must live on: follow again, or lead
+            log.exception("following the primary failed", extra={"fields": {"primary": leader.address}})
+            why = f"following failed: {error}"
         if self._stopping.is_set():
             return
         self._lost_at = time.monotonic()
         event(log, logging.WARNING, "stream from the primary ended", primary=leader.address,
               epoch=leader.epoch, why=why, applied=self.applied)
-        if _refuses_connections(leader.address):
+        if self._silent and self._installed:
+            self._end_silent_term(leader)  # its host is silent too: no port there would refuse
+        elif _refuses_connections(leader.address):
             # The primary's process is gone: nothing can be acknowledged there any more.
             self._primary_gone = True
             self._revoke(leader, "the primary's port refuses connections")
-        elif self._silent and self._installed:
-            self._end_silent_term(leader)
         self._set_state(CANDIDATE if self.has_state else STARTING)
         if not self._primary_gone and time.monotonic() - started < 1.0:
             self._wake.wait(0.25)  # a primary that refuses at once (still starting): not a busy loop
 
-    def primary_silent(self) -> None:
-        """The follower heard nothing from its primary for --failover-after while in sync."""
-        self._silent = True
+    def primary_silent(self, host_alive: bool | None) -> None:
+        """The follower heard nothing from its primary for --failover-after while in sync; ``host_alive``:
+        whether the primary's host still acknowledged at the TCP level (None: not known). A live host
+        means a slow or frozen process: its lease, not this replica, ends its term."""
+        self._silent = host_alive is not True
 
     def _end_silent_term(self, leader: LeaderInfo) -> None:
         """An in-sync backup whose primary fell silent (its host lost, or cut off) ends the primary's term
@@ -516,7 +522,7 @@ class ReplicaRole:
     def attach(self, start: ps_pb2.FollowStart, snapshot: Callable[[], object]) -> tuple[BackupLink, object]:
         """A backup asks to follow: refuse unless primary; else its link and a snapshot in one instant."""
         if start.epoch > self._epoch and self._state == PRIMARY:
-            self._deposed(f"a backup knows a newer term ({start.epoch} > {self._epoch})")
+            self._newer_term_claimed(start.epoch)
         self.check_primary()
         assert self._log is not None
         link = BackupLink(start.replica_index, start.incarnation, start.address,
@@ -531,6 +537,19 @@ class ReplicaRole:
         event(log, logging.INFO, "backup attached", replica_index=start.replica_index, address=start.address,
               sequence=link.start_sequence)
         return link, taken
+
+    def _newer_term_claimed(self, claimed: int) -> None:
+        """A backup says a newer term began: etcd decides (a peer's word alone deposes no primary)."""
+        try:
+            leader = self._coordination.leader()
+        except CoordinationError as error:
+            raise RequestError(Reason.NOT_PRIMARY, f"a backup claims term {claimed}, newer than {self._epoch}, "
+                               f"and etcd cannot confirm it: {error}") from None
+        if leader is None or leader.epoch != self._epoch or leader.incarnation != self.settings.incarnation:
+            self._deposed(f"a backup knows a newer term ({claimed} > {self._epoch}), and etcd agrees")
+            return
+        raise RequestError(Reason.INVALID_REQUEST,
+                           f"the backup claims term {claimed}, but etcd says term {self._epoch} goes on")
 
     def detach(self, link: BackupLink) -> None:
         if self._log is not None:

@@ -1,9 +1,11 @@
 """Take the primary of a replicated shard away again and again while workers push: nothing acknowledged is lost.
 
-Two ways: SIGKILL (a process death: its port refuses connections at once)
-and SIGSTOP (the process, or its host, falls silent: connections stall
-without a reset, its lease is not renewed), resumed with SIGCONT once a new
-primary serves.
+Three ways: SIGKILL (a process death: its ports refuse connections at once);
+SIGSTOP (a frozen process: its host still acknowledges at the TCP level,
+its lease is not renewed, so etcd ends its term), resumed with SIGCONT once
+a new primary serves; and a lost host: SIGSTOP with every packet to and from
+its ports dropped (tests/port_partition.py), so connections stall without a
+reset and nothing acknowledges, healed once a new primary serves.
 
 Real ps-server replicas (--replicas 2) on a real etcd (tests/etcd_server.py
 skips where etcd is not installed). Workers push one-row gradients whose
@@ -22,11 +24,13 @@ acknowledged and checked, and refusals.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 
 import grpc
+import port_partition
 import pytest
 from fault_proxy import FaultProxy
 from replica_faults import SlotPusher, check_slots, create_slots, percentile
@@ -62,6 +66,14 @@ def cluster(tmp_path, etcd_server):
     cluster.stop()
 
 
+def _replication_port(replica) -> int:
+    """The replication port a replica announced (its log's "replica started" line)."""
+    for line in replica.process.log_text().splitlines():
+        if '"replica started"' in line:
+            return int(json.loads(line)["replication_address"].rpartition(":")[2])
+    raise AssertionError(f"replica {replica.replica_index} logged no replication address")
+
+
 def _wait_in_sync(cluster: ReplicatedCluster, timeout: float = 30.0) -> None:
     """The primary counts every other replica in its in-sync set."""
     deadline = time.monotonic() + timeout
@@ -77,7 +89,7 @@ def _wait_in_sync(cluster: ReplicatedCluster, timeout: float = 30.0) -> None:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("fault", ["kill", "freeze"])
+@pytest.mark.parametrize("fault", ["kill", "freeze", "host"])
 def test_a_loop_of_lost_primaries_loses_and_repeats_no_acknowledged_push(cluster, fault):
     soak = _soak_seconds()
     proxies = [FaultProxy(r.port, seed=17 + r.replica_index, mean_bytes_up=6_000, mean_bytes_down=3_000)
@@ -94,6 +106,7 @@ def test_a_loop_of_lost_primaries_loses_and_repeats_no_acknowledged_push(cluster
     pushers.append(SlotPusher(probe, "slots", 3, SLOTS,
                               on_ack=lambda row, at: probe_acks.append((at, probe.primaries[0]))))
     failovers: list[float] = []
+    cuts: list[port_partition.PortPartition] = []
     started = time.monotonic()
     try:
         for pusher in pushers:
@@ -108,6 +121,11 @@ def test_a_loop_of_lost_primaries_loses_and_repeats_no_acknowledged_push(cluster
                 last_kill = killed = time.monotonic()
                 primary.process.wait(10)
             else:
+                if fault == "host":
+                    if port_partition.available() is not None:
+                        pytest.skip(f"a lost host needs iptables: {port_partition.available()}")
+                    cuts = [port_partition.PortPartition(port).cut()
+                            for port in (primary.port, _replication_port(primary))]
                 primary.process.freeze()
                 last_kill = killed = time.monotonic()
             deadline = killed + 30
@@ -122,8 +140,13 @@ def test_a_loop_of_lost_primaries_loses_and_repeats_no_acknowledged_push(cluster
             if fault == "kill":
                 primary.start()  # the same port: a new incarnation that catches up
             else:
+                for cut in cuts:
+                    cut.heal()
+                cuts = []
                 primary.process.signal(signal.SIGCONT)  # deposed: it follows the new primary
     finally:
+        for cut in cuts:
+            cut.heal()
         for replica in cluster.shards[0]:
             replica.process.signal(signal.SIGCONT)
         for pusher in pushers:

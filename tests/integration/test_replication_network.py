@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import struct
 import signal
 import time
 
@@ -19,6 +21,7 @@ from port_partition import PortPartition, available
 from replica_faults import SlotPusher, check_slots, create_slots
 from replica_testing import ReplicatedCluster
 
+from wehub_ps.v1 import ps_pb2
 from worker_client import PSClient
 
 SLOTS = 20_000
@@ -216,3 +219,35 @@ def test_a_backup_cut_off_without_a_reset_leaves_the_in_sync_set_and_training_go
     assert ("nor a TCP acknowledgement" in logs or "ended the term of a silent" in logs), logs
     print(f"backup cut off: first acknowledgement {after_cut[0] - cut:.2f}s after the cut; "
           f"{check.acknowledged} acknowledged pushes checked exactly once")
+
+
+def test_a_peer_claiming_a_newer_term_deposes_no_primary(replicated):
+    """A FollowStart naming a term etcd never saw (a stale, confused or hostile peer on the replication
+    port) is refused; the primary keeps leading its term and acknowledging pushes."""
+    start, _ = replicated
+    cluster = start()
+    primary = cluster.primary(0)
+    epoch = primary.status().epoch
+    client = PSClient(cluster.addresses, worker_id="w0", retry_timeout=60)
+    create_slots(client, "slots", 1, SLOTS)
+    pusher = SlotPusher(client, "slots", 0, SLOTS, pause=0.002).start()
+    try:
+        _wait(lambda: len(pusher.acknowledged) >= 20, 30, "no pushes acknowledged", cluster)
+        claim = ps_pb2.FollowRequest(start=ps_pb2.FollowStart(
+            shard_index=0, num_shards=1, replica_index=1, incarnation=424242, address="127.0.0.1:9",
+            epoch=epoch + 10**9)).SerializeToString()
+        with socket.create_connection(("127.0.0.1", _replication_port(primary)), timeout=10) as peer:
+            peer.sendall(struct.pack("<I", len(claim)) + claim)
+            size = struct.unpack("<I", peer.recv(4, socket.MSG_WAITALL))[0]
+            answer = ps_pb2.ReplicationMessage.FromString(peer.recv(size, socket.MSG_WAITALL))
+        claimed = time.monotonic()
+        _wait(lambda: len([t for t in pusher.acknowledged.values() if t > claimed + 1]) >= 20, 30,
+              "no pushes acknowledged after the claim", cluster)
+        after = primary.status()
+    finally:
+        pusher.join(60)
+    check = check_slots(client.pull(["slots"])["slots"], [pusher])
+    client.close()
+    assert answer.WhichOneof("kind") == "refused" and "etcd says term" in answer.refused, answer
+    assert (after.role, after.epoch) == ("primary", epoch), f"deposed by a claim:\n{cluster.logs()}"
+    assert not check.violations, check.violations[:5]

@@ -642,14 +642,16 @@ class ExchangeResponse(_message.Message):
     def __init__(self, id: _Optional[int] = ..., pull: _Optional[_Union[PullResponse, _Mapping]] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ..., error: _Optional[_Union[ExchangeError, _Mapping]] = ...) -> None: ...
 
 class FollowRequest(_message.Message):
-    __slots__ = ("start", "applied", "epoch")
+    __slots__ = ("start", "applied", "probe", "epoch")
     START_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     start: FollowStart
     applied: int
+    probe: bool
     epoch: int
-    def __init__(self, start: _Optional[_Union[FollowStart, _Mapping]] = ..., applied: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    def __init__(self, start: _Optional[_Union[FollowStart, _Mapping]] = ..., applied: _Optional[int] = ..., probe: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class FollowStart(_message.Message):
     __slots__ = ("shard_index", "num_shards", "replica_index", "incarnation", "address", "epoch", "token")

@@ -178,7 +178,11 @@ class FramedConnection:
         return unacked == 0 or last_ack_ms < seconds * 1000
 
     def set_timeout(self, seconds: float | None) -> None:
-        self._sock.settimeout(seconds)
+        """ConnectionClosed when the connection was closed meanwhile (by another thread)."""
+        try:
+            self._sock.settimeout(seconds)
+        except OSError as error:
+            raise ConnectionClosed(f"{self.peer}: {error}") from error
 
     def close(self) -> None:
         """Close the connection; a ``receive`` blocked in another thread returns ConnectionClosed."""
@@ -398,7 +402,11 @@ class FrameListener:
                       peer=peer, error=str(error))
             self._drop(connection)
             return None
-        connection.set_timeout(None)
+        try:
+            connection.set_timeout(None)
+        except ConnectionClosed:  # closed meanwhile (the listener stopping)
+            self._drop(connection)
+            return None
         connection.max_frame_bytes = self._max_frame_bytes
         connection.set_buffers(_SOCKET_BUFFER_BYTES)
         return connection, first
