@@ -206,8 +206,9 @@ class ConsistencyController:
 
         Sync mode: the caller holds :meth:`ordered`, then the store's gate
         shared, so the step cannot be applied between this decision and
-        whatever the caller does under it. WAIT: the step is ahead of this shard, which holds
-        a step of its own; call :meth:`wait_for_step`, then decide again.
+        whatever the caller does under it. WAIT: the step is ahead of this
+        shard, which holds a step of its own; call :meth:`wait_for_step`,
+        then decide again.
         ACCUMULATE: ``accumulate()`` (e.g. pinning the push's table rows)
         runs first, under this controller's condition; when it raises, the
         push is refused and the step is not marked as accumulating (a step

@@ -395,10 +395,10 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: PushStart,
     A sync push for a step this shard has not reached waits for it, at most
     ``wait_seconds`` (None: a worker lease), before anything is recorded.
     ``decided``: a replicated primary's log of the sync decision; such a
-    primary applies a step the push finishes only at :meth:`ActivePush.settle`,
-    once it logged the push. A backup
-    passes the ``decision`` its primary took for the stream instead of
-    taking one (see :meth:`ConsistencyController.follow_decision`).
+    primary applies a step the push finishes only at
+    :meth:`ActivePush.settle`, once it logged the push. A backup passes the
+    ``decision`` its primary took for the stream instead of taking one
+    (see :meth:`ConsistencyController.follow_decision`).
     """
     check_cluster(store, begin.shard_index, begin.num_shards)
     if not begin.worker_id or len(begin.worker_id) > MAX_WORKER_ID_LENGTH:

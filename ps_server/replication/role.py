@@ -435,7 +435,7 @@ class ReplicaRole:
             yield  # this thread holds the order already
             return
         log_ = self._log
-        if log_ is None:
+        if log_ is None or self._state != PRIMARY:  # also on a thread installing a snapshot under the lock
             raise self._not_primary(f"this replica is {self._state}")
         with log_.ordered():
             if self._state != PRIMARY:  # deposed while this call waited for the order
