@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ps_server.core.admission import Admission
 from ps_server.core.consistency import ConsistencyController
+from ps_server.core.fused import loops_for, prepare
 from ps_server.core.gate import ApplyGate
 from ps_server.core.ledger import PushLedger
 from ps_server.core.lifecycle import Lifecycle
@@ -167,6 +168,8 @@ class PSServer:
         self.metrics_port = 0
         self._stop_reaper = threading.Event()
         self._reaper: threading.Thread | None = None
+        #: Set by mark_serving: loops for a restored or installed state are then prepared at once.
+        self._serving = False
 
     @property
     def checkpointer(self) -> Checkpointer | None:
@@ -236,6 +239,21 @@ class PSServer:
         self.ledger.restore(restored.ledger_entries)
         # ssp / sync: step, clocks, workers (and, with the parts, the step's sums) of that instant.
         self.consistency.restore(restored.consistency)
+        if self._serving:  # a replica's snapshot, or a primary's restore: otherwise mark_serving does it
+            self._prepare_loops()
+
+    def _prepare_loops(self) -> None:
+        """Load or compile the loops the shard's variables use, on a thread, so their first push need not.
+
+        Started once the port is open, so that it never delays serving; a
+        push that needs a loop before it is ready waits for it, as it would
+        have compiled it itself.
+        """
+        loops = loops_for(part.spec for part in self.store.parts())
+        if loops:
+            # Not a daemon: the interpreter's exit waits for it (under a second) rather than
+            # tearing down under LLVM's compiler, which runs without the GIL.
+            threading.Thread(target=_prepare_quietly, args=(loops,), name="ps-compile").start()
 
     def mark_serving(self) -> None:
         """Ready for work: accept requests, health SERVING, port file written."""
@@ -247,6 +265,8 @@ class PSServer:
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if self.config.port_file:
             _write_atomically(self.config.port_file, f"{self.port}\n")
+        self._serving = True
+        self._prepare_loops()
         event(log, logging.INFO, "serving", host=self.config.host, port=self.port, health_port=self.health_port,
               metrics_port=self.metrics_port, lane_port=self.lanes.port if self.lanes is not None else None,
               tls=bool(self.config.tls_cert),
@@ -327,6 +347,14 @@ def _bind(server: grpc.Server, address: str, credentials: grpc.ServerCredentials
     if port == 0:
         raise OSError(f"could not bind {address}")
     return port
+
+
+def _prepare_quietly(loops: list[str]) -> None:
+    """``prepare``, a failure logged: the first push that needs the loop then meets it as it would have."""
+    try:
+        prepare(loops)
+    except Exception as exc:  # noqa: BLE001 - any failure of numba's; the push path handles it again
+        event(log, logging.WARNING, "could not prepare the compiled loops", loops=loops, error=repr(exc))
 
 
 def create_server(config: ServerConfig) -> PSServer:

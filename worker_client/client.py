@@ -26,7 +26,7 @@ from wehub_ps.cluster import (
     ps_addresses_from_env,
     task_from_tf_config,
 )
-from wehub_ps.dtypes import BFLOAT16, parse_dtype
+from wehub_ps.dtypes import is_wire_float, parse_dtype
 from wehub_ps.placement import Partitioner
 from wehub_ps.process import allocator
 from wehub_ps.specs import Initializer, Optimizer
@@ -49,14 +49,12 @@ __all__ = ["PSClient", "Variable", "ShardInfo"]
 
 log = logging.getLogger("worker_client")
 
-_WIRE_DTYPES = (np.dtype("float16"), BFLOAT16)
-
 
 def _check_wire_dtype(wire_dtype: Any) -> np.dtype | None:
     if wire_dtype is None:
         return None
     dt = parse_dtype(wire_dtype)
-    if dt not in _WIRE_DTYPES:
+    if not is_wire_float(dt):
         raise ValueError(f"wire_dtype must be None, 'float16' or 'bfloat16', got {wire_dtype!r}")
     return dt
 

@@ -18,7 +18,12 @@ is in the isr and no other live isr member holds a fresher state (every isr
 member holds every acknowledged change, so any of them is safe; the freshest
 loses the fewest unacknowledged ones). Outside the isr it may lead only when
 no isr member is alive (no ``members/<i>`` key with the isr entry's
-incarnation): every in-sync copy is gone. Then the freshest state left
+incarnation) and each is proven gone: its slot runs another incarnation
+(the process restarted), its address refuses connections (the process
+died), or it has been missing for ``unclean_after`` seconds (its host may
+be lost for good; until then it may be a frozen or cut-off process that
+would come back holding acknowledged changes nobody else has). Then the
+freshest state left
 leads: a replica holding state may lead when no other live member holds a
 fresher one, and one holding nothing (it would restore its newest
 checkpoint) only while no live member holds state at all. A replica that
@@ -45,11 +50,14 @@ from ps_server.coordination.lease_keeper import LeaseKeeper
 from ps_server.coordination.positions import NO_STATE, Position, fresher
 from ps_server.coordination.records import InSync, Leader, Member, ReplicaId, ShardKeys
 from ps_server.coordination.watch import Watcher
-from wehub_ps.process.logs import event
+from wehub_ps.process.logs import Throttled, event
 
 __all__ = ["ShardCoordinator", "ShardState", "eligible"]
 
 _log = logging.getLogger(__name__)
+
+_waiting_for_in_sync = Throttled(_log, logging.WARNING, "not leading while an in-sync replica may come back: "
+                                 "it is missing, not proven gone")
 
 #: ``start``'s retries while etcd is away: the first after 0.1 s, doubling to 2 s, so a replica
 #: started just before etcd joins at once and one waiting longer asks once every 2 s.
@@ -71,8 +79,10 @@ class ShardState:
 
 
 def eligible(replica: ReplicaId, in_sync: InSync | None, members: dict[int, Member], holds_state: bool,
-             position: Position = NO_STATE) -> bool:
-    """Whether ``replica`` (holding state at ``position``, or none) may campaign: this module's rule."""
+             position: Position = NO_STATE, gone: frozenset[ReplicaId] | None = None) -> bool:
+    """Whether ``replica`` (holding state at ``position``, or none) may campaign: this module's rule.
+
+    ``gone``: isr members without a member key that are proven gone (None: every such member is)."""
     others = [m for r, m in members.items() if r != replica[0]]
 
     def fresher_holder(candidates: list[Member]) -> bool:
@@ -86,6 +96,9 @@ def eligible(replica: ReplicaId, in_sync: InSync | None, members: dict[int, Memb
             return not fresher_holder(live_in_sync)
         if live_in_sync:
             return False
+        missing = [r for r in in_sync.members if r[0] != replica[0] and r[0] not in members]
+        if gone is not None and any(r not in gone for r in missing):
+            return False  # an isr member may still come back with acknowledged changes
     return not fresher_holder(others)
 
 
@@ -110,7 +123,8 @@ class ShardCoordinator:
     def __init__(self, client: EtcdClient, *, job: str, shard_index: int, replica_index: int,
                  incarnation: int, address: str, lease_ttl: int = 2, replication_address: str = "",
                  on_lease_lost: Callable[[], None] | None = None,
-                 state: str = "starting", holds_state: bool = False, position: Position = NO_STATE) -> None:
+                 state: str = "starting", holds_state: bool = False, position: Position = NO_STATE,
+                 unclean_after: float = 60.0) -> None:
         if not isinstance(lease_ttl, int) or lease_ttl < 1:
             raise ValueError(f"lease_ttl must be a whole number of seconds >= 1, got {lease_ttl!r}")
         self._client = client
@@ -124,6 +138,12 @@ class ShardCoordinator:
         self._state = state
         self._holds_state = holds_state
         self._position = position
+        #: Seconds an isr member may be missing, without proof of its death, before others may lead.
+        self.unclean_after = unclean_after
+        #: Replica slots' addresses as last read (to probe a missing isr member's port).
+        self._addresses: dict[int, str] = {}
+        #: When each missing isr member was first seen missing (monotonic).
+        self._missing_since: dict[ReplicaId, float] = {}
         self._lock = threading.Lock()
         self._keeper: LeaseKeeper | None = None
         self._epoch: int | None = None
@@ -232,6 +252,7 @@ class ShardCoordinator:
             elif key.startswith(self.keys.members_prefix):
                 member = Member.from_kv(kv)
                 members[member.replica_index] = member
+                self._addresses[member.replica_index] = member.address
                 member_revisions[member.replica_index] = kv.mod_revision
         return ShardState(leader, in_sync, members, member_revisions, revision)
 
@@ -239,7 +260,10 @@ class ShardCoordinator:
 
     def leader(self) -> Leader | None:
         kv = self._client.get(self.keys.leader)
-        return Leader.from_kv(kv) if kv is not None else None
+        leader = Leader.from_kv(kv) if kv is not None else None
+        if leader is not None:
+            self._addresses[leader.replica_index] = leader.address
+        return leader
 
     def watch_leader(self, callback: Callable[[Leader | None], None]) -> Watcher:
         """Call ``callback`` now with the current leader, then on every change (None: no leader).
@@ -261,12 +285,32 @@ class ShardCoordinator:
             watcher.stop()
         return watcher
 
-    def may_campaign(self) -> bool:
-        """Whether this replica may lead now (see the module docstring); a campaign re-checks atomically."""
-        state = self.shard_state()
-        return eligible(self.replica_id, state.in_sync, state.members, self._holds_state, self._position)
+    def may_campaign(self, refuses: Callable[[str], bool] = lambda address: False) -> bool:
+        """Whether this replica may lead now (see the module docstring); a campaign re-checks atomically.
 
-    def campaign(self) -> int | None:
+        ``refuses(address)``: whether a missing isr member's port refuses connections (its process died).
+        """
+        state = self.shard_state()
+        return eligible(self.replica_id, state.in_sync, state.members, self._holds_state, self._position,
+                        self._gone_in_sync(state, refuses))
+
+    def _gone_in_sync(self, state: ShardState, refuses: Callable[[str], bool]) -> frozenset[ReplicaId]:
+        """The isr members without a member key that are proven gone (see the module docstring)."""
+        if state.in_sync is None:
+            return frozenset()
+        now = time.monotonic()
+        gone = set()
+        missing = {r for r in state.in_sync.members if r[0] not in state.members and r[0] != self.replica_index}
+        self._missing_since = {r: self._missing_since.get(r, now) for r in missing}
+        for replica in missing:
+            address = self._addresses.get(replica[0])
+            if now - self._missing_since[replica] >= self.unclean_after or (address and refuses(address)):
+                gone.add(replica)
+        if missing - gone:
+            _waiting_for_in_sync(missing=sorted(r[0] for r in missing - gone), unclean_after=self.unclean_after)
+        return frozenset(gone)
+
+    def campaign(self, refuses: Callable[[str], bool] = lambda address: False) -> int | None:
         """Try to become leader: the new epoch when won, None when not eligible or someone else leads.
 
         Winning also writes isr = [this replica]. The transaction holds only if
@@ -277,7 +321,8 @@ class ShardCoordinator:
         state = self.shard_state()
         if state.leader is not None:
             return None
-        if not eligible(self.replica_id, state.in_sync, state.members, self._holds_state, self._position):
+        if not eligible(self.replica_id, state.in_sync, state.members, self._holds_state, self._position,
+                        self._gone_in_sync(state, refuses)):
             return None
         compare = [create_revision_is(self.keys.leader, 0),
                    mod_revision_is(self.keys.isr, state.in_sync.mod_revision if state.in_sync else 0)]

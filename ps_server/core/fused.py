@@ -16,15 +16,21 @@ a 1.28 GB part, 0.15-0.17 -> 0.09-0.14 ms through VariablePart.apply_rows.
 Same bits as the NumPy path.
 
 Compiling and the fallback without numba: wehub_ps/kernels/compiled.py.
+:func:`prepare` loads or compiles the loops a shard's variables will use
+ahead of their first push (numba's import, LLVM's set-up and, without a
+cached copy, the compile: 0.5-1 s on the 2-core machine).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from wehub_ps.kernels.compiled import compiled
+from wehub_ps.specs import SGD, Adam, VariableSpec
 
-__all__ = ["fused_adam", "fused_sgd_rows"]
+__all__ = ["fused_adam", "fused_sgd_rows", "loops_for", "prepare"]
 
 
 def _adam(w, g, m, v, b1, c1, b2, c2, eps, lr_t):  # pragma: no cover - runs compiled
@@ -124,3 +130,34 @@ def fused_sgd_rows(table: np.ndarray, rows: np.ndarray, g: np.ndarray, learning_
     # The constant NumPy's kernel uses: the Python float rounded once to the table's dtype.
     # False when a row is outside the table (nothing was changed then).
     return bool(kernel(table, rows, g, dtype.type(learning_rate)))
+
+
+def loops_for(specs: Iterable[VariableSpec]) -> list[str]:
+    """The compiled loops pushes to ``specs`` will run: 'adam' for Adam, 'sgd_rows' for SGD hash tables.
+
+    A dense SGD variable is left out: only a push of its rows would use
+    the loop, and loading numba for it would cost a process that never
+    sees one about 140 MB.
+    """
+    loops = set()
+    for spec in specs:
+        if isinstance(spec.optimizer, Adam):
+            loops.add("adam")
+        elif isinstance(spec.optimizer, SGD) and spec.hash_table:
+            loops.add("sgd_rows")
+    return sorted(loops)
+
+
+def prepare(loops: Iterable[str]) -> None:
+    """Load (from numba's cache) or compile the named loops now; blocking, thread-safe.
+
+    A push that needs a loop meanwhile waits for it (wehub_ps.kernels.compiled
+    builds each loop once), so preparing never changes what a push computes.
+    """
+    for loop in loops:
+        if loop == "adam":
+            compiled(_adam, _adam_signatures)
+        elif loop == "sgd_rows":
+            compiled(_sgd_rows, _sgd_rows_signatures)
+        else:
+            raise ValueError(f"loop must be 'adam' or 'sgd_rows', got {loop!r}")

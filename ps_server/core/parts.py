@@ -22,7 +22,7 @@ from ps_server.core.info import VariableInfo
 from ps_server.core.initializers import fill_initial_values
 from ps_server.core.optimizers import make_kernel
 from ps_server.core.persistence import LoadedPart, PartSnapshot
-from wehub_ps.dtypes import WIRE_FLOAT_DTYPES, dtype_name
+from wehub_ps.dtypes import dtype_name, is_wire_float
 from wehub_ps.errors import Reason
 from wehub_ps.kernels.convert import cast_into
 from wehub_ps.kernels.rowops import RowGather, put_rows, take_rows
@@ -334,7 +334,7 @@ def check_dtype_allowed(part: VariablePart, wire_dtype: np.dtype, assign: bool) 
     own = part.spec.dtype
     if wire_dtype == own:
         return
-    if not assign and wire_dtype in WIRE_FLOAT_DTYPES:
+    if not assign and is_wire_float(wire_dtype):
         return
     allowed = dtype_name(own) if assign else f"{dtype_name(own)}, float16 or bfloat16"
     raise RequestError(

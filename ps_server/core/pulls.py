@@ -28,7 +28,7 @@ from ps_server.core.rows import RowGather, gathered_bytes, parse_row_ids, rows_i
 from ps_server.core.store import MemoryHold, VariablePart, VariableStore
 from ps_server.core.tables import HashTablePart
 from ps_server.core.workers import WorkerPresence, check_worker
-from wehub_ps.dtypes import BFLOAT16, VARIABLE_DTYPES, dtype_name
+from wehub_ps.dtypes import VARIABLE_DTYPES, dtype_name, is_bfloat16
 from wehub_ps.errors import Reason
 
 __all__ = ["PullItemFields", "UnknownDtype", "PullQuery", "RangeRead", "RowsRead", "PullRead", "PullPlan",
@@ -234,7 +234,7 @@ def _checked_wire_dtype(wire_dtype: np.dtype | UnknownDtype | None) -> np.dtype 
         return None
     if isinstance(wire_dtype, UnknownDtype):
         raise RequestError(Reason.DTYPE_MISMATCH, f"unknown wire dtype {wire_dtype.code}")
-    if wire_dtype not in VARIABLE_DTYPES and wire_dtype != BFLOAT16:
+    if wire_dtype not in VARIABLE_DTYPES and not is_bfloat16(wire_dtype):
         raise RequestError(Reason.DTYPE_MISMATCH,
                            f"variables can be pulled as floating types only, not {dtype_name(wire_dtype)}")
     return wire_dtype

@@ -28,8 +28,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from google.protobuf import json_format
-
 from wehub_ps.specs import VariableSpec
 from wehub_ps.specs_proto import spec_from_proto, spec_to_proto
 from wehub_ps.v1 import ps_pb2
@@ -132,10 +130,14 @@ def checksummed(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def spec_to_json(spec: VariableSpec) -> dict[str, Any]:
+    from google.protobuf import json_format  # here: 15-20 ms of a start that needs it only for checkpoints
+
     return json_format.MessageToDict(spec_to_proto(spec), preserving_proto_field_name=True)
 
 
 def spec_from_json(data: dict[str, Any]) -> VariableSpec:
+    from google.protobuf import json_format
+
     return spec_from_proto(json_format.ParseDict(data, ps_pb2.VariableSpec()))
 
 

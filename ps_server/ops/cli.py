@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -12,10 +13,14 @@ from ps_server.coordination import CoordinationError
 from ps_server.durability.format import CheckpointError
 from ps_server.ops.config import ConfigError, parse_config
 from ps_server.server import create_server
+from wehub_ps.kernels.compiled import cache_in
 from wehub_ps.process.allocator import keep_freed_buffers
 from wehub_ps.process.logs import configure, event
 
 log = logging.getLogger("ps_server")
+
+#: numba's cache of compiled loops, inside the checkpoint directory (no shard's layout matches the name).
+COMPILED_LOOPS_DIR = ".compiled-loops"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -25,6 +30,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ps-server: {exc}", file=sys.stderr)
         return 2
     configure(config.log_level)
+    if config.checkpoint_dir:
+        # On the volume that outlives a restarted container: its compiled loops load instead of compiling.
+        cache_in(os.path.join(config.checkpoint_dir, COMPILED_LOOPS_DIR))
     if config.keep_freed_bytes:
         keep_freed_buffers(trim_threshold=config.keep_freed_bytes, arena_max=config.malloc_arenas or None)
     if config.unknown_environment:

@@ -113,8 +113,9 @@ class ServerConfig:
     advertise_address: str = ""
     replication_port: int = 0
     primary_lease_seconds: int = 2
-    replication_timeout: float = 0.5
-    failover_after: float = 0.8
+    replication_timeout: float = 0.4
+    failover_after: float = 0.6
+    unclean_election_after: float = 60.0
     max_backup_bytes: int = 256 << 20
     etcd_ca: str | None = None
     etcd_cert: str | None = None
@@ -210,6 +211,9 @@ class ServerConfig:
         if not math.isfinite(self.replication_timeout) or self.replication_timeout <= 0:
             raise ConfigError(f"--replication-timeout must be positive seconds, got "
                               f"{self.replication_timeout}")
+        if not math.isfinite(self.unclean_election_after) or self.unclean_election_after < 0:
+            raise ConfigError(f"--unclean-election-after must be seconds >= 0 (0: never), got "
+                              f"{self.unclean_election_after}")
         if not math.isfinite(self.failover_after) or self.failover_after <= self.replication_timeout:
             raise ConfigError(f"--failover-after ({self.failover_after}) must be more seconds than "
                               f"--replication-timeout ({self.replication_timeout}): a primary that still "
@@ -297,6 +301,10 @@ _HELP = {
                              "sooner, longer rides out slower etcd",
     "replication_timeout": "seconds a backup may leave an update unanswered before the primary drops it from "
                            "the in-sync set (it catches up again)",
+    "unclean_election_after": "seconds every in-sync replica of a shard may be missing from etcd, without "
+                              "proof that its process is gone (another incarnation in its slot, or its "
+                              "port refusing connections), before a replica outside the in-sync set may "
+                              "lead (losing what was acknowledged after its state); 0 = never",
     "failover_after": "seconds an in-sync backup hears nothing from its primary (it pings every fifth of "
                       "this) before it ends the primary's term and is elected; more than "
                       "--replication-timeout",

@@ -50,6 +50,11 @@ class BackupLink:
         self.acknowledged = 0
         #: Answers that proved the backup alive but acknowledged nothing (another term, no snapshot yet).
         self.ignored_answers = 0
+        #: When the backup first answered in this term, i.e. had installed its snapshot (monotonic; 0: not yet).
+        self.installed_at = 0.0
+        #: The log's sequence when it had (set by the primary's monitor): once the backup acknowledged it,
+        #: it joins the in-sync set, and acknowledgements after it wait for the backup.
+        self.join_at: int | None = None
         #: The sequence the backup's snapshot holds: records after it are queued from the start.
         self.start_sequence = 0
         #: The newest sequence sent (or in the snapshot).
@@ -106,6 +111,8 @@ class BackupLink:
             self.waiting_since = self._unanswered[0] if self._unanswered else 0.0
             if acknowledges(self.epoch, epoch):
                 self.acknowledged = max(self.acknowledged, applied)
+                if not self.installed_at:
+                    self.installed_at = time.monotonic()
             else:
                 self.ignored_answers += 1
         self._on_change()

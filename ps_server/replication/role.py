@@ -78,8 +78,8 @@ class Coordination(Protocol):
     def lease_valid_until(self) -> float: ...
     def leader(self) -> LeaderInfo | None: ...
     def watch_leader(self, callback: Callable[[LeaderInfo | None], None]) -> None: ...
-    def may_campaign(self) -> bool: ...
-    def campaign(self) -> int | None: ...
+    def may_campaign(self, refuses: Callable[[str], bool]) -> bool: ...
+    def campaign(self, refuses: Callable[[str], bool]) -> int | None: ...
     def set_state(self, state: str, holds_state: bool = False, position: Position = NO_STATE) -> None: ...
     def set_in_sync(self, epoch: int, members: list[tuple[int, int]]) -> bool: ...
     def revoke_leader(self, leader: LeaderInfo) -> None: ...
@@ -149,6 +149,10 @@ class ReplicaRole:
         #: Primary: backups attached to the log, and those of them in the in-sync set.
         self._links: dict[tuple[int, int], BackupLink] = {}
         self._in_sync: set[tuple[int, int]] = set()
+        #: Primary: backups acknowledgements wait for that are not yet in etcd's isr, each with the log's
+        #: sequence when they joined: written once they acknowledged it (they then hold everything
+        #: acknowledged without them).
+        self._joining: dict[tuple[int, int], int] = {}
         self._acks = threading.Condition()
         #: The state held: the newest sequence applied (a primary's log goes on from it) and the epoch of
         #: the term whose log that is; has_state is False while it holds nothing followed or led.
@@ -374,7 +378,7 @@ class ReplicaRole:
             # Outside the in-sync set a replica may lead only when no in-sync replica is alive; then
             # what it holds is the best there is: state it followed, or else (while no live replica
             # holds followed state) its newest checkpoint.
-            return self._coordination.may_campaign()
+            return self._coordination.may_campaign(_refuses_connections)
         except CoordinationError as error:
             event(log, logging.DEBUG, "cannot campaign while etcd is unreachable", error=str(error))
             return False
@@ -383,7 +387,7 @@ class ReplicaRole:
         started = time.monotonic()
         self._set_state(CANDIDATE)
         try:
-            epoch = self._coordination.campaign()
+            epoch = self._coordination.campaign(_refuses_connections)
         except CoordinationError as error:
             event(log, logging.WARNING, "campaign failed", error=str(error))
             return
@@ -398,6 +402,7 @@ class ReplicaRole:
         self.applied, self.state_epoch = start, epoch
         self._epoch = epoch
         self._in_sync = set()
+        self._joining = {}
         self.has_state = True
         self._proven = self.proves_lease()  # just won on a lease etcd confirmed
         self._set_state(PRIMARY)
@@ -563,10 +568,9 @@ class ReplicaRole:
                         and now - link.waiting_since > self.settings.replication_timeout):
                     link.close(f"no answer for {self.settings.replication_timeout:g}s")
             failed = {key for key in self._in_sync if key not in self._links or self._links[key].closed}
-            caught_up = {key for key, link in self._links.items()
-                         if key not in self._in_sync and link.closed is None
-                         and link.acknowledged >= log_.sequence and link.acknowledged >= link.start_sequence
-                         and link.proof}
+            self._join(log_)
+            caught_up = {key for key, since in self._joining.items() if key not in failed
+                         and key in self._links and self._links[key].acknowledged >= since}
             if failed or caught_up:
                 self._change_in_sync(failed, caught_up)
             self._log_consistency()
@@ -610,14 +614,27 @@ class ReplicaRole:
             return  # deposed meanwhile
         self._logged_consistency = state
 
+    def _join(self, log_: UpdateLog) -> None:
+        """Backups join at a fixed sequence (as Kafka's in-sync replicas do), not at "every change so far",
+        which a busy log keeps out of reach: one that installed its snapshot is given the log's sequence
+        then; once it acknowledged that, acknowledgements wait for it from now on (grown locally), and it
+        goes into etcd's isr once it acknowledged the sequence of that moment too."""
+        for key, link in self._links.items():
+            if key in self._in_sync or link.closed is not None or not link.installed_at:
+                continue
+            if link.join_at is None:
+                link.join_at = log_.sequence
+            if link.acknowledged >= link.join_at:
+                with self._acks:
+                    self._in_sync.add(key)
+                self._joining[key] = log_.sequence  # read after the grow: every later append waits for it
+
     def _change_in_sync(self, failed: set[tuple[int, int]], caught_up: set[tuple[int, int]]) -> None:
         if self._state != PRIMARY or self._stopping.is_set():
             return
-        # Grow locally first (acknowledgements wait for the newcomer from now on), shrink after etcd agreed.
-        with self._acks:
-            self._in_sync |= caught_up
+        # Grown locally before (_join); written to etcd once caught up; shrunk locally after etcd agreed.
         me = (self.settings.replica_index, self.settings.incarnation)
-        members = sorted((self._in_sync - failed) | {me})
+        members = sorted((self._in_sync - failed - (set(self._joining) - caught_up)) | {me})
         try:
             written = self._coordination.set_in_sync(self._epoch, members)
         except CoordinationError as error:
@@ -630,11 +647,16 @@ class ReplicaRole:
         with self._acks:
             self._in_sync -= failed
             self._acks.notify_all()
+        for key in failed | caught_up:
+            self._joining.pop(key, None)
         for key in failed:
             event(log, logging.WARNING, "backup left the in-sync set", replica_index=key[0],
                   why=self._links[key].closed if key in self._links else "detached")
+        now = time.monotonic()
         for key in caught_up:
-            event(log, logging.INFO, "backup in sync", replica_index=key[0])
+            link = self._links.get(key)
+            event(log, logging.INFO, "backup in sync", replica_index=key[0],
+                  after_snapshot_seconds=round(now - link.installed_at, 3) if link is not None else None)
 
     def lease_lost(self) -> None:
         """The coordinator found this replica's etcd lease gone: it rejoins with a new lease (keeping
@@ -687,6 +709,7 @@ class ReplicaRole:
             link.close("this replica is no longer the primary")
         self._links = {}
         self._in_sync = set()
+        self._joining = {}
         self._publish_proof()
         self._wake.set()
 
@@ -704,7 +727,8 @@ class ReplicaRole:
             sequence = self.last_sequence()
             for key, link in sorted(self._links.items()):
                 status.backups.append(ps_pb2.BackupStatus(
-                    replica_index=link.replica_index, address=link.address, in_sync=key in self._in_sync,
+                    replica_index=link.replica_index, address=link.address,
+                    in_sync=key in self._in_sync and key not in self._joining,
                     acknowledged_sequence=link.acknowledged, lag_records=max(0, sequence - link.acknowledged),
                     lag_bytes=link.queued_bytes,
                     lag_seconds=now - link.waiting_since if link.waiting_since else 0.0))

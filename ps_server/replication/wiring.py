@@ -8,6 +8,7 @@ ledger, consistency, restore, health, TLS and token) is taken from it here.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import ssl
 import threading
@@ -126,6 +127,7 @@ class ReplicaWiring:
                 client, job=config.job_name, shard_index=config.shard_index,
                 replica_index=config.replica_index,
                 address=address, incarnation=incarnation, lease_ttl=config.primary_lease_seconds,
+                unclean_after=config.unclean_election_after or math.inf,
                 replication_address=replication_address, on_lease_lost=self.role.lease_lost)
 
         coordination = coordination_for(self.role.settings.incarnation)

@@ -18,7 +18,7 @@ from ps_server.core.pushes import PushChunk, PushKind, PushStart
 from wehub_ps.errors import Reason
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.codec import DecodedChunk, OutgoingChunk, join_pieces, push_request_pieces
-from wehub_ps.wire.dtypes import WIRE_TO_NUMPY
+from wehub_ps.wire.dtypes import numpy_dtype_or_code
 
 __all__ = ["BeginParts", "push_start", "push_chunk", "push_chunks", "chunks_message"]
 
@@ -94,8 +94,7 @@ def push_start(begin: ps_pb2.PushBegin) -> PushStart:
 def push_chunk(chunk: DecodedChunk) -> PushChunk:
     """The core's view of one decoded chunk (its data stays a view of the message)."""
     header = chunk.header
-    code = header.dtype
-    return header.variable, WIRE_TO_NUMPY.get(code, code), header.offset, header.count, chunk.data
+    return header.variable, numpy_dtype_or_code(header.dtype), header.offset, header.count, chunk.data
 
 
 def push_chunks(chunks: list[DecodedChunk]) -> list[PushChunk]:
@@ -105,7 +104,7 @@ def push_chunks(chunks: list[DecodedChunk]) -> list[PushChunk]:
 
 def _dtype(code: int) -> np.dtype | int:
     """The numpy dtype of a wire dtype code, or the code itself when it names none."""
-    return WIRE_TO_NUMPY.get(code, code)
+    return numpy_dtype_or_code(code)
 
 
 def chunks_message(chunks: list[DecodedChunk]) -> bytes:

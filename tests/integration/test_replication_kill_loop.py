@@ -1,17 +1,23 @@
-"""SIGKILL the primary of a replicated shard again and again while workers push: nothing acknowledged is lost.
+"""Take the primary of a replicated shard away again and again while workers push: nothing acknowledged is lost.
+
+Two ways: SIGKILL (a process death: its port refuses connections at once)
+and SIGSTOP (the process, or its host, falls silent: connections stall
+without a reset, its lease is not renewed), resumed with SIGCONT once a new
+primary serves.
 
 Real ps-server replicas (--replicas 2) on a real etcd (tests/etcd_server.py
 skips where etcd is not installed). Workers push one-row gradients whose
 every application is counted (tests/replica_faults.py); one of them goes
 through a FaultProxy in front of each replica, which cuts its connections at
-random. Each killed primary is restarted on its port and waited for until it
-is back in the in-sync set, so one in-sync replica always survives the next
-kill. A probe worker pushes continuously: the time from each SIGKILL to its
-first push acknowledged by the new primary is the failover time.
+random. Each killed primary is restarted on its port (a frozen one resumed)
+and waited for until it is back in the in-sync set, so one in-sync replica
+always survives the next fault. A probe worker pushes continuously: the time
+from each fault to its first push acknowledged by the new primary is the
+failover time, as a worker sees it.
 
-CI runs three kills. ``WEHUB_PS_SOAK_SECONDS=<seconds>`` runs the loop that
-long instead (at least 60 for the figures the issue asks for) and prints
-kills, failover p50/p99, pushes acknowledged and checked, and refusals.
+CI runs three faults of each kind. ``WEHUB_PS_SOAK_SECONDS=<seconds>`` runs
+each loop that long instead and prints faults, failover p50/p99, pushes
+acknowledged and checked, and refusals.
 """
 
 from __future__ import annotations
@@ -31,8 +37,8 @@ from worker_client import PSClient
 CI_KILLS = 3
 KILL_PERIOD = 3.0
 SLOTS = 1_000_000
-#: A failover slower than this fails the test (the issue's target, p99 <= 2 s, is reported, not asserted:
-#: on a loaded 2-core runner the tail is the scheduler's).
+#: A failover slower than this fails the test (the targets, p99 <= 0.25 s after a process death and <= 1 s
+#: after a silence, are reported, not asserted: on a loaded 2-core runner the tail is the scheduler's).
 FAILOVER_LIMIT = 5.0
 
 
@@ -71,7 +77,8 @@ def _wait_in_sync(cluster: ReplicatedCluster, timeout: float = 30.0) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_sigkill_loop_of_primaries_loses_and_repeats_no_acknowledged_push(cluster):
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_a_loop_of_lost_primaries_loses_and_repeats_no_acknowledged_push(cluster, fault):
     soak = _soak_seconds()
     proxies = [FaultProxy(r.port, seed=17 + r.replica_index, mean_bytes_up=6_000, mean_bytes_down=3_000)
                for r in cluster.shards[0]]
@@ -93,12 +100,16 @@ def test_sigkill_loop_of_primaries_loses_and_repeats_no_acknowledged_push(cluste
             pusher.start()
         last_kill = time.monotonic()
         while (len(failovers) < CI_KILLS) if soak is None else (time.monotonic() - started < soak):
-            _wait_in_sync(cluster)
             time.sleep(max(0.0, last_kill + KILL_PERIOD - time.monotonic()))
+            _wait_in_sync(cluster)  # right before the fault: one in-sync replica must survive it
             primary = cluster.primary(0)
-            primary.process.signal(signal.SIGKILL)
-            last_kill = killed = time.monotonic()
-            primary.process.wait(10)
+            if fault == "kill":
+                primary.process.signal(signal.SIGKILL)
+                last_kill = killed = time.monotonic()
+                primary.process.wait(10)
+            else:
+                primary.process.freeze()
+                last_kill = killed = time.monotonic()
             deadline = killed + 30
             while not any(at > killed and address != primary.address for at, address in probe_acks[-50:]):
                 assert time.monotonic() < deadline, (f"no push acknowledged 30s after the kill:\n"
@@ -108,8 +119,13 @@ def test_sigkill_loop_of_primaries_loses_and_repeats_no_acknowledged_push(cluste
                 time.sleep(0.005)
             first = min(at for at, address in probe_acks[-50:] if at > killed and address != primary.address)
             failovers.append(first - killed)
-            primary.start()  # the same port: a new incarnation that catches up
+            if fault == "kill":
+                primary.start()  # the same port: a new incarnation that catches up
+            else:
+                primary.process.signal(signal.SIGCONT)  # deposed: it follows the new primary
     finally:
+        for replica in cluster.shards[0]:
+            replica.process.signal(signal.SIGCONT)
         for pusher in pushers:
             pusher.stop.set()
         for pusher in pushers:
@@ -128,7 +144,7 @@ def test_sigkill_loop_of_primaries_loses_and_repeats_no_acknowledged_push(cluste
     assert check.acknowledged > 20 * len(failovers)
     assert len(pushers[2].acknowledged) > 0 and cuts > 0, "the proxied worker's connections were never cut"
     assert max(failovers) < FAILOVER_LIMIT, f"failover times {failovers}"
-    print(f"\nkill loop {time.monotonic() - started:.0f}s: kills {len(failovers)}, failover p50 "
+    print(f"\n{fault} loop {time.monotonic() - started:.0f}s: faults {len(failovers)}, failover p50 "
           f"{percentile(failovers, 50) * 1000:.0f} ms p99 {percentile(failovers, 99) * 1000:.0f} ms "
           f"(max {max(failovers) * 1000:.0f} ms), pushes acknowledged and checked exactly once "
           f"{check.acknowledged}, refused or retried attempts {retries}, proxy cuts {cuts}", flush=True)

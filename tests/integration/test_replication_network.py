@@ -125,3 +125,52 @@ def test_a_primary_that_cannot_prove_its_term_stops_answering_serving(replicated
     assert lapsed - cut < cluster.lease_seconds + 1.5
     print(f"health NOT_SERVING {lapsed - cut:.2f}s after the cut (lease {cluster.lease_seconds}s); "
           f"{check.acknowledged} acknowledged pushes checked exactly once")
+
+
+def _role(replica) -> str:
+    try:
+        return replica.status(timeout=1.0).role
+    except Exception:  # noqa: BLE001 - frozen or between roles: no role to read
+        return "unreachable"
+
+
+def test_a_replica_outside_the_in_sync_set_waits_while_the_in_sync_primary_may_come_back(replicated):
+    """The backup drops out of the in-sync set, then the primary (the only in-sync replica, holding
+    pushes nobody else has) falls silent past its lease: its key expires in etcd, but it is not proven
+    gone, so the backup must not lead with its older state. When the primary returns it leads again,
+    and every acknowledged push is there."""
+    start, _ = replicated
+    cluster = start()
+    primary = cluster.primary(0)
+    backup = next(r for r in cluster.shards[0] if r is not primary)
+    client = PSClient(cluster.addresses, worker_id="w0", retry_timeout=60)
+    create_slots(client, "slots", 1, SLOTS)
+    pusher = SlotPusher(client, "slots", 0, SLOTS, pause=0.002).start()
+    try:
+        _wait(lambda: len(pusher.acknowledged) >= 50, 30, "no pushes acknowledged", cluster)
+        backup.process.freeze()
+        _wait(lambda: [b.in_sync for b in primary.status().backups] in ([], [False]), 15,
+              "the primary did not drop its silent backup from the in-sync set", cluster)
+        dropped = time.monotonic()
+        _wait(lambda: len([t for t in pusher.acknowledged.values() if t > dropped]) >= 50, 30,
+              "the primary acknowledged nothing alone", cluster)
+        primary.process.freeze()
+        frozen = time.monotonic()
+        backup.process.signal(signal.SIGCONT)
+        time.sleep(3 * cluster.lease_seconds + 1)  # the primary's key is long gone from etcd
+        waited = _role(backup)
+        primary.process.signal(signal.SIGCONT)
+        resumed = time.monotonic()
+        _wait(lambda: len([t for t in pusher.acknowledged.values() if t > resumed]) >= 50, 60,
+              "no pushes acknowledged after the primary returned", cluster)
+    finally:
+        for replica in cluster.shards[0]:
+            replica.process.signal(signal.SIGCONT)
+        pusher.join(60)
+    check = check_slots(client.pull(["slots"])["slots"], [pusher])
+    client.close()
+    assert waited != "primary", f"the backup led with older state {resumed - frozen:.1f}s into the silence"
+    assert not check.violations, (f"{len(check.violations)} violations: {check.violations[:5]}\n"
+                                  f"{cluster.logs()}")
+    print(f"backup stayed {waited} while the in-sync primary was silent; {check.acknowledged} "
+          f"acknowledged pushes checked exactly once")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from wehub_ps.dtypes import BFLOAT16
+from wehub_ps.dtypes import is_bfloat16
 from wehub_ps.kernels.compiled import compiled
 
 __all__ = ["cast_into"]
@@ -33,11 +33,11 @@ def _f32_to_bf16(src, dst):  # pragma: no cover - runs compiled
 
 def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
     """``np.copyto(dst, src, casting="unsafe")``; float32 <-> bfloat16 on the bit patterns."""
-    if src.dtype == BFLOAT16 and dst.dtype == np.float32 and src.shape == dst.shape and dst.flags.writeable:
+    if dst.dtype == np.float32 and is_bfloat16(src.dtype) and src.shape == dst.shape and dst.flags.writeable:
         # (any alignment: NumPy's ufunc buffers what is not aligned)
         np.left_shift(src.view(np.uint16), 16, out=dst.view(np.uint32), dtype=np.uint32)
         return
-    if (dst.dtype == BFLOAT16 and src.dtype == np.float32 and src.shape == dst.shape and src.ndim == 1
+    if (src.dtype == np.float32 and is_bfloat16(dst.dtype) and src.shape == dst.shape and src.ndim == 1
             and src.flags.c_contiguous and dst.flags.c_contiguous and src.flags.aligned and dst.flags.aligned
             and dst.flags.writeable):
         kernel = compiled(_f32_to_bf16)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -43,7 +44,11 @@ _BUSY_REASONS = frozenset({Reason.TOO_MANY_RPCS.value, Reason.EXCHANGE_STREAMS.v
 #: Failures that may mean the replica died or hangs: another replica is tried.
 _MOVE_ON_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
 #: A replicated shard's watch of its primary: a health check this often, each given this long.
-_WATCH_SECONDS, _WATCH_TIMEOUT_SECONDS = 1.0, 2.0
+_WATCH_SECONDS, _WATCH_TIMEOUT_SECONDS = 0.25, 0.25
+#: While the replica in use is silent, the others are asked this often whether one became the primary.
+_SEARCH_SECONDS = 0.05
+#: A replica in use silent this long is left for the next one even if no other says it is the primary.
+_SILENT_SECONDS = 4.0
 # Opening a TCP lane (its Describe and its connection) waits at most this long.
 _LANE_CONNECT_SECONDS = 10.0
 _DESCRIBE = ps_pb2.DescribeRequest().SerializeToString()
@@ -192,26 +197,71 @@ class ShardChannel:
         """Leave a primary that stopped answering (frozen, or its host cut off) without waiting for a call.
 
         A call to such a primary waits for its deadline (minutes for a push),
-        and gRPC's keepalive does not end it sooner here; the replica elected
-        after it takes about a lease. So every second the replica in use is
-        asked its health; after two checks unanswered for 2 s, or one that says
-        it is not the primary, calls move on (those waiting there fail and are
-        retried by their callers, the server's ledger applying each push once).
+        and gRPC's keepalive does not end it sooner here. So every quarter
+        second the replica in use is asked its health. While it does not
+        answer, the other replicas are asked every 50 ms (and it again every
+        quarter second), and the calls move to the first that says it is the primary (an in-sync backup takes over
+        --failover-after, 0.6 s by default, after its primary fell silent); failing that,
+        after 4 s of silence, to the next replica. One that answers it is not
+        the primary (a backup, or a primary that cannot prove its term) is left
+        at once. Calls waiting on the replica left fail and are retried by their
+        callers, the server's ledger applying each push once.
         """
-        silent = 0
-        while not self._watching.wait(_WATCH_SECONDS):
-            conn = self._conn
-            status = _health_of(conn.health_check, _WATCH_TIMEOUT_SECONDS)
-            silent = silent + 1 if status == "UNREACHABLE" else 0
-            if silent >= 2:
-                self.follow(PSUnavailableError(f"ps-server {conn.address} did not answer health checks for "
-                                               f"{2 * _WATCH_TIMEOUT_SECONDS:g}s", address=conn.address,
-                                               code="DEADLINE_EXCEEDED"))
-                silent = 0
-            elif status == "NOT_SERVING":
-                self.follow(NotPrimaryError(f"ps-server {conn.address} is no longer the primary of its shard",
-                                            address=conn.address, reason=Reason.NOT_PRIMARY.value,
-                                            code="UNAVAILABLE"))
+        silent_since: float | None = None
+        checked_at = 0.0
+        probes: dict[str, Callable[..., Any]] = {}
+        channels: list[grpc.Channel] = []
+        try:
+            while not self._watching.wait(_WATCH_SECONDS if silent_since is None else _SEARCH_SECONDS):
+                conn = self._conn
+                now = time.monotonic()
+                if silent_since is None or now - checked_at >= _WATCH_SECONDS:
+                    checked_at = now
+                    # Once silent, asked briefly: the search for a new primary must not wait on it.
+                    status = _health_of(conn.health_check,
+                                        _WATCH_TIMEOUT_SECONDS if silent_since is None else _SEARCH_SECONDS)
+                    if status != "UNREACHABLE":
+                        silent_since = None
+                        for channel in channels:
+                            channel.close()
+                        probes, channels = {}, []
+                        if status == "NOT_SERVING":
+                            self.follow(NotPrimaryError(
+                                f"ps-server {conn.address} is no longer the primary of its shard",
+                                address=conn.address, reason=Reason.NOT_PRIMARY.value, code="UNAVAILABLE"))
+                        continue
+                    silent_since = silent_since if silent_since is not None else now
+                primary = self._serving_replica(conn.address, probes, channels)
+                if primary is not None:
+                    self.follow(NotPrimaryError(
+                        f"ps-server {conn.address} did not answer a health check within "
+                        f"{_WATCH_TIMEOUT_SECONDS:g}s and {primary} says it is the primary",
+                        address=conn.address, reason=Reason.NOT_PRIMARY.value, code="UNAVAILABLE",
+                        primary=primary))
+                    silent_since = None
+                elif now - silent_since >= _SILENT_SECONDS:
+                    self.follow(PSUnavailableError(f"ps-server {conn.address} did not answer health checks "
+                                                   f"for {_SILENT_SECONDS:g}s", address=conn.address,
+                                                   code="DEADLINE_EXCEEDED"))
+                    silent_since = None
+        finally:
+            for channel in channels:
+                channel.close()
+
+    def _serving_replica(self, silent: str, probes: dict[str, Callable[..., Any]],
+                         channels: list[grpc.Channel]) -> str | None:
+        """The first replica other than ``silent`` whose health says it is the primary (None: none);
+        ``probes`` keeps each one's health call on a channel of its own while the silence lasts."""
+        for address in self.replicas:
+            if address == silent or self._watching.is_set():
+                continue
+            if address not in probes:
+                channel = self._probe_channel(address)
+                channels.append(channel)
+                probes[address] = health_pb2_grpc.HealthStub(channel).Check
+            if _health_of(probes[address], _SEARCH_SECONDS) == "SERVING":
+                return address
+        return None
 
     def _connect(self, address: str) -> _Connection:
         return _Connection(address, self._options, self._credentials, self._lane_metadata,

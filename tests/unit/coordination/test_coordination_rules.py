@@ -134,3 +134,16 @@ def test_the_lease_ttl_is_whole_seconds_of_at_least_one():
         with pytest.raises(ValueError, match="lease_ttl"):
             ShardCoordinator(EtcdClient(["127.0.0.1:2379"]), job="j", shard_index=0, replica_index=0,
                              incarnation=1, address="h:1", lease_ttl=ttl)
+
+
+def test_outside_the_isr_a_missing_isr_member_must_be_proven_gone():
+    follower = _holder(1, 21, 7, 40)
+    missing = frozenset()  # isr member (0, 10) has no member key, and nothing proves it dead yet
+    assert not eligible((1, 21), ISR_OF_ONE, {1: follower}, True, Position(7, 40), gone=missing)
+    assert eligible((1, 21), ISR_OF_ONE, {1: follower}, True, Position(7, 40), gone=frozenset({(0, 10)}))
+    # Its slot running another incarnation proves the in-sync process gone: no proof needed.
+    restarted = Member(0, "h:0", 11, "starting")
+    assert eligible((1, 21), ISR_OF_ONE, {0: restarted, 1: follower}, True, Position(7, 40), gone=missing)
+
+
+ISR_OF_ONE = InSync(epoch=7, members=((0, 10),))
