@@ -29,21 +29,30 @@ step or in none, and a checkpoint (which also holds it exclusive) sees
 values, ledger, sums, clocks and workers of one instant
 (:meth:`ConsistencyController.snapshot`).
 
+A replicated shard (``--replicas`` > 1) moves its step in one order with
+its other changes (:attr:`ConsistencyController.changes`): the primary
+applies or jumps over a step under the order and logs it where it did; a
+backup moves its step only as the log says (:meth:`follow_step`), with the
+same code, so its step and sums are the primary's at every record.
+
 No gRPC here; thread-safe.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ps_server.core.errors import RequestError
 from ps_server.core.gate import ApplyGate
 from ps_server.core.membership import Membership
+from ps_server.core.ordering import UNLOGGED, ChangeLog
 from wehub_ps.errors import Reason
 from wehub_ps.process.logs import event
 
@@ -114,6 +123,8 @@ class ConsistencyController:
         self._pulls = self._pulls_blocked = self._dropped = self._steps_applied = 0
         self._blocked_seconds = 0.0
         self._max_staleness = 0
+        #: Where sync steps are put in order and logged (a replicated shard's role); set before serving.
+        self.changes: ChangeLog = UNLOGGED
         membership.subscribe(self._on_membership_change)
 
     # ---- queries ----
@@ -138,6 +149,15 @@ class ConsistencyController:
         """How many worker clocks are kept (bounded by the live workers)."""
         with self._cond:
             return len(self._clocks)
+
+    def ordered(self) -> AbstractContextManager[None]:
+        """Held while a sync decision or step is taken (and logged); nothing outside sync mode.
+
+        On a replicated shard, the shard's order (taken before the gate):
+        RequestError NOT_PRIMARY on a backup, whose steps move only as its
+        primary's log says.
+        """
+        return self.changes.ordered() if self.mode == "sync" else contextlib.nullcontext()
 
     # ---- events ----
 
@@ -184,10 +204,11 @@ class ConsistencyController:
     def push_decision(self, step: int, accumulate: Callable[[], None] | None = None) -> str:
         """What to do with a gradient of ``step`` (decided when the push begins).
 
-        Sync mode: the caller holds the store's gate shared, so the step
-        cannot be applied between this decision and whatever the caller
-        does under it. WAIT: the step is ahead of this shard, which holds
-        a step of its own; call :meth:`wait_for_step`, then decide again.
+        Sync mode: the caller holds :meth:`ordered`, then the store's gate
+        shared, so the step cannot be applied between this decision and
+        whatever the caller does under it. WAIT: the step is ahead of this
+        shard, which holds a step of its own; call :meth:`wait_for_step`,
+        then decide again.
         ACCUMULATE: ``accumulate()`` (e.g. pinning the push's table rows)
         runs first, under this controller's condition; when it raises, the
         push is refused and the step is not marked as accumulating (a step
@@ -271,12 +292,14 @@ class ConsistencyController:
         return counted
 
     def apply_ready_steps(self) -> None:
-        """Sync: apply the open step once all live workers but K finished it (call with no locks held).
+        """Sync: apply the open step once all live workers but K finished it (call with no locks held,
+        or only :meth:`ordered`, as a push that finished the step does).
 
         The step is applied with the gate held exclusive: no push merges
         into it meanwhile, and no checkpoint sees it half applied. Once the
         final checkpoint sealed the gate, nothing is applied: the step and
         its sums are in that checkpoint, and the restarted server applies it.
+        A backup replica applies nothing here: its primary's log says when.
         """
         if self.mode != "sync":
             return
@@ -285,20 +308,45 @@ class ConsistencyController:
                 if not self._ready():
                     return
             try:
-                with self._store.gate.exclusive():
-                    with self._cond:
-                        if not self._ready():
-                            return
-                        step = self._step
-                        applied = self._store.apply_accumulated(step)
-                        event(log, logging.DEBUG, "sync step applied", step=step,
-                              workers=len(self._finished), variables=applied)
-                        self._steps_applied += 1
-                        self._jump_to(self._first_unfinished_step(step + 1))
+                with self.ordered(), self._store.gate.exclusive(), self._cond:
+                    if not self._ready():
+                        return
+                    step = self._step
+                    self._apply_step(step)
+                    self._jump_to(self._first_unfinished_step(step + 1), applied=True)
             except RequestError as error:
-                if error.reason != Reason.SHUTTING_DOWN:
+                if error.reason not in (Reason.SHUTTING_DOWN, Reason.NOT_PRIMARY):
                     raise
-                return  # sealed by the final checkpoint
+                return  # sealed by the final checkpoint, or a backup (its primary applies steps)
+
+    # ---- a backup replica: the primary's decisions, in the primary's order ----
+
+    def follow_decision(self, step: int, accumulate: bool, pin: Callable[[], None] | None = None) -> None:
+        """Sync, a backup: the primary decided that a push of ``step`` accumulates (``pin()`` pins its
+        table rows, as the primary's did) or is dropped; the caller holds the gate shared.
+
+        The primary's decision stands (it may have depended on workers this
+        replica does not see); RequestError when an accumulating push's
+        step is not the step open here (the replica diverged).
+        """
+        with self._cond:
+            if not accumulate:
+                return
+            if step != self._step:
+                raise RequestError(Reason.INVALID_REQUEST, f"the primary accumulated a push of step {step}, "
+                                                           f"but this replica's open step is {self._step}")
+            if pin is not None:
+                pin()
+            self._accumulating = True
+
+    def follow_step(self, step: int, applied: bool) -> None:
+        """Sync, a backup: the primary applied its open step (``applied``) or jumped over it, and opened
+        ``step``; the same here, with the gate held as the primary held it (call with no locks held)."""
+        gate = self._store.gate.exclusive() if applied else self._store.gate.shared()
+        with gate, self._cond:
+            if applied:
+                self._apply_step(self._step)
+            self._move_to(step)
 
     def close(self) -> None:
         """Release every waiting pull and push (shutdown)."""
@@ -419,7 +467,19 @@ class ConsistencyController:
             bound = min(bound, live_clocks[self.backup_workers])
         return max(after, bound)
 
-    def _jump_to(self, step: int) -> None:
+    def _apply_step(self, step: int) -> None:
+        """Apply the open step's sums (gate held exclusive, condition held)."""
+        applied = self._store.apply_accumulated(step)
+        event(log, logging.DEBUG, "sync step applied", step=step, workers=len(self._finished),
+              variables=applied)
+        self._steps_applied += 1
+
+    def _jump_to(self, step: int, applied: bool = False) -> None:
+        """Open ``step`` (``applied``: the open one was just applied) and log it where it happened."""
+        self._move_to(step)
+        self.changes.sync_step(step, applied)
+
+    def _move_to(self, step: int) -> None:
         self._step = step
         self._finished = {w for w, c in self._clocks.items() if c > step}
         self._accumulating = False

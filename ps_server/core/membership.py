@@ -12,7 +12,9 @@ first), so forgetting the least recently seen worker at the bound and
 listing the live ones never scan the whole table. The table is part of the
 shard's checkpointed state in ssp and sync modes (:meth:`Membership.snapshot`):
 a restarted server waits for the workers that were live, not for whoever
-reconnects first.
+reconnects first. A backup replica's table is its primary's
+(:meth:`Membership.follow`): no lease runs out there, and the replica
+elected next gives the workers live in it a fresh lease (:meth:`Membership.lead`).
 
 No gRPC; thread-safe; the clock is injectable for tests.
 """
@@ -60,6 +62,8 @@ class Membership:
         # Least recently seen first: every renewal moves a record to the end.
         self._workers: OrderedDict[str, WorkerRecord] = OrderedDict()
         self._listeners: list[Callable[[], None]] = []
+        #: A backup replica: ``live`` is what the primary's table said (restore), not a lease run here.
+        self._following = False
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` (without locks held) whenever the live set may have changed."""
@@ -183,10 +187,31 @@ class Membership:
             self._workers = ordered
         self._notify()
 
+    def follow(self) -> None:
+        """A backup replica: the live set is the one :meth:`restore` last brought (its primary's); no lease
+        runs out here, since no heartbeat reaches a backup."""
+        with self._lock:
+            self._following = True
+
+    def lead(self) -> None:
+        """This replica serves workers now: every worker live in its table gets a fresh lease from now
+        (as after a restore: one that died meanwhile stops counting one lease later)."""
+        now = self._clock()
+        with self._lock:
+            if not self._following:
+                return
+            self._following = False
+            for worker_id, record in self._workers.items():
+                if record.live:
+                    self._workers[worker_id] = replace(record, last_seen=now)
+        self._notify()
+
     def seconds_since_seen(self, record: WorkerRecord) -> float:
         return max(0.0, self._clock() - record.last_seen)
 
     def _is_live(self, record: WorkerRecord, now: float) -> bool:
+        if self._following:
+            return record.live
         return now - record.last_seen <= self.lease_seconds
 
     def _notify(self) -> None:

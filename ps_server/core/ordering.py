@@ -5,8 +5,10 @@ total order and ships each to its backups in that order, so they apply the
 same changes with the same code and hold the same bits. Most changes are
 ordered by the service layer (pushes, variable creation); the one the core
 makes on its own is a pull of hash-table rows, which creates missing rows and
-refreshes the tables' LRU order. The pull planner reports those through
-:class:`ChangeLog`; an unreplicated shard uses :data:`UNLOGGED`.
+refreshes the tables' LRU order, and in sync mode the move of the open step
+(applied or jumped over), which a push, a heartbeat or a lease running out
+may cause. The pull planner and the consistency controller report those
+through :class:`ChangeLog`; an unreplicated shard uses :data:`UNLOGGED`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ class ChangeLog(Protocol):
     def table_rows_read(self, reads: Sequence[tuple[str, np.ndarray]]) -> None:
         """A pull read these rows (unique int64 ids) of these hash tables, creating missing ones."""
 
+    def sync_step(self, step: int, applied: bool) -> None:
+        """Under ``ordered``: the open sync step became ``step`` (``applied``: the one before was applied)."""
+
 
 class _Unlogged:
     """An unreplicated shard: changes need no order beyond their locks."""
@@ -38,6 +43,9 @@ class _Unlogged:
         return contextlib.nullcontext()
 
     def table_rows_read(self, reads: Sequence[tuple[str, np.ndarray]]) -> None:
+        return None
+
+    def sync_step(self, step: int, applied: bool) -> None:
         return None
 
 

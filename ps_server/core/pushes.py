@@ -38,7 +38,7 @@ from wehub_ps.dtypes import dtype_name
 from wehub_ps.errors import Reason
 
 __all__ = ["PushKind", "DeclaredItem", "PushStart", "PushChunk", "PushObserver", "PushResult", "ActivePush",
-           "begin_push", "check_cluster", "max_chunk_records", "max_chunks_per_message"]
+           "Decided", "begin_push", "check_cluster", "max_chunk_records", "max_chunks_per_message"]
 
 MAX_WORKER_ID_LENGTH = 256
 
@@ -75,6 +75,14 @@ class PushStart:
 #: tuple: one is built per chunk of every push, and a named tuple's constructor costs several times
 #: as much.
 PushChunk = tuple[str, "np.dtype | int", int, int, memoryview]
+
+
+class Decided(Protocol):
+    """Where a replicated primary logs a sync push's decision (the servicer's stream)."""
+
+    def __call__(self, step: int, decision: str, pins: list[tuple[HashTablePart, np.ndarray]]) -> None:
+        """Under the shard's order and the gate: ``decision`` (ACCUMULATE or DROP) was taken for a push of
+        ``step``, and (ACCUMULATE) ``pins`` were pinned for it, in this order."""
 
 
 class PushObserver(Protocol):
@@ -145,6 +153,9 @@ class ActivePush:
         #: Chunks of the newest message, from its first, that :meth:`apply_many` applied (or found
         #: applied before): all of them once it returns, those before the refused one when it raises.
         self.applied_chunks = 0
+        #: Whether completing the push applies a sync step it finished at once; else :meth:`settle` does,
+        #: which a replicated primary calls once the push is logged (the step's record comes after it).
+        self.applies_steps = True
 
     def apply(self, chunk: PushChunk) -> None:
         """Check one chunk and apply it unless this push applied it before."""
@@ -194,8 +205,12 @@ class ActivePush:
                     self._finalize()
         if self._observer is not None:
             self._observer.push_applied(time.perf_counter() - started)
-        if completed:
+        if completed and self.applies_steps:
             self._after_complete()
+
+    def settle(self) -> None:
+        """Apply a sync step this push finished, if it has not been (with ``applies_steps`` False)."""
+        self._after_complete()
 
     def _check(self, chunk: PushChunk) -> tuple[str, _Item, int, np.ndarray]:
         """Everything that can be wrong with a chunk, before anything is applied."""
@@ -373,11 +388,17 @@ def max_chunk_records(variables: int, elements: int) -> int:
 
 def begin_push(store: VariableStore, ledger: PushLedger, begin: PushStart,
                consistency: ConsistencyController | None = None, observer: PushObserver | None = None,
-               wait_seconds: float | None = None) -> ActivePush:
+               wait_seconds: float | None = None, decided: Decided | None = None,
+               decision: str | None = None) -> ActivePush:
     """Validate a PushBegin and open (or rejoin) its session; changes nothing on error.
 
     A sync push for a step this shard has not reached waits for it, at most
     ``wait_seconds`` (None: a worker lease), before anything is recorded.
+    ``decided``: a replicated primary's log of the sync decision; such a
+    primary applies a step the push finishes only at
+    :meth:`ActivePush.settle`, once it logged the push. A backup passes the
+    ``decision`` its primary took for the stream instead of taking one
+    (see :meth:`ConsistencyController.follow_decision`).
     """
     check_cluster(store, begin.shard_index, begin.num_shards)
     if not begin.worker_id or len(begin.worker_id) > MAX_WORKER_ID_LENGTH:
@@ -450,9 +471,9 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: PushStart,
     if observer is not None and staleness:
         observer.push_staleness(staleness)  # a refused push observes nothing
     total = sum(item.elements for item in items.values())
-    decision = PushDecision.APPLY
+    followed, decision = decision, PushDecision.APPLY
     if consistency is not None and not assign and not already_done:
-        decision = _decide(store, consistency, begin, items, wait_seconds)
+        decision = followed or _decide(store, consistency, begin, items, wait_seconds, decided)
     if assign:
         session = _begin_upload(store, ledger, begin, items, total, wait_seconds)
     else:
@@ -463,11 +484,13 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: PushStart,
                                                         f"{begin.worker_id}/{begin.incarnation}"),
                       store.give_back)
     push = ActivePush(store, ledger, begin, items, session, consistency, decision, observer)
+    push.applies_steps = decided is None
     if session is not None and session.finalize_empty():
         with store.gate.shared():
             push._finalize()
             store.generation += 1
-        push._after_complete()
+        if push.applies_steps:
+            push._after_complete()
     return push
 
 
@@ -509,20 +532,24 @@ def _begin_upload(store: VariableStore, ledger: PushLedger, begin: PushStart,
 
 
 def _decide(store: VariableStore, consistency: ConsistencyController, begin: PushStart,
-            items: dict[str, _Item], wait_seconds: float | None) -> str:
+            items: dict[str, _Item], wait_seconds: float | None, decided: Decided | None) -> str:
     """The push's consistency decision; a sync push's table rows are pinned for its step.
 
     Deciding and pinning share one hold of the gate, so the step cannot be
     applied in between (see HashTablePart.pin_rows). A pin that does not
-    fit refuses the push here, before the ledger records any of it.
+    fit refuses the push here, before the ledger records any of it. A
+    replicated primary takes the decision under the shard's order and logs
+    it there (``decided``), so its backups take it at the same place.
     """
     deadline = None if wait_seconds is None else time.monotonic() + wait_seconds
     while True:
-        with store.gate.shared():
+        with consistency.ordered(), store.gate.shared():
             pins = [(item.part, item.row_ids) for item in items.values()
                     if isinstance(item.part, HashTablePart) and item.row_ids is not None]
             # Every table is checked and its growth booked before any row is created or pinned.
             decision = consistency.push_decision(begin.step, lambda: store.pin_rows(pins))
+            if decided is not None and decision != PushDecision.WAIT:
+                decided(begin.step, decision, pins if decision == PushDecision.ACCUMULATE else [])
         if decision != PushDecision.WAIT:
             return decision
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -199,9 +199,6 @@ class ServerConfig:
         if not self.etcd_endpoints:
             raise ConfigError("--replicas > 1 needs --etcd-endpoints 'host:port,...': the replicas elect "
                               "their primary through etcd")
-        if self.consistency == "sync":
-            raise ConfigError("--replicas > 1 runs with --consistency async or ssp; sync steps are not "
-                              "replicated (use one replica per shard, and checkpoints, for sync training)")
         if not self.job_name or "/" in self.job_name:
             raise ConfigError(f"--job-name must be a non-empty name without '/', got {self.job_name!r}")
         if not -1 <= self.lane_port < 65536:

@@ -6,10 +6,20 @@ claims included), the same hash-table reads and the same ``create``; in
 the primary's order, one at a time, so its values, optimizer slots and
 ledger end up bit-identical. Decisions that depend on other workers
 (consistency waits) were taken by the primary before it applied anything;
-a backup applies what the primary applied, so it passes no consistency
-controller and never waits. Of a push message the primary refused part way
-(a later chunk past a table's limit), the record carries the chunks the
-primary applied before the refusal, so a backup applies exactly those.
+a backup applies what the primary applied and never waits. Of a push
+message the primary refused part way (a later chunk past a table's limit),
+the record carries the chunks the primary applied before the refusal, so a
+backup applies exactly those.
+
+Sync mode: the primary logs each push stream's decision (accumulate, with
+the table rows it pinned, or drop) where it took it, and each move of the
+open step (applied, or jumped over) where it made it, whether a push, a
+heartbeat or a lease running out caused it. A backup takes the same
+decision for the stream and moves its step only at those records, with the
+same code (``ConsistencyController.follow_decision``, ``follow_step``), so
+its step and sums are the primary's at every record. The controller's
+clocks and workers travel as ``consistency`` records (their checkpoint
+JSON), read under the order, like ssp's.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ps_server.core.consistency import ConsistencyController
+from ps_server.core.consistency import ConsistencyController, PushDecision
 from ps_server.core.errors import RequestError
 from ps_server.core.ledger import PushLedger
 from ps_server.core.pushes import ActivePush, begin_push, max_chunks_per_message
@@ -34,7 +44,7 @@ from wehub_ps.wire.protowire import CodecError
 from wehub_ps.wire.replication import PushView, RecordView, other_op, push_op
 
 __all__ = ["Divergence", "RecordApplier", "checkpoint", "consistency_state", "finish", "push_applied",
-           "push_ended", "rows_read", "variable_created"]
+           "push_decided", "push_ended", "rows_read", "sync_step", "variable_created"]
 
 #: Bytes a record costs beyond its payload (headers, the begin of a small push).
 RECORD_OVERHEAD = 128
@@ -59,9 +69,21 @@ def push_ended(stream: int, begin: ps_pb2.PushBegin | None, completed: bool) -> 
 
 
 def rows_read(reads: list[tuple[str, np.ndarray]]) -> Op:
-    tables = [ps_pb2.TableRows(variable=name, ids=np.ascontiguousarray(ids, dtype="<i8").tobytes())
-              for name, ids in reads]
-    return _small(ps_pb2.ReplicationRecord(rows_read=ps_pb2.TableRowsRead(tables=tables)))
+    return _small(ps_pb2.ReplicationRecord(rows_read=ps_pb2.TableRowsRead(tables=_table_rows(reads))))
+
+
+def push_decided(stream: int, step: int, accumulate: bool, pins: list[tuple[str, np.ndarray]]) -> Op:
+    decision = ps_pb2.SyncDecision(stream=stream, step=step, accumulate=accumulate, tables=_table_rows(pins))
+    return _small(ps_pb2.ReplicationRecord(sync_decision=decision))
+
+
+def sync_step(step: int, applied: bool) -> Op:
+    return _small(ps_pb2.ReplicationRecord(sync_step=ps_pb2.SyncStep(step=step, applied=applied)))
+
+
+def _table_rows(reads: list[tuple[str, np.ndarray]]) -> list[ps_pb2.TableRows]:
+    return [ps_pb2.TableRows(variable=name, ids=np.ascontiguousarray(ids, dtype="<i8").tobytes())
+            for name, ids in reads]
 
 
 def variable_created(spec: ps_pb2.VariableSpec) -> Op:
@@ -104,6 +126,8 @@ class RecordApplier:
         self._consistency = consistency
         #: Push streams open on the primary, by the primary's stream number.
         self._streams: dict[int, ActivePush] = {}
+        #: Sync: the primary's decision for streams whose first push record is still to come.
+        self._decided: dict[int, str] = {}
 
     def apply(self, record: RecordView) -> None:
         """Apply one record; Divergence when it fails (the primary applied it)."""
@@ -118,9 +142,11 @@ class RecordApplier:
             elif op == "push_end":
                 self._push_end(record.other.push_end)
             elif op == "rows_read":
-                reads = [(self._store.get(t.variable), np.frombuffer(t.ids, dtype="<i8"))
-                         for t in record.other.rows_read.tables]
-                self._store.read_rows(reads)
+                self._store.read_rows(self._tables(record.other.rows_read.tables))
+            elif op == "sync_decision":
+                self._sync_decision(record.other.sync_decision)
+            elif op == "sync_step":
+                self._consistency.follow_step(record.other.sync_step.step, record.other.sync_step.applied)
             elif op == "created":
                 self._store.create(spec_from_proto(record.other.created))
             elif op == "consistency":
@@ -137,11 +163,31 @@ class RecordApplier:
     def forget_streams(self) -> None:
         """Promoted to primary: the old primary's open streams are retried by their workers."""
         self._streams.clear()
+        self._decided.clear()
+
+    def _tables(self, tables) -> list:
+        return [(self._store.get(t.variable), np.frombuffer(t.ids, dtype="<i8")) for t in tables]
+
+    def _sync_decision(self, decided: ps_pb2.SyncDecision) -> None:
+        pins = self._tables(decided.tables)
+        with self._store.gate.shared():
+            self._consistency.follow_decision(decided.step, decided.accumulate,
+                                              lambda: self._store.pin_rows(pins))
+        self._decided[decided.stream] = PushDecision.ACCUMULATE if decided.accumulate else PushDecision.DROP
 
     def _begin(self, stream: int, begin: ps_pb2.PushBegin) -> ActivePush:
         if not begin.worker_id:
             raise Divergence(f"push stream {stream} has no begin on this backup")
-        active = begin_push(self._store, self._ledger, push_start(begin), None, None, 0.0)
+        consistency = decision = None
+        if self._consistency.mode == "sync":
+            consistency = self._consistency
+            # Unknown when this replica's snapshot was taken between the decision and this record: the
+            # snapshot holds its effects, and a push of the step still open then accumulated (one of an
+            # earlier step is dropped, as are both once the step moved on).
+            decision = self._decided.pop(stream, None) or (
+                PushDecision.ACCUMULATE if begin.step == consistency.cluster_step() else PushDecision.DROP)
+        active = begin_push(self._store, self._ledger, push_start(begin), consistency, None, 0.0,
+                            decision=decision)
         self._streams[stream] = active
         return active
 

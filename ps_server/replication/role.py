@@ -144,6 +144,9 @@ class ReplicaRole:
         self._epoch = 0
         self._leader: LeaderInfo | None = None
         self._log: UpdateLog | None = None
+        #: Per thread: whether it holds the log's order through ``ordered`` (a sync step applied by the push
+        #: that finished it is logged in the same hold).
+        self._holding = threading.local()
         self._streams = itertools.count(1)
         #: Primary: backups attached to the log, and those of them in the in-sync set.
         self._links: dict[tuple[int, int], BackupLink] = {}
@@ -168,7 +171,7 @@ class ReplicaRole:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._monitor: threading.Thread | None = None
-        #: ssp: the consistency controller's state (steps, clocks, workers), logged whenever it changed.
+        #: ssp, sync: the consistency controller's state (steps, clocks, workers), logged whenever it changed.
         self.consistency_state: Callable[[], dict] | None = None
         self._logged_consistency: dict | None = None
         self.failovers = 0
@@ -441,13 +444,20 @@ class ReplicaRole:
 
     @contextlib.contextmanager
     def ordered(self) -> Iterator[None]:
+        if getattr(self._holding, "order", False):
+            yield  # this thread holds the order already
+            return
         log_ = self._log
-        if log_ is None:
+        if log_ is None or self._state != PRIMARY:  # also on a thread installing a snapshot under the lock
             raise self._not_primary(f"this replica is {self._state}")
         with log_.ordered():
             if self._state != PRIMARY:  # deposed while this call waited for the order
                 raise self._not_primary(f"this replica is {self._state}")
-            yield
+            self._holding.order = True
+            try:
+                yield
+            finally:
+                self._holding.order = False
 
     def next_stream(self) -> int:
         return next(self._streams)
@@ -461,6 +471,12 @@ class ReplicaRole:
 
     def variable_created(self, spec: ps_pb2.VariableSpec) -> int:
         return self._append(*records.variable_created(spec))
+
+    def push_decided(self, stream: int, step: int, accumulate: bool, tables: list) -> int:
+        return self._append(*records.push_decided(stream, step, accumulate, tables))
+
+    def sync_step(self, step: int, applied: bool) -> None:
+        self._append(*records.sync_step(step, applied))
 
     def finishing(self) -> int:
         return self._append(*records.finish())
@@ -623,11 +639,11 @@ class ReplicaRole:
     def _log_consistency(self) -> None:
         if self.consistency_state is None:
             return
-        state = self.consistency_state()
-        if state == self._logged_consistency:
-            return
         try:
-            with self.ordered():
+            with self.ordered():  # read in the order: a sync step moves only under it
+                state = self.consistency_state()
+                if state == self._logged_consistency:
+                    return
                 self._append(*records.consistency_state(state))
         except RequestError:
             return  # deposed meanwhile

@@ -31,10 +31,16 @@ SNAPSHOT_PIECE_BYTES = 1 << 20
 
 def take_snapshot(store: VariableStore, ledger: PushLedger, consistency: ConsistencyController,
                   server_id: str) -> ShardSnapshot:
-    """The shard's state in one instant (the caller holds the log's order lock)."""
+    """The shard's state in one instant (the caller holds the log's order lock).
+
+    Sync mode leaves unfinished pushes out of the ledger, as a checkpoint
+    does: their gradients are staged in the primary's memory only, so the
+    backup must take a retry of one whole, not as the rest of its claims.
+    """
     with store.gate.exclusive():
         return ShardSnapshot(store.shard_index, store.num_shards, server_id, store.snapshot(),
-                             {"entries": ledger.snapshot(True)}, consistency=consistency.snapshot())
+                             {"entries": ledger.snapshot(consistency.mode != "sync")},
+                             consistency=consistency.snapshot())
 
 
 def _private_directory(prefix: str, parent: str | None) -> Path:

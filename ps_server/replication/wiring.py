@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2
 from ps_server.coordination import CoordinationError, EtcdClient, ShardCoordinator
 from ps_server.core.consistency import ConsistencyController
 from ps_server.core.ledger import PushLedger
+from ps_server.core.membership import Membership
 from ps_server.core.store import VariableStore
 from ps_server.durability.checkpointer import Checkpointer
 from ps_server.durability.restore import RestoredState
@@ -53,6 +54,7 @@ class ReplicatedServer(Protocol):
     store: VariableStore
     metrics: Metrics
     ledger: PushLedger
+    membership: Membership
     consistency: ConsistencyController
     health: HealthServicer
     tokens: TokenFile | None
@@ -82,8 +84,11 @@ class ReplicaWiring:
         self._applier = RecordApplier(server.store, server.ledger, server.consistency,
                                       on_finish=server.finish_requested.set,
                                       on_checkpoint=self._checkpoint)
-        if config.consistency == "ssp":
+        if config.consistency in ("ssp", "sync"):
             self.role.consistency_state = server.consistency.snapshot
+        # Sync: the step moves in the shard's order and is logged (a backup's moves only at the records).
+        server.consistency.changes = self.role
+        server.membership.follow()  # until elected: the primary's workers, as its records say
         self._started = False  # set_state needs the coordination started (role.start does it)
         server.metrics.registry.register(ReplicationCollector(self.role))
         streams = BackupStreams(
@@ -155,7 +160,13 @@ class ReplicaWiring:
             self._server.restore()  # every in-sync replica is gone: the newest checkpoint is what is left
 
     def _state_changed(self, state: str) -> None:
-        """Health: '' SERVING on the primary and in-sync backups; the service's name on the primary only."""
+        """Health: '' SERVING on the primary and in-sync backups; the service's name on the primary only.
+        Workers' leases run on the primary only: elected, the workers live in the table it followed get a
+        fresh lease (a sync step in progress waits for them as the old primary did)."""
+        if state == PRIMARY:
+            self._server.membership.lead()
+        else:
+            self._server.membership.follow()
         coordination = self.role.coordination if self._started else None
         if coordination is not None:
             try:

@@ -40,6 +40,10 @@ class ShardRole(Protocol):
     def push_ended(self, stream: int, begin: ps_pb2.PushBegin | None, completed: bool) -> int:
         """Under ``ordered``: a push stream ended, whole (finished) or broken; its sequence."""
 
+    def push_decided(self, stream: int, step: int, accumulate: bool, tables: list) -> int:
+        """Under ``ordered``: a sync push stream's decision for ``step`` (``tables``: (name, ids) pinned); its
+        sequence."""
+
     def variable_created(self, spec: ps_pb2.VariableSpec) -> int:
         """Under ``ordered``: a variable was created; its sequence."""
 
@@ -78,6 +82,9 @@ class SingleReplica:
         return 0
 
     def push_ended(self, stream: int, begin: ps_pb2.PushBegin | None, completed: bool) -> int:
+        return 0
+
+    def push_decided(self, stream: int, step: int, accumulate: bool, tables: list) -> int:
         return 0
 
     def variable_created(self, spec: ps_pb2.VariableSpec) -> int:

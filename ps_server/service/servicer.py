@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 
 import grpc
 
+from ps_server.core.consistency import PushDecision
 from ps_server.core.errors import RequestError
 from ps_server.core.memory import MemoryHold
 from ps_server.core.pulls import PullPlan, PullQuery, UnknownDtype
@@ -314,7 +315,8 @@ class ParameterServerService:
                         pull_plan = self._plan_pull_after(begin.pull_after)
                         holds.append(pull_plan[0].hold)
                     active = begin_push(self._store, self._ledger, push_start(begin), self._consistency,
-                                        self._metrics, wait_seconds)
+                                        self._metrics, wait_seconds,
+                                        logged.decided if logged.replicated else None)
                     logged.begin = begin
                 elif active is None:
                     raise RequestError(Reason.INVALID_REQUEST,
@@ -338,6 +340,7 @@ class ParameterServerService:
                             logged.applied(raw, completed=True)
                         elif chunks:
                             logged.applied(raw)
+                    active.settle()  # a sync step the push finished: its record after the push's
                 else:
                     active.apply_many(push_chunks(chunks))
             if active is None:
@@ -348,6 +351,7 @@ class ParameterServerService:
                     with logged.ordered():
                         result = active.finish()
                         logged.ended()
+                    active.settle()
                 self._role.acknowledge(logged.sequence, wait_seconds)
             else:
                 result = active.finish()
@@ -464,6 +468,11 @@ class _LoggedStream:
         """Under ``ordered``: one message's chunks were applied (``completed``: and the push finished)."""
         self._ended = completed
         self.sequence = self._role.push_applied(self._stream, self._first_begin(), message, completed)
+
+    def decided(self, step: int, decision: str, pins: list) -> None:
+        """Under ``ordered``: the push's sync decision (core.pushes.Decided), logged where it was taken."""
+        self.sequence = self._role.push_decided(self._stream, step, decision == PushDecision.ACCUMULATE,
+                                                [(part.spec.name, ids) for part, ids in pins])
 
     def refused(self, message: bytes | memoryview, chunks: list[DecodedChunk], applied: int) -> None:
         """Under ``ordered``: ``message`` (of ``chunks``) was refused after its first ``applied``

@@ -65,8 +65,10 @@ restarted) besides connection cuts, Checkpoint calls, worker SIGKILLs and
 requests over the table limits (among them a push message refused after
 its first chunk applied). One in-sync replica of each shard always
 survives, so no loss is allowed: every acknowledged push is in the values
-exactly once. At the end every shard's replicas must hold the same bits
-(values, optimizer slots, rows, versions, ledger), and the rows a push
+exactly once, in sync mode also in a step whose primary died while it was
+open. At the end every shard's replicas must hold the same bits (values,
+optimizer slots, rows, versions, ledger, and in sync mode the open step's
+sums), and the rows a push
 refused part way applied must still hold what they did after the refusal.
 
 Run: ``python tests/faults/randomized.py --seed 7`` (``--modes``, ``--kinds``, ``--replicas``,
@@ -103,7 +105,7 @@ from faults import layout
 from faults.cluster import Cluster
 from faults.layout import MODES, SOAK_SLOTS
 from faults.oracle import Oracle
-from faults.replicated import REPLICA_KINDS, SHARED_KINDS, UNREPLICATED_MODES, ReplicatedCluster
+from faults.replicated import REPLICA_KINDS, SHARED_KINDS, ReplicatedCluster
 from faults.report import Report, Timeline
 from faults.schedule import KINDS, FaultSchedule
 
@@ -151,9 +153,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--events", type=int, default=None,
                         help="fault events in all, split over the modes (default 60; --soak: 1,000)")
     parser.add_argument("--modes", default=None,
-                        help=f"comma-separated, of {', '.join(MODES)} (default: all; with --replicas 2 all "
-                             f"but {', '.join(UNREPLICATED_MODES)}, which ps-server runs with one replica "
-                             "only)")
+                        help=f"comma-separated, of {', '.join(MODES)} (default: all)")
     parser.add_argument("--kinds", default=None,
                         help=f"comma-separated fault kinds, of {', '.join(KINDS)} (default: all); with "
                              f"--replicas 2, of {', '.join([*REPLICA_KINDS, *SHARED_KINDS])} (default: all)")
@@ -178,14 +178,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         layout.configure(SOAK_SLOTS)
     if args.seed is None:
         args.seed = int(os.environ.get("WEHUB_FAULT_SEED") or random.SystemRandom().randrange(1 << 31))
-    modes = [m for m in MODES if args.replicas == 1 or m not in UNREPLICATED_MODES]
-    args.modes = [m for m in (args.modes or ",".join(modes)).split(",") if m]
+    args.modes = [m for m in (args.modes or ",".join(MODES)).split(",") if m]
     allowed = [*REPLICA_KINDS, *SHARED_KINDS] if args.replicas > 1 else list(KINDS)
     args.kinds = [k for k in (args.kinds or ",".join(allowed)).split(",") if k]
     for mode in args.modes:
-        if mode not in modes:
-            parser.error(f"--modes: mode {mode!r} is not one of {', '.join(modes)} (with --replicas "
-                         f"{args.replicas})")
+        if mode not in MODES:
+            parser.error(f"--modes: mode {mode!r} is not one of {', '.join(MODES)}")
     for kind in args.kinds:
         if kind not in allowed:
             parser.error(f"--kinds: fault kind {kind!r} is not one of {', '.join(allowed)} "

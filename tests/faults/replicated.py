@@ -42,8 +42,6 @@ REPLICA_KINDS = {"primary-kill": 3, "primary-stop": 1, "backup-kill": 2, "etcd-r
 #: The single-server kinds that also make sense with replicas (the rest stop or restart one server).
 #: "limit" pushes over a table's free rows, also one message refused part way (probes.refused_part_way).
 SHARED_KINDS = ("cut", "checkpoint", "worker-kill", "limit")
-#: Modes ps-server refuses to replicate (sync steps are not replicated).
-UNREPLICATED_MODES = ("sync",)
 IN_SYNC_TIMEOUT = 60.0
 ELECTION_TIMEOUT = 30.0
 

@@ -22,9 +22,9 @@ from faults.schedule import KINDS
 CI_MODES = tuple(MODES)
 CI_KINDS = tuple(KINDS)
 MIN_EVENTS = 50
-#: The replicated run (--replicas 2): the modes ps-server replicates that differ most, fewer events
-#: (each waits until the shard's replicas are in sync again).
-CI_REPLICATED_MODES = ("async", "ssp")
+#: The replicated run (--replicas 2): the modes that differ most, fewer events (each waits until the
+#: shard's replicas are in sync again).
+CI_REPLICATED_MODES = ("async", "ssp", "sync")
 REPLICATED_EVENTS = 24
 
 

@@ -700,7 +700,7 @@ class SnapshotFile(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., last: _Optional[bool] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ReplicationRecord(_message.Message):
-    __slots__ = ("sequence", "push", "push_end", "rows_read", "created", "consistency", "finish", "checkpoint")
+    __slots__ = ("sequence", "push", "push_end", "rows_read", "created", "consistency", "finish", "checkpoint", "sync_decision", "sync_step")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     PUSH_END_FIELD_NUMBER: _ClassVar[int]
@@ -709,6 +709,8 @@ class ReplicationRecord(_message.Message):
     CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    SYNC_DECISION_FIELD_NUMBER: _ClassVar[int]
+    SYNC_STEP_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     push: PushApplied
     push_end: PushEnded
@@ -717,7 +719,29 @@ class ReplicationRecord(_message.Message):
     consistency: str
     finish: bool
     checkpoint: bool
-    def __init__(self, sequence: _Optional[int] = ..., push: _Optional[_Union[PushApplied, _Mapping]] = ..., push_end: _Optional[_Union[PushEnded, _Mapping]] = ..., rows_read: _Optional[_Union[TableRowsRead, _Mapping]] = ..., created: _Optional[_Union[VariableSpec, _Mapping]] = ..., consistency: _Optional[str] = ..., finish: _Optional[bool] = ..., checkpoint: _Optional[bool] = ...) -> None: ...
+    sync_decision: SyncDecision
+    sync_step: SyncStep
+    def __init__(self, sequence: _Optional[int] = ..., push: _Optional[_Union[PushApplied, _Mapping]] = ..., push_end: _Optional[_Union[PushEnded, _Mapping]] = ..., rows_read: _Optional[_Union[TableRowsRead, _Mapping]] = ..., created: _Optional[_Union[VariableSpec, _Mapping]] = ..., consistency: _Optional[str] = ..., finish: _Optional[bool] = ..., checkpoint: _Optional[bool] = ..., sync_decision: _Optional[_Union[SyncDecision, _Mapping]] = ..., sync_step: _Optional[_Union[SyncStep, _Mapping]] = ...) -> None: ...
+
+class SyncDecision(_message.Message):
+    __slots__ = ("stream", "step", "accumulate", "tables")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ACCUMULATE_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    step: int
+    accumulate: bool
+    tables: _containers.RepeatedCompositeFieldContainer[TableRows]
+    def __init__(self, stream: _Optional[int] = ..., step: _Optional[int] = ..., accumulate: _Optional[bool] = ..., tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ...) -> None: ...
+
+class SyncStep(_message.Message):
+    __slots__ = ("step", "applied")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    applied: bool
+    def __init__(self, step: _Optional[int] = ..., applied: _Optional[bool] = ...) -> None: ...
 
 class PushApplied(_message.Message):
     __slots__ = ("stream", "begin", "message", "completed")

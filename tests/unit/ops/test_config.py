@@ -93,11 +93,14 @@ def test_tf_config_replicated_ps_task_takes_its_replicas_port(replica_index, por
                      {"TF_CONFIG": raw})
 
 
+def test_sync_steps_run_replicated():
+    config = parse_config(["--replicas", "2", "--etcd-endpoints", "e:1", "--consistency", "sync"], {})
+    assert (config.replicas, config.consistency) == (2, "sync")
+
+
 def test_replication_settings_are_checked():
     with pytest.raises(ConfigError, match="--etcd-endpoints"):
         parse_config(["--replicas", "2"], {})
-    with pytest.raises(ConfigError, match="sync"):
-        parse_config(["--replicas", "2", "--etcd-endpoints", "e:1", "--consistency", "sync"], {})
     with pytest.raises(ConfigError, match="--replica-index must be in"):
         parse_config(["--replicas", "2", "--replica-index", "2", "--etcd-endpoints", "e:1"], {})
     with pytest.raises(ConfigError, match="--primary-lease-seconds"):
