@@ -103,7 +103,7 @@ def backup_of_played_primary(tmp_path, etcd_server):
     process = ServerProcess(0, 1, tmp_path / "backup", (
         "--replicas", "2", "--replica-index", "0", "--etcd-endpoints", etcd_server.endpoint,
         "--job-name", job, "--primary-lease-seconds", "1", "--replication-timeout", "30",
-        "--failover-after", "31",
+        "--failover-after", "31", "--backup-stall-timeout", "30",
         "--checkpoint-dir", str(tmp_path / "backup" / "checkpoints")))
     process.start()
 
