@@ -92,6 +92,13 @@ class Replica:
                 metadata=metadata)
         return ps_pb2.DescribeResponse.FromString(raw).replication
 
+    def replication_port(self) -> int:
+        """The replication port this replica announced (its log's "replica started" line)."""
+        for line in self.process.log_text().splitlines():
+            if '"replica started"' in line:
+                return int(json.loads(line)["replication_address"].rpartition(":")[2])
+        raise AssertionError(f"replica {self.replica_index} logged no replication address")
+
     def newest_checkpoint(self) -> pathlib.Path:
         shard_dirs = sorted((self.process.workdir / "checkpoints").glob("shard-*"))
         checkpoints = sorted(p for d in shard_dirs for p in d.glob("ckpt-*"))

@@ -24,7 +24,6 @@ acknowledged and checked, and refusals.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -64,14 +63,6 @@ def cluster(tmp_path, etcd_server):
     cluster = ReplicatedCluster(tmp_path / "replicated", etcd_server.endpoint, 1, 2).start()
     yield cluster
     cluster.stop()
-
-
-def _replication_port(replica) -> int:
-    """The replication port a replica announced (its log's "replica started" line)."""
-    for line in replica.process.log_text().splitlines():
-        if '"replica started"' in line:
-            return int(json.loads(line)["replication_address"].rpartition(":")[2])
-    raise AssertionError(f"replica {replica.replica_index} logged no replication address")
 
 
 def _wait_in_sync(cluster: ReplicatedCluster, timeout: float = 30.0) -> None:
@@ -125,7 +116,7 @@ def test_a_loop_of_lost_primaries_loses_and_repeats_no_acknowledged_push(cluster
                     if port_partition.available() is not None:
                         pytest.skip(f"a lost host needs iptables: {port_partition.available()}")
                     cuts = [port_partition.PortPartition(port).cut()
-                            for port in (primary.port, _replication_port(primary))]
+                            for port in (primary.port, primary.replication_port())]
                 primary.process.freeze()
                 last_kill = killed = time.monotonic()
             deadline = killed + 30

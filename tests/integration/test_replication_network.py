@@ -9,7 +9,6 @@ acknowledged push must be applied exactly once.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import struct
@@ -61,6 +60,23 @@ def _wait(condition, timeout: float, what: str, cluster: ReplicatedCluster) -> f
     return time.monotonic()
 
 
+def _pushing(cluster: ReplicatedCluster, first: int) -> tuple[PSClient, SlotPusher]:
+    """A worker pushing counted one-row gradients, once ``first`` of them were acknowledged."""
+    client = PSClient(cluster.addresses, worker_id="w0", retry_timeout=60)
+    create_slots(client, "slots", 1, SLOTS)
+    pusher = SlotPusher(client, "slots", 0, SLOTS, pause=0.002).start()
+    try:
+        _wait(lambda: len(pusher.acknowledged) >= first, 30, "no pushes acknowledged", cluster)
+    except BaseException:
+        pusher.join(60)
+        raise
+    return client, pusher
+
+
+def _acknowledged_after(pusher: SlotPusher, since: float) -> int:
+    return sum(at > since for at in list(pusher.acknowledged.values()))
+
+
 def test_etcd_cut_off_past_the_lease_loses_no_acknowledged_push(replicated):
     """Both replicas stay up while etcd is unreachable for three leases: their leases expire in etcd,
     and when it returns each rejoins with the state it holds. The next primary is elected from that
@@ -68,18 +84,15 @@ def test_etcd_cut_off_past_the_lease_loses_no_acknowledged_push(replicated):
     is applied exactly once."""
     start, etcd = replicated
     cluster = start()
-    client = PSClient(cluster.addresses, worker_id="w0", retry_timeout=60)
-    create_slots(client, "slots", 1, SLOTS)
-    pusher = SlotPusher(client, "slots", 0, SLOTS, pause=0.002).start()
+    client, pusher = _pushing(cluster, 100)
     try:
-        _wait(lambda: len(pusher.acknowledged) >= 100, 30, "no pushes acknowledged", cluster)
         with PortPartition(_etcd_port(etcd)):
             time.sleep(3 * cluster.lease_seconds + 1)
         # Each replica learns from etcd that its lease expired during the cut, and rejoins.
         _wait(lambda: all("rejoined the replica set" in r.process.log_text() for r in cluster.all()), 30,
               "the replicas did not rejoin after their leases expired", cluster)
         rejoined = time.monotonic()
-        _wait(lambda: len([t for t in pusher.acknowledged.values() if t > rejoined]) >= 100, 60,
+        _wait(lambda: _acknowledged_after(pusher, rejoined) >= 100, 60,
               "no pushes acknowledged after the replicas rejoined", cluster)
         primary = cluster.primary(0)
     finally:
@@ -102,11 +115,8 @@ def test_a_primary_that_cannot_prove_its_term_stops_answering_serving(replicated
     cluster = start()
     primary = cluster.primary(0)
     backup = next(r for r in cluster.shards[0] if r is not primary)
-    client = PSClient(cluster.addresses, worker_id="w0", retry_timeout=60)
-    create_slots(client, "slots", 1, SLOTS)
-    pusher = SlotPusher(client, "slots", 0, SLOTS, pause=0.002).start()
+    client, pusher = _pushing(cluster, 50)
     try:
-        _wait(lambda: len(pusher.acknowledged) >= 50, 30, "no pushes acknowledged", cluster)
         with PortPartition(_etcd_port(etcd)):
             backup.process.signal(signal.SIGSTOP)
             cut = time.monotonic()
@@ -117,7 +127,7 @@ def test_a_primary_that_cannot_prove_its_term_stops_answering_serving(replicated
                 time.sleep(0.1)
             backup.process.signal(signal.SIGCONT)
         healed = time.monotonic()
-        _wait(lambda: len([t for t in pusher.acknowledged.values() if t > healed]) >= 50, 60,
+        _wait(lambda: _acknowledged_after(pusher, healed) >= 50, 60,
               "no pushes acknowledged after the cut healed", cluster)
     finally:
         backup.process.signal(signal.SIGCONT)
@@ -147,16 +157,13 @@ def test_a_replica_outside_the_in_sync_set_waits_while_the_in_sync_primary_may_c
     cluster = start()
     primary = cluster.primary(0)
     backup = next(r for r in cluster.shards[0] if r is not primary)
-    client = PSClient(cluster.addresses, worker_id="w0", retry_timeout=60)
-    create_slots(client, "slots", 1, SLOTS)
-    pusher = SlotPusher(client, "slots", 0, SLOTS, pause=0.002).start()
+    client, pusher = _pushing(cluster, 50)
     try:
-        _wait(lambda: len(pusher.acknowledged) >= 50, 30, "no pushes acknowledged", cluster)
         backup.process.freeze()
         _wait(lambda: [b.in_sync for b in primary.status().backups] in ([], [False]), 15,
               "the primary did not drop its silent backup from the in-sync set", cluster)
         dropped = time.monotonic()
-        _wait(lambda: len([t for t in pusher.acknowledged.values() if t > dropped]) >= 50, 30,
+        _wait(lambda: _acknowledged_after(pusher, dropped) >= 50, 30,
               "the primary acknowledged nothing alone", cluster)
         primary.process.freeze()
         frozen = time.monotonic()
@@ -165,7 +172,7 @@ def test_a_replica_outside_the_in_sync_set_waits_while_the_in_sync_primary_may_c
         waited = _role(backup)
         primary.process.signal(signal.SIGCONT)
         resumed = time.monotonic()
-        _wait(lambda: len([t for t in pusher.acknowledged.values() if t > resumed]) >= 50, 60,
+        _wait(lambda: _acknowledged_after(pusher, resumed) >= 50, 60,
               "no pushes acknowledged after the primary returned", cluster)
     finally:
         for replica in cluster.shards[0]:
@@ -180,14 +187,6 @@ def test_a_replica_outside_the_in_sync_set_waits_while_the_in_sync_primary_may_c
           f"acknowledged pushes checked exactly once")
 
 
-def _replication_port(replica) -> int:
-    """The replication port a replica announced (its log's "replica started" line)."""
-    for line in replica.process.log_text().splitlines():
-        if '"replica started"' in line:
-            return int(json.loads(line)["replication_address"].rpartition(":")[2])
-    raise AssertionError(f"replica {replica.replica_index} logged no replication address")
-
-
 def test_a_backup_cut_off_without_a_reset_leaves_the_in_sync_set_and_training_goes_on(replicated):
     """The link between primary and backup is cut (packets dropped): the primary sees neither answers nor
     TCP acknowledgements and drops the backup from the in-sync set after --replication-timeout, instead of
@@ -195,19 +194,16 @@ def test_a_backup_cut_off_without_a_reset_leaves_the_in_sync_set_and_training_go
     start, _ = replicated
     cluster = start()
     primary = cluster.primary(0)
-    client = PSClient(cluster.addresses, worker_id="w0", retry_timeout=60)
-    create_slots(client, "slots", 1, SLOTS)
-    pusher = SlotPusher(client, "slots", 0, SLOTS, pause=0.002).start()
+    client, pusher = _pushing(cluster, 50)
     try:
-        _wait(lambda: len(pusher.acknowledged) >= 50, 30, "no pushes acknowledged", cluster)
         cluster.wait_all_ready(30)
-        with PortPartition(_replication_port(primary)):
+        with PortPartition(primary.replication_port()):
             cut = time.monotonic()
-            _wait(lambda: len([t for t in pusher.acknowledged.values() if t > cut + 1.0]) >= 50, 30,
+            _wait(lambda: _acknowledged_after(pusher, cut + 1.0) >= 50, 30,
                   "training did not go on with the backup cut off", cluster)
         cluster.wait_all_ready(60)
         healed = time.monotonic()
-        _wait(lambda: len([t for t in pusher.acknowledged.values() if t > healed]) >= 50, 30,
+        _wait(lambda: _acknowledged_after(pusher, healed) >= 50, 30,
               "no pushes acknowledged after the link healed", cluster)
     finally:
         pusher.join(60)
@@ -228,20 +224,17 @@ def test_a_peer_claiming_a_newer_term_deposes_no_primary(replicated):
     cluster = start()
     primary = cluster.primary(0)
     epoch = primary.status().epoch
-    client = PSClient(cluster.addresses, worker_id="w0", retry_timeout=60)
-    create_slots(client, "slots", 1, SLOTS)
-    pusher = SlotPusher(client, "slots", 0, SLOTS, pause=0.002).start()
+    client, pusher = _pushing(cluster, 20)
     try:
-        _wait(lambda: len(pusher.acknowledged) >= 20, 30, "no pushes acknowledged", cluster)
         claim = ps_pb2.FollowRequest(start=ps_pb2.FollowStart(
             shard_index=0, num_shards=1, replica_index=1, incarnation=424242, address="127.0.0.1:9",
             epoch=epoch + 10**9)).SerializeToString()
-        with socket.create_connection(("127.0.0.1", _replication_port(primary)), timeout=10) as peer:
+        with socket.create_connection(("127.0.0.1", primary.replication_port()), timeout=10) as peer:
             peer.sendall(struct.pack("<I", len(claim)) + claim)
             size = struct.unpack("<I", peer.recv(4, socket.MSG_WAITALL))[0]
             answer = ps_pb2.ReplicationMessage.FromString(peer.recv(size, socket.MSG_WAITALL))
         claimed = time.monotonic()
-        _wait(lambda: len([t for t in pusher.acknowledged.values() if t > claimed + 1]) >= 20, 30,
+        _wait(lambda: _acknowledged_after(pusher, claimed + 1) >= 20, 30,
               "no pushes acknowledged after the claim", cluster)
         after = primary.status()
     finally:
