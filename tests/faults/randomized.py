@@ -102,21 +102,28 @@ for _path in (str(_TESTS.parent), str(_TESTS)):
 from faults import layout
 from faults.cluster import Cluster
 from faults.layout import MODES, SOAK_SLOTS
+from faults.nemesis import NETWORK_KINDS
+from faults.networked import NetworkedCluster
+from faults.networked import unavailable as network_unavailable
 from faults.oracle import Oracle
 from faults.replicated import REPLICA_KINDS, SHARED_KINDS, UNREPLICATED_MODES, ReplicatedCluster
-from faults.report import Report, Timeline
+from faults.report import Report, Timeline, failover_seconds
 from faults.schedule import KINDS, FaultSchedule
+
+#: --network: the kinds shared with unreplicated runs, less "cut" (its fault proxies are gone: workers
+#: reach the replicas over the network, and the network's faults replace the proxies' cuts).
+NETWORK_SHARED_KINDS = tuple(kind for kind in SHARED_KINDS if kind != "cut")
 
 
 def run_mode(mode: str, seed: int, events: int, kinds: list[str], budget: float, workdir: pathlib.Path,
-             pace: float, replicas: int = 1) -> Report:
+             pace: float, replicas: int = 1, network: bool = False) -> Report:
     """One mode: set the cluster up, run the fault schedule, stop the workers and run the oracle."""
     workdir.mkdir(parents=True, exist_ok=True)
     report = Report(mode, seed)
     timeline = Timeline()
     rng = random.Random(f"{seed}-{mode}")
-    cluster = (ReplicatedCluster if replicas > 1 else Cluster)(mode, seed, kinds, workdir, pace, rng, report,
-                                                                timeline)
+    kind_of_cluster = NetworkedCluster if network else ReplicatedCluster if replicas > 1 else Cluster
+    cluster = kind_of_cluster(mode, seed, kinds, workdir, pace, rng, report, timeline)
     schedule = FaultSchedule(cluster, rng, kinds, events, budget, report, timeline)
 
     def finish() -> None:
@@ -127,6 +134,7 @@ def run_mode(mode: str, seed: int, events: int, kinds: list[str], budget: float,
         Oracle(cluster, timeline, report).check()
         if isinstance(cluster, ReplicatedCluster):
             cluster.check_replicas()
+        report.failovers = failover_seconds(timeline, [cluster.worker_log(i) for i in range(layout.WORKERS)])
 
     started = time.monotonic()
     phases = []
@@ -156,10 +164,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "only)")
     parser.add_argument("--kinds", default=None,
                         help=f"comma-separated fault kinds, of {', '.join(KINDS)} (default: all); with "
-                             f"--replicas 2, of {', '.join([*REPLICA_KINDS, *SHARED_KINDS])} (default: all)")
+                             f"--replicas 2, of {', '.join([*REPLICA_KINDS, *SHARED_KINDS])} (default: all); "
+                             f"with --network also {', '.join(NETWORK_KINDS)}, without cut")
     parser.add_argument("--replicas", type=int, choices=(1, 2), default=1,
                         help="replicas per shard: 2 runs each shard as a replica set on etcd "
                              "(no loss allowed)")
+    parser.add_argument("--network", action="store_true",
+                        help="with --replicas 2: every replica, worker and etcd member (3 of them) on a "
+                             f"network host of its own, and the network's faults ({', '.join(NETWORK_KINDS)}); "
+                             "needs root, network namespaces and iptables")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds of fault schedule in all, split over the modes (default 160; --soak: "
                              "3,600); setup and checks come on top")
@@ -180,7 +193,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.seed = int(os.environ.get("WEHUB_FAULT_SEED") or random.SystemRandom().randrange(1 << 31))
     modes = [m for m in MODES if args.replicas == 1 or m not in UNREPLICATED_MODES]
     args.modes = [m for m in (args.modes or ",".join(modes)).split(",") if m]
-    allowed = [*REPLICA_KINDS, *SHARED_KINDS] if args.replicas > 1 else list(KINDS)
+    if args.network and args.replicas < 2:
+        parser.error("--network needs --replicas 2")
+    if args.network and (why := network_unavailable()):
+        parser.error(f"--network cannot run here: {why}")
+    allowed = ([*REPLICA_KINDS, *NETWORK_SHARED_KINDS, *NETWORK_KINDS] if args.network
+               else [*REPLICA_KINDS, *SHARED_KINDS] if args.replicas > 1 else list(KINDS))
     args.kinds = [k for k in (args.kinds or ",".join(allowed)).split(",") if k]
     for mode in args.modes:
         if mode not in modes:
@@ -189,7 +207,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for kind in args.kinds:
         if kind not in allowed:
             parser.error(f"--kinds: fault kind {kind!r} is not one of {', '.join(allowed)} "
-                         f"(with --replicas {args.replicas})")
+                         f"(with --replicas {args.replicas}{' --network' if args.network else ''})")
     return args
 
 
@@ -199,7 +217,8 @@ def main(argv: list[str]) -> list[Report]:
     soak = " --soak" if args.soak else ""
     print(f"randomized fault test: seed {args.seed} (reproduce: --seed {args.seed}{soak} "
           f"--budget {args.budget:g} --modes {','.join(args.modes)} --kinds {','.join(args.kinds)} "
-          f"--events {args.events} --replicas {args.replicas})", flush=True)
+          f"--events {args.events} --replicas {args.replicas}{' --network' if args.network else ''})",
+          flush=True)
     keep = args.workdir is not None
     root = pathlib.Path(args.workdir) if keep else pathlib.Path(tempfile.mkdtemp(prefix="wehub-faults-"))
     reports = []
@@ -207,7 +226,7 @@ def main(argv: list[str]) -> list[Report]:
         per_mode_events = math.ceil(args.events / len(args.modes))
         for mode in args.modes:
             report = run_mode(mode, args.seed, per_mode_events, args.kinds, args.budget / len(args.modes),
-                              root / mode, args.pace, args.replicas)
+                              root / mode, args.pace, args.replicas, args.network)
             print(report.summary(), flush=True)
             reports.append(report)
     finally:

@@ -61,11 +61,7 @@ class ReplicatedCluster(Cluster):
         self._start_replicas()
 
     def _start_replicas(self) -> None:
-        binary = etcd_binary()
-        if binary is None:
-            raise RuntimeError("the replicated mode needs etcd: apt-get install etcd-server, "
-                               "or set ETCD_BINARY")
-        self.etcd = EtcdServer(self.workdir / "etcd", binary).start()
+        endpoints = self.start_etcd()
         job = f"faults-{uuid.uuid4().hex[:8]}"
         self.draw_lane()
         self.replicas = []
@@ -77,10 +73,9 @@ class ReplicatedCluster(Cluster):
                 args = self._server_args()
                 args[args.index("--checkpoint-dir") + 1] = str(directory / "ckpt")  # one per replica
                 args += ["--replicas", str(REPLICAS), "--replica-index", str(index),
-                         "--etcd-endpoints", self.etcd.endpoint, "--job-name", job,
-                         "--primary-lease-seconds", str(LEASE_SECONDS), *self.lane_args()]
-                # Port 0: the OS picks it at the first start; restarts reuse it.
-                members.append(Replica(shard, index, ServerProcess(shard, NUM_SHARDS, directory, args), 0))
+                         "--etcd-endpoints", endpoints, "--job-name", job,
+                         "--primary-lease-seconds", str(LEASE_SECONDS)]
+                members.append(self.make_replica(shard, index, directory, args))
             self.replicas.append(members)
         self.servers = [replica.process for replica in self._all()]  # cleanup stops them, even if one fails
         for replica in self._all():
@@ -89,6 +84,20 @@ class ReplicatedCluster(Cluster):
             replica.wait_ready()
         for shard in range(NUM_SHARDS):
             self.wait_in_sync(shard)
+
+    def start_etcd(self) -> str:
+        """Start etcd; its endpoints as ``--etcd-endpoints`` takes them."""
+        binary = etcd_binary()
+        if binary is None:
+            raise RuntimeError("the replicated mode needs etcd: apt-get install etcd-server, "
+                               "or set ETCD_BINARY")
+        self.etcd = EtcdServer(self.workdir / "etcd", binary).start()
+        return self.etcd.endpoint
+
+    def make_replica(self, shard: int, index: int, directory, args: list[str]) -> Replica:
+        """Replica ``index`` of ``shard`` (not started), with the flags every replica gets."""
+        # Port 0: the OS picks it at the first start; restarts reuse it.
+        return Replica(shard, index, ServerProcess(shard, NUM_SHARDS, directory, [*args, *self.lane_args()]), 0)
 
     def _all(self) -> list[Replica]:
         return [replica for members in self.replicas for replica in members]
@@ -203,6 +212,7 @@ class ReplicatedCluster(Cluster):
             return
         primary = self.wait_in_sync(shard)
         if kind == "primary-kill":
+            self.timeline.failovers.append(("process death", time.time()))
             self._kill_and_restart(primary, rng)
         elif kind == "backup-kill":
             self._kill_and_restart(next(r for r in self.replicas[shard] if r is not primary), rng)
