@@ -139,8 +139,19 @@ class ReplicatedCluster(Cluster):
                 return primary
             if time.monotonic() > deadline:
                 raise RuntimeError(f"shard {shard}: replicas not in sync after {timeout:.0f}s "
-                                   f"(backups: {[(b.replica_index, b.in_sync) for b in backups]})")
+                                   f"(backups: {[(b.replica_index, b.in_sync) for b in backups]}); the "
+                                   f"replicas' last warnings:\n{self.log_tails(shard)}")
             time.sleep(0.05)
+
+    def log_tails(self, shard: int, lines: int = 6) -> str:
+        """The last ``lines`` log lines at warning or above of each replica of ``shard`` (for a failure)."""
+        tails = []
+        for replica in self.replicas[shard]:
+            found = [line for line in replica.process.log_text().splitlines()
+                     if '"level": "warning"' in line or '"level": "error"' in line or "Traceback" in line]
+            tails.append(f"replica {replica.replica_index} ({replica.process.log_path}):\n  "
+                         + "\n  ".join(line[:400] for line in found[-lines:]))
+        return "\n".join(tails)
 
     def wait_caught_up(self, shard: int, timeout: float = IN_SYNC_TIMEOUT) -> None:
         """Until every running replica of ``shard`` applied all its primary had applied when asked."""
