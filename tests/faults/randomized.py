@@ -69,15 +69,39 @@ exactly once. At the end every shard's replicas must hold the same bits
 (values, optimizer slots, rows, versions, ledger), and the rows a push
 refused part way applied must still hold what they did after the refusal.
 
+**Networked** (``--replicas 2 --network``, ``networked.py`` and ``nemesis.py``):
+every replica, every worker and each member of a 3-member etcd cluster
+runs on a network host of its own (a network namespace on a bridge,
+``tests/host_network.py``; ``tests/etcd_cluster.py``), and workers reach the
+replicas directly. Besides the replicated kinds (less the proxies' cuts;
+etcd-restart stops every member), the nemesis's ``nemesis.NETWORK_KINDS``
+drop packets (never a reset: connections stall) between every pair of
+parties: worker and replica, primary and backup, replica and etcd, both
+ways or one way; a replica's host lost to every peer; a link down; an etcd
+member SIGKILLed and restarted; etcd's leader cut off from the other
+members. Each is healed after 1 to 6 s (a lost primary's host once the
+other replica leads) and the next fault waits until every shard's replicas
+are in sync, so the same no-loss rule and the same bit-for-bit comparison
+hold. A replicated run starts with every kind once, in a seeded order
+(``schedule``); a kind the budget left out is a failure. The report gives
+the failover the workers saw (``report.failover_seconds``): from a
+primary's SIGKILL ("process death") or the loss of its host ("lost host")
+to each worker's next acknowledged push, p50 and p99. Needs root, network
+namespaces and iptables; every process is stopped by PID and every
+namespace, veth and bridge deleted at the end.
+
 Run: ``python tests/faults/randomized.py --seed 7`` (``--modes``, ``--kinds``, ``--replicas``,
-``--events``, ``--budget``, ``--soak``, ``--workdir`` to keep the logs);
+``--network``, ``--events``, ``--budget``, ``--soak``, ``--workdir`` to keep the logs);
 the seed is printed, and the same seed replays the same schedule of faults
 (the processes' timing still varies). Every process is stopped by PID.
 
 The parts, one job each, in this package: ``layout`` (slots, elements,
 modes), ``worker`` (the worker process), ``cluster`` (servers, proxies,
-workers), ``schedule`` and ``probes`` (the faults), ``oracle`` (the rules
-above), ``report``; this module runs the modes and holds the command line.
+workers), ``replicated`` (replica sets on etcd, their process faults and
+the comparison of replicas), ``networked`` (the same on network hosts),
+``schedule``, ``probes`` and ``nemesis`` (the faults; the network's in
+``nemesis``), ``oracle`` (the rules above), ``report``; this module runs the
+modes and holds the command line.
 """
 
 from __future__ import annotations
