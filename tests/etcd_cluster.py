@@ -128,7 +128,8 @@ class EtcdCluster:
     def _launch(self, member: EtcdMember) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         with member.log_path.open("ab") as log:
-            member.popen = subprocess.Popen(self._argv(member), stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+            member.popen = subprocess.Popen(self._argv(member), stdout=log, stderr=log,
+                                            stdin=subprocess.DEVNULL)
         member.starts += 1
 
     def start(self) -> EtcdCluster:

@@ -1,4 +1,4 @@
-"""Separate network hosts for tests: one network namespace per host on a bridge, and packet drops between them.
+"""Separate network hosts for tests: a network namespace per host on a bridge, and packets dropped between.
 
 ``HostNetwork()`` makes a bridge on a random free ``10.x.y.0/24``; ``add(key)``
 gives host ``key`` its own network namespace, a veth pair on the bridge and
@@ -171,7 +171,7 @@ class HostNetwork:
         return self.ips[key]
 
     def exec_prefix(self, key: str) -> list[str]:
-        """The argv prefix that runs a program on host ``key`` (``ip netns exec``; the PID is the program's)."""
+        """The argv prefix that runs a program on host ``key`` (``ip netns exec``: the PID is its own)."""
         return ["ip", "netns", "exec", self.namespaces[key]]
 
     # ---- packets dropped
@@ -242,6 +242,7 @@ class HostNetwork:
     def leftovers(self) -> list[str]:
         """The links and namespaces of this network that still exist (after ``close``: none)."""
         names = _ip("-o", "link", "show", check=False).stdout
-        found = [n for n in [self.bridge, *self.host_veths.values()] if f" {n}:" in names or f" {n}@" in names]
+        found = [n for n in [self.bridge, *self.host_veths.values()]
+                 if f" {n}:" in names or f" {n}@" in names]
         listed = _ip("netns", "list", check=False).stdout
         return found + [ns for ns in self.namespaces.values() if ns in listed]

@@ -184,7 +184,7 @@ class Cluster:
             time.sleep(0.05)
 
     def make_proxies(self) -> list[FaultProxy]:
-        """A fault proxy in front of each server (``self.proxies[i]`` fronts ``self.servers[i]``), not cutting."""
+        """A fault proxy, not cutting yet, in front of each server (``proxies[i]`` fronts ``servers[i]``)."""
         proxies = [FaultProxy(s.port, seed=self.rng.randrange(1 << 30), mean_bytes_up=30_000,
                               mean_bytes_down=3_000, cut_at_start=0.05) for s in self.servers]
         for proxy in proxies:

@@ -48,13 +48,13 @@ FAILOVER_TIMEOUT = 30.0
 
 
 class Nemesis:
-    """Injects ``NETWORK_KINDS`` into a ``NetworkedCluster``; one event at a time, from the schedule's thread."""
+    """Injects ``NETWORK_KINDS`` into a ``NetworkedCluster``; one event at a time, from the schedule's."""
 
     def __init__(self, cluster: NetworkedCluster) -> None:
         self.cluster = cluster
 
     def event(self, kind: str, shard: int, rng: random.Random) -> str:
-        """Inject one fault of ``kind`` near ``shard``, hold it, heal it; returns what it did (for events.log)."""
+        """Inject one fault of ``kind`` near ``shard``, hold it, heal it; what it did, for events.log."""
         cluster = self.cluster
         net = cluster.net
         primary = cluster.wait_in_sync(shard)
@@ -79,11 +79,13 @@ class Nemesis:
             elif kind in ("replica-partition", "replica-oneway"):
                 if kind == "replica-partition":
                     what = "primary <-> backup"
-                    rules = net.drop(cluster.replica_host(primary), [net.ip(cluster.replica_host(backup))], "both")
+                    rules = net.drop(cluster.replica_host(primary), [net.ip(cluster.replica_host(backup))],
+                                     "both")
                 else:
                     source, target = (primary, backup) if rng.random() < 0.5 else (backup, primary)
                     what = f"{_name(source, primary)} -> {_name(target, primary)} dropped"
-                    rules = net.drop(cluster.replica_host(target), [net.ip(cluster.replica_host(source))], "in")
+                    rules = net.drop(cluster.replica_host(target), [net.ip(cluster.replica_host(source))],
+                                     "in")
             elif kind in ("etcd-partition", "etcd-oneway"):
                 replica = primary if rng.random() < 2 / 3 else backup
                 members = [m.address for m in cluster.etcd_cluster.members]
@@ -122,7 +124,7 @@ class Nemesis:
                 rules = net.drop(cluster.etcd_host(leader), others, "both")
             else:
                 raise ValueError(f"unknown network fault kind {kind!r}")
-            time.sleep(max(0.0, started + hold - time.monotonic()))  # a lost primary's failover may take longer
+            time.sleep(max(0.0, started + hold - time.monotonic()))  # a lost primary's failover may be longer
         finally:
             held = time.monotonic() - started
             for rule in rules:
@@ -138,10 +140,11 @@ class Nemesis:
     def _until_other_leads(self, shard: int, primary) -> None:
         """Until a replica of ``shard`` other than ``primary`` leads (a failure past the bound)."""
         deadline = time.monotonic() + FAILOVER_TIMEOUT
-        while not any(r is not primary and r.running() and r.is_primary() for r in self.cluster.replicas[shard]):
+        others = [r for r in self.cluster.replicas[shard] if r is not primary]
+        while not any(r.running() and r.is_primary() for r in others):
             if time.monotonic() > deadline:
-                self.cluster.report.fail("failover", f"shard {shard}: no replica took over from a primary whose "
-                                                     f"host was lost for {FAILOVER_TIMEOUT:.0f}s")
+                self.cluster.report.fail("failover", f"shard {shard}: no replica took over from a primary "
+                                                     f"whose host was lost for {FAILOVER_TIMEOUT:.0f}s")
                 break
             time.sleep(0.05)
 

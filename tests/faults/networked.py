@@ -46,7 +46,7 @@ def unavailable() -> str | None:
 
 
 class NetworkedCluster(ReplicatedCluster):
-    """``ReplicatedCluster`` whose replicas, workers and etcd members each run on a network host of their own."""
+    """``ReplicatedCluster`` with every replica, worker and etcd member on a network host of its own."""
 
     net: HostNetwork | None = None
     etcd_cluster: EtcdCluster
@@ -81,7 +81,8 @@ class NetworkedCluster(ReplicatedCluster):
     def start_etcd(self) -> str:
         binary = etcd_binary()
         if binary is None:
-            raise RuntimeError("the networked mode needs etcd: apt-get install etcd-server, or set ETCD_BINARY")
+            raise RuntimeError("the networked mode needs etcd: apt-get install etcd-server, "
+                               "or set ETCD_BINARY")
         assert self.net is not None
         hosts = [(self.net.ip(f"etcd{i}"), self.net.exec_prefix(f"etcd{i}")) for i in range(ETCD_MEMBERS)]
         self.etcd_cluster = EtcdCluster(self.workdir / "etcd", binary, hosts).start()
@@ -94,7 +95,8 @@ class NetworkedCluster(ReplicatedCluster):
         args = [*args, "--advertise-address", f"{address}:{PORT}"]
         if self.tcp_lane:
             args += ["--lane-port", str(LANE_PORT)]
-        process = ServerProcess(shard, NUM_SHARDS, directory, args, host=address, prefix=self.net.exec_prefix(key))
+        process = ServerProcess(shard, NUM_SHARDS, directory, args, host=address,
+                                prefix=self.net.exec_prefix(key))
         return Replica(shard, index, process, PORT)
 
     def draw_lane(self) -> None:

@@ -195,7 +195,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "(no loss allowed)")
     parser.add_argument("--network", action="store_true",
                         help="with --replicas 2: every replica, worker and etcd member (3 of them) on a "
-                             f"network host of its own, and the network's faults ({', '.join(NETWORK_KINDS)}); "
+                             "network host of its own, and the network's faults "
+                             f"({', '.join(NETWORK_KINDS)}); "
                              "needs root, network namespaces and iptables")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds of fault schedule in all, split over the modes (default 160; --soak: "

@@ -97,7 +97,8 @@ class ReplicatedCluster(Cluster):
     def make_replica(self, shard: int, index: int, directory, args: list[str]) -> Replica:
         """Replica ``index`` of ``shard`` (not started), with the flags every replica gets."""
         # Port 0: the OS picks it at the first start; restarts reuse it.
-        return Replica(shard, index, ServerProcess(shard, NUM_SHARDS, directory, [*args, *self.lane_args()]), 0)
+        process = ServerProcess(shard, NUM_SHARDS, directory, [*args, *self.lane_args()])
+        return Replica(shard, index, process, 0)
 
     def _all(self) -> list[Replica]:
         return [replica for members in self.replicas for replica in members]

@@ -3,9 +3,10 @@
 The same seed draws the same kinds, shards, workers and pauses (the
 processes' timing still varies). A replicated run starts with a round of
 every kind once, in a seeded order, then draws kinds by weight: a short run
-still has each kind, and one it could not fit in its budget is a failure. Faults that check a guarantee as they run
-(token rotation, limits, idle streams, Checkpoint during a restore) are in
-``probes``; the schedule shares its random sequence with them and with the
+still has each kind, and one it could not fit in its budget is a failure.
+Faults that check a guarantee as they run (token rotation, limits, idle
+streams, Checkpoint during a restore) are in ``probes``, the network's in
+``nemesis``; the schedule shares its random sequence with them and with the
 cluster's setup, so the order of draws is part of what a seed replays.
 """
 
@@ -76,7 +77,8 @@ class FaultSchedule:
             assert nemesis is not None, f"{kind} needs --network"
             what = nemesis.event(kind, shard, self.rng)
             with open(cluster.workdir / "events.log", "a") as events:
-                events.write(json.dumps({"t": time.time(), "kind": kind, "shard": shard, "done": what}) + "\n")
+                done = {"t": time.time(), "kind": kind, "shard": shard, "done": what}
+                events.write(json.dumps(done) + "\n")
         elif kind == "server-kill":
             cluster.stop_server(shard, signal.SIGKILL)
             time.sleep(self.rng.uniform(0, 0.5))  # workers retry against a dead address

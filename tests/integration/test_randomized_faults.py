@@ -83,8 +83,9 @@ def test_random_network_faults_of_replicated_shards_lose_nothing_acknowledged(tm
             pytest.fail(f"{why} (WEHUB_PS_REQUIRE_NETFAULTS=1 requires network faults)")
         pytest.skip(why)
     modes = os.environ.get("WEHUB_FAULT_MODES") or ",".join(CI_NETWORK_MODES)
-    reports = randomized.main(["--replicas", "2", "--network", "--modes", modes, "--events", str(NETWORK_EVENTS),
-                               "--budget", str(NETWORK_BUDGET), "--workdir", str(tmp_path)])
+    reports = randomized.main(["--replicas", "2", "--network", "--modes", modes,
+                               "--events", str(NETWORK_EVENTS), "--budget", str(NETWORK_BUDGET),
+                               "--workdir", str(tmp_path)])
     seed = reports[0].seed
     failures = "\n".join(r.summary() for r in reports if r.violations)
     assert not failures, (f"seed {seed} (replay: WEHUB_FAULT_SEED={seed} WEHUB_FAULT_MODES={modes}):\n"
