@@ -44,6 +44,9 @@ WORKER_EXIT_TIMEOUT = 120.0
 class Cluster:
     """One mode's processes and the controller's client; ``setup`` starts them, ``cleanup`` ends them."""
 
+    #: Whether the schedule must run every kind (a first round of each, a kind left out a failure).
+    covers_every_kind = False
+
     def __init__(self, mode: str, seed: int, kinds: list[str], workdir: pathlib.Path, pace: float,
                  rng: random.Random, report: Report, timeline: Timeline) -> None:
         self.config = MODES[mode]

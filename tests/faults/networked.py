@@ -48,6 +48,7 @@ def unavailable() -> str | None:
 class NetworkedCluster(ReplicatedCluster):
     """``ReplicatedCluster`` with every replica, worker and etcd member on a network host of its own."""
 
+    covers_every_kind = True
     net: HostNetwork | None = None
     etcd_cluster: EtcdCluster
 

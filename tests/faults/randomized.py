@@ -82,7 +82,7 @@ member SIGKILLed and restarted; etcd's leader cut off from the other
 members. Each is healed after 1 to 6 s (a lost primary's host once the
 other replica leads) and the next fault waits until every shard's replicas
 are in sync, so the same no-loss rule and the same bit-for-bit comparison
-hold. A replicated run starts with every kind once, in a seeded order
+hold. The run starts with every kind once, in a seeded order
 (``schedule``); a kind the budget left out is a failure. The report gives
 the failover the workers saw (``report.failover_seconds``): from a
 primary's SIGKILL ("process death") or the loss of its host ("lost host")

@@ -1,7 +1,7 @@
 """The seeded fault schedule: which fault comes next, and injecting the ones that need no check of their own.
 
 The same seed draws the same kinds, shards, workers and pauses (the
-processes' timing still varies). A replicated run starts with a round of
+processes' timing still varies). A networked run starts with a round of
 every kind once, in a seeded order, then draws kinds by weight: a short run
 still has each kind, and one it could not fit in its budget is a failure.
 Faults that check a guarantee as they run (token rotation, limits, idle
@@ -48,7 +48,7 @@ class FaultSchedule:
         cluster = self.cluster
         deadline = time.monotonic() + self.budget
         weights = [{**KINDS, **REPLICA_KINDS, **NETWORK_KINDS}[k] for k in self.kinds]
-        cover = isinstance(cluster, ReplicatedCluster)
+        cover = cluster.covers_every_kind
         first_round = self.rng.sample(self.kinds, len(self.kinds)) if cover else []
         time.sleep(self.rng.uniform(0.5, 1.5))
         while sum(self.report.events.values()) < self.target_events and time.monotonic() < deadline:
