@@ -92,14 +92,22 @@ class Nemesis:
                 direction = "both" if kind == "etcd-partition" else rng.choice(("in", "out"))
                 arrow = {"both": "<-> etcd", "out": "-> etcd dropped", "in": "<- etcd dropped"}[direction]
                 what = f"{_name(replica, primary)} {arrow}"
-                rules = net.drop(cluster.replica_host(replica), members, direction)
-            elif kind == "host-lost":
-                replica = primary if rng.random() < 0.75 else backup
-                what = f"{_name(replica, primary)}'s host lost"
-                rules = net.isolate(cluster.replica_host(replica))
                 if replica is primary:
+                    def cut_from_etcd(p):
+                        return net.drop(cluster.replica_host(p), members, direction)
+
+                    self._on_primary(shard, rules, cut_from_etcd)
+                else:
+                    rules = net.drop(cluster.replica_host(replica), members, direction)
+            elif kind == "host-lost":
+                on_primary = rng.random() < 0.75
+                what = f"{'primary' if on_primary else 'backup'}'s host lost"
+                if on_primary:
+                    primary = self._on_primary(shard, rules, lambda p: net.isolate(cluster.replica_host(p)))
                     cluster.timeline.failovers.append(("lost host", time.time()))
                     self._until_other_leads(shard, primary)
+                else:
+                    rules = net.isolate(cluster.replica_host(backup))
             elif kind == "link-down":
                 if rng.random() < 0.5:
                     replica = rng.choice([primary, backup])
@@ -136,6 +144,18 @@ class Nemesis:
         for each in range(NUM_SHARDS):
             cluster.wait_in_sync(each)
         return f"{what}, {held:.1f}s"
+
+    def _on_primary(self, shard: int, rules: list, drop) -> object:
+        """``rules`` += ``drop(primary)`` while the backup is in sync (``fault_on_primary``); the primary."""
+
+        def inject(primary) -> None:
+            rules.extend(drop(primary))
+
+        def undo(primary) -> None:
+            self.cluster.net.heal(rules)
+            rules.clear()
+
+        return self.cluster.fault_on_primary(shard, inject, undo)
 
     def _until_other_leads(self, shard: int, primary) -> None:
         """Until a replica of ``shard`` other than ``primary`` leads (a failure past the bound)."""

@@ -23,6 +23,7 @@ import random
 import signal
 import time
 import uuid
+from typing import Any, Callable
 
 import grpc
 import numpy as np
@@ -61,8 +62,8 @@ class ReplicatedCluster(Cluster):
         self._start_replicas()
 
     def _start_replicas(self) -> None:
-        endpoints = self.start_etcd()
-        job = f"faults-{uuid.uuid4().hex[:8]}"
+        endpoints = self.etcd_endpoints = self.start_etcd()
+        job = self.job = f"faults-{uuid.uuid4().hex[:8]}"
         self.draw_lane()
         self.replicas = []
         for shard in range(NUM_SHARDS):
@@ -222,14 +223,17 @@ class ReplicatedCluster(Cluster):
             for each in range(NUM_SHARDS):
                 self.wait_in_sync(each)
             return
-        primary = self.wait_in_sync(shard)
         if kind == "primary-kill":
+            primary = self.fault_on_primary(shard, lambda p: p.process.freeze(),
+                                            lambda p: p.process.signal(signal.SIGCONT))
             self.timeline.failovers.append(("process death", time.time()))
-            self._kill_and_restart(primary, rng)
+            self._kill_and_restart(primary, rng)  # frozen, so it acknowledged nothing since the check
         elif kind == "backup-kill":
+            primary = self.wait_in_sync(shard)
             self._kill_and_restart(next(r for r in self.replicas[shard] if r is not primary), rng)
         elif kind == "primary-stop":
-            primary.process.signal(signal.SIGSTOP)
+            primary = self.fault_on_primary(shard, lambda p: p.process.freeze(),
+                                            lambda p: p.process.signal(signal.SIGCONT))
             try:
                 deadline = time.monotonic() + ELECTION_TIMEOUT
                 while not any(r is not primary and r.is_primary() for r in self.replicas[shard]):
@@ -243,6 +247,40 @@ class ReplicatedCluster(Cluster):
         else:
             raise ValueError(f"unknown replicated fault kind {kind!r}")
         self.wait_in_sync(shard)
+
+    def fault_on_primary(self, shard: int, inject: Callable[[Replica], Any], undo: Callable[[Replica], Any],
+                         attempts: int = 10) -> Replica:
+        """Inject a fault on ``shard``'s primary while its backup is in sync; the primary.
+
+        The backup can leave the in-sync set between ``wait_in_sync`` and the
+        fault (a slow answer), and then the primary is the only in-sync
+        replica: losing it may lose what it acknowledged alone. So once
+        ``inject`` holds (the primary frozen, or cut off), etcd's in-sync set,
+        which the primary must shrink before it acknowledges without the backup,
+        is read: if it no longer names the backup, ``undo`` at once and try again.
+        """
+        for attempt in range(attempts):
+            primary = self.wait_in_sync(shard)
+            backup = next(r for r in self.replicas[shard] if r is not primary)
+            inject(primary)
+            if self.in_sync_set_names(shard, backup):
+                return primary
+            undo(primary)
+            self.report.notes.append(f"shard {shard}: the backup left the in-sync set just before a fault on "
+                                     "the primary; the fault was undone and injected again")
+        raise RuntimeError(f"shard {shard}: the backup kept leaving the in-sync set ({attempts} tries)")
+
+    def in_sync_set_names(self, shard: int, replica: Replica) -> bool:
+        """Whether etcd's in-sync set of ``shard`` (what an election counts) names ``replica``."""
+        from ps_server.coordination import EtcdClient, InSync, ShardKeys
+
+        client = EtcdClient(self.etcd_endpoints.split(","), timeout=2.0)
+        try:
+            kv = client.get(ShardKeys(self.job, shard).isr)
+        finally:
+            client.close()
+        return kv is not None and any(index == replica.replica_index
+                                      for index, _ in InSync.from_kv(kv).members)
 
     def _kill_and_restart(self, replica: Replica, rng: random.Random) -> None:
         replica.process.signal(signal.SIGKILL)
