@@ -4,8 +4,10 @@ Each replica has its own FaultProxy; a worker is given a shard's proxies
 in the replicated form ('p0|p1') and follows the primary through them. The
 faults (``REPLICA_KINDS``) always leave one in-sync replica of each shard:
 before each one the controller waits until the shard's other replica is in
-the primary's in-sync set, and a killed or frozen replica is brought back
-and waited for. So the oracle allows no loss at all (no loss window is ever
+the primary's in-sync set, a fault on the primary holds only if etcd's
+in-sync set still names the backup once it is in place (``fault_on_primary``;
+else it is undone at once and tried again), and a killed or frozen replica
+is brought back and waited for. So the oracle allows no loss at all (no loss window is ever
 opened): every acknowledged push is in the values exactly once.
 
 At the end (``check_replicas``) every replica of a shard writes a checkpoint
