@@ -109,14 +109,21 @@ class Nemesis:
                 else:
                     rules = net.isolate(cluster.replica_host(backup))
             elif kind == "link-down":
+                def link_down(key: str) -> list:
+                    net.cut(key)
+                    return [key]
+
                 if rng.random() < 0.5:
                     replica = rng.choice([primary, backup])
-                    key, what = cluster.replica_host(replica), f"{_name(replica, primary)}'s link down"
+                    what = f"{_name(replica, primary)}'s link down"
+                    if replica is primary:
+                        self._on_primary(shard, rules, lambda p: link_down(cluster.replica_host(p)))
+                    else:
+                        rules = link_down(cluster.replica_host(replica))
                 else:
                     worker = rng.randrange(WORKERS)
-                    key, what = cluster.worker_host(worker), f"worker {worker}'s link down"
-                net.cut(key)
-                rules = [key]
+                    what = f"worker {worker}'s link down"
+                    rules = link_down(cluster.worker_host(worker))
             elif kind == "etcd-member-kill":
                 leader = cluster.etcd_cluster.leader()
                 member = leader if leader is not None and rng.random() < 0.5 else \
@@ -152,7 +159,10 @@ class Nemesis:
             rules.extend(drop(primary))
 
         def undo(primary) -> None:
-            self.cluster.net.heal(rules)
+            for rule in rules:
+                if isinstance(rule, str):  # a link set down
+                    self.cluster.net.reconnect(rule)
+            self.cluster.net.heal([rule for rule in rules if not isinstance(rule, str)])
             rules.clear()
 
         return self.cluster.fault_on_primary(shard, inject, undo)

@@ -48,6 +48,10 @@ SHARED_KINDS = ("cut", "checkpoint", "worker-kill", "limit")
 #: Modes ps-server refuses to replicate (sync steps are not replicated).
 UNREPLICATED_MODES = ("sync",)
 IN_SYNC_TIMEOUT = 60.0
+#: What Python logs when a replica's role thread dies of an exception; looked for after ROLE_LOOK_AFTER s of
+#: waiting for a shard's replicas to get in sync.
+ROLE_DIED = "Exception in thread ps-replica:"
+ROLE_LOOK_AFTER = 10.0
 ELECTION_TIMEOUT = 30.0
 
 
@@ -61,6 +65,7 @@ class ReplicatedCluster(Cluster):
 
     def start_servers(self) -> None:
         self.refused_prefixes = []
+        self._roles_died: dict[tuple[int, int], int] = {}
         self._start_replicas()
 
     def _start_replicas(self) -> None:
@@ -131,9 +136,17 @@ class ReplicatedCluster(Cluster):
             time.sleep(0.05)
 
     def wait_in_sync(self, shard: int, timeout: float = IN_SYNC_TIMEOUT) -> Replica:
-        """Until the primary counts every other replica of ``shard`` in sync; the primary."""
+        """Until the primary counts every other replica of ``shard`` in sync; the primary.
+
+        A replica whose role thread died (it would never follow again) is a
+        failure; it is restarted, so the run goes on and the oracle still runs.
+        """
         deadline = time.monotonic() + timeout
+        next_look = time.monotonic() + ROLE_LOOK_AFTER
         while True:
+            if time.monotonic() > next_look:
+                self._restart_dead_roles(shard)
+                next_look = time.monotonic() + 2.0
             primary = self.primary(shard, timeout=max(1.0, deadline - time.monotonic()))
             try:
                 backups = self._status(primary).backups
@@ -146,6 +159,24 @@ class ReplicatedCluster(Cluster):
                                    f"(backups: {[(b.replica_index, b.in_sync) for b in backups]}); the "
                                    f"replicas' last warnings:\n{self.log_tails(shard)}")
             time.sleep(0.05)
+
+    def _restart_dead_roles(self, shard: int) -> None:
+        """Report and restart each replica of ``shard`` whose ``ps-replica`` thread died since last seen."""
+        for replica in self.replicas[shard]:
+            text = replica.process.log_text()
+            died = text.count(ROLE_DIED)
+            key = (shard, replica.replica_index)
+            if died <= self._roles_died.get(key, 0):
+                continue
+            self._roles_died[key] = died
+            where = text.rfind(ROLE_DIED)
+            self.report.fail("replica role died",
+                             f"shard {shard} replica {replica.replica_index}: its ps-replica thread died, so "
+                             f"it never follows or leads again (restarted it; {replica.process.log_path}):\n"
+                             f"{text[where:where + 1500]}")
+            replica.process.signal(signal.SIGKILL)
+            replica.process.wait(30)
+            replica.start()
 
     def log_tails(self, shard: int, lines: int = 6) -> str:
         """The last ``lines`` log lines at warning or above of each replica of ``shard`` (for a failure)."""
