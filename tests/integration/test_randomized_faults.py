@@ -30,10 +30,11 @@ MIN_EVENTS = 50
 CI_REPLICATED_MODES = ("async", "ssp")
 REPLICATED_EVENTS = 24
 #: The networked run: at least this many events (each fault holds 1 to 6 s, then waits until every shard's
-#: replicas are in sync), every kind at least once per mode, in about 5 minutes.
+#: replicas are in sync: about 5 s an event), every kind at least once per mode, in about 5 minutes; the
+#: budget leaves room for a machine loaded by other runs (6.8 s an event measured beside another run).
 CI_NETWORK_MODES = ("async", "ssp")
 NETWORK_EVENTS = 52
-NETWORK_BUDGET = 320
+NETWORK_BUDGET = 380
 
 
 @pytest.mark.timeout(900)  # a hang is caught inside (bounded waits); this is the last resort
