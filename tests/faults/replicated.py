@@ -25,7 +25,8 @@ import random
 import signal
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 import numpy as np

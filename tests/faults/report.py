@@ -8,7 +8,6 @@ import math
 import pathlib
 from dataclasses import dataclass, field
 
-
 #: Longest wait for a worker's next acknowledged push that still counts as a failover sample.
 FAILOVER_WINDOW = 60.0
 

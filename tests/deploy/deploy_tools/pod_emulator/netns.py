@@ -15,7 +15,7 @@ _TESTS = Path(__file__).resolve().parents[3]
 if str(_TESTS) not in sys.path:
     sys.path.insert(0, str(_TESTS))
 
-from host_network import HostNetwork, NetworkUnavailable  # noqa: E402
+from host_network import HostNetwork, NetworkUnavailable
 
 __all__ = ["NetworkUnavailable", "PodNetwork"]
 
