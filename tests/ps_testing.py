@@ -101,6 +101,10 @@ class ServerProcess:
     port: int = 0
     #: What ``python`` runs: the ps-server, or a test's variant of it.
     program: Sequence[str] = ("-m", "ps_server")
+    #: The address it listens on (``--host``), and the argv prefix that runs it there (a network
+    #: namespace's ``ip netns exec``, which execs: the PID is still the server's).
+    host: str = "127.0.0.1"
+    prefix: Sequence[str] = ()
 
     @property
     def port_file(self) -> pathlib.Path:
@@ -112,7 +116,7 @@ class ServerProcess:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def start(self, port: int = 0) -> "ServerProcess":
         """Launch and wait until serving."""
@@ -122,7 +126,7 @@ class ServerProcess:
     def launch(self, port: int = 0) -> None:
         if self.port_file.exists():
             self.port_file.unlink()
-        argv = [sys.executable, *self.program, "--host", "127.0.0.1", "--port", str(port),
+        argv = [*self.prefix, sys.executable, *self.program, "--host", self.host, "--port", str(port),
                 "--port-file", str(self.port_file), "--shard-index", str(self.shard_index),
                 "--num-shards", str(self.num_shards), *self.extra_args]
         log = open(self.log_path, "ab")

@@ -38,7 +38,7 @@ class Replica:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.process.host}:{self.port}"
 
     def start(self) -> Replica:
         """Start (or restart) on ``port``; 0 the first time lets the OS pick it, kept for restarts."""

@@ -44,6 +44,9 @@ WORKER_EXIT_TIMEOUT = 120.0
 class Cluster:
     """One mode's processes and the controller's client; ``setup`` starts them, ``cleanup`` ends them."""
 
+    #: Whether the schedule must run every kind (a first round of each, a kind left out a failure).
+    covers_every_kind = False
+
     def __init__(self, mode: str, seed: int, kinds: list[str], workdir: pathlib.Path, pace: float,
                  rng: random.Random, report: Report, timeline: Timeline) -> None:
         self.config = MODES[mode]
@@ -99,7 +102,8 @@ class Cluster:
         self.worker_output[index] = output
         with open(output, "wb") as out:
             self.workers[index] = subprocess.Popen(
-                [sys.executable, worker_process.__file__, json.dumps(config)], stdout=out, stderr=out,
+                [*self.worker_prefix(index), sys.executable, worker_process.__file__, json.dumps(config)],
+                stdout=out, stderr=out,
                 # A worker that crashes leaves every thread's stack in its output, which a violation quotes.
                 stdin=subprocess.DEVNULL, cwd=str(ROOT), env=child_env({"PYTHONFAULTHANDLER": "1"}))
 
@@ -136,10 +140,7 @@ class Cluster:
         for index in range(WORKERS):
             self.start_worker(index)
         self.start_servers()
-        self.proxies = [FaultProxy(s.port, seed=self.rng.randrange(1 << 30), mean_bytes_up=30_000,
-                                   mean_bytes_down=3_000, cut_at_start=0.05) for s in self.servers]
-        for proxy in self.proxies:
-            proxy.cutting = False
+        self.proxies = self.make_proxies()
         sgd = SGD(learning_rate=1.0)
 
         def create(client) -> None:
@@ -184,6 +185,18 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise RuntimeError("the workers did not get a push through within 60 s of starting")
             time.sleep(0.05)
+
+    def make_proxies(self) -> list[FaultProxy]:
+        """A fault proxy, not cutting yet, in front of each server (``proxies[i]`` fronts ``servers[i]``)."""
+        proxies = [FaultProxy(s.port, seed=self.rng.randrange(1 << 30), mean_bytes_up=30_000,
+                              mean_bytes_down=3_000, cut_at_start=0.05) for s in self.servers]
+        for proxy in proxies:
+            proxy.cutting = False
+        return proxies
+
+    def worker_prefix(self, index: int) -> list[str]:
+        """The argv prefix that runs worker ``index`` (none: on this host)."""
+        return []
 
     def start_servers(self) -> None:
         """One ps-server per shard; returns once each serves."""

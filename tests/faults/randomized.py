@@ -71,15 +71,39 @@ optimizer slots, rows, versions, ledger, and in sync mode the open step's
 sums), and the rows a push
 refused part way applied must still hold what they did after the refusal.
 
+**Networked** (``--replicas 2 --network``, ``networked.py`` and ``nemesis.py``):
+every replica, every worker and each member of a 3-member etcd cluster
+runs on a network host of its own (a network namespace on a bridge,
+``tests/host_network.py``; ``tests/etcd_cluster.py``), and workers reach the
+replicas directly. Besides the replicated kinds (less the proxies' cuts;
+etcd-restart stops every member), the nemesis's ``nemesis.NETWORK_KINDS``
+drop packets (never a reset: connections stall) between every pair of
+parties: worker and replica, primary and backup, replica and etcd, both
+ways or one way; a replica's host lost to every peer; a link down; an etcd
+member SIGKILLed and restarted; etcd's leader cut off from the other
+members. Each is healed after 1 to 6 s (a lost primary's host once the
+other replica leads) and the next fault waits until every shard's replicas
+are in sync, so the same no-loss rule and the same bit-for-bit comparison
+hold. The run starts with every kind once, in a seeded order
+(``schedule``); a kind the budget left out is a failure. The report gives
+the failover the workers saw (``report.failover_seconds``): from a
+primary's SIGKILL ("process death") or the loss of its host ("lost host")
+to each worker's next acknowledged push, p50 and p99. Needs root, network
+namespaces and iptables; every process is stopped by PID and every
+namespace, veth and bridge deleted at the end.
+
 Run: ``python tests/faults/randomized.py --seed 7`` (``--modes``, ``--kinds``, ``--replicas``,
-``--events``, ``--budget``, ``--soak``, ``--workdir`` to keep the logs);
+``--network``, ``--events``, ``--budget``, ``--soak``, ``--workdir`` to keep the logs);
 the seed is printed, and the same seed replays the same schedule of faults
 (the processes' timing still varies). Every process is stopped by PID.
 
 The parts, one job each, in this package: ``layout`` (slots, elements,
 modes), ``worker`` (the worker process), ``cluster`` (servers, proxies,
-workers), ``schedule`` and ``probes`` (the faults), ``oracle`` (the rules
-above), ``report``; this module runs the modes and holds the command line.
+workers), ``replicated`` (replica sets on etcd, their process faults and
+the comparison of replicas), ``networked`` (the same on network hosts),
+``schedule``, ``probes`` and ``nemesis`` (the faults; the network's in
+``nemesis``), ``oracle`` (the rules above), ``report``; this module runs the
+modes and holds the command line.
 """
 
 from __future__ import annotations
@@ -104,21 +128,28 @@ for _path in (str(_TESTS.parent), str(_TESTS)):
 from faults import layout
 from faults.cluster import Cluster
 from faults.layout import MODES, SOAK_SLOTS
+from faults.nemesis import NETWORK_KINDS
+from faults.networked import NetworkedCluster
+from faults.networked import unavailable as network_unavailable
 from faults.oracle import Oracle
 from faults.replicated import REPLICA_KINDS, SHARED_KINDS, ReplicatedCluster
-from faults.report import Report, Timeline
+from faults.report import Report, Timeline, failover_seconds
 from faults.schedule import KINDS, FaultSchedule
+
+#: --network: the kinds shared with unreplicated runs, less "cut" (its fault proxies are gone: workers
+#: reach the replicas over the network, and the network's faults replace the proxies' cuts).
+NETWORK_SHARED_KINDS = tuple(kind for kind in SHARED_KINDS if kind != "cut")
 
 
 def run_mode(mode: str, seed: int, events: int, kinds: list[str], budget: float, workdir: pathlib.Path,
-             pace: float, replicas: int = 1) -> Report:
+             pace: float, replicas: int = 1, network: bool = False) -> Report:
     """One mode: set the cluster up, run the fault schedule, stop the workers and run the oracle."""
     workdir.mkdir(parents=True, exist_ok=True)
     report = Report(mode, seed)
     timeline = Timeline()
     rng = random.Random(f"{seed}-{mode}")
-    cluster = (ReplicatedCluster if replicas > 1 else Cluster)(mode, seed, kinds, workdir, pace, rng, report,
-                                                                timeline)
+    kind_of_cluster = NetworkedCluster if network else ReplicatedCluster if replicas > 1 else Cluster
+    cluster = kind_of_cluster(mode, seed, kinds, workdir, pace, rng, report, timeline)
     schedule = FaultSchedule(cluster, rng, kinds, events, budget, report, timeline)
 
     def finish() -> None:
@@ -127,6 +158,7 @@ def run_mode(mode: str, seed: int, events: int, kinds: list[str], budget: float,
         if cluster.config["consistency"] == "sync":
             cluster.flush_sync_step()
         Oracle(cluster, timeline, report).check()
+        report.failovers = failover_seconds(timeline, [cluster.worker_log(i) for i in range(layout.WORKERS)])
         if isinstance(cluster, ReplicatedCluster):
             cluster.check_replicas()
 
@@ -134,17 +166,24 @@ def run_mode(mode: str, seed: int, events: int, kinds: list[str], budget: float,
     phases = []
     try:
         for name, phase in (("setup", cluster.setup), ("schedule", schedule.run), ("finish", finish)):
-            phase()
-            phases.append(f"{name} {time.monotonic() - started:.1f}s")
-    except Exception as error:  # noqa: BLE001 - a crash of the harness is a failure to report with the seed
-        import traceback
+            try:
+                phase()
+            except Exception as error:  # noqa: BLE001 - a crash of the harness is a failure to report
+                import traceback
 
-        report.fail("harness error", f"{type(error).__name__}: {error}\n{traceback.format_exc()[-1500:]}")
+                report.fail("harness error",
+                            f"{type(error).__name__}: {error}\n{traceback.format_exc()[-1500:]}")
+                if name != "schedule":
+                    break
+                # The schedule stopped part way: the oracle still checks what was acknowledged until then.
+            phases.append(f"{name} {time.monotonic() - started:.1f}s")
     finally:
         cluster.cleanup()
     report.seconds = time.monotonic() - started
     report.notes.append(f"phases ended at: {', '.join(phases)}, cleanup {report.seconds:.1f}s")
     return report
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line; ``--soak`` also sets the slot count the controller and workers use."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -156,10 +195,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help=f"comma-separated, of {', '.join(MODES)} (default: all)")
     parser.add_argument("--kinds", default=None,
                         help=f"comma-separated fault kinds, of {', '.join(KINDS)} (default: all); with "
-                             f"--replicas 2, of {', '.join([*REPLICA_KINDS, *SHARED_KINDS])} (default: all)")
+                             f"--replicas 2, of {', '.join([*REPLICA_KINDS, *SHARED_KINDS])} (default: all); "
+                             f"with --network also {', '.join(NETWORK_KINDS)}, without cut")
     parser.add_argument("--replicas", type=int, choices=(1, 2), default=1,
                         help="replicas per shard: 2 runs each shard as a replica set on etcd "
                              "(no loss allowed)")
+    parser.add_argument("--network", action="store_true",
+                        help="with --replicas 2: every replica, worker and etcd member (3 of them) on a "
+                             "network host of its own, and the network's faults "
+                             f"({', '.join(NETWORK_KINDS)}); "
+                             "needs root, network namespaces and iptables")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds of fault schedule in all, split over the modes (default 160; --soak: "
                              "3,600); setup and checks come on top")
@@ -179,7 +224,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.seed is None:
         args.seed = int(os.environ.get("WEHUB_FAULT_SEED") or random.SystemRandom().randrange(1 << 31))
     args.modes = [m for m in (args.modes or ",".join(MODES)).split(",") if m]
-    allowed = [*REPLICA_KINDS, *SHARED_KINDS] if args.replicas > 1 else list(KINDS)
+    if args.network and args.replicas < 2:
+        parser.error("--network needs --replicas 2")
+    if args.network and (why := network_unavailable()):
+        parser.error(f"--network cannot run here: {why}")
+    allowed = ([*REPLICA_KINDS, *NETWORK_SHARED_KINDS, *NETWORK_KINDS] if args.network
+               else [*REPLICA_KINDS, *SHARED_KINDS] if args.replicas > 1 else list(KINDS))
     args.kinds = [k for k in (args.kinds or ",".join(allowed)).split(",") if k]
     for mode in args.modes:
         if mode not in MODES:
@@ -187,7 +237,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for kind in args.kinds:
         if kind not in allowed:
             parser.error(f"--kinds: fault kind {kind!r} is not one of {', '.join(allowed)} "
-                         f"(with --replicas {args.replicas})")
+                         f"(with --replicas {args.replicas}{' --network' if args.network else ''})")
     return args
 
 
@@ -197,7 +247,8 @@ def main(argv: list[str]) -> list[Report]:
     soak = " --soak" if args.soak else ""
     print(f"randomized fault test: seed {args.seed} (reproduce: --seed {args.seed}{soak} "
           f"--budget {args.budget:g} --modes {','.join(args.modes)} --kinds {','.join(args.kinds)} "
-          f"--events {args.events} --replicas {args.replicas})", flush=True)
+          f"--events {args.events} --replicas {args.replicas}{' --network' if args.network else ''})",
+          flush=True)
     keep = args.workdir is not None
     root = pathlib.Path(args.workdir) if keep else pathlib.Path(tempfile.mkdtemp(prefix="wehub-faults-"))
     reports = []
@@ -205,7 +256,7 @@ def main(argv: list[str]) -> list[Report]:
         per_mode_events = math.ceil(args.events / len(args.modes))
         for mode in args.modes:
             report = run_mode(mode, args.seed, per_mode_events, args.kinds, args.budget / len(args.modes),
-                              root / mode, args.pace, args.replicas)
+                              root / mode, args.pace, args.replicas, args.network)
             print(report.summary(), flush=True)
             reports.append(report)
     finally:

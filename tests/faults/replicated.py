@@ -4,8 +4,10 @@ Each replica has its own FaultProxy; a worker is given a shard's proxies
 in the replicated form ('p0|p1') and follows the primary through them. The
 faults (``REPLICA_KINDS``) always leave one in-sync replica of each shard:
 before each one the controller waits until the shard's other replica is in
-the primary's in-sync set, and a killed or frozen replica is brought back
-and waited for. So the oracle allows no loss at all (no loss window is ever
+the primary's in-sync set, a fault on the primary holds only if etcd's
+in-sync set still names the backup once it is in place (``fault_on_primary``;
+else it is undone at once and tried again), and a killed or frozen replica
+is brought back and waited for. So the oracle allows no loss at all (no loss window is ever
 opened): every acknowledged push is in the values exactly once.
 
 At the end (``check_replicas``) every replica of a shard writes a checkpoint
@@ -23,6 +25,8 @@ import random
 import signal
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 import numpy as np
@@ -43,6 +47,10 @@ REPLICA_KINDS = {"primary-kill": 3, "primary-stop": 1, "backup-kill": 2, "etcd-r
 #: "limit" pushes over a table's free rows, also one message refused part way (probes.refused_part_way).
 SHARED_KINDS = ("cut", "checkpoint", "worker-kill", "limit")
 IN_SYNC_TIMEOUT = 60.0
+#: What Python logs when a replica's role thread dies of an exception; looked for after ROLE_LOOK_AFTER s of
+#: waiting for a shard's replicas to get in sync.
+ROLE_DIED = "Exception in thread ps-replica:"
+ROLE_LOOK_AFTER = 10.0
 ELECTION_TIMEOUT = 30.0
 
 
@@ -56,15 +64,12 @@ class ReplicatedCluster(Cluster):
 
     def start_servers(self) -> None:
         self.refused_prefixes = []
+        self._roles_died: dict[tuple[int, int], int] = {}
         self._start_replicas()
 
     def _start_replicas(self) -> None:
-        binary = etcd_binary()
-        if binary is None:
-            raise RuntimeError("the replicated mode needs etcd: apt-get install etcd-server, "
-                               "or set ETCD_BINARY")
-        self.etcd = EtcdServer(self.workdir / "etcd", binary).start()
-        job = f"faults-{uuid.uuid4().hex[:8]}"
+        endpoints = self.etcd_endpoints = self.start_etcd()
+        job = self.job = f"faults-{uuid.uuid4().hex[:8]}"
         self.draw_lane()
         self.replicas = []
         for shard in range(NUM_SHARDS):
@@ -75,10 +80,9 @@ class ReplicatedCluster(Cluster):
                 args = self._server_args()
                 args[args.index("--checkpoint-dir") + 1] = str(directory / "ckpt")  # one per replica
                 args += ["--replicas", str(REPLICAS), "--replica-index", str(index),
-                         "--etcd-endpoints", self.etcd.endpoint, "--job-name", job,
-                         "--primary-lease-seconds", str(LEASE_SECONDS), *self.lane_args()]
-                # Port 0: the OS picks it at the first start; restarts reuse it.
-                members.append(Replica(shard, index, ServerProcess(shard, NUM_SHARDS, directory, args), 0))
+                         "--etcd-endpoints", endpoints, "--job-name", job,
+                         "--primary-lease-seconds", str(LEASE_SECONDS)]
+                members.append(self.make_replica(shard, index, directory, args))
             self.replicas.append(members)
         self.servers = [replica.process for replica in self._all()]  # cleanup stops them, even if one fails
         for replica in self._all():
@@ -87,6 +91,21 @@ class ReplicatedCluster(Cluster):
             replica.wait_ready()
         for shard in range(NUM_SHARDS):
             self.wait_in_sync(shard)
+
+    def start_etcd(self) -> str:
+        """Start etcd; its endpoints as ``--etcd-endpoints`` takes them."""
+        binary = etcd_binary()
+        if binary is None:
+            raise RuntimeError("the replicated mode needs etcd: apt-get install etcd-server, "
+                               "or set ETCD_BINARY")
+        self.etcd = EtcdServer(self.workdir / "etcd", binary).start()
+        return self.etcd.endpoint
+
+    def make_replica(self, shard: int, index: int, directory, args: list[str]) -> Replica:
+        """Replica ``index`` of ``shard`` (not started), with the flags every replica gets."""
+        # Port 0: the OS picks it at the first start; restarts reuse it.
+        process = ServerProcess(shard, NUM_SHARDS, directory, [*args, *self.lane_args()])
+        return Replica(shard, index, process, 0)
 
     def _all(self) -> list[Replica]:
         return [replica for members in self.replicas for replica in members]
@@ -116,9 +135,17 @@ class ReplicatedCluster(Cluster):
             time.sleep(0.05)
 
     def wait_in_sync(self, shard: int, timeout: float = IN_SYNC_TIMEOUT) -> Replica:
-        """Until the primary counts every other replica of ``shard`` in sync; the primary."""
+        """Until the primary counts every other replica of ``shard`` in sync; the primary.
+
+        A replica whose role thread died (it would never follow again) is a
+        failure; it is restarted, so the run goes on and the oracle still runs.
+        """
         deadline = time.monotonic() + timeout
+        next_look = time.monotonic() + ROLE_LOOK_AFTER
         while True:
+            if time.monotonic() > next_look:
+                self._restart_dead_roles(shard)
+                next_look = time.monotonic() + 2.0
             primary = self.primary(shard, timeout=max(1.0, deadline - time.monotonic()))
             try:
                 backups = self._status(primary).backups
@@ -128,8 +155,37 @@ class ReplicatedCluster(Cluster):
                 return primary
             if time.monotonic() > deadline:
                 raise RuntimeError(f"shard {shard}: replicas not in sync after {timeout:.0f}s "
-                                   f"(backups: {[(b.replica_index, b.in_sync) for b in backups]})")
+                                   f"(backups: {[(b.replica_index, b.in_sync) for b in backups]}); the "
+                                   f"replicas' last warnings:\n{self.log_tails(shard)}")
             time.sleep(0.05)
+
+    def _restart_dead_roles(self, shard: int) -> None:
+        """Report and restart each replica of ``shard`` whose ``ps-replica`` thread died since last seen."""
+        for replica in self.replicas[shard]:
+            text = replica.process.log_text()
+            died = text.count(ROLE_DIED)
+            key = (shard, replica.replica_index)
+            if died <= self._roles_died.get(key, 0):
+                continue
+            self._roles_died[key] = died
+            where = text.rfind(ROLE_DIED)
+            self.report.fail("replica role died",
+                             f"shard {shard} replica {replica.replica_index}: its ps-replica thread died, so "
+                             f"it never follows or leads again (restarted it; {replica.process.log_path}):\n"
+                             f"{text[where:where + 1500]}")
+            replica.process.signal(signal.SIGKILL)
+            replica.process.wait(30)
+            replica.start()
+
+    def log_tails(self, shard: int, lines: int = 6) -> str:
+        """The last ``lines`` log lines at warning or above of each replica of ``shard`` (for a failure)."""
+        tails = []
+        for replica in self.replicas[shard]:
+            found = [line for line in replica.process.log_text().splitlines()
+                     if '"level": "warning"' in line or '"level": "error"' in line or "Traceback" in line]
+            tails.append(f"replica {replica.replica_index} ({replica.process.log_path}):\n  "
+                         + "\n  ".join(line[:400] for line in found[-lines:]))
+        return "\n".join(tails)
 
     def wait_caught_up(self, shard: int, timeout: float = IN_SYNC_TIMEOUT) -> None:
         """Until every running replica of ``shard`` applied all its primary had applied when asked."""
@@ -199,13 +255,17 @@ class ReplicatedCluster(Cluster):
             for each in range(NUM_SHARDS):
                 self.wait_in_sync(each)
             return
-        primary = self.wait_in_sync(shard)
         if kind == "primary-kill":
-            self._kill_and_restart(primary, rng)
+            primary = self.fault_on_primary(shard, lambda p: p.process.freeze(),
+                                            lambda p: p.process.signal(signal.SIGCONT))
+            self.timeline.failovers.append(("process death", time.time()))
+            self._kill_and_restart(primary, rng)  # frozen, so it acknowledged nothing since the check
         elif kind == "backup-kill":
+            primary = self.wait_in_sync(shard)
             self._kill_and_restart(next(r for r in self.replicas[shard] if r is not primary), rng)
         elif kind == "primary-stop":
-            primary.process.signal(signal.SIGSTOP)
+            primary = self.fault_on_primary(shard, lambda p: p.process.freeze(),
+                                            lambda p: p.process.signal(signal.SIGCONT))
             try:
                 deadline = time.monotonic() + ELECTION_TIMEOUT
                 while not any(r is not primary and r.is_primary() for r in self.replicas[shard]):
@@ -219,6 +279,40 @@ class ReplicatedCluster(Cluster):
         else:
             raise ValueError(f"unknown replicated fault kind {kind!r}")
         self.wait_in_sync(shard)
+
+    def fault_on_primary(self, shard: int, inject: Callable[[Replica], Any], undo: Callable[[Replica], Any],
+                         attempts: int = 10) -> Replica:
+        """Inject a fault on ``shard``'s primary while its backup is in sync; the primary.
+
+        The backup can leave the in-sync set between ``wait_in_sync`` and the
+        fault (a slow answer), and then the primary is the only in-sync
+        replica: losing it may lose what it acknowledged alone. So once
+        ``inject`` holds (the primary frozen, or cut off), etcd's in-sync set,
+        which the primary must shrink before it acknowledges without the backup,
+        is read: if it no longer names the backup, ``undo`` at once and try again.
+        """
+        for attempt in range(attempts):
+            primary = self.wait_in_sync(shard)
+            backup = next(r for r in self.replicas[shard] if r is not primary)
+            inject(primary)
+            if self.in_sync_set_names(shard, backup):
+                return primary
+            undo(primary)
+            self.report.notes.append(f"shard {shard}: the backup left the in-sync set just before a fault on "
+                                     "the primary; the fault was undone and injected again")
+        raise RuntimeError(f"shard {shard}: the backup kept leaving the in-sync set ({attempts} tries)")
+
+    def in_sync_set_names(self, shard: int, replica: Replica) -> bool:
+        """Whether etcd's in-sync set of ``shard`` (what an election counts) names ``replica``."""
+        from ps_server.coordination import EtcdClient, InSync, ShardKeys
+
+        client = EtcdClient(self.etcd_endpoints.split(","), timeout=2.0)
+        try:
+            kv = client.get(ShardKeys(self.job, shard).isr)
+        finally:
+            client.close()
+        return kv is not None and any(index == replica.replica_index
+                                      for index, _ in InSync.from_kv(kv).members)
 
     def _kill_and_restart(self, replica: Replica, rng: random.Random) -> None:
         replica.process.signal(signal.SIGKILL)

@@ -1,9 +1,12 @@
 """The seeded fault schedule: which fault comes next, and injecting the ones that need no check of their own.
 
 The same seed draws the same kinds, shards, workers and pauses (the
-processes' timing still varies). Faults that check a guarantee as they run
-(token rotation, limits, idle streams, Checkpoint during a restore) are in
-``probes``; the schedule shares its random sequence with them and with the
+processes' timing still varies). A networked run starts with a round of
+every kind once, in a seeded order, then draws kinds by weight: a short run
+still has each kind, and one it could not fit in its budget is a failure.
+Faults that check a guarantee as they run (token rotation, limits, idle
+streams, Checkpoint during a restore) are in ``probes``, the network's in
+``nemesis``; the schedule shares its random sequence with them and with the
 cluster's setup, so the order of draws is part of what a seed replays.
 """
 
@@ -16,6 +19,7 @@ import time
 
 from faults.cluster import Cluster
 from faults.layout import NUM_SHARDS, WORKERS
+from faults.nemesis import NETWORK_KINDS
 from faults.probes import Probes
 from faults.replicated import REPLICA_KINDS, ReplicatedCluster
 from faults.report import Report, Timeline
@@ -43,7 +47,9 @@ class FaultSchedule:
         """Draw and inject faults until enough ran or the budget is spent; restart a worker that died."""
         cluster = self.cluster
         deadline = time.monotonic() + self.budget
-        weights = [{**KINDS, **REPLICA_KINDS}[k] for k in self.kinds]
+        weights = [{**KINDS, **REPLICA_KINDS, **NETWORK_KINDS}[k] for k in self.kinds]
+        cover = cluster.covers_every_kind
+        first_round = self.rng.sample(self.kinds, len(self.kinds)) if cover else []
         time.sleep(self.rng.uniform(0.5, 1.5))
         while sum(self.report.events.values()) < self.target_events and time.monotonic() < deadline:
             for index, popen in cluster.workers.items():
@@ -52,9 +58,13 @@ class FaultSchedule:
                                      f"worker {index} exited with {popen.returncode} before the end: "
                                      f"{cluster.worker_output[index].read_text(errors='replace')[-600:]!r}")
                     cluster.start_worker(index)
-            kind = self.rng.choices(self.kinds, weights)[0]
+            kind = first_round.pop(0) if first_round else self.rng.choices(self.kinds, weights)[0]
             self.event(kind)
             time.sleep(self.rng.uniform(0.05, 0.8))
+        missing = [kind for kind in self.kinds if cover and not self.report.events[kind]]
+        if missing:
+            self.report.fail("schedule", f"fault kinds that never ran (budget {self.budget:.0f}s, "
+                                         f"{sum(self.report.events.values())} events): {', '.join(missing)}")
 
     def event(self, kind: str) -> None:
         """Inject one fault of ``kind`` (logged to events.log) and count it."""
@@ -62,7 +72,14 @@ class FaultSchedule:
         shard = self.rng.randrange(NUM_SHARDS)
         with open(cluster.workdir / "events.log", "a") as events:
             events.write(json.dumps({"t": time.time(), "kind": kind, "shard": shard}) + "\n")
-        if kind == "server-kill":
+        if kind in NETWORK_KINDS:
+            nemesis = getattr(cluster, "nemesis", None)
+            assert nemesis is not None, f"{kind} needs --network"
+            what = nemesis.event(kind, shard, self.rng)
+            with open(cluster.workdir / "events.log", "a") as events:
+                done = {"t": time.time(), "kind": kind, "shard": shard, "done": what}
+                events.write(json.dumps(done) + "\n")
+        elif kind == "server-kill":
             cluster.stop_server(shard, signal.SIGKILL)
             time.sleep(self.rng.uniform(0, 0.5))  # workers retry against a dead address
             cluster.restart_server(shard)
