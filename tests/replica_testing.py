@@ -204,3 +204,13 @@ class ReplicatedCluster:
     def stop(self) -> None:
         for replica in self.all():
             replica.process.stop()
+
+
+def wait_for(condition, timeout: float, what: str, cluster: ReplicatedCluster) -> float:
+    """Poll ``condition`` until true; the time (monotonic) it was first seen true (fails after
+    ``timeout`` seconds with ``what`` and the cluster's logs)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout}s:\n{cluster.logs()}"
+        time.sleep(0.02)
+    return time.monotonic()

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from replica_faults import SlotPusher, check_slots, create_slots
 from replica_testing import ReplicatedCluster
+from replica_testing import wait_for as _wait
 
 from worker_client import NotPrimaryError, PSClient, PSUnavailableError
 
@@ -37,15 +38,6 @@ def replicated(tmp_path, etcd_server):
         for replica in cluster.all():
             replica.process.signal(signal.SIGCONT)  # a frozen process cannot handle SIGTERM
         cluster.stop()
-
-
-def _wait(condition, timeout: float, what: str, cluster: ReplicatedCluster) -> float:
-    """Poll ``condition`` until true; the time (monotonic) it was first seen true."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} within {timeout}s:\n{cluster.logs()}"
-        time.sleep(0.02)
-    return time.monotonic()
 
 
 def _in_sync(primary) -> list[tuple[int, bool]]:

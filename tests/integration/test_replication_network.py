@@ -19,6 +19,7 @@ import pytest
 from port_partition import PortPartition, available
 from replica_faults import SlotPusher, check_slots, create_slots
 from replica_testing import ReplicatedCluster
+from replica_testing import wait_for as _wait
 
 from wehub_ps.v1 import ps_pb2
 from worker_client import PSClient
@@ -50,14 +51,6 @@ def replicated(tmp_path, etcd_server):
 
 def _etcd_port(etcd) -> int:
     return int(etcd.endpoint.rpartition(":")[2])
-
-
-def _wait(condition, timeout: float, what: str, cluster: ReplicatedCluster) -> float:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} within {timeout}s:\n{cluster.logs()}"
-        time.sleep(0.02)
-    return time.monotonic()
 
 
 def _pushing(cluster: ReplicatedCluster, first: int) -> tuple[PSClient, SlotPusher]:
