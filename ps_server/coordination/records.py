@@ -10,7 +10,8 @@ Under ``/wehub-ps/<job>/shard/<index>/``:
 - ``leader``: ``{"replica_index", "address", "incarnation"}`` on the leader's
   lease. The EPOCH of a term is this key's create_revision: etcd revisions
   are unique and grow, so a later term always has a larger epoch;
-- ``isr``: ``{"epoch", "members": [[replica_index, incarnation], ...]}``, the
+- ``isr``: ``{"epoch", "members": [[replica_index, incarnation], ...],
+  "addresses": {replica_index: address}}``, the
   in-sync replicas, without a lease (it outlives every process). Only the
   leader of ``epoch`` writes it, in a transaction fenced on the leader key's
   create_revision. The isr written by a winning campaign has no ``epoch``
@@ -142,16 +143,22 @@ class InSync:
     epoch: int
     members: tuple[ReplicaId, ...]
     mod_revision: int = 0
+    #: Where each member was reached, by replica index (to probe a member whose key is gone).
+    addresses: tuple[tuple[int, str], ...] = ()
 
     @classmethod
     def from_kv(cls, kv: KeyValue) -> InSync:
         data = _load(kv)
         members = tuple((int(r), int(i)) for r, i in data["members"])
-        return cls(int(data.get("epoch", kv.mod_revision)), members, kv.mod_revision)
+        addresses = tuple(sorted((int(r), str(a)) for r, a in data.get("addresses", {}).items()))
+        return cls(int(data.get("epoch", kv.mod_revision)), members, kv.mod_revision, addresses)
 
     @staticmethod
-    def encode(members: tuple[ReplicaId, ...] | list[ReplicaId], epoch: int | None) -> bytes:
+    def encode(members: tuple[ReplicaId, ...] | list[ReplicaId], epoch: int | None,
+               addresses: dict[int, str] | None = None) -> bytes:
         data: dict = {"members": [[int(r), int(i)] for r, i in members]}
         if epoch is not None:
             data["epoch"] = int(epoch)
+        if addresses:
+            data["addresses"] = {str(r): a for r, a in sorted(addresses.items())}
         return _dump(data)

@@ -302,8 +302,9 @@ class ShardCoordinator:
         gone = set()
         missing = {r for r in state.in_sync.members if r[0] not in state.members and r[0] != self.replica_index}
         self._missing_since = {r: self._missing_since.get(r, now) for r in missing}
+        recorded = dict(state.in_sync.addresses)
         for replica in missing:
-            address = self._addresses.get(replica[0])
+            address = recorded.get(replica[0]) or self._addresses.get(replica[0])
             if now - self._missing_since[replica] >= self.unclean_after or (address and refuses(address)):
                 gone.add(replica)
         if missing - gone:
@@ -331,7 +332,8 @@ class ShardCoordinator:
                     for r in sorted(counted - {self.replica_index})]
         leader = Leader.encode(self.replica_index, self.address, self.incarnation, self.replication_address)
         success = [put_op(self.keys.leader, leader, lease=keeper.lease.id),
-                   put_op(self.keys.isr, InSync.encode([self.replica_id], epoch=None))]
+                   put_op(self.keys.isr, InSync.encode([self.replica_id], epoch=None,
+                                                       addresses={self.replica_index: self.address}))]
         try:
             result = self._client.txn(compare, success)
         except CoordinationError as error:
@@ -429,11 +431,13 @@ class ShardCoordinator:
         kv = self._client.get(self.keys.isr)
         return InSync.from_kv(kv) if kv is not None else None
 
-    def set_in_sync(self, epoch: int, members: Sequence[ReplicaId]) -> bool:
+    def set_in_sync(self, epoch: int, members: Sequence[ReplicaId],
+                    addresses: dict[int, str] | None = None) -> bool:
         """Write the isr as leader of ``epoch``; False when this replica no longer holds that term."""
         keeper = self._require_keeper()
         compare = [create_revision_is(self.keys.leader, epoch), _lease_is(self.keys.leader, keeper.lease.id)]
-        result = self._client.txn(compare, [put_op(self.keys.isr, InSync.encode(list(members), epoch))])
+        isr = InSync.encode(list(members), epoch, addresses)
+        result = self._client.txn(compare, [put_op(self.keys.isr, isr)])
         return result.succeeded
 
     # --- ending ---------------------------------------------------------------------------------

@@ -147,3 +147,10 @@ def test_outside_the_isr_a_missing_isr_member_must_be_proven_gone():
 
 
 ISR_OF_ONE = InSync(epoch=7, members=((0, 10),))
+
+
+def test_the_isr_records_where_its_members_were_reached():
+    keys = ShardKeys("job", 0)
+    written = InSync.from_kv(_kv(keys.isr, InSync.encode([(0, 10), (1, 20)], 42, {0: "h:0", 1: "h:1"}), 5, 50))
+    assert written.addresses == ((0, "h:0"), (1, "h:1"))
+    assert InSync.from_kv(_kv(keys.isr, InSync.encode([(1, 20)], 42), 5, 50)).addresses == ()
