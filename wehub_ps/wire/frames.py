@@ -343,8 +343,9 @@ class FrameListener:
                     self._open += 1
                     self._pending += 1
             if full:
-                sock.close()
+                # Counted before the close, so whoever sees the close also sees the count.
                 self.refusals.refused("too many connections", peer=peer, limit=full)
+                sock.close()
                 continue
             threading.Thread(target=self._serve_accepted, args=(sock, peer, deadline),
                              name=f"{self._name}-connection", daemon=True).start()
