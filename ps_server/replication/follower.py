@@ -2,7 +2,9 @@
 
 Records are applied one at a time, in the primary's order, on this
 stream's thread (see records.RecordApplier), and only when they continue
-the log this stream's snapshot started (``positions.continues``). Each
+the log this stream's snapshot started (``positions.continues``); the
+push streams open on the primary when the snapshot was taken are reopened
+with it, so their later records apply here too (records.OpenPushes). Each
 message is answered with the position applied so far, or, before the
 snapshot is installed, with none: the primary waits for an answer naming
 its term before it acknowledges a change to its worker, and reads any
@@ -39,6 +41,9 @@ _PROBE = ps_pb2.FollowRequest(probe=True).SerializeToString()
 #: first); once in sync, the primary's silence for --failover-after ends the stream.
 _CATCH_UP_SILENCE = 60.0
 
+#: Push streams open in one snapshot at most (a primary serves far fewer at once).
+_MAX_OPEN_PUSHES = 65536
+
 
 class Follower:
     def __init__(self, role: ReplicaRole, shard_index: int, num_shards: int, applier: RecordApplier,
@@ -66,6 +71,8 @@ class Follower:
             token=self._token())).SerializeToString()
         self._applier.forget_streams()
         receiver: SnapshotReceiver | None = None
+        #: The push streams open in the snapshot being received.
+        opened: list[ps_pb2.OpenPush] = []
         try:
             connection = connect(leader.replication_address, self._tls, settings.failover_after)
         except ConnectionClosed as error:
@@ -110,13 +117,23 @@ class Follower:
                             receiver = SnapshotReceiver(self._shard_index, self._num_shards,
                                                         self._snapshot_parent)
                         receiver.add(message.snapshot_file)
+                    elif kind == "open_push":
+                        if receiver is None or len(opened) >= _MAX_OPEN_PUSHES:
+                            return "the primary sent an open push stream outside a snapshot, or too many"
+                        opened.append(message.open_push)
                     elif kind == "snapshot_done":
                         if receiver is None:
                             return "the primary sent no snapshot"
                         if message.epoch != leader.epoch:
                             return f"the primary leads term {message.epoch}, not {leader.epoch}"
                         held = Position(message.epoch, message.snapshot_done)
-                        role.install(functools.partial(self._install, receiver.load()), held)
+                        try:
+                            role.install(functools.partial(self._install_snapshot, receiver.load(), opened), held)
+                        except Divergence as error:
+                            event(log, logging.ERROR, "cannot apply the primary's change", error=str(error))
+                            role.lost_state()
+                            return "a push stream open in the snapshot could not be reopened"
+                        opened = []
                         connection.set_timeout(settings.failover_after)
                         probe = _SilenceProbe(connection, settings.failover_after)
                         event(log, logging.INFO, "snapshot loaded", position=str(held),
@@ -141,6 +158,11 @@ class Follower:
             connection.close()
             if receiver is not None:
                 receiver.close()
+
+    def _install_snapshot(self, state: RestoredState, opened: list[ps_pb2.OpenPush]) -> None:
+        """The snapshot's state, then its open push streams (Divergence: the state is not whole)."""
+        self._install(state)
+        self._applier.reopen(opened)
 
     def interrupt(self) -> None:
         """End the stream being followed (its primary's term is over); follow() then returns."""

@@ -2,8 +2,8 @@
 
 A backup connects to the primary's replication port (wehub_ps.wire.frames) and
 sends FollowStart; the primary attaches it to its log in the same hold of
-the order lock as it takes the snapshot (role.attach), sends the snapshot
-and then the records. Every message sent is answered by the sequence the
+the order lock as it takes the snapshot (role.attach), sends the snapshot,
+the push streams open in it, and then the records. Every message sent is answered by the sequence the
 backup applied; answers are read on their own thread, so a slow sender
 never hides a live backup. The stream ends when the backup goes, falls too
 far behind (its link is cut), or this replica stops leading.
@@ -50,7 +50,7 @@ class BackupStreams:
         """Serve one backup whose first frame, ``first``, arrived whole (FrameListener's handler)."""
         try:
             start = self._start(first)
-            link, snapshot = self._role.attach(start, self._take_snapshot)
+            link, snapshot, opened = self._role.attach(start, self._take_snapshot)
             link.transport_alive = connection.peer_acknowledged_within
         except RequestError as error:
             # Anyone who reaches the port can be refused: at WARNING once a minute, with counts.
@@ -65,7 +65,7 @@ class BackupStreams:
                                    name=f"ps-backup-answers-{start.replica_index}", daemon=True)
         answers.start()
         try:
-            self._send(connection, link, snapshot)
+            self._send(connection, link, snapshot, opened)
         except ConnectionClosed as error:
             link.close(str(error))
         finally:
@@ -88,7 +88,8 @@ class BackupStreams:
                                f"backup is of shard {start.shard_index} of {start.num_shards}")
         return start
 
-    def _send(self, connection: FramedConnection, link: BackupLink, snapshot: ShardSnapshot) -> None:
+    def _send(self, connection: FramedConnection, link: BackupLink, snapshot: ShardSnapshot,
+              opened: list[ps_pb2.OpenPush]) -> None:
         epoch = link.epoch
         sender = SnapshotSender(snapshot, self._snapshot_parent)
         try:
@@ -98,6 +99,9 @@ class BackupStreams:
                 connection.send([message.SerializeToString()])
         finally:
             sender.close()
+        for open_push in opened:
+            link.sending(link.start_sequence)
+            connection.send([ps_pb2.ReplicationMessage(epoch=epoch, open_push=open_push).SerializeToString()])
         link.sending(link.start_sequence)
         connection.send([ps_pb2.ReplicationMessage(epoch=epoch,
                                                    snapshot_done=link.start_sequence).SerializeToString()])

@@ -25,6 +25,8 @@ JSON), read under the order, like ssp's.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -43,7 +45,7 @@ from wehub_ps.wire.codec import decode_push_request
 from wehub_ps.wire.protowire import CodecError
 from wehub_ps.wire.replication import PushView, RecordView, other_op, push_op
 
-__all__ = ["Divergence", "RecordApplier", "checkpoint", "consistency_state", "finish", "push_applied",
+__all__ = ["Divergence", "OpenPushes", "RecordApplier", "checkpoint", "consistency_state", "finish", "push_applied",
            "push_decided", "push_ended", "rows_read", "sync_step", "variable_created"]
 
 #: Bytes a record costs beyond its payload (headers, the begin of a small push).
@@ -109,6 +111,67 @@ def _small(record: ps_pb2.ReplicationRecord) -> Op:
     return op, RECORD_OVERHEAD + len(op[0])
 
 
+class OpenPushes:
+    """A primary's push streams whose begin is in its log and whose end is not yet.
+
+    A catch-up snapshot holds what such a stream applied so far; the backup
+    reopens the stream from its begin, sent with the snapshot, so that the
+    stream's later records apply there as well. That works for a push applied
+    as it arrives (async and ssp gradients: the snapshot's ledger holds its
+    claims). A sync push's gradients and an ASSIGN push's values are staged
+    in the primary's memory until the push ends, which no snapshot holds: a
+    backup cannot go on with such a stream, so a snapshot waits (a bounded
+    time) for an instant when none is open. Thread-safe; ``logged`` is
+    called in the log's order, as its record is appended.
+    """
+
+    def __init__(self, sync: bool = False) -> None:
+        self._sync = sync
+        # Guards _begins (open streams by the primary's stream number) and _staged (those of them whose
+        # effects are staged in memory until they end); notified when a stream ends.
+        self._changed = threading.Condition()
+        self._begins: dict[int, ps_pb2.PushBegin] = {}
+        self._staged: set[int] = set()
+
+    def logged(self, stream: int, begin: ps_pb2.PushBegin | None, ended: bool) -> None:
+        """A record of ``stream`` was logged (``begin``: it carried the push's begin; ``ended``: the last)."""
+        with self._changed:
+            if ended:
+                self._begins.pop(stream, None)
+                if stream in self._staged:
+                    self._staged.discard(stream)
+                    self._changed.notify_all()
+            elif begin is not None:
+                self._begins[stream] = begin
+                if self._sync or begin.kind == ps_pb2.ASSIGN:
+                    self._staged.add(stream)
+
+    def clear(self) -> None:
+        """A new log (a new term): the streams of the old one end with it."""
+        with self._changed:
+            self._begins.clear()
+            self._staged.clear()
+            self._changed.notify_all()
+
+    def staged(self) -> bool:
+        """Whether a stream whose effects no snapshot holds is open."""
+        with self._changed:
+            return bool(self._staged)
+
+    def wait_unstaged(self, seconds: float) -> None:
+        """Wait at most ``seconds`` for no stream with staged effects to be open."""
+        deadline = time.monotonic() + seconds
+        with self._changed:
+            while self._staged and (remaining := deadline - time.monotonic()) > 0:
+                self._changed.wait(remaining)
+
+    def resumable(self) -> list[ps_pb2.OpenPush]:
+        """The open streams a backup can go on with from a snapshot taken now (under the log's order)."""
+        with self._changed:
+            return [ps_pb2.OpenPush(stream=stream, begin=begin) for stream, begin in self._begins.items()
+                    if stream not in self._staged]
+
+
 class Divergence(Exception):
     """A record the backup could not apply as the primary did: its state can no longer be trusted."""
 
@@ -160,6 +223,15 @@ class RecordApplier:
         except (RequestError, SpecError, CodecError) as error:
             raise Divergence(f"record {record.sequence} ({op}) failed on this backup: {error}") from error
 
+    def reopen(self, opened: list[ps_pb2.OpenPush]) -> None:
+        """After a snapshot is installed: the push streams open on the primary when it was taken."""
+        for open_push in opened:
+            try:
+                self._begin(open_push.stream, open_push.begin)
+            except (RequestError, SpecError) as error:
+                raise Divergence(f"push stream {open_push.stream}, open in the primary's snapshot, cannot "
+                                 f"be reopened on this backup: {error}") from error
+
     def forget_streams(self) -> None:
         """Promoted to primary: the old primary's open streams are retried by their workers."""
         self._streams.clear()
@@ -177,7 +249,8 @@ class RecordApplier:
 
     def _begin(self, stream: int, begin: ps_pb2.PushBegin) -> ActivePush:
         if not begin.worker_id:
-            raise Divergence(f"push stream {stream} has no begin on this backup")
+            raise Divergence(f"push stream {stream} has no begin on this backup (a push staged on the "
+                             "primary, open when this backup's snapshot was taken)")
         consistency = decision = None
         if self._consistency.mode == "sync":
             consistency = self._consistency

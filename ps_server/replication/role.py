@@ -106,6 +106,8 @@ class ReplicaSettings:
     backup_stall_timeout: float
     #: Changes queued for one backup at most before it is cut off (it catches up again).
     max_backup_bytes: int
+    #: The shard's consistency mode (sync pushes are staged until they end; see records.OpenPushes).
+    consistency: str = "async"
 
 
 #: Roles, as Describe and ps-admin show them.
@@ -114,6 +116,10 @@ STARTING, CATCHING_UP, BACKUP, CANDIDATE, PRIMARY, DEPOSED, STOPPING = (
 
 # A primary's proof of its lease ends this much before the TTL does (clock rates, scheduling).
 _PROOF_MARGIN = 0.1
+
+# A catch-up snapshot waits at most this long for an instant with no staged push open (sync pushes end
+# within a step); past it, it is taken anyway and the backup starts over when such a push's record comes.
+_SNAPSHOT_WAIT = 2.0
 
 _cannot_update_in_sync = Throttled(log, logging.WARNING, "cannot update the in-sync set while etcd is unreachable")
 
@@ -149,6 +155,8 @@ class ReplicaRole:
         #: that finished it is logged in the same hold).
         self._holding = threading.local()
         self._streams = itertools.count(1)
+        #: Primary: push streams of its log that have not ended (a catch-up snapshot reopens them).
+        self._open_pushes = records.OpenPushes(sync=settings.consistency == "sync")
         #: Primary: backups attached to the log, and those of them in the in-sync set.
         self._links: dict[tuple[int, int], BackupLink] = {}
         self._in_sync: set[tuple[int, int]] = set()
@@ -408,6 +416,7 @@ class ReplicaRole:
         # at 0, so (epoch, sequence) tells a reset from a continuation.
         start = held.sequence if self.has_state else 0
         self._log = UpdateLog(start)
+        self._open_pushes.clear()
         self.applied, self.state_epoch = start, epoch
         self._epoch = epoch
         self._in_sync = set()
@@ -465,10 +474,14 @@ class ReplicaRole:
 
     def push_applied(self, stream: int, begin: ps_pb2.PushBegin | None, message: bytes | memoryview,
                      completed: bool = False) -> int:
-        return self._append(*records.push_applied(stream, begin, message, completed))
+        sequence = self._append(*records.push_applied(stream, begin, message, completed))
+        self._open_pushes.logged(stream, begin, completed)
+        return sequence
 
     def push_ended(self, stream: int, begin: ps_pb2.PushBegin | None, completed: bool) -> int:
-        return self._append(*records.push_ended(stream, begin, completed))
+        sequence = self._append(*records.push_ended(stream, begin, completed))
+        self._open_pushes.logged(stream, begin, True)
+        return sequence
 
     def variable_created(self, spec: ps_pb2.VariableSpec) -> int:
         return self._append(*records.variable_created(spec))
@@ -536,24 +549,33 @@ class ReplicaRole:
 
     # ---- the primary's backups ----
 
-    def attach(self, start: ps_pb2.FollowStart, snapshot: Callable[[], object]) -> tuple[BackupLink, object]:
-        """A backup asks to follow: refuse unless primary; else its link and a snapshot in one instant."""
+    def attach(self, start: ps_pb2.FollowStart,
+               snapshot: Callable[[], object]) -> tuple[BackupLink, object, list[ps_pb2.OpenPush]]:
+        """A backup asks to follow: refuse unless primary; else its link, a snapshot and the push streams
+        open then, in one instant (one with no staged push open, if one comes within a bound)."""
         if start.epoch > self._epoch and self._state == PRIMARY:
             self._newer_term_claimed(start.epoch)
-        self.check_primary()
-        assert self._log is not None
         link = BackupLink(start.replica_index, start.incarnation, start.address,
                           self.settings.max_backup_bytes, self._notify, self._epoch)
-        with self._log.ordered():
-            taken = snapshot()
-            self._log.attach(link)
+        deadline = time.monotonic() + _SNAPSHOT_WAIT
+        while True:
+            self.check_primary()
+            log_ = self._log
+            assert log_ is not None
+            with log_.ordered():
+                if not self._open_pushes.staged() or time.monotonic() >= deadline:
+                    taken = snapshot()
+                    opened = self._open_pushes.resumable()
+                    log_.attach(link)
+                    break
+            self._open_pushes.wait_unstaged(deadline - time.monotonic())
         old = self._links.get(link.key)
         if old is not None:
             old.close("replaced by a new stream of the same backup")
         self._links[link.key] = link
         event(log, logging.INFO, "backup attached", replica_index=start.replica_index, address=start.address,
-              sequence=link.start_sequence)
-        return link, taken
+              sequence=link.start_sequence, open_pushes=len(opened))
+        return link, taken, opened
 
     def _newer_term_claimed(self, claimed: int) -> None:
         """A backup says a newer term began: etcd decides (a peer's word alone deposes no primary)."""

@@ -77,7 +77,7 @@ class ReplicaWiring:
             incarnation=int(server.server_id[:12], 16), lease_seconds=float(config.primary_lease_seconds),
             replication_timeout=config.replication_timeout, failover_after=config.failover_after,
             backup_stall_timeout=config.backup_stall_timeout,
-            max_backup_bytes=config.max_backup_bytes)
+            max_backup_bytes=config.max_backup_bytes, consistency=config.consistency)
         self.role = ReplicaRole(settings, self._become_primary)
         self.role.on_state = self._state_changed
         self.role.on_proof = lambda proven: self._set_health(self.role.state)

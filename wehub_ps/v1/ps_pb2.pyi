@@ -672,20 +672,30 @@ class FollowStart(_message.Message):
     def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., replica_index: _Optional[int] = ..., incarnation: _Optional[int] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
 
 class ReplicationMessage(_message.Message):
-    __slots__ = ("epoch", "snapshot_file", "snapshot_done", "record", "ping", "refused")
+    __slots__ = ("epoch", "snapshot_file", "snapshot_done", "record", "ping", "refused", "open_push")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FILE_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_DONE_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    OPEN_PUSH_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     snapshot_file: SnapshotFile
     snapshot_done: int
     record: ReplicationRecord
     ping: int
     refused: str
-    def __init__(self, epoch: _Optional[int] = ..., snapshot_file: _Optional[_Union[SnapshotFile, _Mapping]] = ..., snapshot_done: _Optional[int] = ..., record: _Optional[_Union[ReplicationRecord, _Mapping]] = ..., ping: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
+    open_push: OpenPush
+    def __init__(self, epoch: _Optional[int] = ..., snapshot_file: _Optional[_Union[SnapshotFile, _Mapping]] = ..., snapshot_done: _Optional[int] = ..., record: _Optional[_Union[ReplicationRecord, _Mapping]] = ..., ping: _Optional[int] = ..., refused: _Optional[str] = ..., open_push: _Optional[_Union[OpenPush, _Mapping]] = ...) -> None: ...
+
+class OpenPush(_message.Message):
+    __slots__ = ("stream", "begin")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    begin: PushBegin
+    def __init__(self, stream: _Optional[int] = ..., begin: _Optional[_Union[PushBegin, _Mapping]] = ...) -> None: ...
 
 class SnapshotFile(_message.Message):
     __slots__ = ("path", "offset", "last", "data")
