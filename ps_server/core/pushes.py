@@ -548,7 +548,9 @@ def _decide(store: VariableStore, consistency: ConsistencyController, begin: Pus
                     if isinstance(item.part, HashTablePart) and item.row_ids is not None]
             # Every table is checked and its growth booked before any row is created or pinned.
             decision = consistency.push_decision(begin.step, lambda: store.pin_rows(pins))
-            if decided is not None and decision != PushDecision.WAIT:
+            # Sync only: outside it every push is applied (APPLY) and ordered() holds nothing, so
+            # there is no decision to log, and logging one would append outside the shard's order.
+            if decided is not None and decision in (PushDecision.ACCUMULATE, PushDecision.DROP):
                 decided(begin.step, decision, pins if decision == PushDecision.ACCUMULATE else [])
         if decision != PushDecision.WAIT:
             return decision

@@ -148,6 +148,8 @@ class UpdateLog:
     def append(self, op: list, nbytes: int) -> int:
         """The caller holds ``ordered()``: give the change ``op`` (a record's op as pieces, see
         wehub_ps.wire.replication) the next sequence and queue it for every backup."""
+        if not self._order.locked():  # two unordered appends could queue their sequences swapped
+            raise RuntimeError("a change was logged outside the shard's order")
         self.sequence += 1
         record = record_pieces(self.sequence, op)
         for link in self._links:

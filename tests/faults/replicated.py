@@ -53,6 +53,8 @@ ROLE_DIED = "Exception in thread ps-replica:"
 ROLE_LOOK_AFTER = 10.0
 #: What a backup logs when it could not apply its primary's record (and starts over with a snapshot).
 DIVERGED = '"event": "cannot apply the primary\'s change"'
+#: What a backup logs when its primary's stream skipped or swapped a record (never right).
+GAP = '"event": "a record does not continue the log; starting over"'
 
 ELECTION_TIMEOUT = 30.0
 
@@ -231,7 +233,8 @@ class ReplicatedCluster(Cluster):
                                                   f"applied held {values.tolist()}, now {now.tolist()}")
 
     def _check_no_divergence(self) -> None:
-        """No backup failed to apply a record of its primary (each such failure costs a new snapshot).
+        """No backup was sent a record that does not continue its log (a primary's records are numbered
+        and queued in one order), and none failed to apply one (each costs a new snapshot).
 
         A catch-up snapshot carries the push streams open in it, so outside
         sync mode none may fail. A sync push's gradients are staged on the
@@ -240,7 +243,12 @@ class ReplicatedCluster(Cluster):
         """
         for shard in range(NUM_SHARDS):
             for replica in self.replicas[shard]:
-                found = [line for line in replica.process.log_text().splitlines() if DIVERGED in line]
+                lines = replica.process.log_text().splitlines()
+                gaps = [line for line in lines if GAP in line]
+                if gaps:
+                    self.report.fail("log gap", f"shard {shard} replica {replica.replica_index} was sent "
+                                                f"{len(gaps)} records that do not continue its log: {gaps[0][:600]}")
+                found = [line for line in lines if DIVERGED in line]
                 if not found:
                     continue
                 if self.config["consistency"] == "sync":

@@ -520,3 +520,30 @@ def test_the_open_steps_dense_sum_is_booked_once_per_part():
     assert shard.ctrl.stats().steps_applied == 1
     np.testing.assert_array_equal(shard.value("d"), -np.ones(elements, np.float32))
     assert _sum_bytes(shard) < elements * 4  # applied: the sum is given back
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_outside_sync_a_push_logs_no_decision(mode):
+    """Only sync pushes have a decision to log (ACCUMULATE or DROP): outside sync the consistency order
+    holds nothing, so a logged decision would be appended outside the shard's order (and a backup would
+    keep it for a stream that never uses it)."""
+    shard = Shard(mode=mode)
+    shard.join("a")
+    logged = []
+    begin = _begin([("x", SIZE, ps_pb2.FLOAT32)], sequence=1, worker_id="a", incarnation="inc-a", step=0)
+    push = begin_push(shard.store, shard.ledger, begin, shard.ctrl,
+                      decided=lambda step, decision, pins: logged.append((step, decision)))
+    push.apply_many(_chunks("x", np.ones(SIZE, np.float32), SIZE))
+    push.finish()
+    assert logged == []
+    np.testing.assert_array_equal(shard.value("x"), -np.ones(SIZE, np.float32))
+
+
+def test_a_sync_push_logs_its_decision():
+    shard = Shard()
+    shard.join("a")
+    logged = []
+    begin = _begin([("x", SIZE, ps_pb2.FLOAT32)], sequence=1, worker_id="a", incarnation="inc-a", step=0)
+    begin_push(shard.store, shard.ledger, begin, shard.ctrl,
+               decided=lambda step, decision, pins: logged.append((step, decision)))
+    assert logged == [(0, "accumulate")]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ps_server.replication.log import BackupLink, UpdateLog
 
 
@@ -30,3 +32,14 @@ def test_a_new_terms_log_goes_on_from_the_state_it_was_elected_with():
         assert log.attach(link) == 41
         assert log.append([b""], 1) == 42
     assert link.take(0.0)[0][0] == 42
+
+
+def test_a_change_is_logged_only_in_the_shards_order():
+    """Two appends outside the order could queue their sequences swapped (a backup would see a gap)."""
+    log = UpdateLog(0)
+    link = _link(epoch=1)
+    with log.ordered():
+        log.attach(link)
+    with pytest.raises(RuntimeError, match="outside the shard's order"):
+        log.append([b""], 1)
+    assert log.sequence == 0 and link.take(0.0) == []
