@@ -18,7 +18,9 @@ Same bits as the NumPy path.
 Compiling and the fallback without numba: wehub_ps/kernels/compiled.py.
 :func:`prepare` loads or compiles the loops a shard's variables will use
 ahead of their first push (numba's import, LLVM's set-up and, without a
-cached copy, the compile: 0.5-1 s on the 2-core machine).
+cached copy, the compile: 0.5-1.5 s on the 2-core machine); a push that
+comes meanwhile runs the NumPy kernel, which gives the same bits, rather
+than wait (a backup catching up applies thousands of pushes in that time).
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def fused_adam(w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray,
         return False
     if not (w.flags.aligned and m.flags.aligned and v.flags.aligned):
         return False
-    kernel = compiled(_adam, _adam_signatures)
+    kernel = compiled(_adam, _adam_signatures, wait=False)  # None while being prepared: NumPy meanwhile
     if kernel is None:
         return False
     scalar = dtype.type
@@ -122,7 +124,7 @@ def fused_sgd_rows(table: np.ndarray, rows: np.ndarray, g: np.ndarray, learning_
     if not (table.flags.c_contiguous and table.flags.aligned and table.flags.writeable
             and g.flags.c_contiguous):
         return False
-    kernel = compiled(_sgd_rows, _sgd_rows_signatures)
+    kernel = compiled(_sgd_rows, _sgd_rows_signatures, wait=False)  # None while being prepared: NumPy meanwhile
     if kernel is None:
         return False
     # The only argument types it was compiled for: native int64 rows, contiguous.
@@ -148,11 +150,15 @@ def loops_for(specs: Iterable[VariableSpec]) -> list[str]:
     return sorted(loops)
 
 
+#: Every loop :func:`prepare` knows.
+LOOPS = ("adam", "sgd_rows")
+
+
 def prepare(loops: Iterable[str]) -> None:
     """Load (from numba's cache) or compile the named loops now; blocking, thread-safe.
 
-    A push that needs a loop meanwhile waits for it (wehub_ps.kernels.compiled
-    builds each loop once), so preparing never changes what a push computes.
+    A push that needs a loop meanwhile runs the NumPy kernel, which gives the
+    same bits, so preparing never changes what a push computes.
     """
     for loop in loops:
         if loop == "adam":

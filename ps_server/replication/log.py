@@ -55,6 +55,8 @@ class BackupLink:
         #: The log's sequence when it had (set by the primary's monitor): once the backup acknowledged it,
         #: it joins the in-sync set, and acknowledgements after it wait for the backup.
         self.join_at: int | None = None
+        #: When it acknowledged ``join_at`` (monotonic): acknowledgements wait for it from then on.
+        self.joined_at = 0.0
         #: The sequence the backup's snapshot holds: records after it are queued from the start.
         self.start_sequence = 0
         #: The newest sequence sent (or in the snapshot).

@@ -685,6 +685,7 @@ class ReplicaRole:
             if link.acknowledged >= link.join_at:
                 with self._acks:
                     self._in_sync.add(key)
+                link.joined_at = time.monotonic()
                 self._joining[key] = log_.sequence  # read after the grow: every later append waits for it
 
     def _change_in_sync(self, failed: set[tuple[int, int]], caught_up: set[tuple[int, int]]) -> None:
@@ -716,7 +717,9 @@ class ReplicaRole:
         for key in caught_up:
             link = self._links.get(key)
             event(log, logging.INFO, "backup in sync", replica_index=key[0],
-                  after_snapshot_seconds=round(now - link.installed_at, 3) if link is not None else None)
+                  after_snapshot_seconds=round(now - link.installed_at, 3) if link is not None else None,
+                  waited_for_after_seconds=round(link.joined_at - link.installed_at, 3)
+                  if link is not None and link.joined_at else None)
 
     def lease_lost(self) -> None:
         """The coordinator found this replica's etcd lease gone: it rejoins with a new lease (keeping

@@ -41,9 +41,11 @@ log = logging.getLogger("wehub_ps.kernels.compiled")
 
 _lock = threading.Lock()  # guards _built
 _built: dict[Callable, Callable | None] = {}
+_NOT_BUILT = object()
 
 
-def compiled(fn: Callable, signatures: Callable[[Any], list] | None = None) -> Callable | None:
+def compiled(fn: Callable, signatures: Callable[[Any], list] | None = None,
+             wait: bool = True) -> Callable | None:
     """``fn`` compiled by numba (GIL released, NumPy's error model), or None without numba.
 
     ``error_model="numpy"`` only drops Python's zero-division checks, which
@@ -55,11 +57,22 @@ def compiled(fn: Callable, signatures: Callable[[Any], list] | None = None) -> C
     loop declares an argument that may start at any byte: numba types every
     array it is handed as aligned, so only a declared ``aligned=False``
     makes it generate loads that are correct at any address.
+
+    ``wait=False``: None at once while another thread builds a loop (a
+    server preparing its loops ahead), so a caller with a NumPy path of
+    the same bits runs that instead of waiting up to a second.
     """
-    with _lock:
+    built = _built.get(fn, _NOT_BUILT)  # one dict read: no lock needed
+    if built is not _NOT_BUILT:
+        return built
+    if not _lock.acquire(blocking=wait):
+        return None  # ``wait=False``: another thread is building a loop; the caller's NumPy path meanwhile
+    try:
         if fn not in _built:
             _built[fn] = _build(fn, signatures)
         return _built[fn]
+    finally:
+        _lock.release()
 
 
 def cache_in(directory: str) -> None:
