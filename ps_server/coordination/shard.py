@@ -307,7 +307,7 @@ class ShardCoordinator:
             address = recorded.get(replica[0]) or self._addresses.get(replica[0])
             if now - self._missing_since[replica] >= self.unclean_after or (address and refuses(address)):
                 gone.add(replica)
-        if missing - gone:
+        if missing - gone and self.replica_id not in state.in_sync.members:  # an isr member need not wait
             _waiting_for_in_sync(missing=sorted(r[0] for r in missing - gone), unclean_after=self.unclean_after)
         return frozenset(gone)
 

@@ -116,6 +116,7 @@ class ServerConfig:
     replication_timeout: float = 0.4
     failover_after: float = 0.6
     backup_stall_timeout: float = 5.0
+    switchover_timeout: float = 5.0
     unclean_election_after: float = 60.0
     max_backup_bytes: int = 256 << 20
     etcd_ca: str | None = None
@@ -215,6 +216,9 @@ class ServerConfig:
         if not math.isfinite(self.backup_stall_timeout) or self.backup_stall_timeout < self.replication_timeout:
             raise ConfigError(f"--backup-stall-timeout must be seconds >= --replication-timeout, got "
                               f"{self.backup_stall_timeout}")
+        if not math.isfinite(self.switchover_timeout) or self.switchover_timeout < 0:
+            raise ConfigError(f"--switchover-timeout must be seconds >= 0 (0: no handover at SIGTERM), got "
+                              f"{self.switchover_timeout}")
         if not math.isfinite(self.unclean_election_after) or self.unclean_election_after < 0:
             raise ConfigError(f"--unclean-election-after must be seconds >= 0 (0: never), got "
                               f"{self.unclean_election_after}")
@@ -309,6 +313,9 @@ _HELP = {
                             "level (its process slow: compiling, paused, loaded) may leave an update "
                             "unanswered before it leaves the in-sync set; acknowledgements wait for it "
                             "meanwhile",
+    "switchover_timeout": "SIGTERM on a primary: seconds an in-sync backup may take to confirm every change "
+                          "before the primary role is handed to it (changes wait meanwhile, then go to "
+                          "it); 0 = no handover (the backup takes over when the lease runs out)",
     "unclean_election_after": "seconds every in-sync replica of a shard may be missing from etcd, without "
                               "proof that its process is gone (another incarnation in its slot, or its "
                               "port refusing connections), before a replica outside the in-sync set may "

@@ -77,7 +77,8 @@ class ReplicaWiring:
             incarnation=int(server.server_id[:12], 16), lease_seconds=float(config.primary_lease_seconds),
             replication_timeout=config.replication_timeout, failover_after=config.failover_after,
             backup_stall_timeout=config.backup_stall_timeout,
-            max_backup_bytes=config.max_backup_bytes, consistency=config.consistency)
+            max_backup_bytes=config.max_backup_bytes, consistency=config.consistency,
+            handover_timeout=config.switchover_timeout)
         self.role = ReplicaRole(settings, self._become_primary)
         self.role.on_state = self._state_changed
         self.role.on_proof = lambda proven: self._set_health(self.role.state)
@@ -167,13 +168,13 @@ class ReplicaWiring:
             self._server.membership.lead()
         else:
             self._server.membership.follow()
+        self._set_health(state)  # before etcd hears of it: workers probing health find a new primary sooner
         coordination = self.role.coordination if self._started else None
         if coordination is not None:
             try:
                 coordination.set_state(state, holds_state=self.role.has_state, position=self.role.position())
             except CoordinationError as error:  # etcd away: the member key keeps its last state
                 event(log, logging.DEBUG, "could not publish the replica's state", error=str(error))
-        self._set_health(state)
 
     def _set_health(self, state: str) -> None:
         """'' SERVING on the primary and in-sync backups; the service's name on a primary that can prove
