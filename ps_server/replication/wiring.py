@@ -22,7 +22,8 @@ from ps_server.core.ledger import PushLedger
 from ps_server.core.membership import Membership
 from ps_server.core.store import VariableStore
 from ps_server.durability.checkpointer import Checkpointer
-from ps_server.durability.restore import RestoredState
+from ps_server.durability.format import CheckpointError
+from ps_server.durability.restore import RestoredState, find_restore_plan
 from ps_server.ops.config import ServerConfig
 from ps_server.ops.metrics import Metrics
 from ps_server.replication.follower import Follower
@@ -124,13 +125,22 @@ class ReplicaWiring:
                             ca=config.etcd_ca, cert=config.etcd_cert, key=config.etcd_key)
         self._state_changed(self.role.state)  # health before anything is known: not serving
 
+        def can_restore() -> bool:
+            try:
+                return bool(config.checkpoint_dir) and find_restore_plan(
+                    config.checkpoint_dir, config.shard_index, config.num_shards) is not None
+            except (OSError, CheckpointError):
+                return True  # a damaged checkpoint: restoring will say so loudly, as without replicas
+
         def coordination_for(incarnation: int) -> ShardCoordinator:
-            return ShardCoordinator(
+            coordinator = ShardCoordinator(
                 client, job=config.job_name, shard_index=config.shard_index,
                 replica_index=config.replica_index,
                 address=address, incarnation=incarnation, lease_ttl=config.primary_lease_seconds,
                 unclean_after=config.unclean_election_after or math.inf,
                 replication_address=replication_address, on_lease_lost=self.role.lease_lost)
+            coordinator.can_restore = can_restore
+            return coordinator
 
         coordination = coordination_for(self.role.settings.incarnation)
         try:  # etcd may start after this process, or answer its first connection late
