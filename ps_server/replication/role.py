@@ -300,7 +300,7 @@ class ReplicaRole:
         while not self._stopping.is_set():
             self._wake.clear()
             if self._rejoin:
-                self._rejoin_as_new_member()
+                self._rejoin_with_a_new_lease()
                 continue
             if self._state == PRIMARY:
                 self._wake.wait(1.0)
@@ -870,7 +870,7 @@ class ReplicaRole:
         self.interrupt_follow()
         self._wake.set()
 
-    def _rejoin_as_new_member(self) -> None:
+    def _rejoin_with_a_new_lease(self) -> None:
         """Rejoin the replica set with a new lease. A replica holding state keeps its incarnation: the
         isr may name it, and it still holds every change it applied, so it may still be elected from
         the isr (the primary, if any, drops it from the isr first if it stops waiting for it). One
