@@ -48,7 +48,7 @@ ROLE_LABEL = "wehub-ps/role"
 DEFAULT_SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 #: What the service account needs, said in the WARNING that turns the label off.
-NEEDED_ROLE = ("a Role granting get and patch on pods (resourceNames: this pod) bound to the pod's service "
+NEEDED_ROLE = ("a Role granting patch on pods (resourceNames: this pod) bound to the pod's service "
                "account, and automountServiceAccountToken: true (deploy/overlays/replicated/rbac.yaml)")
 
 # Answers that retrying cannot change: the label is turned off.
