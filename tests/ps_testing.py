@@ -74,6 +74,9 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("TF_CONFIG", None)
     env.pop("PS_ADDRESSES", None)
+    # Tests run in CI pods too: a replica started here must not label that pod (tests give their own).
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    env.pop("KUBERNETES_SERVICE_PORT", None)
     if extra:
         extra = dict(extra)
         if "PYTHONPATH" in extra:

@@ -198,3 +198,21 @@ def test_stop_waits_a_bounded_time_for_an_api_server_that_does_not_answer(api, a
     label.stop(None, wait=0.3)
     assert time.monotonic() - started < 1.0
     api.release()
+
+
+def test_a_replica_labels_its_pod_only_in_kubernetes_and_unless_turned_off(api, account, monkeypatch, caplog):
+    from ps_server.ops.config import parse_config
+    from ps_server.replication.wiring import _pod_label
+
+    replicated = ["--replicas", "2", "--etcd-endpoints", "e:1", "--service-account-dir", str(account)]
+    for name in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT", "POD_NAME", "POD_NAMESPACE"):
+        monkeypatch.delenv(name, raising=False)
+    with caplog.at_level(logging.DEBUG, logger="ps_server"):
+        assert _pod_label(parse_config(replicated, {})) is None  # not in a pod: quietly off
+    assert [r.levelno for r in caplog.records if "pod role label" in r.getMessage()] == [logging.DEBUG]
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(api.port))
+    monkeypatch.setenv("POD_NAME", "ps-1-0")
+    label = _pod_label(parse_config(replicated, {}))
+    assert label is not None and label.target.path == "/api/v1/namespaces/wehub-ps/pods/ps-1-0"
+    assert _pod_label(parse_config([*replicated, "--role-label", "off"], {})) is None
