@@ -185,6 +185,15 @@ class PodRoleLabel:
             self._cond.notify_all()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # noqa: BLE001 - a bug here must not pass unseen, nor touch the replica
+            log.exception("pod role label off: its thread failed", extra={"fields": {"pod": self.target.pod}})
+            with self._cond:
+                self._off = True
+                self._cond.notify_all()
+
+    def _loop(self) -> None:
         delay = self._first_retry
         failing = False
         while True:
