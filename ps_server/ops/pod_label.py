@@ -51,9 +51,9 @@ DEFAULT_SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 NEEDED_ROLE = ("a Role granting patch on pods (resourceNames: this pod) bound to the pod's service "
                "account, and automountServiceAccountToken: true (deploy/overlays/replicated/rbac.yaml)")
 
-# Answers that retrying cannot change: the label is turned off.
-_PERMANENT = {400: "bad request", 401: "unauthorized", 403: "forbidden", 404: "no such pod",
-              415: "unsupported patch type", 422: "invalid label"}
+# Answers that retrying cannot change, so the label is turned off: 401 (token refused), 403 (no Role),
+# 404 (no pod of that name: POD_NAME wrong), 400, 415, 422 (a patch this API server does not take).
+_PERMANENT = frozenset({400, 401, 403, 404, 415, 422})
 # Bytes of an answer kept for the log; the rest (the whole pod object on success) is not read.
 _ANSWER_BYTES = 2048
 
