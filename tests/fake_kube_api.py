@@ -49,6 +49,8 @@ class FakeKubeApi:
         #: Answers the next requests get first (503 etc.), whatever they are.
         self.failures: list[int] = []
         self._held = False
+        #: Requests waiting for ``release``.
+        self.waiting = 0
         self._httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self._httpd.daemon_threads = True
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -95,8 +97,11 @@ class FakeKubeApi:
 
     def _answer(self, method: str, path: str, headers, body: bytes) -> tuple[int, dict]:
         with self._cond:
+            self.waiting += 1
+            self._cond.notify_all()
             while self._held:
                 self._cond.wait()
+            self.waiting -= 1
             status, answer = self._decide(method, path, headers, body)
             try:
                 parsed = json.loads(body) if body else {}

@@ -102,8 +102,7 @@ def test_values_given_while_a_patch_is_out_coalesce_and_never_block(api, account
     label = labels(_target(api, account))
     api.hold()
     label.set("joining")
-    api.wait_for(lambda: True)  # let the thread reach the held request
-    time.sleep(0.2)
+    api.wait_for(lambda: api.waiting == 1)  # the thread's request is out, unanswered
     setter = threading.Thread(target=lambda: [label.set(v) for v in ["backup", "joining", "candidate"] * 1000
                                               + ["primary"]])
     setter.start()
