@@ -43,7 +43,7 @@ def _pod(replica) -> str:
     return f"ps-0-{replica.replica_index}"
 
 
-def test_the_labels_follow_the_primary_through_a_failover(pod_cluster, api):
+def test_the_labels_follow_the_primary_through_a_failover_and_a_handover(pod_cluster, api):
     cluster = pod_cluster.start()
     primary = cluster.primary(0)
     backup = next(r for r in cluster.shards[0] if r is not primary)
@@ -75,10 +75,13 @@ def test_the_labels_follow_the_primary_through_a_failover(pod_cluster, api):
     assert again[0] == "joining" and again[-1] == "backup", again
     assert api.label(_pod(backup)) == "primary"
 
-    # SIGTERM: a stopping replica takes its label off.
-    primary.process.stop()
-    assert primary.process.popen.returncode == 0
-    assert api.label(_pod(primary)) is None
+    # SIGTERM of the primary: it hands its role over to the backup in sync, then takes its label off.
+    cluster.wait_all_ready()
+    backup.process.stop()
+    assert backup.process.popen.returncode == 0
+    assert api.label(_pod(backup)) is None
+    wait_for(lambda: api.label(_pod(primary)) == "primary", 20,
+             "the replica handed the role labelled primary", cluster)
 
 
 def test_without_the_permission_the_label_is_off_and_said_once(pod_cluster, api):
