@@ -14,6 +14,7 @@ import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
+from ps_server.ops.pod_label import DEFAULT_SERVICE_ACCOUNT_DIR
 from wehub_ps.cluster import WORKER_ENVIRONMENT, ClusterConfigError, split_host_port, task_from_tf_config
 from wehub_ps.kernels.compiled import COMPILED_LOOPS_ENV
 from wehub_ps.process.allocator import DEFAULT_ARENA_MAX, DEFAULT_TRIM_THRESHOLD
@@ -123,6 +124,8 @@ class ServerConfig:
     etcd_cert: str | None = None
     etcd_key: str | None = None
     etcd_start_timeout: float = 60.0
+    role_label: str = "auto"
+    service_account_dir: str = DEFAULT_SERVICE_ACCOUNT_DIR
     #: PS_* variables that no setting reads (a misspelling?); logged at start.
     unknown_environment: tuple[str, ...] = ()
 
@@ -229,6 +232,8 @@ class ServerConfig:
                               "may end the primary's term")
         if not math.isfinite(self.etcd_start_timeout) or self.etcd_start_timeout <= 0:
             raise ConfigError(f"--etcd-start-timeout must be positive seconds, got {self.etcd_start_timeout}")
+        if self.role_label not in ("auto", "off"):
+            raise ConfigError(f"--role-label must be auto or off, got {self.role_label!r}")
         if self.max_backup_bytes < 1 << 20:
             raise ConfigError(f"--max-backup-bytes must be at least 1 MiB, got {self.max_backup_bytes}")
         if self.tls_cert and not self.tls_client_ca:
@@ -331,6 +336,11 @@ _HELP = {
     "etcd_start_timeout": "seconds a starting replica waits for etcd to answer (retrying, logging what it "
                           "waits for) before it exits with an error; covers etcd starting after the replica "
                           "and a slow first connection",
+    "role_label": "keep the label wehub-ps/role (primary, backup, joining) on this replica's pod through the "
+                  "Kubernetes API (replicas > 1): auto (when the pod has a service account token, off "
+                  "without one or without the permission) or off",
+    "service_account_dir": "where the pod's service account token, ca.crt and namespace are mounted "
+                           "(--role-label)",
 }
 
 

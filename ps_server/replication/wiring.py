@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import socket
 import ssl
 import threading
@@ -26,6 +27,7 @@ from ps_server.durability.format import CheckpointError
 from ps_server.durability.restore import RestoredState, find_restore_plan
 from ps_server.ops.config import ServerConfig
 from ps_server.ops.metrics import Metrics
+from ps_server.ops.pod_label import PodRoleLabel, label_value, pod_target
 from ps_server.replication.follower import Follower
 from ps_server.replication.leader import BackupStreams
 from ps_server.replication.observe import ReplicationCollector
@@ -73,6 +75,7 @@ class ReplicaWiring:
     def __init__(self, server: ReplicatedServer) -> None:
         self._server = server
         config = server.config
+        self._pod_label = _pod_label(config)  # the role's changes also go to the pod's label
         settings = ReplicaSettings(
             replica_index=config.replica_index, replicas=config.replicas, address="",
             incarnation=int(server.server_id[:12], 16), lease_seconds=float(config.primary_lease_seconds),
@@ -121,6 +124,8 @@ class ReplicaWiring:
         advertised_host = address.rpartition(":")[0]
         replication_address = f"{advertised_host}:{self._listener.port}"
         self._listener.start()
+        if self._pod_label is not None:
+            self._pod_label.start()
         client = EtcdClient([e.strip() for e in config.etcd_endpoints.split(",") if e.strip()],
                             ca=config.etcd_ca, cert=config.etcd_cert, key=config.etcd_key)
         self._state_changed(self.role.state)  # health before anything is known: not serving
@@ -148,6 +153,8 @@ class ReplicaWiring:
         except CoordinationError:
             client.close()
             self._listener.stop()
+            if self._pod_label is not None:
+                self._pod_label.stop(wait=0)
             raise
         self.role.connect(address, coordination)
         self.role.new_coordination = coordination_for
@@ -159,11 +166,14 @@ class ReplicaWiring:
         self.role.start()
         event(log, logging.INFO, "replica started", replica_index=config.replica_index,
               replicas=config.replicas, address=address, replication_address=replication_address,
-              job_name=config.job_name, etcd_endpoints=config.etcd_endpoints)
+              job_name=config.job_name, etcd_endpoints=config.etcd_endpoints,
+              role_label=self._pod_label.target.pod if self._pod_label is not None else "off")
 
     def stop(self) -> None:
         self.role.stop()
         self._listener.stop()
+        if self._pod_label is not None:
+            self._pod_label.stop(label_value(self.role.state))  # a stopping replica takes its label off
 
     def _become_primary(self, has_state: bool) -> None:
         self._applier.forget_streams()
@@ -179,6 +189,8 @@ class ReplicaWiring:
         else:
             self._server.membership.follow()
         self._set_health(state)  # before etcd hears of it: workers probing health find a new primary sooner
+        if self._pod_label is not None:
+            self._pod_label.set(label_value(state))  # returns at once; its own thread patches the pod
         coordination = self.role.coordination if self._started else None
         if coordination is not None:
             try:
@@ -204,6 +216,19 @@ class ReplicaWiring:
     def _token(self) -> str:
         tokens = self._server.tokens
         return tokens.current().decode() if tokens is not None else ""
+
+
+def _pod_label(config: ServerConfig) -> PodRoleLabel | None:
+    """The pod's role label (--role-label auto) when this replica runs in a Kubernetes pod with a
+    service account token; otherwise None, said at DEBUG (off is the normal case outside Kubernetes)."""
+    if config.role_label == "off":
+        event(log, logging.DEBUG, "pod role label off", why="--role-label off")
+        return None
+    target, why = pod_target(os.environ, config.service_account_dir)
+    if target is None:
+        event(log, logging.DEBUG, "pod role label off", why=why)
+        return None
+    return PodRoleLabel(target)
 
 
 def _server_tls(config: ServerConfig) -> ssl.SSLContext | None:
