@@ -223,7 +223,7 @@ class ReplicaRole:
         """SIGTERM: a primary with an in-sync backup first hands the role over (``hand_over``: workers
         wait for the backup's election only); then refuse work at once (NOT_PRIMARY: workers move to the
         replica elected next) and leave the replica set; pushes in flight are refused rather than
-        acknowledged unconfirmed."""
+        acknowledged unconfirmed. A backup closes its stream from the primary at once."""
         if self._state == PRIMARY and self.settings.handover_timeout > 0:
             try:
                 self.hand_over(timeout=self.settings.handover_timeout)
@@ -233,6 +233,9 @@ class ReplicaRole:
         self._set_state(STOPPING)
         self._stopping.set()
         self._wake.set()
+        # A backup leaves its stream at once: its primary then drops it from the in-sync set within a
+        # check instead of waiting --backup-stall-timeout for answers a draining process never sends.
+        self.interrupt_follow()
         with self._acks:
             self._acks.notify_all()
         if self._monitor is not None:
