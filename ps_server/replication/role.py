@@ -300,41 +300,52 @@ class ReplicaRole:
     # ---- the backup / candidate loop ----
 
     def _run(self) -> None:
+        """The role's loop; it must outlive anything one turn of it meets (a replica whose loop died
+        would never follow or lead again), so an unexpected error is logged and the turn tried again."""
         while not self._stopping.is_set():
-            self._wake.clear()
-            if self._rejoin:
-                self._rejoin_with_a_new_lease()
-                continue
-            if self._state == PRIMARY:
-                self._wake.wait(1.0)
-                continue
             try:
-                leader = self._coordination.leader()
-            except CoordinationError as error:
-                # etcd away: a backup keeps following the primary it knows (elections wait for etcd).
-                leader = self._leader if self._leader is not None and not self._primary_gone else None
-                if leader is None:
-                    event(log, logging.DEBUG, "etcd unreachable; waiting to learn the primary",
-                          error=str(error))
-                    self._wake.wait(0.2)
-                    continue
-            if leader is not None:
-                self._leader = leader
-                self._epoch = max(self._epoch, leader.epoch)
-            if (leader is not None and leader.replica_index == self.settings.replica_index
-                    and leader.incarnation != self.settings.incarnation):
-                self._revoke(leader, "the leader key belongs to this replica's previous process")
-                continue
-            if leader is not None and leader.incarnation == self.settings.incarnation:
-                self._step_down(leader)  # deposed, yet its term's key lives on: end the term
-                continue
-            if leader is not None and leader.incarnation != self.settings.incarnation:
-                self._follow_leader(leader)
-                continue
-            if leader is None and self._may_campaign():
-                self._campaign()
-                continue
-            self._wake.wait(0.05)
+                self._turn()
+            except Exception:  # noqa: BLE001 - logged with its stack; the next turn starts afresh
+                log.exception("the replica's role loop failed; trying again", extra={"fields": {
+                    "state": self._state}})
+                self._wake.wait(0.5)
+
+    def _turn(self) -> None:
+        """One turn of ``_run``: rejoin, follow, campaign or wait, as the shard's state says."""
+        self._wake.clear()
+        if self._rejoin:
+            self._rejoin_with_a_new_lease()
+            return
+        if self._state == PRIMARY:
+            self._wake.wait(1.0)
+            return
+        try:
+            leader = self._coordination.leader()
+        except CoordinationError as error:
+            # etcd away: a backup keeps following the primary it knows (elections wait for etcd).
+            leader = self._leader if self._leader is not None and not self._primary_gone else None
+            if leader is None:
+                event(log, logging.DEBUG, "etcd unreachable; waiting to learn the primary",
+                      error=str(error))
+                self._wake.wait(0.2)
+                return
+        if leader is not None:
+            self._leader = leader
+            self._epoch = max(self._epoch, leader.epoch)
+        if (leader is not None and leader.replica_index == self.settings.replica_index
+                and leader.incarnation != self.settings.incarnation):
+            self._revoke(leader, "the leader key belongs to this replica's previous process")
+            return
+        if leader is not None and leader.incarnation == self.settings.incarnation:
+            self._step_down(leader)  # deposed, yet its term's key lives on: end the term
+            return
+        if leader is not None and leader.incarnation != self.settings.incarnation:
+            self._follow_leader(leader)
+            return
+        if leader is None and self._may_campaign():
+            self._campaign()
+            return
+        self._wake.wait(0.05)
 
     def _follow_leader(self, leader: LeaderInfo) -> None:
         if self._rejoin:
@@ -881,10 +892,12 @@ class ReplicaRole:
         assert self.new_coordination is not None and self._coordination is not None
         self._coordination.close()
         incarnation = self.settings.incarnation if self.has_state else random.getrandbits(48)
+        coordination = self.new_coordination(incarnation)
         try:
-            coordination = self.new_coordination(incarnation)
             coordination.start()
+            coordination.watch_leader(self._leader_changed)  # its first read may fail too: etcd may go again
         except CoordinationError as error:
+            coordination.close()
             event(log, logging.WARNING, "cannot rejoin the replica set while etcd is unreachable",
                   error=str(error))
             self._wake.wait(0.5)
@@ -895,7 +908,6 @@ class ReplicaRole:
         self._answered_at = 0.0
         self._set_state(CANDIDATE if self.has_state else STARTING)
         self.on_state(self._state)
-        coordination.watch_leader(self._leader_changed)
         event(log, logging.WARNING, "rejoined the replica set with a new lease", incarnation=incarnation,
               holds_state=self.has_state, position=str(self.position()))
 
