@@ -329,7 +329,7 @@ def _replica_not_spread(o):
 
 
 def _replica_budget_zero(o):
-    _kind(o, "PodDisruptionBudget", "ps-0")["spec"]["maxUnavailable"] = 2
+    _kind(o, "PodDisruptionBudget", "ps-0")["spec"]["minAvailable"] = 0
 
 
 def _etcd_quorum_budget(o):
