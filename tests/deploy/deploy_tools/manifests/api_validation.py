@@ -4,7 +4,8 @@ A schema says a field is a list of strings; the API server also refuses a
 ``matchLabelKeys`` key that its ``labelSelector`` already names, a
 ``maxSkew`` of 0, a probe with two handlers. Those rules live in Go
 (Kubernetes' ``pkg/apis/core/validation/validation.go``: topology spread,
-affinity, probes; ``pkg/apis/policy/validation``: PodDisruptionBudget;
+affinity, probes; ``pkg/apis/batch/validation``: a Job's podFailurePolicy;
+``pkg/apis/policy/validation``: PodDisruptionBudget;
 ``apimachinery``'s label selector validation), so schema validation and
 checkov pass what a real API server rejects. This module restates them for
 the fields the manifests use, after Kubernetes' defaulting, and returns
@@ -316,8 +317,65 @@ def _int_or_percent_problems(at: str, value: Any) -> list[str]:
     return []
 
 
+_FAILURE_ACTIONS = ("FailJob", "FailIndex", "Ignore", "Count")
+
+
+def job_spec_problems(where: str, job: dict) -> list[str]:
+    """validateJobSpec's podFailurePolicy rules, and the deadlines' and TTL's ranges."""
+    problems = []
+    pod = (job.get("template") or {}).get("spec") or {}
+    names = {c.get("name") for c in (pod.get("containers") or []) + (pod.get("initContainers") or [])}
+    policy = job.get("podFailurePolicy")
+    if policy is not None:
+        if pod.get("restartPolicy") != "Never":
+            problems.append(f"{where}.template.spec.restartPolicy: Invalid value: "
+                            f"{pod.get('restartPolicy')!r}: only \"Never\" is supported when podFailurePolicy is specified")
+        for i, rule in enumerate(policy.get("rules") or []):
+            at = f"{where}.podFailurePolicy.rules[{i}]"
+            if rule.get("action") not in _FAILURE_ACTIONS:
+                problems.append(f"{at}.action: Unsupported value: {rule.get('action')!r}")
+            if rule.get("action") == "FailIndex" and job.get("completionMode") != "Indexed":
+                problems.append(f"{at}.action: Forbidden: FailIndex needs completionMode Indexed")
+            codes, conditions = rule.get("onExitCodes"), rule.get("onPodConditions")
+            if (codes is None) == (conditions is None):
+                problems.append(f"{at}: Invalid value: specify one of onExitCodes and onPodConditions, not both")
+            if codes is not None:
+                values = codes.get("values") or []
+                if codes.get("operator") not in ("In", "NotIn"):
+                    problems.append(f"{at}.onExitCodes.operator: Unsupported value: {codes.get('operator')!r}")
+                if not values or len(values) > 255:
+                    problems.append(f"{at}.onExitCodes.values: Invalid value: between 1 and 255 values")
+                if values != sorted(set(values)):
+                    problems.append(f"{at}.onExitCodes.values: Invalid value: must be ordered and without duplicates")
+                if codes.get("operator") == "In" and 0 in values:
+                    problems.append(f"{at}.onExitCodes.values: Invalid value: 0 must not be included for In")
+                if codes.get("containerName") is not None and codes["containerName"] not in names:
+                    problems.append(f"{at}.onExitCodes.containerName: Invalid value: "
+                                    f"{codes['containerName']!r}: no container of the pod template")
+            for j, cond in enumerate(conditions or []):
+                if not cond.get("type") or cond.get("status", "True") not in ("True", "False", "Unknown"):
+                    problems.append(f"{at}.onPodConditions[{j}]: Invalid value: {cond!r}")
+    for field, minimum in (("activeDeadlineSeconds", 1), ("ttlSecondsAfterFinished", 0), ("backoffLimit", 0)):
+        if field in job and (not isinstance(job[field], int) or job[field] < minimum):
+            problems.append(f"{where}.{field}: Invalid value: {job[field]!r}: must be at least {minimum}")
+    return problems
+
+
+def _job_specs(obj: dict) -> list[tuple[str, dict]]:
+    """(where, JobSpec) of a Job, a CronJob's job template and a JobSet's replicated Jobs."""
+    kind, spec = obj.get("kind"), obj.get("spec") or {}
+    if kind == "Job":
+        return [(ref(obj), spec)]
+    if kind == "CronJob":
+        return [(ref(obj), (spec.get("jobTemplate") or {}).get("spec") or {})]
+    if kind == "JobSet":
+        return [(f"{ref(obj)} replicatedJob {r.get('name')}", (r.get("template") or {}).get("spec") or {})
+                for r in spec.get("replicatedJobs") or []]
+    return []
+
+
 def api_validation_problems(objects: list[dict]) -> list[str]:
-    """Every pod template (wherever it is templated) and every PodDisruptionBudget of a render."""
+    """Every pod template (wherever it is templated), Job spec and PodDisruptionBudget of a render."""
     units = pod_units(objects)
     problems = []
     for unit in units:
@@ -325,4 +383,6 @@ def api_validation_problems(objects: list[dict]) -> list[str]:
     for obj in objects:
         if obj.get("kind") == "PodDisruptionBudget":
             problems += pdb_problems(obj, units)
+        for where, job in _job_specs(obj):
+            problems += job_spec_problems(where, job)
     return problems
