@@ -70,6 +70,10 @@ def etcd_problems(objects: list[dict]) -> list[str]:
                                 "not new: a member that lost its volume could rejoin with an empty log")
             if env.get(match.group(1)) != "new":
                 problems.append(f"{match.group(1)} resolves to {env.get(match.group(1))!r}")
+    for var in container.get("env") or []:
+        shadowed = var["name"].removeprefix("ETCD_").lower().replace("_", "-")
+        if var["name"].startswith("ETCD_") and shadowed in flags:
+            problems.append(f"{var['name']} shadows --{shadowed} of the command: etcd exits on the conflict")
     if flags.get("auto-compaction-mode") not in ("periodic", "revision") or \
             not flags.get("auto-compaction-retention"):
         problems.append("no automatic compaction (--auto-compaction-mode, --auto-compaction-retention)")
@@ -162,6 +166,8 @@ BROKEN = [
     (lambda o: _one(o, "ConfigMap", "etcd-bootstrap")["data"].update({"initial-cluster-state": "existing"}),
      "not new: a member that lost its volume"),
     (lambda o: _replace_flag(o, "auto-compaction-mode", None), "no automatic compaction"),
+    (lambda o: _members(o).containers()[0]["env"].append({"name": "ETCD_MAX_WALS", "value": "5"}),
+     "ETCD_MAX_WALS shadows --max-wals"),
     (lambda o: _replace_flag(o, "quota-backend-bytes", str(2 << 30)), "does not fit"),
     (lambda o: _replace_flag(o, "max-wals", "20"), "does not fit"),
     (lambda o: _maintenance(o).spec.pop("initContainers"), "not etcdctl defrag --cluster"),
