@@ -74,6 +74,9 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("TF_CONFIG", None)
     env.pop("PS_ADDRESSES", None)
+    # Tests run in CI pods too: a replica started here must not label that pod (tests give their own).
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    env.pop("KUBERNETES_SERVICE_PORT", None)
     if extra:
         extra = dict(extra)
         if "PYTHONPATH" in extra:
@@ -105,6 +108,8 @@ class ServerProcess:
     #: namespace's ``ip netns exec``, which execs: the PID is still the server's).
     host: str = "127.0.0.1"
     prefix: Sequence[str] = ()
+    #: Environment variables of this process beyond the test's own (a pod's POD_NAME, ...).
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def port_file(self) -> pathlib.Path:
@@ -131,7 +136,7 @@ class ServerProcess:
                 "--num-shards", str(self.num_shards), *self.extra_args]
         log = open(self.log_path, "ab")
         self.popen = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                      cwd=str(ROOT), env=child_env())
+                                      cwd=str(ROOT), env=child_env(self.env))
         log.close()
 
     def wait_ready(self) -> "ServerProcess":

@@ -38,3 +38,4 @@ class Reason(str, enum.Enum):
     TOO_MANY_RPCS = "TOO_MANY_RPCS"  # --max-concurrent-rpcs ordinary calls are in progress
     EXCHANGE_STREAMS = "EXCHANGE_STREAMS"  # --max-exchange-streams (or one incarnation's share) are open
     NOT_PRIMARY = "NOT_PRIMARY"  # a backup (or a deposed primary): PRIMARY_METADATA_KEY names the primary
+    SWITCHOVER_REFUSED = "SWITCHOVER_REFUSED"  # no in-sync backup to hand over to, or it did not confirm in time

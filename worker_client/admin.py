@@ -241,6 +241,22 @@ def _environment_help() -> str:
     return "Environment (a flag wins over its variable):\n" + "\n".join(lines)
 
 
+def _await_primary(client: PSClient, shard: int, address: str, timeout: float) -> str:
+    """After a switchover: a line saying when ``address`` leads (elected within ``timeout``) or that it
+    does not yet (the old primary makes no campaign of its own for a lease, so another one means a
+    failure meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        statuses = client.replica_status(timeout)[shard]
+        status = statuses.get(address)
+        if isinstance(status, ReplicaInfo) and status.role == "primary":
+            return f"shard {shard}: {address} leads (term {status.epoch})"
+        if time.monotonic() > deadline:
+            roles = {a: (s.role if isinstance(s, ReplicaInfo) else "unreachable") for a, s in statuses.items()}
+            return f"shard {shard}: {address} does not lead yet after {timeout:g}s: {roles}"
+        time.sleep(0.05)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ps-admin", description="Inspect and operate a wehub-ps cluster.",
@@ -248,11 +264,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog=_environment_help() + "\n\n"
                f"Exit status: 0 done; 1 error; {EXIT_SHARD_DOWN} (status) a shard did not answer: the\n"
                "others are shown, its row says UNREACHABLE (or its health).")
-    parser.add_argument("command", choices=("status", "checkpoint", "finish"))
+    parser.add_argument("command", choices=("status", "checkpoint", "finish", "switchover"))
+    parser.add_argument("--shard", type=int, help="switchover: the shard whose primary hands its role over")
+    parser.add_argument("--to", type=int, dest="to_replica",
+                        help="switchover: the replica index to hand over to (default: the in-sync backup "
+                             "furthest along)")
     parser.add_argument("--addresses", help="comma-separated host:port of the ps-servers, a shard's replicas "
                                             "joined by '|' (else PS_ADDRESSES)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the servers")
     args = parser.parse_args(argv)
+    if args.command == "switchover" and args.shard is None:
+        parser.error("switchover needs --shard")
     environ: Mapping[str, str] = os.environ
     if args.addresses:
         environ = ChainMap({ADDRESSES_ENV: args.addresses}, environ)
@@ -284,6 +306,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"{result['address']}: checkpoint {result['checkpoint_id']} at {result['path']}, "
                           f"{result['bytes'] / 1e6:.1f} MB in {result['write_seconds']:.2f}s "
                           f"(pushes paused {result['pause_seconds'] * 1000:.0f} ms)")
+            elif args.command == "switchover":
+                done = client.switchover(args.shard, args.to_replica, args.timeout)
+                print(f"shard {done['shard']}: {done['from']} handed the primary role to replica "
+                      f"{done['replica_index']} ({done['address']}) in {done['seconds'] * 1000:.0f} ms")
+                print(_await_primary(client, args.shard, done["address"], args.timeout))
             else:
                 client.finish(wait_for_workers=False)
                 print("every server is writing its final checkpoint and exiting")

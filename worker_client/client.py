@@ -462,6 +462,15 @@ class PSClient:
         self._background.raise_failure()
         return self._session.checkpoint()
 
+    def switchover(self, shard: int, to_replica: int | None = None, timeout: float = 5.0) -> dict[str, Any]:
+        """Planned switchover of a replicated shard: its primary hands the role to an in-sync backup
+        (``to_replica``, or the one furthest along) once that backup confirmed every change; workers'
+        calls wait for it meanwhile and nothing is lost. Returns the shard, the old primary's address
+        (``from``), the replica told to take over (``replica_index``, ``address``) and ``seconds``.
+        FailedPreconditionError (reason SWITCHOVER_REFUSED) when no such backup is in sync or it did not
+        confirm within ``timeout``: the primary then goes on leading."""
+        return self._session.switchover(shard, to_replica, timeout)
+
     def finish(self, wait_for_workers: bool = True, timeout: float = 3600.0) -> None:
         """End a run-to-completion job: every server writes its final checkpoint and exits 0.
 

@@ -367,6 +367,30 @@ class Session:
         request = ps_pb2.FinishRequest(worker_id=self.worker_id).SerializeToString()
         self.on_every_shard(lambda s: self.call(s, "finish", lambda: s.finish(request, self.control_timeout)))
 
+    def switchover(self, shard_index: int, to_replica: int | None, timeout: float) -> dict[str, Any]:
+        """Hand shard ``shard_index``'s primary role to an in-sync backup (``to_replica``, or the one
+        furthest along); the replica told to take over. Not retried once a primary took the request (a
+        retry could hand the role on again); a refusal naming another primary is followed there."""
+        if not 0 <= shard_index < len(self.shards):
+            raise ValueError(f"shard must be in [0, {len(self.shards)}), got {shard_index}")
+        shard = self.shards[shard_index]
+        request = ps_pb2.SwitchoverRequest(timeout_seconds=timeout)
+        if to_replica is not None:
+            request.to_replica = to_replica
+        raw_request = request.SerializeToString()
+        for _ in range(2 * len(shard.replicas)):
+            try:
+                raw = shard.switchover(raw_request, timeout + self.control_timeout)
+            except NotPrimaryError as error:  # refused before anything was handed over: go to the primary
+                if not shard.follow(error):
+                    raise
+                continue
+            answer = ps_pb2.SwitchoverResponse.FromString(raw)
+            return {"shard": shard_index, "from": shard.address, "replica_index": answer.replica_index,
+                    "address": answer.address, "seconds": answer.seconds}
+        raise PSUnavailableError(f"switchover: no replica of shard {shard_index} took the request as its "
+                                 f"primary ({', '.join(shard.replicas)})", address=shard.address)
+
     def health(self, timeout: float) -> list[str]:
         """Each shard's gRPC health status, in shard order (one check each, shard by shard): of the
         replica in use, the primary once a call found it."""

@@ -56,6 +56,9 @@ __all__ = ["ShardCoordinator", "ShardState", "eligible"]
 
 _log = logging.getLogger(__name__)
 
+_empty_replica_waits = Throttled(_log, logging.WARNING, "not leading: this replica holds no state and no "
+                                 "checkpoint, and the shard was led before; waiting for a replica that holds "
+                                 "its state or a checkpoint (to start the shard afresh, delete its etcd keys)")
 _waiting_for_in_sync = Throttled(_log, logging.WARNING, "not leading while an in-sync replica may come back: "
                                  "it is missing, not proven gone")
 
@@ -140,6 +143,9 @@ class ShardCoordinator:
         self._position = position
         #: Seconds an isr member may be missing, without proof of its death, before others may lead.
         self.unclean_after = unclean_after
+        #: Whether this replica could restore a checkpoint of its shard if elected without state (its
+        #: volume holds one); a replica that could not never leads a shard that was led before.
+        self.can_restore: Callable[[], bool] = lambda: True
         #: Replica slots' addresses as last read (to probe a missing isr member's port).
         self._addresses: dict[int, str] = {}
         #: When each missing isr member was first seen missing (monotonic).
@@ -291,8 +297,19 @@ class ShardCoordinator:
         ``refuses(address)``: whether a missing isr member's port refuses connections (its process died).
         """
         state = self.shard_state()
+        if not self._may_lead_with_what_it_has(state):
+            return False
         return eligible(self.replica_id, state.in_sync, state.members, self._holds_state, self._position,
                         self._gone_in_sync(state, refuses))
+
+    def _may_lead_with_what_it_has(self, state: ShardState) -> bool:
+        """A replica holding no state and no checkpoint (an empty volume) never leads a shard that was led
+        before (etcd holds its isr): its state is elsewhere, and leading would start the shard empty."""
+        if self._holds_state or state.in_sync is None or self.can_restore():
+            return True
+        _empty_replica_waits(shard=self.keys.shard_index, replica=self.replica_index,
+                             to_start_afresh=f"etcdctl del --prefix {self.keys.prefix}")
+        return False
 
     def _gone_in_sync(self, state: ShardState, refuses: Callable[[str], bool]) -> frozenset[ReplicaId]:
         """The isr members without a member key that are proven gone (see the module docstring)."""
@@ -307,7 +324,7 @@ class ShardCoordinator:
             address = recorded.get(replica[0]) or self._addresses.get(replica[0])
             if now - self._missing_since[replica] >= self.unclean_after or (address and refuses(address)):
                 gone.add(replica)
-        if missing - gone:
+        if missing - gone and self.replica_id not in state.in_sync.members:  # an isr member need not wait
             _waiting_for_in_sync(missing=sorted(r[0] for r in missing - gone), unclean_after=self.unclean_after)
         return frozenset(gone)
 
@@ -320,7 +337,7 @@ class ShardCoordinator:
         """
         keeper = self._require_keeper()
         state = self.shard_state()
-        if state.leader is not None:
+        if state.leader is not None or not self._may_lead_with_what_it_has(state):
             return None
         if not eligible(self.replica_id, state.in_sync, state.members, self._holds_state, self._position,
                         self._gone_in_sync(state, refuses)):

@@ -14,6 +14,7 @@ import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
+from ps_server.ops.pod_label import DEFAULT_SERVICE_ACCOUNT_DIR
 from wehub_ps.cluster import WORKER_ENVIRONMENT, ClusterConfigError, split_host_port, task_from_tf_config
 from wehub_ps.kernels.compiled import COMPILED_LOOPS_ENV
 from wehub_ps.process.allocator import DEFAULT_ARENA_MAX, DEFAULT_TRIM_THRESHOLD
@@ -116,12 +117,15 @@ class ServerConfig:
     replication_timeout: float = 0.4
     failover_after: float = 0.6
     backup_stall_timeout: float = 5.0
+    switchover_timeout: float = 5.0
     unclean_election_after: float = 60.0
     max_backup_bytes: int = 256 << 20
     etcd_ca: str | None = None
     etcd_cert: str | None = None
     etcd_key: str | None = None
     etcd_start_timeout: float = 60.0
+    role_label: str = "auto"
+    service_account_dir: str = DEFAULT_SERVICE_ACCOUNT_DIR
     #: PS_* variables that no setting reads (a misspelling?); logged at start.
     unknown_environment: tuple[str, ...] = ()
 
@@ -215,6 +219,9 @@ class ServerConfig:
         if not math.isfinite(self.backup_stall_timeout) or self.backup_stall_timeout < self.replication_timeout:
             raise ConfigError(f"--backup-stall-timeout must be seconds >= --replication-timeout, got "
                               f"{self.backup_stall_timeout}")
+        if not math.isfinite(self.switchover_timeout) or self.switchover_timeout < 0:
+            raise ConfigError(f"--switchover-timeout must be seconds >= 0 (0: no handover at SIGTERM), got "
+                              f"{self.switchover_timeout}")
         if not math.isfinite(self.unclean_election_after) or self.unclean_election_after < 0:
             raise ConfigError(f"--unclean-election-after must be seconds >= 0 (0: never), got "
                               f"{self.unclean_election_after}")
@@ -225,6 +232,8 @@ class ServerConfig:
                               "may end the primary's term")
         if not math.isfinite(self.etcd_start_timeout) or self.etcd_start_timeout <= 0:
             raise ConfigError(f"--etcd-start-timeout must be positive seconds, got {self.etcd_start_timeout}")
+        if self.role_label not in ("auto", "off"):
+            raise ConfigError(f"--role-label must be auto or off, got {self.role_label!r}")
         if self.max_backup_bytes < 1 << 20:
             raise ConfigError(f"--max-backup-bytes must be at least 1 MiB, got {self.max_backup_bytes}")
         if self.tls_cert and not self.tls_client_ca:
@@ -311,6 +320,9 @@ _HELP = {
                             "level (its process slow: compiling, paused, loaded) may leave an update "
                             "unanswered before it leaves the in-sync set; acknowledgements wait for it "
                             "meanwhile",
+    "switchover_timeout": "SIGTERM on a primary: seconds an in-sync backup may take to confirm every change "
+                          "before the primary role is handed to it (changes wait meanwhile, then go to "
+                          "it); 0 = no handover (the backup takes over when the lease runs out)",
     "unclean_election_after": "seconds every in-sync replica of a shard may be missing from etcd, without "
                               "proof that its process is gone (another incarnation in its slot, or its "
                               "port refusing connections), before a replica outside the in-sync set may "
@@ -326,6 +338,11 @@ _HELP = {
     "etcd_start_timeout": "seconds a starting replica waits for etcd to answer (retrying, logging what it "
                           "waits for) before it exits with an error; covers etcd starting after the replica "
                           "and a slow first connection",
+    "role_label": "keep the label wehub-ps/role (primary, backup, joining) on this replica's pod through the "
+                  "Kubernetes API (replicas > 1): auto (when the pod has a service account token, off "
+                  "without one or without the permission) or off",
+    "service_account_dir": "where the pod's service account token, ca.crt and namespace are mounted "
+                           "(--role-label)",
 }
 
 

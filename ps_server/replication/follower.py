@@ -112,6 +112,11 @@ class Follower:
                     kind = message.WhichOneof("kind")
                     if kind == "refused":
                         return f"the primary refused: {message.refused}"
+                    if kind == "take_over":
+                        if held is None or message.epoch != leader.epoch:
+                            return "the primary handed over a term this replica does not hold in sync"
+                        role.taking_over()  # every record of the term came before this message
+                        return "the primary handed its term over to this replica"
                     if kind == "snapshot_file":
                         if receiver is None:
                             receiver = SnapshotReceiver(self._shard_index, self._num_shards,

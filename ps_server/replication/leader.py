@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from ps_server.core.errors import RequestError
 from ps_server.durability.writer import ShardSnapshot
-from ps_server.replication.log import BackupLink
+from ps_server.replication.log import TAKE_OVER, BackupLink
 from ps_server.replication.role import PRIMARY, ReplicaRole
 from ps_server.replication.snapshots import SnapshotSender
 from wehub_ps.errors import Reason
@@ -114,6 +114,11 @@ class BackupStreams:
                                                                ping=link.sent_sequence).SerializeToString()])
                 continue
             for sequence, record in batch:
+                if sequence == TAKE_OVER:  # the last message of this term on this stream
+                    link.sending(link.sent_sequence)
+                    connection.send([ps_pb2.ReplicationMessage(epoch=epoch, take_over=True).SerializeToString()])
+                    link.handed_over.set()
+                    continue
                 link.sending(sequence)
                 connection.send(record_message(epoch, record))
 

@@ -57,6 +57,8 @@ class BackupLink:
         self.join_at: int | None = None
         #: When it acknowledged ``join_at`` (monotonic): acknowledgements wait for it from then on.
         self.joined_at = 0.0
+        #: Set once the take-over message (a planned switchover, see ``hand_over``) was written.
+        self.handed_over = threading.Event()
         #: The sequence the backup's snapshot holds: records after it are queued from the start.
         self.start_sequence = 0
         #: The newest sequence sent (or in the snapshot).
@@ -87,6 +89,14 @@ class BackupLink:
             self._queue.append((sequence, record, nbytes))
             self.queued_bytes += nbytes
             self._cond.notify_all()
+
+    def hand_over(self) -> None:
+        """Queue the take-over message after every record queued so far (the stream's thread sends it,
+        then sets ``handed_over``); the caller holds the log's order, so no record can follow it."""
+        with self._cond:
+            if self.closed is None:
+                self._queue.append((TAKE_OVER, [], 0))
+                self._cond.notify_all()
 
     def take(self, timeout: float) -> list[tuple[int, list]]:
         """The queued (sequence, record) (waiting up to ``timeout`` for one); [] on timeout or once closed."""
@@ -133,6 +143,10 @@ class BackupLink:
             self._queue.clear()
             self.queued_bytes = 0
             self._cond.notify_all()
+
+
+#: In a backup's queue: not a record but the take-over message of a planned switchover.
+TAKE_OVER = -1
 
 
 class UpdateLog:

@@ -108,6 +108,9 @@ class ReplicaSettings:
     max_backup_bytes: int
     #: The shard's consistency mode (sync pushes are staged until they end; see records.OpenPushes).
     consistency: str = "async"
+    #: SIGTERM on a primary: how long an in-sync backup may take to confirm every change before the role
+    #: is handed to it (0: no handover; the backup takes over when the lease runs out).
+    handover_timeout: float = 5.0
 
 
 #: Roles, as Describe and ps-admin show them.
@@ -116,6 +119,9 @@ STARTING, CATCHING_UP, BACKUP, CANDIDATE, PRIMARY, DEPOSED, STOPPING = (
 
 # A primary's proof of its lease ends this much before the TTL does (clock rates, scheduling).
 _PROOF_MARGIN = 0.1
+
+# A backup handed the term holds calls this long at most for its election (then refuses them as usual).
+_TAKE_OVER_WAIT = 1.0
 
 # A catch-up snapshot waits at most this long for an instant with no staged push open (sync pushes end
 # within a step); past it, it is taken anyway and the backup starts over when such a push's record comes.
@@ -183,6 +189,16 @@ class ReplicaRole:
         #: ssp, sync: the consistency controller's state (steps, clocks, workers), logged whenever it changed.
         self.consistency_state: Callable[[], dict] | None = None
         self._logged_consistency: dict | None = None
+        #: Planned switchovers: one at a time; the address of the replica this one handed its term to
+        #: (refusals name it until the next primary is known); no campaign of its own until then.
+        self._handover_lock = threading.Lock()
+        self._handed_to: str | None = None
+        self._no_campaign_until = 0.0
+        #: Backup: its primary handed it the term (a planned switchover): end the term and campaign at once;
+        #: calls wait for its election until then (monotonic; see _await_leading). Notified on state changes.
+        self._taking_over = False
+        self._leading_soon_until = 0.0
+        self._state_changed = threading.Condition()
         self.failovers = 0
         self.last_election_seconds = 0.0
         self.last_failover_seconds = 0.0
@@ -204,8 +220,16 @@ class ReplicaRole:
         self._thread.start()
 
     def stop(self) -> None:
-        """SIGTERM: refuse work at once (NOT_PRIMARY: workers move to the replica elected next) and leave
-        the replica set; pushes in flight are refused rather than acknowledged unconfirmed."""
+        """SIGTERM: a primary with an in-sync backup first hands the role over (``hand_over``: workers
+        wait for the backup's election only); then refuse work at once (NOT_PRIMARY: workers move to the
+        replica elected next) and leave the replica set; pushes in flight are refused rather than
+        acknowledged unconfirmed."""
+        if self._state == PRIMARY and self.settings.handover_timeout > 0:
+            try:
+                self.hand_over(timeout=self.settings.handover_timeout)
+            except RequestError as error:
+                event(log, logging.WARNING, "stopping without handing the primary role over",
+                      why=error.message)
         self._set_state(STOPPING)
         self._stopping.set()
         self._wake.set()
@@ -219,8 +243,21 @@ class ReplicaRole:
 
     def _set_state(self, state: str) -> None:
         if state != self._state:
-            self._state = state
+            with self._state_changed:
+                self._state = state
+                if state == PRIMARY:
+                    self._leading_soon_until = 0.0
+                self._state_changed.notify_all()
             self.on_state(state)
+
+    def _await_leading(self) -> None:
+        """A backup that was handed the term: a call waits for its election (bounded) instead of being
+        refused, so the workers that the old primary sent here are served as soon as it leads."""
+        if self._state == PRIMARY or time.monotonic() >= self._leading_soon_until:
+            return
+        with self._state_changed:
+            while self._state != PRIMARY and (remaining := self._leading_soon_until - time.monotonic()) > 0:
+                self._state_changed.wait(remaining)
 
     @property
     def coordination(self) -> Coordination | None:
@@ -240,6 +277,7 @@ class ReplicaRole:
 
     def _leader_changed(self, leader: LeaderInfo | None) -> None:
         following = self._leader
+        following_epoch = following.epoch if following is not None else self._epoch
         if self._state in (CATCHING_UP, BACKUP) and following is not None and (
                 leader is None or leader.epoch != following.epoch):
             self.interrupt_follow()  # the term ended: a frozen or cut-off primary sends nothing more
@@ -250,6 +288,10 @@ class ReplicaRole:
         self._leader = leader  # None: the term ended; refusals name no primary until the next is known
         if leader is not None:
             self._epoch = max(self._epoch, leader.epoch)
+            if leader.incarnation != self.settings.incarnation:
+                self._handed_to = None
+                if leader.epoch > following_epoch:
+                    self._leading_soon_until = 0.0  # another replica won: calls wait no longer
         self._wake.set()
 
     # ---- the backup / candidate loop ----
@@ -258,7 +300,7 @@ class ReplicaRole:
         while not self._stopping.is_set():
             self._wake.clear()
             if self._rejoin:
-                self._rejoin_as_new_member()
+                self._rejoin_with_a_new_lease()
                 continue
             if self._state == PRIMARY:
                 self._wake.wait(1.0)
@@ -298,6 +340,7 @@ class ReplicaRole:
         self._silent = False
         self._set_state(CATCHING_UP)
         self._primary_gone = False
+        self._taking_over = False
         assert self.follow is not None
         started = time.monotonic()
         try:
@@ -310,6 +353,10 @@ class ReplicaRole:
         self._lost_at = time.monotonic()
         event(log, logging.WARNING, "stream from the primary ended", primary=leader.address,
               epoch=leader.epoch, why=why, applied=self.applied)
+        if self._taking_over:
+            self._taking_over = False
+            self._take_over(leader)
+            return
         if self._silent and self._installed:
             self._end_silent_term(leader)  # its host is silent too: no port there would refuse
         elif _refuses_connections(leader.address):
@@ -338,6 +385,21 @@ class ReplicaRole:
             self._primary_gone = True  # the term is over: nothing can be acknowledged in it any more
             event(log, logging.WARNING, "ended the term of a silent primary", primary=leader.address,
                   epoch=leader.epoch, silent_for=self.settings.failover_after)
+
+    def _take_over(self, leader: LeaderInfo) -> None:
+        """The primary handed this in-sync backup its term (it ordered nothing after the last record,
+        which this replica applied): end the term in etcd, fenced on its epoch alone, and campaign at
+        once, with no lease to run out and no promise to wait for."""
+        self._set_state(CANDIDATE if self.has_state else STARTING)
+        try:
+            ended = self._coordination.step_down(leader.epoch)
+        except CoordinationError as error:  # the lease ends it instead; the campaign below then waits
+            event(log, logging.WARNING, "could not end the term handed over", error=str(error))
+            ended = False
+        event(log, logging.WARNING, "taking over the primary role", primary=leader.address,
+              epoch=leader.epoch, ended=ended)
+        if self.has_state:
+            self._campaign()
 
     def _step_down(self, leader: LeaderInfo) -> None:
         event(log, logging.WARNING, "ending the term this replica no longer leads", epoch=leader.epoch,
@@ -388,6 +450,8 @@ class ReplicaRole:
             self._set_state(BACKUP)
 
     def _may_campaign(self) -> bool:
+        if time.monotonic() < self._no_campaign_until:
+            return False  # it handed its term over: the backup it chose campaigns
         promised_until = self._answered_at + self.settings.lease_seconds
         if not self._primary_gone and time.monotonic() < promised_until:
             return False
@@ -417,6 +481,7 @@ class ReplicaRole:
         start = held.sequence if self.has_state else 0
         self._log = UpdateLog(start)
         self._open_pushes.clear()
+        self._handed_to = None
         self.applied, self.state_epoch = start, epoch
         self._epoch = epoch
         self._in_sync = set()
@@ -442,6 +507,7 @@ class ReplicaRole:
     # ---- ShardRole: what the RPC methods ask ----
 
     def check_primary(self) -> None:
+        self._await_leading()
         if self._state != PRIMARY:
             raise self._not_primary(f"this replica is {self._state}, not the shard's primary")
 
@@ -450,6 +516,10 @@ class ReplicaRole:
         if leader is not None and leader.incarnation != self.settings.incarnation:
             return RequestError(Reason.NOT_PRIMARY, f"{why}; the primary is {leader.address}",
                                 ((PRIMARY_METADATA_KEY, leader.address),))
+        handed_to = self._handed_to
+        if handed_to is not None:
+            return RequestError(Reason.NOT_PRIMARY, f"{why}; the primary role was handed to {handed_to}",
+                                ((PRIMARY_METADATA_KEY, handed_to),))
         return RequestError(Reason.NOT_PRIMARY, f"{why}; no primary is known yet (an election is under way)")
 
     @contextlib.contextmanager
@@ -457,6 +527,7 @@ class ReplicaRole:
         if getattr(self._holding, "order", False):
             yield  # this thread holds the order already
             return
+        self._await_leading()
         log_ = self._log
         if log_ is None or self._state != PRIMARY:  # also on a thread installing a snapshot under the lock
             raise self._not_primary(f"this replica is {self._state}")
@@ -576,6 +647,75 @@ class ReplicaRole:
         event(log, logging.INFO, "backup attached", replica_index=start.replica_index, address=start.address,
               sequence=link.start_sequence, open_pushes=len(opened))
         return link, taken, opened
+
+    def hand_over(self, to_replica: int | None = None, timeout: float = 5.0) -> BackupLink:
+        """A planned switchover (Kafka's controlled shutdown, Patroni's switchover): hand the primary role
+        to an in-sync backup without losing or repeating anything; returns the backup's link.
+
+        Holding the log's order (changes wait), it waits until the backup
+        applied the last record, then queues the take-over message behind it
+        and stops leading: calls waiting for the order are refused with
+        NOT_PRIMARY naming the backup, which ends the term in etcd and
+        campaigns at once. This replica makes no campaign of its own for a
+        lease. RequestError when it is not the primary, when no in-sync
+        backup (or not ``to_replica``) is there, or when the backup did not
+        confirm within ``timeout``; it then goes on leading.
+        """
+        started = time.monotonic()
+        with self._handover_lock:
+            self.check_primary()
+            log_ = self._log
+            assert log_ is not None
+            target = self._handover_target(to_replica)
+            with log_.ordered():
+                self.check_primary()
+                last = log_.sequence
+                with self._acks:
+                    while target.acknowledged < last:
+                        remaining = started + timeout - time.monotonic()
+                        if target.closed is not None or remaining <= 0 or self._state != PRIMARY:
+                            raise RequestError(
+                                Reason.SWITCHOVER_REFUSED,
+                                f"replica {target.replica_index} did not confirm change {last} within "
+                                f"{timeout:g}s ({target.closed or 'still catching up'}); this replica "
+                                "goes on as the primary")
+                        self._acks.wait(min(remaining, 0.05))
+                target.hand_over()
+                self._handed_to = target.address
+                self._no_campaign_until = time.monotonic() + 2 * self.settings.lease_seconds
+                # Written before anything more could be ordered (the order is held): wait for it, bounded.
+                written = target.handed_over.wait(max(0.1, started + timeout - time.monotonic()))
+                self._deposed(f"handed the primary role to replica {target.replica_index}")
+        event(log, logging.WARNING, "handed over the primary role", replica_index=target.replica_index,
+              address=target.address, sequence=last, take_over_sent=written,
+              seconds=round(time.monotonic() - started, 3))
+        return target
+
+    def _handover_target(self, to_replica: int | None) -> BackupLink:
+        links = [link for key, link in self._links.items()
+                 if key in self._in_sync and key not in self._joining and link.closed is None]
+        if to_replica is not None:
+            links = [link for link in links if link.replica_index == to_replica]
+        if not links:
+            which = f"replica {to_replica}" if to_replica is not None else "any backup"
+            raise RequestError(Reason.SWITCHOVER_REFUSED,
+                               f"cannot hand the primary role over: {which} is not in the in-sync set "
+                               f"(in sync: {sorted(k[0] for k in self._in_sync) or 'none'})")
+        return max(links, key=lambda link: link.acknowledged)
+
+    def switch_over(self, to_replica: int | None, timeout: float) -> tuple[int, str]:
+        """ShardRole.switch_over: ``hand_over`` for an operator's request."""
+        target = self.hand_over(to_replica, timeout)
+        return target.replica_index, target.address
+
+    def taking_over(self) -> None:
+        """Backup: its primary handed it the term (it applied every record): once the stream ends, end
+        the term in etcd and campaign without waiting out the promise to the old primary."""
+        self._taking_over = True
+        self._primary_gone = True
+        self._no_campaign_until = 0.0  # it may have handed a term over itself before
+        self._leading_soon_until = time.monotonic() + _TAKE_OVER_WAIT
+        self._leader = None  # refusals meanwhile name no old primary to go back to
 
     def _newer_term_claimed(self, claimed: int) -> None:
         """A backup says a newer term began: etcd decides (a peer's word alone deposes no primary)."""
@@ -730,7 +870,7 @@ class ReplicaRole:
         self.interrupt_follow()
         self._wake.set()
 
-    def _rejoin_as_new_member(self) -> None:
+    def _rejoin_with_a_new_lease(self) -> None:
         """Rejoin the replica set with a new lease. A replica holding state keeps its incarnation: the
         isr may name it, and it still holds every change it applied, so it may still be elected from
         the isr (the primary, if any, drops it from the isr first if it stops waiting for it). One

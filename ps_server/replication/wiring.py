@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import socket
 import ssl
 import threading
@@ -22,9 +23,11 @@ from ps_server.core.ledger import PushLedger
 from ps_server.core.membership import Membership
 from ps_server.core.store import VariableStore
 from ps_server.durability.checkpointer import Checkpointer
-from ps_server.durability.restore import RestoredState
+from ps_server.durability.format import CheckpointError
+from ps_server.durability.restore import RestoredState, find_restore_plan
 from ps_server.ops.config import ServerConfig
 from ps_server.ops.metrics import Metrics
+from ps_server.ops.pod_label import PodRoleLabel, label_value, pod_target
 from ps_server.replication.follower import Follower
 from ps_server.replication.leader import BackupStreams
 from ps_server.replication.observe import ReplicationCollector
@@ -72,12 +75,14 @@ class ReplicaWiring:
     def __init__(self, server: ReplicatedServer) -> None:
         self._server = server
         config = server.config
+        self._pod_label = _pod_label(config)  # the role's changes also go to the pod's label
         settings = ReplicaSettings(
             replica_index=config.replica_index, replicas=config.replicas, address="",
             incarnation=int(server.server_id[:12], 16), lease_seconds=float(config.primary_lease_seconds),
             replication_timeout=config.replication_timeout, failover_after=config.failover_after,
             backup_stall_timeout=config.backup_stall_timeout,
-            max_backup_bytes=config.max_backup_bytes, consistency=config.consistency)
+            max_backup_bytes=config.max_backup_bytes, consistency=config.consistency,
+            handover_timeout=config.switchover_timeout)
         self.role = ReplicaRole(settings, self._become_primary)
         self.role.on_state = self._state_changed
         self.role.on_proof = lambda proven: self._set_health(self.role.state)
@@ -119,17 +124,28 @@ class ReplicaWiring:
         advertised_host = address.rpartition(":")[0]
         replication_address = f"{advertised_host}:{self._listener.port}"
         self._listener.start()
+        if self._pod_label is not None:
+            self._pod_label.start()
         client = EtcdClient([e.strip() for e in config.etcd_endpoints.split(",") if e.strip()],
                             ca=config.etcd_ca, cert=config.etcd_cert, key=config.etcd_key)
         self._state_changed(self.role.state)  # health before anything is known: not serving
 
+        def can_restore() -> bool:
+            try:
+                return bool(config.checkpoint_dir) and find_restore_plan(
+                    config.checkpoint_dir, config.shard_index, config.num_shards) is not None
+            except (OSError, CheckpointError):
+                return True  # a damaged checkpoint: restoring will say so loudly, as without replicas
+
         def coordination_for(incarnation: int) -> ShardCoordinator:
-            return ShardCoordinator(
+            coordinator = ShardCoordinator(
                 client, job=config.job_name, shard_index=config.shard_index,
                 replica_index=config.replica_index,
                 address=address, incarnation=incarnation, lease_ttl=config.primary_lease_seconds,
                 unclean_after=config.unclean_election_after or math.inf,
                 replication_address=replication_address, on_lease_lost=self.role.lease_lost)
+            coordinator.can_restore = can_restore
+            return coordinator
 
         coordination = coordination_for(self.role.settings.incarnation)
         try:  # etcd may start after this process, or answer its first connection late
@@ -137,6 +153,8 @@ class ReplicaWiring:
         except CoordinationError:
             client.close()
             self._listener.stop()
+            if self._pod_label is not None:
+                self._pod_label.stop(wait=0)
             raise
         self.role.connect(address, coordination)
         self.role.new_coordination = coordination_for
@@ -148,11 +166,14 @@ class ReplicaWiring:
         self.role.start()
         event(log, logging.INFO, "replica started", replica_index=config.replica_index,
               replicas=config.replicas, address=address, replication_address=replication_address,
-              job_name=config.job_name, etcd_endpoints=config.etcd_endpoints)
+              job_name=config.job_name, etcd_endpoints=config.etcd_endpoints,
+              role_label=self._pod_label.target.pod if self._pod_label is not None else "off")
 
     def stop(self) -> None:
         self.role.stop()
         self._listener.stop()
+        if self._pod_label is not None:
+            self._pod_label.stop(label_value(self.role.state))  # a stopping replica takes its label off
 
     def _become_primary(self, has_state: bool) -> None:
         self._applier.forget_streams()
@@ -167,13 +188,15 @@ class ReplicaWiring:
             self._server.membership.lead()
         else:
             self._server.membership.follow()
+        self._set_health(state)  # before etcd hears of it: workers probing health find a new primary sooner
+        if self._pod_label is not None:
+            self._pod_label.set(label_value(state))  # returns at once; its own thread patches the pod
         coordination = self.role.coordination if self._started else None
         if coordination is not None:
             try:
                 coordination.set_state(state, holds_state=self.role.has_state, position=self.role.position())
             except CoordinationError as error:  # etcd away: the member key keeps its last state
                 event(log, logging.DEBUG, "could not publish the replica's state", error=str(error))
-        self._set_health(state)
 
     def _set_health(self, state: str) -> None:
         """'' SERVING on the primary and in-sync backups; the service's name on a primary that can prove
@@ -193,6 +216,19 @@ class ReplicaWiring:
     def _token(self) -> str:
         tokens = self._server.tokens
         return tokens.current().decode() if tokens is not None else ""
+
+
+def _pod_label(config: ServerConfig) -> PodRoleLabel | None:
+    """The pod's role label (--role-label auto) when this replica runs in a Kubernetes pod with a
+    service account token; otherwise None, said at DEBUG (off is the normal case outside Kubernetes)."""
+    if config.role_label == "off":
+        event(log, logging.DEBUG, "pod role label off", why="--role-label off")
+        return None
+    target, why = pod_target(os.environ, config.service_account_dir)
+    if target is None:
+        event(log, logging.DEBUG, "pod role label off", why=why)
+        return None
+    return PodRoleLabel(target)
 
 
 def _server_tls(config: ServerConfig) -> ssl.SSLContext | None:

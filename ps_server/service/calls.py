@@ -48,6 +48,7 @@ STATUS_BY_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.CHECKPOINTS_DISABLED: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.STEP_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     Reason.FINISH_NOT_ALLOWED: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.SWITCHOVER_REFUSED: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 M = TypeVar("M")

@@ -14,6 +14,8 @@ import contextlib
 from contextlib import AbstractContextManager
 from typing import Protocol
 
+from ps_server.core.errors import RequestError
+from wehub_ps.errors import Reason
 from wehub_ps.v1 import ps_pb2
 
 __all__ = ["ShardRole", "SingleReplica"]
@@ -62,6 +64,10 @@ class ShardRole(Protocol):
     def status(self) -> ps_pb2.ReplicaStatus | None:
         """For Describe; None when unreplicated."""
 
+    def switch_over(self, to_replica: int | None, timeout: float) -> tuple[int, str]:
+        """A planned switchover: hand the primary role to an in-sync backup (``to_replica``, or the one
+        furthest along); its index and address. RequestError when it cannot."""
+
 
 class SingleReplica:
     """``--replicas 1``: the only replica, always the primary."""
@@ -104,3 +110,7 @@ class SingleReplica:
 
     def status(self) -> ps_pb2.ReplicaStatus | None:
         return None
+
+    def switch_over(self, to_replica: int | None, timeout: float) -> tuple[int, str]:
+        raise RequestError(Reason.SWITCHOVER_REFUSED,
+                           "this ps-server runs unreplicated (--replicas 1): there is no backup to hand over to")

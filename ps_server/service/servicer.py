@@ -8,6 +8,8 @@ through :mod:`ps_server.service.pull_stream`) to copy each tensor byte once.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Iterable, Iterator
 
 import grpc
@@ -85,6 +87,7 @@ class ParameterServerService:
             "Heartbeat": grpc.unary_unary_rpc_method_handler(bounded(self.heartbeat)),
             "Exchange": grpc.stream_stream_rpc_method_handler(self._slots.exchange(self.exchange)),
             "Finish": grpc.unary_unary_rpc_method_handler(bounded(self.finish)),
+            "Switchover": grpc.unary_unary_rpc_method_handler(bounded(self.switchover)),
         })
 
     def end_exchange_streams(self) -> int:
@@ -144,6 +147,22 @@ class ParameterServerService:
             self._role.acknowledge(sequence, context.time_remaining())
         self._context.finish_requested.set()
         return ps_pb2.FinishResponse().SerializeToString()
+
+    @unary
+    def switchover(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """An operator's planned switchover (ps-admin switchover): answered once the role is handed over."""
+        msg = parse(ps_pb2.SwitchoverRequest, request)
+        if not math.isfinite(msg.timeout_seconds) or msg.timeout_seconds < 0:
+            raise RequestError(Reason.INVALID_REQUEST,
+                               f"timeout_seconds must be seconds >= 0, got {msg.timeout_seconds}")
+        self._role.check_primary()
+        self._lifecycle.check_accepting()
+        started = time.monotonic()
+        index, address = self._role.switch_over(msg.to_replica if msg.HasField("to_replica") else None,
+                                                msg.timeout_seconds or 5.0)
+        log.info("switchover", extra={"fields": {"to_replica": index, "address": address}})
+        return ps_pb2.SwitchoverResponse(replica_index=index, address=address,
+                                         seconds=time.monotonic() - started).SerializeToString()
 
     @unary
     def heartbeat(self, request: bytes, context: grpc.ServicerContext) -> bytes:

@@ -383,7 +383,39 @@ def _replication_port_blocked(o):
         rule["ports"] = [p for p in rule["ports"] if p["port"] != 7003]
 
 
+def _role_label_pod_unnamed(o):
+    rule = _kind(o, "Role", "ps-role-label")["rules"][0]
+    rule["resourceNames"] = [n for n in rule["resourceNames"] if n != "ps-1-1"]
+
+
+def _role_label_every_pod(o):
+    del _kind(o, "Role", "ps-role-label")["rules"][0]["resourceNames"]
+
+
+def _role_label_grants_more(o):
+    _kind(o, "Role", "ps-role-label")["rules"][0]["verbs"] = ["patch", "delete"]
+
+
+def _role_label_no_token(o):
+    _pod(_kind(o, "StatefulSet", "ps-0"))["automountServiceAccountToken"] = False
+
+
+def _role_label_unbound(o):
+    _kind(o, "RoleBinding", "ps-role-label")["subjects"][0]["name"] = "default"
+
+
+def _role_label_no_namespace(o):
+    container = _container(_kind(o, "StatefulSet", "ps-1"))
+    container["env"] = [v for v in container["env"] if v["name"] != "POD_NAMESPACE"]
+
+
 REPLICATED_BROKEN = [
+    ("overlays/replicated", _role_label_pod_unnamed, "does not let pods ['ps-1-1'] patch themselves"),
+    ("overlays/replicated", _role_label_every_pod, "lets it patch every pod of the namespace"),
+    ("overlays/replicated", _role_label_grants_more, "grants more than patching pods"),
+    ("overlays/replicated", _role_label_no_token, "automountServiceAccountToken is not true"),
+    ("overlays/replicated", _role_label_unbound, "no RoleBinding binds service account 'ps'"),
+    ("overlays/replicated", _role_label_no_namespace, "POD_NAMESPACE should be the fieldRef"),
     ("overlays/replicated", _replica_groups_swapped, "PS_ADDRESSES shard 0 is ['ps-1-0.ps', 'ps-1-1.ps']"),
     ("overlays/replicated", _replica_missing, "PS_ADDRESSES shard 0 is ['ps-0-0.ps']"),
     ("overlays/replicated", _replica_not_spread, "no topologySpreadConstraint over kubernetes.io/hostname"),

@@ -61,7 +61,8 @@ loses none of its record.
 replicas on a real etcd, each behind its own proxy, and the faults are
 ``replicated.REPLICA_KINDS`` (SIGKILL of the primary or the backup, the
 primary frozen with SIGSTOP until the other replica leads, etcd stopped and
-restarted) besides connection cuts, Checkpoint calls, worker SIGKILLs and
+restarted, the primary stopped with SIGTERM after it hands its role over,
+an operator's switchover) besides connection cuts, Checkpoint calls, worker SIGKILLs and
 requests over the table limits (among them a push message refused after
 its first chunk applied). One in-sync replica of each shard always
 survives, so no loss is allowed: every acknowledged push is in the values

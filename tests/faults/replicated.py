@@ -42,7 +42,10 @@ from wehub_ps.wire.rpc import method_path
 REPLICAS = 2
 LEASE_SECONDS = 1
 #: kind -> weight. primary-stop: SIGSTOP the primary until the other replica leads, then SIGCONT.
-REPLICA_KINDS = {"primary-kill": 3, "primary-stop": 1, "backup-kill": 2, "etcd-restart": 1}
+#: primary-term: SIGTERM the primary (it hands its role to the in-sync backup first), then restart it;
+#: switchover: an operator's switchover (PSClient.switchover, as ps-admin's) to the in-sync backup.
+REPLICA_KINDS = {"primary-kill": 3, "primary-stop": 1, "backup-kill": 2, "etcd-restart": 1, "primary-term": 1,
+                 "switchover": 1}
 #: The single-server kinds that also make sense with replicas (the rest stop or restart one server).
 #: "limit" pushes over a table's free rows, also one message refused part way (probes.refused_part_way).
 SHARED_KINDS = ("cut", "checkpoint", "worker-kill", "limit")
@@ -292,6 +295,24 @@ class ReplicatedCluster(Cluster):
                                             lambda p: p.process.signal(signal.SIGCONT))
             self.timeline.failovers.append(("process death", time.time()))
             self._kill_and_restart(primary, rng)  # frozen, so it acknowledged nothing since the check
+        elif kind == "primary-term":
+            # Frozen while etcd's in-sync set is checked, so the SIGTERM meets it with its backup in sync.
+            primary = self.fault_on_primary(shard, lambda p: p.process.freeze(),
+                                            lambda p: p.process.signal(signal.SIGCONT))
+            self.timeline.failovers.append(("planned switchover", time.time()))
+            primary.process.signal(signal.SIGTERM)
+            primary.process.signal(signal.SIGCONT)
+            primary.process.wait(60)
+            time.sleep(rng.uniform(0, 0.5))
+            primary.start()
+        elif kind == "switchover":
+            from worker_client import FailedPreconditionError
+
+            self.wait_in_sync(shard)
+            try:
+                self.call_admin(lambda c: c.switchover(shard))
+            except FailedPreconditionError as error:  # the backup left the in-sync set meanwhile
+                self.report.notes.append(f"shard {shard}: a switchover was refused: {error}")
         elif kind == "backup-kill":
             primary = self.wait_in_sync(shard)
             self._kill_and_restart(next(r for r in self.replicas[shard] if r is not primary), rng)

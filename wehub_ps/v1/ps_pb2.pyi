@@ -331,6 +331,24 @@ class FinishResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class SwitchoverRequest(_message.Message):
+    __slots__ = ("to_replica", "timeout_seconds")
+    TO_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    to_replica: int
+    timeout_seconds: float
+    def __init__(self, to_replica: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class SwitchoverResponse(_message.Message):
+    __slots__ = ("replica_index", "address", "seconds")
+    REPLICA_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    replica_index: int
+    address: str
+    seconds: float
+    def __init__(self, replica_index: _Optional[int] = ..., address: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "incarnation", "live", "seconds_since_seen", "step", "registered_unix", "pushes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -672,7 +690,7 @@ class FollowStart(_message.Message):
     def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., replica_index: _Optional[int] = ..., incarnation: _Optional[int] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
 
 class ReplicationMessage(_message.Message):
-    __slots__ = ("epoch", "snapshot_file", "snapshot_done", "record", "ping", "refused", "open_push")
+    __slots__ = ("epoch", "snapshot_file", "snapshot_done", "record", "ping", "refused", "open_push", "take_over")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FILE_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_DONE_FIELD_NUMBER: _ClassVar[int]
@@ -680,6 +698,7 @@ class ReplicationMessage(_message.Message):
     PING_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     OPEN_PUSH_FIELD_NUMBER: _ClassVar[int]
+    TAKE_OVER_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     snapshot_file: SnapshotFile
     snapshot_done: int
@@ -687,7 +706,8 @@ class ReplicationMessage(_message.Message):
     ping: int
     refused: str
     open_push: OpenPush
-    def __init__(self, epoch: _Optional[int] = ..., snapshot_file: _Optional[_Union[SnapshotFile, _Mapping]] = ..., snapshot_done: _Optional[int] = ..., record: _Optional[_Union[ReplicationRecord, _Mapping]] = ..., ping: _Optional[int] = ..., refused: _Optional[str] = ..., open_push: _Optional[_Union[OpenPush, _Mapping]] = ...) -> None: ...
+    take_over: bool
+    def __init__(self, epoch: _Optional[int] = ..., snapshot_file: _Optional[_Union[SnapshotFile, _Mapping]] = ..., snapshot_done: _Optional[int] = ..., record: _Optional[_Union[ReplicationRecord, _Mapping]] = ..., ping: _Optional[int] = ..., refused: _Optional[str] = ..., open_push: _Optional[_Union[OpenPush, _Mapping]] = ..., take_over: _Optional[bool] = ...) -> None: ...
 
 class OpenPush(_message.Message):
     __slots__ = ("stream", "begin")

@@ -74,6 +74,11 @@ class ParameterServerStub:
                 request_serializer=wehub__ps_dot_v1_dot_ps__pb2.FinishRequest.SerializeToString,
                 response_deserializer=wehub__ps_dot_v1_dot_ps__pb2.FinishResponse.FromString,
                 _registered_method=True)
+        self.Switchover = channel.unary_unary(
+                '/wehub_ps.v1.ParameterServer/Switchover',
+                request_serializer=wehub__ps_dot_v1_dot_ps__pb2.SwitchoverRequest.SerializeToString,
+                response_deserializer=wehub__ps_dot_v1_dot_ps__pb2.SwitchoverResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -141,6 +146,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Switchover(self, request, context):
+        """Replicated shards, on the primary: hand the primary role to an in-sync
+        backup (planned switchover). Changes wait meanwhile; none is lost.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -183,6 +196,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Finish,
                     request_deserializer=wehub__ps_dot_v1_dot_ps__pb2.FinishRequest.FromString,
                     response_serializer=wehub__ps_dot_v1_dot_ps__pb2.FinishResponse.SerializeToString,
+            ),
+            'Switchover': grpc.unary_unary_rpc_method_handler(
+                    servicer.Switchover,
+                    request_deserializer=wehub__ps_dot_v1_dot_ps__pb2.SwitchoverRequest.FromString,
+                    response_serializer=wehub__ps_dot_v1_dot_ps__pb2.SwitchoverResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -401,6 +419,33 @@ class ParameterServer:
             '/wehub_ps.v1.ParameterServer/Finish',
             wehub__ps_dot_v1_dot_ps__pb2.FinishRequest.SerializeToString,
             wehub__ps_dot_v1_dot_ps__pb2.FinishResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Switchover(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wehub_ps.v1.ParameterServer/Switchover',
+            wehub__ps_dot_v1_dot_ps__pb2.SwitchoverRequest.SerializeToString,
+            wehub__ps_dot_v1_dot_ps__pb2.SwitchoverResponse.FromString,
             options,
             channel_credentials,
             insecure,

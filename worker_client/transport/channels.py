@@ -78,6 +78,7 @@ class _Connection:
         self.heartbeat = self.channel.unary_unary(method_path("Heartbeat"))
         self.checkpoint = self.channel.unary_unary(method_path("Checkpoint"))
         self.finish = self.channel.unary_unary(method_path("Finish"))
+        self.switchover = self.channel.unary_unary(method_path("Switchover"))
         #: The health Check (ps-admin's status, a replicated shard's watch of its primary).
         self.health_check: Callable[..., Any] = health_pb2_grpc.HealthStub(self.channel).Check
         exchange = self.channel.stream_stream(method_path("Exchange"))
@@ -405,6 +406,11 @@ class ShardChannel:
         conn = self._conn
         return self._guard(conn, "finish", lambda: conn.finish(request, timeout=timeout,
                                                                metadata=self._metadata))
+
+    def switchover(self, request: bytes, timeout: float) -> bytes:
+        conn = self._conn
+        return self._guard(conn, "switchover", lambda: conn.switchover(request, timeout=timeout,
+                                                                       metadata=self._metadata))
 
     def create_variable(self, request: bytes, timeout: float) -> bytes:
         conn = self._conn

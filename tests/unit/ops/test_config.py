@@ -105,6 +105,17 @@ def test_replication_settings_are_checked():
         parse_config(["--replicas", "2", "--replica-index", "2", "--etcd-endpoints", "e:1"], {})
     with pytest.raises(ConfigError, match="--primary-lease-seconds"):
         parse_config(["--replicas", "2", "--etcd-endpoints", "e:1", "--primary-lease-seconds", "0"], {})
+    with pytest.raises(ConfigError, match="--role-label must be auto or off, got 'no'"):
+        parse_config(["--replicas", "2", "--etcd-endpoints", "e:1"], {"PS_ROLE_LABEL": "no"})
+
+
+def test_the_role_label_is_on_where_kubernetes_gives_a_token_unless_turned_off():
+    replicated = ["--replicas", "2", "--etcd-endpoints", "e:1"]
+    config = parse_config(replicated, {})
+    assert (config.role_label, config.service_account_dir) == (
+        "auto", "/var/run/secrets/kubernetes.io/serviceaccount")
+    config = parse_config(replicated, {"PS_ROLE_LABEL": "off", "PS_SERVICE_ACCOUNT_DIR": "/sa"})
+    assert (config.role_label, config.service_account_dir, config.unknown_environment) == ("off", "/sa", ())
 
 
 @pytest.mark.parametrize("task_type", ["worker", "chief", "evaluator", ""])

@@ -25,6 +25,7 @@ from .replica_wiring import (
     replicas_of,
     server_probe_problems,
 )
+from .role_label import role_label_problems
 
 POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
 COMPLETION_INDEX_FIELDS = {
@@ -118,6 +119,7 @@ def wehub_problems(objects: list[dict]) -> list[str]:
     replicated = [u for u in server_units if _replicated(u, objects)]
     if replicated:
         problems += replica_set_problems(objects, replicated, _policy_allows)
+        problems += role_label_problems(objects, replicated)
     for unit in worker_units:
         for container in (c for c in unit.containers() if is_ps_worker(c)):
             problems += _worker_problems(unit, container, objects, server_units)
