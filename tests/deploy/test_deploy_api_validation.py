@@ -222,3 +222,39 @@ def test_every_pod_template_of_a_render_is_checked(renders):
         holder["template"]["spec"]["containers"][0]["livenessProbe"]["successThreshold"] = 2
         problems = api_validation_problems(objects)
         assert len(problems) == 1 and path[0] in problems[0], problems
+
+
+def _job_spec():
+    return {"completionMode": "Indexed", "backoffLimit": 4, "activeDeadlineSeconds": 60,
+            "podFailurePolicy": {"rules": [
+                {"action": "FailJob", "onExitCodes": {"containerName": "c", "operator": "In", "values": [2]}},
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]},
+            "template": {"spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "x"}]}}}
+
+
+def _rule(j, i=0):
+    return j["podFailurePolicy"]["rules"][i]
+
+
+BROKEN_JOBS = [
+    (lambda j: j["template"]["spec"].update(restartPolicy="OnFailure"), "only \"Never\" is supported"),
+    (lambda j: _rule(j).update(action="Fail"), "action: Unsupported value: 'Fail'"),
+    (lambda j: _rule(j)["onExitCodes"].update(values=[0, 2]), "0 must not be included for In"),
+    (lambda j: _rule(j)["onExitCodes"].update(values=[3, 2]), "must be ordered and without duplicates"),
+    (lambda j: _rule(j)["onExitCodes"].update(operator="Equals"), "onExitCodes.operator: Unsupported value"),
+    (lambda j: _rule(j)["onExitCodes"].update(containerName="worker"), "no container of the pod template"),
+    (lambda j: _rule(j).update(onPodConditions=[{"type": "DisruptionTarget"}]), "not both"),
+    (lambda j: _rule(j, 1).update(action="FailIndex") or j.pop("completionMode"), "FailIndex needs"),
+    (lambda j: j.update(activeDeadlineSeconds=0), "activeDeadlineSeconds: Invalid value: 0"),
+]
+
+
+@pytest.mark.parametrize("breakage, expected", BROKEN_JOBS, ids=[e for _, e in BROKEN_JOBS])
+def test_refuses_each_job_rule_broken(breakage, expected):
+    from deploy_tools.manifests.api_validation import job_spec_problems
+
+    assert job_spec_problems("Job/j", _job_spec()) == []
+    job = _job_spec()
+    breakage(job)
+    problems = job_spec_problems("Job/j", job)
+    assert any(expected in p for p in problems), problems
