@@ -7,7 +7,8 @@
 #   deploy/gen-secrets.sh                      # into deploy/base/secrets/
 #   deploy/gen-secrets.sh --namespace team-a   # SANs for another namespace
 #   deploy/gen-secrets.sh --replicas 4         # SANs for ps-0 .. ps-3
-#   deploy/gen-secrets.sh --shard-replicas 3   # and ps-<s>-0 .. ps-<s>-2 (replicated)
+#   deploy/gen-secrets.sh --shards 3 --shard-replicas 3
+#                                              # replicated: ps-<s>-<r>, s < 3, r < 3
 #   deploy/gen-secrets.sh --token-only --force # rotate the token, keep the certificates
 #
 # Writes, into OUT (default deploy/base/secrets):
@@ -15,7 +16,8 @@
 #   server.crt, server.key  ps-server certificate, serverAuth and clientAuth
 #                           (a backup presents it to its primary); SANs: ps,
 #                           every pod ps-<i>.ps for i < REPLICAS, every
-#                           replica pod ps-<i>-<r>.ps for r < SHARD_REPLICAS,
+#                           replica pod ps-<s>-<r>.ps for s < SHARDS and
+#                           r < SHARD_REPLICAS,
 #                           and for every namespace NS: each pod's name +
 #                           .NS, .NS.svc, .NS.svc.cluster.local, ps.NS, ps.NS.svc,
 #                           ps.NS.svc.cluster.local, *.ps.NS.svc,
@@ -41,9 +43,12 @@
 #   --replicas N      number of ps-server pods to name (ps-0 .. ps-<N-1>);
 #                     default: $WEHUB_PS_REPLICAS, else the replicas of the
 #                     StatefulSet in deploy/base/ps-statefulset.yaml
-#   --shard-replicas R  replicas per shard to name (ps-<i>-0 .. ps-<i>-<R-1>);
-#                     default: the replicas of the StatefulSet in
-#                     deploy/overlays/replicated/shard/ps-statefulset.yaml
+#   --shards S        replicated shards to name (ps-0-<r> .. ps-<S-1>-<r>);
+#                     default: $WEHUB_PS_SHARDS, else the number of shard-<i>/
+#                     directories in deploy/overlays/replicated
+#   --shard-replicas R  replicas per shard to name (ps-<s>-0 .. ps-<s>-<R-1>);
+#                     default: $WEHUB_PS_SHARD_REPLICAS, else the replicas of the
+#                     StatefulSet in deploy/overlays/replicated/shard/ps-statefulset.yaml
 #   --etcd-out DIR    output directory of etcd's material
 #   --days N          certificate validity in days (default 365)
 #   --token-only      only (re)write the token
@@ -59,17 +64,19 @@ token_only=0
 force=0
 namespaces=()
 replicas="${WEHUB_PS_REPLICAS:-}"
-shard_replicas=""
+shards="${WEHUB_PS_SHARDS:-}"
+shard_replicas="${WEHUB_PS_SHARD_REPLICAS:-}"
 etcd_out="$here/overlays/replicated/secrets"
 etcd_members=3
 
-usage() { sed -n '2,52p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,57p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="${2:?--out needs a directory}"; shift 2 ;;
     --namespace) namespaces+=("${2:?--namespace needs a name}"); shift 2 ;;
     --replicas) replicas="${2:?--replicas needs a number}"; shift 2 ;;
+    --shards) shards="${2:?--shards needs a number}"; shift 2 ;;
     --shard-replicas) shard_replicas="${2:?--shard-replicas needs a number}"; shift 2 ;;
     --etcd-out) etcd_out="${2:?--etcd-out needs a directory}"; shift 2 ;;
     --days) days="${2:?--days needs a number}"; shift 2 ;;
@@ -92,6 +99,18 @@ if [ -z "$replicas" ] && [ "$token_only" = 0 ]; then
     exit 2
   fi
 fi
+if [ -z "$shards" ] && [ "$token_only" = 0 ]; then
+  # One shard-<i>/ directory per shard of the replicated overlay; a shard
+  # added there (deploy/README.md, "Replicated shards") is named on a rerun.
+  shards=0
+  while [ -d "$here/overlays/replicated/shard-$shards" ]; do
+    shards=$((shards + 1))
+  done
+  if [ "$shards" = 0 ]; then
+    echo "gen-secrets.sh: no shard-0/ in $here/overlays/replicated; pass --shards S" >&2
+    exit 2
+  fi
+fi
 if [ -z "$shard_replicas" ] && [ "$token_only" = 0 ]; then
   statefulset="$here/overlays/replicated/shard/ps-statefulset.yaml"
   shard_replicas="$(sed -n 's/^  replicas: *\([0-9][0-9]*\) *$/\1/p' "$statefulset" 2>/dev/null | head -n 1)"
@@ -108,6 +127,8 @@ positive() {
 if [ "$token_only" = 0 ]; then
   positive --replicas "$replicas"
   replicas=$((10#$replicas))
+  positive --shards "$shards"
+  shards=$((10#$shards))
   positive --shard-replicas "$shard_replicas"
   shard_replicas=$((10#$shard_replicas))
 fi
@@ -152,12 +173,14 @@ if [ "$token_only" = 0 ]; then
   # `*.ps` would never match ps-0.ps for them. The namespaced wildcards are
   # kept: they match (for OpenSSL too) exactly the pods of the headless
   # Service `ps` by their full names, such as the JobSet's train-ps-0-0.
-  # The pods: ps-<i> (one pod per shard) and ps-<i>-<r> (replica r of shard i,
-  # deploy/overlays/replicated), whose short names a backup dials its
+  # The pods: ps-<i> (one pod per shard) and ps-<s>-<r> (replica r of shard
+  # s, deploy/overlays/replicated), whose short names a backup dials its
   # primary by (PS_ADVERTISE_ADDRESS) and verifies the certificate against.
   pods=()
   for ((i = 0; i < replicas; i++)); do
     pods+=("ps-$i")
+  done
+  for ((i = 0; i < shards; i++)); do
     for ((r = 0; r < shard_replicas; r++)); do
       pods+=("ps-$i-$r")
     done

@@ -259,7 +259,9 @@ _HELP = {
     "port": "port to listen on; 0 picks a free one (see --port-file)",
     "shard_index": "this server's shard index, 0-based",
     "num_shards": "number of ps-servers in the cluster",
-    "checkpoint_dir": "directory (shared by all shards) for checkpoints",
+    "checkpoint_dir": "checkpoint root: one for all shards of a job (a restart with another shard count "
+                      "reads the old shards' checkpoints there); each replica of a replicated shard needs "
+                      "its own",
     "log_level": "one of " + ", ".join(_LOG_LEVELS),
     "port_file": "write the bound port to this file once serving",
     "max_memory_bytes": "bytes this shard may hold for clients (variables, optimizer slots, hash-table "

@@ -75,8 +75,9 @@ def manifest_commands(renders) -> set[str]:
 def test_commands_are_console_scripts(renders):
     scripts = console_scripts()
     commands = manifest_commands(renders)
-    # etcd: the official image's binary, for the replicas' elections (deploy/overlays/replicated).
-    assert commands == {"ps-server", "ps-worker", "etcd"}, commands
+    # etcd and etcdctl: the official etcd image's binaries, for the replicas' elections and
+    # etcd's upkeep (deploy/overlays/replicated, the CronJob etcd-maintenance).
+    assert commands == {"ps-server", "ps-worker", "etcd", "etcdctl"}, commands
     assert "ps-server" in scripts
     if "ps-worker" not in scripts:
         pytest.skip("pyproject.toml has no ps-worker console script yet (the worker entry point is being added)")

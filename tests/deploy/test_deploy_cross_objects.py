@@ -60,6 +60,11 @@ def _kind(objects, kind, name=None):
     return next(o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name))
 
 
+def _ps_config(objects):
+    """The ConfigMap ps-config, by its hashed name (the replicated overlay has others)."""
+    return next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("ps-config-"))
+
+
 def _pod(obj):
     return obj["spec"]["template"]["spec"]
 
@@ -180,7 +185,7 @@ def _addresses_renamed(o):
 
 
 def _num_shards(o):
-    _kind(o, "ConfigMap")["data"]["PS_NUM_SHARDS"] = "3"
+    _ps_config(o)["data"]["PS_NUM_SHARDS"] = "3"
 
 
 def _num_workers(o):
@@ -329,7 +334,7 @@ def _replica_not_spread(o):
 
 
 def _replica_budget_zero(o):
-    _kind(o, "PodDisruptionBudget", "ps-0")["spec"]["maxUnavailable"] = 2
+    _kind(o, "PodDisruptionBudget", "ps-0")["spec"]["minAvailable"] = 0
 
 
 def _etcd_quorum_budget(o):
@@ -337,7 +342,7 @@ def _etcd_quorum_budget(o):
 
 
 def _etcd_endpoint_missing(o):
-    _kind(o, "ConfigMap")["data"]["PS_ETCD_ENDPOINTS"] = "etcd-0.etcd:2379,etcd-1.etcd:2379"
+    _ps_config(o)["data"]["PS_ETCD_ENDPOINTS"] = "etcd-0.etcd:2379,etcd-1.etcd:2379"
 
 
 def _etcd_unreachable(o):
@@ -356,7 +361,7 @@ def _replica_readiness_primary_only(o):
 
 
 def _replica_count(o):
-    _kind(o, "ConfigMap")["data"]["PS_REPLICAS"] = "3"
+    _ps_config(o)["data"]["PS_REPLICAS"] = "3"
 
 
 def _replica_advertise(o):

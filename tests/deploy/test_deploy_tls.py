@@ -6,6 +6,7 @@ curl, Prometheus) accept them under every pod's name and no other."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from concurrent import futures
 from pathlib import Path
@@ -30,7 +31,8 @@ SCRIPT = DEPLOY / "gen-secrets.sh"
 
 def gen(out: Path, *args: str, check: bool = True, script: Path = SCRIPT,
         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if k != "WEHUB_PS_REPLICAS"} | (env or {})
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("WEHUB_PS_REPLICAS", "WEHUB_PS_SHARDS", "WEHUB_PS_SHARD_REPLICAS")} | (env or {})
     return subprocess.run(["bash", str(script), "--out", str(out), "--etcd-out", str(out), *args],
                           capture_output=True, text=True,
                           timeout=120, check=check, env=environ)
@@ -113,6 +115,34 @@ def test_openssl_clients_reject_names_outside_the_set(secrets, name):
     assert "Hostname mismatch" in verdict(secrets, name)
 
 
+def test_replicated_shards_are_named_beyond_the_first_two(tmp_path, openssl_cli):
+    """--shards (or WEHUB_PS_SHARDS) names every replica of every shard, apart from --replicas."""
+    gen(tmp_path / "arg", "--shards", "3", "--replicas", "2")
+    gen(tmp_path / "env", env={"WEHUB_PS_SHARDS": "3", "WEHUB_PS_SHARD_REPLICAS": "3"})
+    assert generated_secret_problems(tmp_path / "arg", shards=3) == []
+    assert generated_secret_problems(tmp_path / "env", shards=3, replicas_per_shard=3) == []
+    for name in ("ps-2-0.ps", "ps-2-1.ps", "ps-2-1.ps.wehub-ps.svc.cluster.local"):
+        assert verdict(tmp_path / "arg", name) == ""
+    assert "Hostname mismatch" in verdict(tmp_path / "arg", "ps-2.ps")
+    assert "Hostname mismatch" in verdict(tmp_path / "arg", "ps-3-0.ps")
+    assert verdict(tmp_path / "env", "ps-2-2.ps") == ""
+    # The check itself sees the third shard missing from a two-shard certificate.
+    gen(tmp_path / "two", "--shards", "2")
+    problems = generated_secret_problems(tmp_path / "two", shards=3)
+    assert len(problems) == 1 and "'ps-2-0.ps'" in problems[0], problems
+
+
+def test_default_shards_follow_the_replicated_overlay(tmp_path, openssl_cli):
+    """A shard added as the README says (a copy of shard-1/) is named on a rerun without arguments."""
+    deploy = copy_deploy(tmp_path / "copy")
+    replicated = deploy / "overlays" / "replicated"
+    shutil.copytree(replicated / "shard-1", replicated / "shard-2")
+    gen(tmp_path / "out", script=deploy / "gen-secrets.sh")
+    assert generated_secret_problems(tmp_path / "out", shards=3) == []
+    assert verdict(tmp_path / "out", "ps-2-1.ps") == ""
+    assert "Hostname mismatch" in verdict(tmp_path / "out", "ps-3-0.ps")
+
+
 def test_replicas_can_be_chosen_by_argument_or_environment(tmp_path, openssl_cli):
     gen(tmp_path / "arg", "--replicas", "3")
     gen(tmp_path / "env", env={"WEHUB_PS_REPLICAS": "3"})
@@ -157,9 +187,10 @@ def test_bad_arguments_are_refused(tmp_path, openssl_cli):
     assert result.returncode == 2 and "--days" in result.stderr
     result = gen(tmp_path, "--bogus", check=False)
     assert result.returncode == 2 and "unknown argument" in result.stderr
-    for replicas in ("0", "two"):
-        result = gen(tmp_path, "--replicas", replicas, check=False)
-        assert result.returncode == 2 and "--replicas" in result.stderr
+    for flag in ("--replicas", "--shards", "--shard-replicas"):
+        for count in ("0", "two"):
+            result = gen(tmp_path, flag, count, check=False)
+            assert result.returncode == 2 and f"{flag} must be" in result.stderr, result.stderr
     assert not any(tmp_path.iterdir())
 
 

@@ -1,5 +1,5 @@
 """The pods a render makes, wherever they are templated (Deployments, StatefulSets,
-Jobs, the JobSet and TFJob replicas), and what their containers run and see in
+Jobs, CronJobs, the JobSet and TFJob replicas), and what their containers run and see in
 their environment."""
 
 from __future__ import annotations
@@ -65,6 +65,14 @@ def pod_units(objects: Iterable[dict]) -> list[PodUnit]:
                 unit.pods = unit.completions
             elif kind in ("Deployment", "ReplicaSet"):
                 unit.pods = spec.get("replicas", 1)
+            units.append(unit)
+        elif kind == "CronJob":
+            job_spec = ((spec.get("jobTemplate") or {}).get("spec")) or {}
+            template = job_spec.get("template") or {}
+            unit = PodUnit(obj, ref(obj), ns, (template.get("metadata") or {}).get("labels") or {},
+                           template.get("spec") or {}, kind)
+            unit.completions, unit.parallelism, unit.indexed = _job_counts(job_spec)
+            unit.pods = unit.completions
             units.append(unit)
         elif kind == "Pod":
             units.append(PodUnit(obj, ref(obj), ns, (obj.get("metadata") or {}).get("labels") or {},

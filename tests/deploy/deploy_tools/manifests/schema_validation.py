@@ -66,7 +66,16 @@ _JOBSET_SCHEMA = {
                 "failurePolicy": {"type": "object", "additionalProperties": False, "properties": {
                     "maxRestarts": {"type": "integer", "minimum": 0},
                     "restartStrategy": {"enum": ["Recreate", "BlockingRecreate"]},
-                    "rules": {"type": "array"}}},
+                    "rules": {"type": "array", "items": {
+                        "type": "object", "required": ["name", "action"], "additionalProperties": False,
+                        "properties": {
+                            "name": {"type": "string", "pattern": "^[A-Za-z]([-A-Za-z0-9_]*[A-Za-z0-9])?$"},
+                            "action": {"enum": ["FailJobSet", "RestartJobSet",
+                                                "RestartJobSetAndIgnoreMaxRestarts"]},
+                            "onJobFailureReasons": {"type": "array", "items": {"enum": [
+                                "BackoffLimitExceeded", "DeadlineExceeded", "PodFailurePolicy",
+                                "MaxFailedIndexesExceeded"]}},
+                            "targetReplicatedJobs": {"type": "array", "items": {"type": "string"}}}}}}},
                 "startupPolicy": {"type": "object"},
                 "suspend": {"type": "boolean"},
                 "coordinator": {"type": "object"},

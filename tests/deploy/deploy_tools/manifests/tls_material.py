@@ -170,10 +170,21 @@ def shard_replicas(deploy: Path = DEPLOY) -> int:
     return int(yaml.safe_load(path.read_text())["spec"]["replicas"])
 
 
-def required_sans(namespaces: Iterable[str], replicas: int, replicas_per_shard: int = 0) -> set[str]:
-    """The service ``ps`` and every pod ``ps-<i>`` and ``ps-<i>-<r>`` by its short and namespaced names."""
+def replicated_shards(deploy: Path = DEPLOY) -> int:
+    """The shards of deploy/overlays/replicated: its ``shard-<i>/`` directories, 0, 1, ... without a gap."""
+    count = 0
+    while (deploy / "overlays" / "replicated" / f"shard-{count}").is_dir():
+        count += 1
+    return count
+
+
+def required_sans(namespaces: Iterable[str], replicas: int, replicas_per_shard: int = 0,
+                  shards: int | None = None) -> set[str]:
+    """The service ``ps`` and every pod ``ps-<i>`` (i < replicas) and ``ps-<s>-<r>`` (s < shards,
+    r < replicas_per_shard) by its short and namespaced names; ``shards`` defaults to ``replicas``."""
     pods = [f"ps-{i}" for i in range(replicas)]
-    pods += [f"ps-{i}-{r}" for i in range(replicas) for r in range(replicas_per_shard)]
+    shards = replicas if shards is None else shards
+    pods += [f"ps-{i}-{r}" for i in range(shards) for r in range(replicas_per_shard)]
     sans = {"ps", "localhost", "127.0.0.1"} | {f"{pod}.ps" for pod in pods}
     for ns in namespaces:
         sans |= {f"ps.{ns}", f"ps.{ns}.svc", f"ps.{ns}.svc.cluster.local"}
@@ -194,14 +205,16 @@ def etcd_sans(namespaces: Iterable[str], members: int = 3) -> set[str]:
 
 def generated_secret_problems(directory: Path, namespaces: Iterable[str] = DEFAULT_NAMESPACES,
                               replicas: int | None = None,
-                              replicas_per_shard: int | None = None) -> list[str]:
+                              replicas_per_shard: int | None = None, shards: int | None = None) -> list[str]:
     """What deploy/gen-secrets.sh wrote is a usable CA, server and client certificate and token;
-    ``replicas`` defaults to the StatefulSet's, ``replicas_per_shard`` to the replicated overlay's.
-    The server certificate is also a client certificate: a backup presents it to its primary."""
+    ``replicas`` defaults to the StatefulSet's, ``replicas_per_shard`` and ``shards`` to the replicated
+    overlay's. The server certificate is also a client certificate: a backup presents it to its primary."""
     if replicas is None:
         replicas = statefulset_replicas()
     if replicas_per_shard is None:
         replicas_per_shard = shard_replicas()
+    if shards is None:
+        shards = replicated_shards()
     problems = []
     names = ("ca.crt", "ca.key", "server.crt", "server.key", "client.crt", "client.key", "token")
     for name in names:
@@ -225,7 +238,7 @@ def generated_secret_problems(directory: Path, namespaces: Iterable[str] = DEFAU
             problems.append(f"{cert}.crt lacks the extended key usage {usage!r}")
         if not key_matches_cert(read[f"{cert}.key"], read[f"{cert}.crt"]):
             problems.append(f"{cert}.key does not belong to {cert}.crt")
-    missing = required_sans(namespaces, replicas, replicas_per_shard) - set(cert_sans(read["server.crt"]))
+    missing = required_sans(namespaces, replicas, replicas_per_shard, shards) - set(cert_sans(read["server.crt"]))
     if missing:
         problems.append(f"server.crt lacks the subject alternative names {sorted(missing)}")
     token = read["token"]
