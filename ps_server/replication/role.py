@@ -680,7 +680,7 @@ class ReplicaRole:
             self.check_primary()
             log_ = self._log
             assert log_ is not None
-            target = self._handover_target(to_replica)
+            target = self._handover_target(to_replica, started + timeout)
             with log_.ordered():
                 self.check_primary()
                 last = log_.sequence
@@ -705,11 +705,19 @@ class ReplicaRole:
               seconds=round(time.monotonic() - started, 3))
         return target
 
-    def _handover_target(self, to_replica: int | None) -> BackupLink:
-        links = [link for key, link in self._links.items()
-                 if key in self._in_sync and key not in self._joining and link.closed is None]
-        if to_replica is not None:
-            links = [link for link in links if link.replica_index == to_replica]
+    def _handover_target(self, to_replica: int | None, deadline: float) -> BackupLink:
+        """The in-sync backup to hand over to: only a member of etcd's in-sync set can be elected. One
+        that installed its snapshot and is joining (a replica just restarted, Ready already) is waited
+        for until ``deadline``, as a rolling restart stops the primary right after its backup came back."""
+        while True:
+            candidates = [(key, link) for key, link in self._links.items() if link.closed is None
+                          and (to_replica is None or link.replica_index == to_replica)]
+            links = [link for key, link in candidates if key in self._in_sync and key not in self._joining]
+            joining = [link for key, link in candidates if link.installed_at]
+            if links or not joining or time.monotonic() >= deadline or self._state != PRIMARY:
+                break
+            with self._acks:
+                self._acks.wait(min(0.05, max(0.0, deadline - time.monotonic())))
         if not links:
             which = f"replica {to_replica}" if to_replica is not None else "any backup"
             raise RequestError(Reason.SWITCHOVER_REFUSED,
