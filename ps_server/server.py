@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ps_server.core.admission import Admission
 from ps_server.core.consistency import ConsistencyController
-from ps_server.core.fused import LOOPS, loops_for, prepare
+from ps_server.core.fused import loops_for, prepare
 from ps_server.core.gate import ApplyGate
 from ps_server.core.ledger import PushLedger
 from ps_server.core.lifecycle import Lifecycle
@@ -247,16 +247,9 @@ class PSServer:
 
         Started once the port is open, so that it never delays serving; a
         push that needs a loop before it is ready runs the NumPy kernel
-        meanwhile (the same bits). A replica that holds no variables yet loads
-        every loop (about 70 MB for numba), as its snapshot may need any.
+        meanwhile (the same bits).
         """
-        specs = [part.spec for part in self.store.parts()]
-        loops = loops_for(specs)
-        if not specs and self.config.replicas > 1:
-            # A replica waiting for its first snapshot: the variables come with it, and the records
-            # queued meanwhile would wait for their loops (numba's import alone takes 0.5-1.5 s on a
-            # loaded 2-core machine); load them all now, while the snapshot is on its way.
-            loops = list(LOOPS)
+        loops = loops_for(part.spec for part in self.store.parts())
         if loops:
             # Not a daemon: the interpreter's exit waits for it (under a second) rather than
             # tearing down under LLVM's compiler, which runs without the GIL.

@@ -150,10 +150,6 @@ def loops_for(specs: Iterable[VariableSpec]) -> list[str]:
     return sorted(loops)
 
 
-#: Every loop :func:`prepare` knows.
-LOOPS = ("adam", "sgd_rows")
-
-
 def prepare(loops: Iterable[str]) -> None:
     """Load (from numba's cache) or compile the named loops now; blocking, thread-safe.
 
