@@ -114,6 +114,30 @@ def checkpoint_contents(path: pathlib.Path) -> tuple[dict[str, np.ndarray], dict
     return tensors, {key: manifest[key] for key in ("variables", "ledger", "consistency") if key in manifest}
 
 
+
+def assert_same_bits(first: pathlib.Path, second: pathlib.Path) -> None:
+    """Two checkpoints hold the same values, optimizer slots, hash-table rows, versions and ledger."""
+    tensors_a, state_a = checkpoint_contents(first)
+    tensors_b, state_b = checkpoint_contents(second)
+    assert sorted(tensors_a) == sorted(tensors_b)
+    for name, values in tensors_a.items():
+        assert values.tobytes() == tensors_b[name].tobytes(), name
+    assert state_a["variables"] == state_b["variables"]
+    assert state_a["ledger"] == state_b["ledger"]
+
+
+def log_events(log_text: str, name: str) -> list[dict]:
+    """The structured events called ``name`` in a server's log (JSON lines)."""
+    events = []
+    for line in log_text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("event") == name:
+            events.append(record)
+    return events
+
 @dataclass
 class ReplicatedCluster:
     """``num_shards`` shards of ``replicas`` processes each; stop() ends them all (by PID)."""

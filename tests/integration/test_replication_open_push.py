@@ -17,7 +17,6 @@ which no snapshot holds: there the snapshot waits for the push to end.
 
 from __future__ import annotations
 
-import json
 import queue
 import signal
 import threading
@@ -25,7 +24,7 @@ import time
 
 import grpc
 import numpy as np
-from replica_testing import ReplicatedCluster, checkpoint_contents, wait_for
+from replica_testing import ReplicatedCluster, assert_same_bits, log_events, wait_for
 
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.arrays import byte_view
@@ -77,29 +76,6 @@ class _OpenPush:
             self._channel.close()
 
 
-def _events(log_text: str, name: str) -> list[dict]:
-    """The log's structured events called ``name`` (the servers log JSON lines)."""
-    events = []
-    for line in log_text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("event") == name:
-            events.append(record)
-    return events
-
-
-def _same_bits(first, second) -> None:
-    tensors_a, state_a = checkpoint_contents(first)
-    tensors_b, state_b = checkpoint_contents(second)
-    assert sorted(tensors_a) == sorted(tensors_b)
-    for name, values in tensors_a.items():
-        assert values.tobytes() == tensors_b[name].tobytes(), name
-    assert state_a["variables"] == state_b["variables"]
-    assert state_a["ledger"] == state_b["ledger"]
-
-
 def _caught_up(cluster: ReplicatedCluster):
     def check() -> bool:
         primary = cluster.primary(0)
@@ -114,21 +90,27 @@ def _applied_on_primary(cluster: ReplicatedCluster, before: int):
     return lambda: cluster.primary(0).status().applied_sequence > before
 
 
+def _half_pushed(cluster: ReplicatedCluster, seed: int):
+    """Variable "a" created and the backup caught up, then a push whose first message the primary
+    applied and whose stream stays open: (primary, backup, the push's gradient, the open push)."""
+    primary = cluster.primary(0)
+    backup = next(r for r in cluster.shards[0] if r is not primary)
+    with PSClient(cluster.addresses, worker_id="setup", register=False) as client:
+        client.create_variable("a", SHAPE, initializer=Zeros(), optimizer=SGD(1.0))
+    wait_for(_caught_up(cluster), 30, "the backup caught up", cluster)
+    gradient = np.random.default_rng(seed).integers(-4, 5, SHAPE).astype(np.float32)
+    push = _OpenPush(primary.address)
+    before = primary.status().applied_sequence
+    push.send(encode_push_request(_begin(), [_chunk(gradient, 0)]))
+    wait_for(_applied_on_primary(cluster, before), 30, "the push's first message applied", cluster)
+    return primary, backup, gradient, push
+
+
 def test_a_backup_caught_up_during_an_open_push_applies_its_later_chunks(tmp_path, etcd_server):
     cluster = _cluster(tmp_path, etcd_server, "async").start()
     try:
-        primary = cluster.primary(0)
-        backup = next(r for r in cluster.shards[0] if r is not primary)
-        with PSClient(cluster.addresses, worker_id="setup", register=False) as client:
-            client.create_variable("a", SHAPE, initializer=Zeros(), optimizer=SGD(1.0))
-        wait_for(_caught_up(cluster), 30, "the backup caught up", cluster)
-        gradient = np.random.default_rng(3).integers(-4, 5, SHAPE).astype(np.float32)
-
-        push = _OpenPush(primary.address)
+        primary, backup, gradient, push = _half_pushed(cluster, seed=3)
         try:
-            before = primary.status().applied_sequence
-            push.send(encode_push_request(_begin(), [_chunk(gradient, 0)]))
-            wait_for(_applied_on_primary(cluster, before), 30, "the push's first message applied", cluster)
             backup.process.signal(signal.SIGKILL)
             backup.process.popen.wait(10)
             backup.start()  # catches up with a snapshot while the push is open
@@ -140,15 +122,15 @@ def test_a_backup_caught_up_during_an_open_push_applies_its_later_chunks(tmp_pat
         wait_for(_caught_up(cluster), 30, "the backup applied the push's end", cluster)
 
         primary_log, backup_log = primary.process.log_text(), backup.process.log_text()
-        assert not _events(backup_log, "cannot apply the primary's change"), backup_log[-3000:]
-        assert len(_events(backup_log, "snapshot loaded")) == 2, backup_log[-3000:]  # one per start
-        assert _events(primary_log, "backup attached")[-1]["open_pushes"] == 1, "the push was not open"
+        assert not log_events(backup_log, "cannot apply the primary's change"), backup_log[-3000:]
+        assert len(log_events(backup_log, "snapshot loaded")) == 2, backup_log[-3000:]  # one per start
+        assert log_events(primary_log, "backup attached")[-1]["open_pushes"] == 1, "the push was not open"
 
         with PSClient([primary.address], worker_id="observer", register=False) as client:
             client.checkpoint()
         wait_for(_caught_up(cluster), 30, "the backup applied the checkpoint record", cluster)
         primary_checkpoint = primary.newest_checkpoint()
-        _same_bits(primary_checkpoint, backup.newest_checkpoint())
+        assert_same_bits(primary_checkpoint, backup.newest_checkpoint())
 
         primary.process.signal(signal.SIGKILL)
         assert cluster.primary(0, timeout=15) is backup
@@ -168,18 +150,8 @@ def test_in_sync_mode_a_catch_up_snapshot_waits_for_an_open_push_to_end(tmp_path
     (within the wait's bound), so the backup needs no second snapshot."""
     cluster = _cluster(tmp_path, etcd_server, "sync").start()
     try:
-        primary = cluster.primary(0)
-        backup = next(r for r in cluster.shards[0] if r is not primary)
-        with PSClient(cluster.addresses, worker_id="setup", register=False) as client:
-            client.create_variable("a", SHAPE, initializer=Zeros(), optimizer=SGD(1.0))
-        wait_for(_caught_up(cluster), 30, "the backup caught up", cluster)
-        gradient = np.random.default_rng(4).integers(-4, 5, SHAPE).astype(np.float32)
-
-        push = _OpenPush(primary.address)
+        primary, backup, gradient, push = _half_pushed(cluster, seed=4)
         try:
-            before = primary.status().applied_sequence
-            push.send(encode_push_request(_begin(), [_chunk(gradient, 0)]))
-            wait_for(_applied_on_primary(cluster, before), 30, "the push's first message applied", cluster)
             followed = backup.process.log_text().count("following the primary")
             backup.process.signal(signal.SIGKILL)
             backup.process.popen.wait(10)
@@ -196,9 +168,9 @@ def test_in_sync_mode_a_catch_up_snapshot_waits_for_an_open_push_to_end(tmp_path
         assert response.elements_applied == 2 * HALF
         wait_for(_caught_up(cluster), 30, "the restarted backup caught up", cluster)
         backup_log = backup.process.log_text()
-        assert not _events(backup_log, "cannot apply the primary's change"), backup_log[-3000:]
-        assert len(_events(backup_log, "snapshot loaded")) == 2, backup_log[-3000:]  # one per start
-        assert _events(primary.process.log_text(), "backup attached")[-1]["open_pushes"] == 0
+        assert not log_events(backup_log, "cannot apply the primary's change"), backup_log[-3000:]
+        assert len(log_events(backup_log, "snapshot loaded")) == 2, backup_log[-3000:]  # one per start
+        assert log_events(primary.process.log_text(), "backup attached")[-1]["open_pushes"] == 0
     finally:
         cluster.stop()
 

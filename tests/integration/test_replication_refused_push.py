@@ -18,7 +18,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from replica_testing import ReplicatedCluster, checkpoint_contents
+from replica_testing import ReplicatedCluster, assert_same_bits, checkpoint_contents
 
 from wehub_ps.errors import REASON_METADATA_KEY
 from wehub_ps.v1 import ps_pb2
@@ -86,17 +86,6 @@ def _push(address: str, message: bytes) -> ps_pb2.PushResponse:
     return ps_pb2.PushResponse.FromString(raw)
 
 
-def _same_bits(first, second) -> None:
-    """Two checkpoints hold the same values, optimizer slots, hash-table rows, versions and ledger."""
-    tensors_a, state_a = checkpoint_contents(first)
-    tensors_b, state_b = checkpoint_contents(second)
-    assert sorted(tensors_a) == sorted(tensors_b)
-    for name, values in tensors_a.items():
-        assert values.tobytes() == tensors_b[name].tobytes(), name
-    assert state_a["variables"] == state_b["variables"]
-    assert state_a["ledger"] == state_b["ledger"]
-
-
 def _open_push(state: dict) -> dict:
     (entry,) = [e for e in state["ledger"]["entries"] if e["worker_id"] == "w-refused"]
     return entry["open"]["1"]
@@ -136,7 +125,7 @@ def test_a_message_refused_part_way_leaves_the_same_bits_on_the_backup_and_a_ret
     _, primary_state = checkpoint_contents(primary_checkpoint)
     assert _open_push(primary_state)["chunks"]["a"] == [[0, 64 * 8]], "the dense chunk was not applied"
     assert not np.array_equal(applied_a, np.zeros((64, 8), np.float32))
-    _same_bits(primary_checkpoint, backup_checkpoint)
+    assert_same_bits(primary_checkpoint, backup_checkpoint)
 
     primary.process.signal(signal.SIGKILL)
     survivor = cluster.primary(0, timeout=15)
@@ -144,7 +133,7 @@ def test_a_message_refused_part_way_leaves_the_same_bits_on_the_backup_and_a_ret
     with PSClient([survivor.address], worker_id="observer-2", register=False) as client:
         assert client.pull(["a"])["a"].tobytes() == applied_a.tobytes()
         client.checkpoint()
-    _same_bits(primary_checkpoint, survivor.newest_checkpoint())
+    assert_same_bits(primary_checkpoint, survivor.newest_checkpoint())
 
     # The retry (same worker, incarnation and sequence; no values asked after it, so nothing is held).
     response = _push(survivor.address, _message(_begin(0), grad_a, grad_t))

@@ -14,13 +14,12 @@ below the lease is asserted).
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 
 import pytest
 from replica_faults import SlotPusher, check_slots, create_slots
-from replica_testing import ReplicatedCluster, wait_for
+from replica_testing import ReplicatedCluster, log_events, wait_for
 
 from worker_client import PSClient
 from worker_client.admin import main as ps_admin
@@ -28,18 +27,6 @@ from worker_client.errors import FailedPreconditionError
 
 LEASE_SECONDS = 5
 SLOTS = 200_000
-
-
-def _events(text: str, name: str) -> list[dict]:
-    found = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("event") == name:
-            found.append(record)
-    return found
 
 
 def _in_sync(cluster: ReplicatedCluster, shard: int):
@@ -111,9 +98,9 @@ def test_sigterm_on_a_primary_hands_its_role_over_and_loses_nothing(two_replicas
             primary.process.wait(30)
             time.sleep(0.5)
             waits.append(max(_longest_waits(training.pushers, stopped - 0.2)))
-            handed = _events(primary.process.log_text(), "handed over the primary role")
+            handed = log_events(primary.process.log_text(), "handed over the primary role")
             assert handed and handed[-1]["take_over_sent"] is True, primary.process.log_text()[-3000:]
-            assert _events(backup.process.log_text(), "taking over the primary role")
+            assert log_events(backup.process.log_text(), "taking over the primary role")
             primary.start()
     finally:
         training.finish(cluster)
@@ -145,7 +132,7 @@ def test_a_rolling_restart_of_every_replica_during_training_loses_nothing(tmp_pa
             waits = _longest_waits(training.pushers, started)
         finally:
             training.finish(cluster)
-        handovers = sum(len(_events(r.process.log_text(), "handed over the primary role")) for r in cluster.all())
+        handovers = sum(len(log_events(r.process.log_text(), "handed over the primary role")) for r in cluster.all())
         assert handovers >= 2, "a primary stopped without handing its role over"
         print(f"\nrolling restart of 2 shards x 2 replicas: each worker's longest wait for a push: "
               f"{', '.join(f'{w * 1000:.0f} ms' for w in waits)}")
