@@ -86,6 +86,10 @@ class Follower:
         held: Position | None = None
         probe: _SilenceProbe | None = None
         try:
+            # An interrupt that came while connecting found no connection to close: ask again now.
+            ended = role.stream_ended(leader)
+            if ended is not None:
+                return ended
             connection.send([start])
             while True:
                 raw = connection.receive()

@@ -199,6 +199,8 @@ class ReplicaRole:
         self._taking_over = False
         self._leading_soon_until = 0.0
         self._state_changed = threading.Condition()
+        #: Held while a primary is deposed: the one way out of PRIMARY besides stop() (see _deposed).
+        self._deposing = threading.Lock()
         self.failovers = 0
         self.last_election_seconds = 0.0
         self.last_failover_seconds = 0.0
@@ -380,6 +382,18 @@ class ReplicaRole:
         self._set_state(CANDIDATE if self.has_state else STARTING)
         if not self._primary_gone and time.monotonic() - started < 1.0:
             self._wake.wait(0.25)  # a primary that refuses at once (still starting): not a busy loop
+
+    def stream_ended(self, leader: LeaderInfo) -> str | None:
+        """Why a stream from ``leader`` must end now (None: it may go on); what ``interrupt_follow``
+        asks, for a stream that had no connection yet when it was asked."""
+        if self._stopping.is_set():
+            return "this replica is stopping"
+        if self._rejoin:
+            return "this replica lost its etcd lease and rejoins the replica set first"
+        current = self._leader
+        if current is None or current.epoch != leader.epoch:
+            return f"the primary's term {leader.epoch} ended"
+        return None
 
     def primary_silent(self, host_alive: bool | None) -> None:
         """The follower heard nothing from its primary for --failover-after while in sync; ``host_alive``:
@@ -853,19 +867,20 @@ class ReplicaRole:
     def _change_in_sync(self, failed: set[tuple[int, int]], caught_up: set[tuple[int, int]]) -> None:
         if self._state != PRIMARY or self._stopping.is_set():
             return
+        epoch = self._epoch
         # Grown locally before (_join); written to etcd once caught up; shrunk locally after etcd agreed.
         me = (self.settings.replica_index, self.settings.incarnation)
         members = sorted((self._in_sync - failed - (set(self._joining) - caught_up)) | {me})
         try:
             addresses = {key[0]: self._links[key].address for key in members if key in self._links}
             addresses[me[0]] = self.settings.address
-            written = self._coordination.set_in_sync(self._epoch, members, addresses)
+            written = self._coordination.set_in_sync(epoch, members, addresses)
         except CoordinationError as error:
             _cannot_update_in_sync(failed=sorted(k[0] for k in failed),
                                    caught_up=sorted(k[0] for k in caught_up), error=str(error))
             return
         if not written:
-            self._deposed("the in-sync set could not be written: another replica leads")
+            self._deposed("the in-sync set could not be written: another replica leads", epoch)
             return
         with self._acks:
             self._in_sync -= failed
@@ -919,14 +934,18 @@ class ReplicaRole:
         event(log, logging.WARNING, "rejoined the replica set with a new lease", incarnation=incarnation,
               holds_state=self.has_state, position=str(self.position()))
 
-    def _deposed(self, why: str) -> None:
-        if self._state == DEPOSED:
-            return
-        if not self.lease_proven():
-            # Its lease is gone too (frozen past it): rejoin as a new member before following anyone,
-            # so the in-sync set never names a process etcd has already dropped.
-            self._rejoin = True
-        self._set_state(DEPOSED)  # calls waiting for the order see it and apply nothing more
+    def _deposed(self, why: str, epoch: int | None = None) -> None:
+        """End this primary's term here (``epoch``: only that term's). Several threads may find the term
+        over at once, and a finding may arrive after the replica already follows the next primary: only
+        the first, while it still leads, acts; a later one must not touch the backup it has become."""
+        with self._deposing:
+            if self._state != PRIMARY or (epoch is not None and epoch != self._epoch):
+                return
+            if not self.lease_proven():
+                # Its lease is gone too (frozen past it): rejoin as a new member before following anyone,
+                # so the in-sync set never names a process etcd has already dropped.
+                self._rejoin = True
+            self._set_state(DEPOSED)  # calls waiting for the order see it and apply nothing more
         event(log, logging.ERROR, "no longer the primary; following the new one", why=why, epoch=self._epoch,
               position=str(self.position()))
         with self._acks:
