@@ -45,6 +45,14 @@ class PodNetwork(HostNetwork):
         for name in ("hosts", "resolv.conf"):
             os.chmod(directory / name, 0o644)
 
+    def rewrite_hosts(self, key: str, hosts: str) -> None:
+        """Pod ``key``'s hosts file, rewritten in place (the inode that ``ip netns exec`` bound over
+        its running processes' /etc/hosts): a name now answers as cluster DNS answers after a pod
+        moved to another node."""
+        with open(Path("/etc/netns") / self.namespaces[key] / "hosts", "r+") as file:
+            file.truncate(0)
+            file.write(hosts)
+
     def exec_prefix(self, key: str, hostname: str | None = None) -> list[str]:
         """Run in pod ``key``'s namespace, under its own hostname (a UTS namespace of its own)."""
         prefix = super().exec_prefix(key)

@@ -82,6 +82,39 @@ def plan_replicated(objects: list[dict], work: Path, net: PodNetwork,
     return ReplicatedPods(etcd, shards, worker, keys, wraps)
 
 
+def replace_pod(cluster: ReplicatedPods, objects: list[dict], work: Path, net: PodNetwork, name: str) -> Pod:
+    """Pod ``name`` again, as its StatefulSet controller recreates it once the pod of a lost node was
+    force-deleted: on another host (a namespace and address of its own), with empty claims (the volume
+    was deleted with the node, or by the operator), planned from ``objects`` as they are now (a
+    ConfigMap an operator edited meanwhile is read again). Every pod's hosts file then answers the
+    name with the new address, as cluster DNS does; the old host stays as it was (cut off, for good)."""
+    old = next((pod for pod in [*cluster.etcd, *cluster.replicas] if pod.name == name), None)
+    if old is None or old.workload["kind"] != "StatefulSet":
+        raise HarnessError(f"{name} is not a StatefulSet pod of this cluster")
+    kind, workload_name = old.workload["kind"], old.workload["metadata"]["name"]
+    workload = next(o for o in objects if o.get("kind") == kind and o["metadata"]["name"] == workload_name)
+    index = int(name.rpartition("-")[2])
+    generation = sum(1 for key in net.namespaces if key.startswith(f"{cluster.keys[name]}-r")) + 1
+    key = f"{cluster.keys[name]}-r{generation}"
+    home = work / f"{key}-node"  # claims and emptyDirs of their own: an empty volume
+    home.mkdir()
+    _, ip = net.add(key)
+    pod = plan_pod(objects, workload, Path(str(old.container["command"][0])).name, index, home, ip=ip)
+    if old in cluster.etcd:
+        cluster.etcd[cluster.etcd.index(old)] = pod
+    else:
+        replicas = next(pods for pods in cluster.shards.values() if old in pods)
+        replicas[replicas.index(old)] = pod
+    cluster.keys[name] = key
+    records = dns_records(objects, [*cluster.etcd, *cluster.replicas, cluster.worker])
+    net.write_etc(key, hosts_file(pod, records), pod.meta.namespace)
+    cluster.wraps[name] = net.exec_prefix(key, pod.meta.hostname)
+    for other in [*cluster.etcd, *cluster.replicas, cluster.worker]:
+        if other is not pod:
+            net.rewrite_hosts(cluster.keys[other.name], hosts_file(other, records))
+    return pod
+
+
 def health_address(pod: Pod) -> str:
     """Where the pod's readinessProbe (gRPC) is sent: its IP and the probe's port."""
     probe = pod.container.get("readinessProbe") or {}
