@@ -62,3 +62,53 @@ def test_sort_ids_of_unsigned_ids():
     assert order.tolist() == [4, 1, 0, 2, 3] and sorted_ids.tolist() == [0, 3, 7, 7, 2**64 - 1]
     order, _, _ = sort_ids(ids[:3])
     assert order.tolist() == [1, 0, 2]
+
+
+@given(st.integers(1, 3000), st.floats(1.05, 3.0), st.integers(1, 2000), st.integers(1, 70),
+       st.sampled_from(["float32", "float64"]), st.integers(0, 2**32 - 1))
+@settings(max_examples=60, deadline=None)
+def test_heavily_repeated_ids_sum_as_add_at(n, exponent, distinct, width, dtype, seed):
+    """Zipf-distributed ids (some repeated hundreds of times, most a few times or once) take the rounds
+    and the per-id accumulations; every sum keeps np.add.at's bits."""
+    rng = np.random.default_rng(seed)
+    ids = (rng.zipf(exponent, n) % distinct).astype(np.int64)
+    values = rng.standard_normal((n, width)).astype(dtype)
+    values[rng.random((n, width)) < 0.01] = -0.0
+    unique, sums = sum_by_id(ids, values)
+    _, inverse = np.unique(ids, return_inverse=True)
+    expected = np.zeros((len(unique), width), dtype)
+    first = np.zeros(len(ids), dtype=bool)
+    first[np.unique(inverse, return_index=True)[1]] = True
+    expected[inverse[first]] = values[first]  # np.add.at onto each id's first row, as the sums start
+    np.add.at(expected, inverse[~first], values[~first])
+    assert sums.tobytes() == expected.tobytes()
+
+
+def test_the_python_steps_do_not_grow_with_the_repeats():
+    """One id repeated 4,000 times among others: the lines run in sum_sorted (a round per occurrence
+    would run thousands) stay bounded by the rounds' cap and the heavy ids' count."""
+    import sys
+
+    from wehub_ps.kernels import segments
+
+    rng = np.random.default_rng(3)
+    ids = np.concatenate([np.zeros(4000, np.int64), rng.integers(1, 200, 2000)])
+    rng.shuffle(ids)
+    values = rng.standard_normal((len(ids), 8)).astype(np.float32)
+    lines = 0
+
+    def trace(frame, event, arg):
+        nonlocal lines
+        if frame.f_code is segments.sum_sorted.__code__:
+            lines += event == "line"
+            return trace
+        return None
+
+    sys.settrace(trace)
+    try:
+        unique, sums = sum_by_id(ids, values)
+    finally:
+        sys.settrace(None)
+    bound = 40 + 3 * segments._MAX_ROUNDS + 5 * (segments._HEAVY + 1)
+    assert 0 < lines <= bound, f"{lines} lines run for one id repeated 4,000 times (bound {bound})"
+    assert unique.tolist() == np.unique(ids).tolist()
