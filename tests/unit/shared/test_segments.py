@@ -106,7 +106,7 @@ def test_the_python_steps_do_not_grow_with_the_repeats():
 
     sys.settrace(trace)
     try:
-        unique, sums = sum_by_id(ids, values)
+        unique, _ = sum_by_id(ids, values)
     finally:
         sys.settrace(None)
     bound = 40 + 3 * segments._MAX_ROUNDS + 5 * (segments._HEAVY + 1)
