@@ -29,9 +29,15 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+#: One BLAS thread per process ps-local starts, unless the user's environment says otherwise: its
+#: servers and workers share the machine's cores, where idle BLAS threads spin on the cores that
+#: pulls and pushes need (worker_client/blas_threads.py).
+BLAS_ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
 def repo_python_env() -> dict[str, str]:
-    """The environment for child Pythons: unbuffered, same import path as ours."""
-    env = dict(os.environ)
+    """The environment for child Pythons: unbuffered, same import path as ours, one BLAS thread."""
+    env = {**BLAS_ONE_THREAD, **os.environ}
     env["PYTHONUNBUFFERED"] = "1"
     paths = [p for p in sys.path if p and os.path.isdir(p)]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))

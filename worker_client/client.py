@@ -32,6 +32,7 @@ from wehub_ps.process import allocator
 from wehub_ps.specs import Initializer, Optimizer
 from wehub_ps.wire.rpc import DEFAULT_CHUNK_BYTES
 from worker_client.background import BackgroundPushes, PushHandle
+from worker_client.blas_threads import warn_if_blas_oversubscribed
 from worker_client.errors import PSError, PSUnavailableError
 from worker_client.gpu import GpuTransfers, LazyGpuTransfers
 from worker_client.overlap import OverlappedStep, StepPipeline
@@ -169,6 +170,7 @@ class PSClient:
             raise ValueError("connect=False is for observers: pass register=False too")
         if keep_freed_buffers:
             allocator.keep_freed_buffers(mmap_threshold=allocator.WORKER_MMAP_THRESHOLD)
+        warn_if_blas_oversubscribed()
         self._wire_dtype = _check_wire_dtype(wire_dtype)
         topk = TopKRows(topk_ratio) if topk_ratio is not None else None
         self._closed = False
