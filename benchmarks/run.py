@@ -30,6 +30,10 @@ sparse    pull_rows / push_rows of 4,096 ids x 64 dims from a 10M-row table on
           2 servers: rows/s and bytes/s (best of 100 warm calls; p50 beside it)
           against raw TCP. Reference: the same calls as a bare row exchange
           (raw ids out, raw rows back, one open stream per server)
+zipf      batches of 4,096 Zipf ids (many repeats) on a 1M x 64 table, dense and
+          hash, 1 and 2 workers: pull_rows + push_rows of the ids as they come
+          against the same batches with repeats merged by the caller
+          (bench_sparse.py)
 modes     3 workers on 2 servers in ssp (staleness 2) and sync: time pulls waited per step
 gpu       (skipped without CuPy and a CUDA GPU) the GPU path: the pull's upload from
           pinned buffers and the push's download into them, against a plain pinned
@@ -638,7 +642,7 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-SECTIONS = ("dense", "bf16", "topk", "apply", "step", "replication", "memory", "sparse", "modes", "gpu",
+SECTIONS = ("dense", "bf16", "topk", "apply", "step", "replication", "memory", "sparse", "zipf", "modes", "gpu",
             "training")
 
 
@@ -687,6 +691,10 @@ def main(argv: list[str] | None = None) -> int:
             rows += section_memory(results)
         elif section == "sparse":
             rows += section_sparse(tcp, results)
+        elif section == "zipf":
+            import bench_sparse
+
+            rows += bench_sparse.section_zipf(results, _row)
         elif section == "modes":
             rows += section_modes(results)
         elif section == "gpu":
