@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ps_server.core.persistence import AccumulatorSnapshot
-from wehub_ps.kernels.segments import sort_ids, sum_sorted
+from wehub_ps.kernels.segments import numpy_sum_sorted, sort_ids
 
 __all__ = ["StepAccumulator", "PushStaging", "ROW_COPIES", "pushes_per_id", "staged_rows_bytes"]
 
@@ -156,7 +156,9 @@ class StepAccumulator:
             all_ids, self.row_ids = np.concatenate(self.row_ids), []
             all_grads, self.row_grads = np.concatenate(self.row_grads), []
             order, sorted_ids, first = sort_ids(all_ids)
-            ids, grads = sum_sorted(all_grads, order, sorted_ids, first)
+            # An id repeats here at most once per push of the step (each push's rows are unique): the
+            # NumPy passes, without loading numba into a server that may need it for nothing else.
+            ids, grads = numpy_sum_sorted(all_grads, order, sorted_ids, first)
             del all_ids, all_grads, order, sorted_ids
             if aggregation == "mean":
                 grads /= self.row_count

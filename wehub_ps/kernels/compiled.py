@@ -1,8 +1,9 @@
 """Small loops compiled with numba: one pass over memory where NumPy needs several.
 
 Used for Adam's update and SGD on pushed rows on the server
-(ps_server/core/fused.py) and for the float32 -> bfloat16 cast on both sides
-(wehub_ps/kernels/convert.py). Each loop is compiled on first use (about 0.4 s per
+(ps_server/core/fused.py), for the float32 -> bfloat16 cast on both sides
+(wehub_ps/kernels/convert.py) and for summing the rows of repeated ids
+(wehub_ps/kernels/segments.py: a worker's push_rows, a server's sync rows). Each loop is compiled on first use (about 0.4 s per
 argument type) and kept in numba's on-disk cache, where numba finds one, in
 this order: ``NUMBA_CACHE_DIR``, the module's ``__pycache__`` when writable,
 the user's cache directory (``$XDG_CACHE_HOME/numba`` or ``~/.cache/numba``);
@@ -13,7 +14,7 @@ loop of a process still pays numba's import and LLVM's set-up (about 0.5 s).
 Without numba every caller has a NumPy path that gives the same bits.
 
 Memory: numba is imported only when a loop is first needed (an Adam
-variable, SGD on rows, a bfloat16 wire), and then costs about 140 MB of
+variable, SGD on rows, a bfloat16 wire, a worker's push of repeated rows), and then costs about 140 MB of
 RSS per process (65 MB the import, the rest LLVM). ``PS_COMPILED_LOOPS=0`` in the
 environment keeps every process on the NumPy paths.
 """
@@ -29,7 +30,7 @@ from typing import Any
 
 from wehub_ps.process.logs import event
 
-__all__ = ["compiled", "cache_in", "COMPILED_LOOPS_ENV", "NUMBA_CACHE_ENV"]
+__all__ = ["compiled", "compiled_soon", "cache_in", "COMPILED_LOOPS_ENV", "NUMBA_CACHE_ENV"]
 
 #: '0' (or false, no, off) keeps every process on the NumPy paths; read by servers and workers alike.
 COMPILED_LOOPS_ENV = "PS_COMPILED_LOOPS"
@@ -42,6 +43,8 @@ log = logging.getLogger("wehub_ps.kernels.compiled")
 _lock = threading.Lock()  # guards _built
 _built: dict[Callable, Callable | None] = {}
 _NOT_BUILT = object()
+_starting = threading.Lock()  # guards _started
+_started: set[Callable] = set()  # loops compiled_soon started building
 
 
 def compiled(fn: Callable, signatures: Callable[[Any], list] | None = None,
@@ -73,6 +76,23 @@ def compiled(fn: Callable, signatures: Callable[[Any], list] | None = None,
         return _built[fn]
     finally:
         _lock.release()
+
+
+def compiled_soon(fn: Callable, signatures: Callable[[Any], list] | None = None) -> Callable | None:
+    """``fn`` compiled if it is ready; else None at once, its build started on a thread (once).
+
+    For loops a caller meets in its hot path with no prepared moment before
+    (a worker's first push of repeated rows): that call and the next ones
+    run the caller's NumPy path, of the same bits, while numba loads.
+    """
+    built = _built.get(fn, _NOT_BUILT)
+    if built is not _NOT_BUILT:
+        return built
+    with _starting:
+        if fn not in _started:
+            _started.add(fn)
+            threading.Thread(target=compiled, args=(fn, signatures), name="ps-compile", daemon=True).start()
+    return None
 
 
 def cache_in(directory: str) -> None:

@@ -83,3 +83,30 @@ def test_ps_compiled_loops_0_keeps_numpy_and_never_imports_numba():
     """)
     env = {**os.environ, "PS_COMPILED_LOOPS": "0"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+
+
+def test_compiled_soon_answers_at_once_and_builds_on_a_thread():
+    """The first call returns None without waiting (the caller's NumPy path runs), the build goes on
+    on a thread of its own, started once however many calls ask meanwhile, and later calls get the loop."""
+    pytest.importorskip("numba")
+    import threading
+    import time
+
+    from wehub_ps.kernels.compiled import compiled_soon
+
+    def _double(a):  # a loop no other test builds
+        for i in range(a.shape[0]):
+            a[i] *= 2.0
+
+    before = {t.ident for t in threading.enumerate()}
+    assert compiled_soon(_double) is None
+    compiled_soon(_double)  # asked again while building (or built already): no second builder
+    builders = [t for t in threading.enumerate() if t.ident not in before and t.name == "ps-compile"]
+    assert len(builders) <= 1
+    deadline = time.monotonic() + 60
+    while (kernel := compiled_soon(_double)) is None:
+        assert time.monotonic() < deadline, "the loop was never built"
+        time.sleep(0.02)
+    a = np.arange(4.0)
+    kernel(a)
+    assert a.tolist() == [0.0, 2.0, 4.0, 6.0]

@@ -3,19 +3,35 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wehub_ps.kernels.segments import sort_ids, sum_by_id
+from wehub_ps.kernels import segments
+from wehub_ps.kernels.compiled import compiled
+from wehub_ps.kernels.segments import numpy_sum_sorted, sort_ids, sum_by_id
+
+#: Both paths of sum_sorted: the compiled loop (built now, where numba is installed) and the NumPy passes.
+_SUMS = {"numpy": lambda ids, values: numpy_sum_sorted(values, *sort_ids(ids)),
+         "compiled": sum_by_id}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compiled_loop_ready():
+    if compiled(segments._sum_in_order, segments._sum_in_order_signatures) is None:
+        _SUMS.pop("compiled")  # numba not installed, or PS_COMPILED_LOOPS=0: sum_by_id is the NumPy path
+
+
+@pytest.mark.parametrize("path", ["numpy", "compiled"])
 @given(st.lists(st.integers(-5, 5), max_size=60), st.integers(1, 4), st.sampled_from(["float32", "float64"]),
        st.integers(0, 2**32 - 1))
 @settings(max_examples=200, deadline=None)
-def test_sums_equal_add_at_in_order_of_occurrence(ids, width, dtype, seed):
+def test_sums_equal_add_at_in_order_of_occurrence(path, ids, width, dtype, seed):
+    if path not in _SUMS:
+        pytest.skip("numba is not installed here")
     ids = np.array(ids, dtype=np.int64)
     values = np.random.default_rng(seed).standard_normal((len(ids), width)).astype(dtype)
-    unique, sums = sum_by_id(ids, values)
+    unique, sums = _SUMS[path](ids, values)
     assert np.array_equal(unique, np.unique(ids))
     dense = np.zeros((11, width), dtype)
     np.add.at(dense, ids + 5, values)
@@ -64,17 +80,21 @@ def test_sort_ids_of_unsigned_ids():
     assert order.tolist() == [1, 0, 2]
 
 
+@pytest.mark.parametrize("path", ["numpy", "compiled"])
 @given(st.integers(1, 3000), st.floats(1.05, 3.0), st.integers(1, 2000), st.integers(1, 70),
        st.sampled_from(["float32", "float64"]), st.integers(0, 2**32 - 1))
 @settings(max_examples=60, deadline=None)
-def test_heavily_repeated_ids_sum_as_add_at(n, exponent, distinct, width, dtype, seed):
+def test_heavily_repeated_ids_sum_as_add_at(path, n, exponent, distinct, width, dtype, seed):
+    if path not in _SUMS:
+        pytest.skip("numba is not installed here")
     """Zipf-distributed ids (some repeated hundreds of times, most a few times or once) take the rounds
     and the per-id accumulations; every sum keeps np.add.at's bits."""
     rng = np.random.default_rng(seed)
     ids = (rng.zipf(exponent, n) % distinct).astype(np.int64)
     values = rng.standard_normal((n, width)).astype(dtype)
     values[rng.random((n, width)) < 0.01] = -0.0
-    unique, sums = sum_by_id(ids, values)
+    values.flags.writeable = seed % 2 == 0  # read-only gradients too (JAX hands those)
+    unique, sums = _SUMS[path](ids, values)
     _, inverse = np.unique(ids, return_inverse=True)
     expected = np.zeros((len(unique), width), dtype)
     first = np.zeros(len(ids), dtype=bool)
@@ -85,11 +105,9 @@ def test_heavily_repeated_ids_sum_as_add_at(n, exponent, distinct, width, dtype,
 
 
 def test_the_python_steps_do_not_grow_with_the_repeats():
-    """One id repeated 4,000 times among others: the lines run in sum_sorted (a round per occurrence
+    """One id repeated 4,000 times among others: the lines the NumPy path runs (a round per occurrence
     would run thousands) stay bounded by the rounds' cap and the heavy ids' count."""
     import sys
-
-    from wehub_ps.kernels import segments
 
     rng = np.random.default_rng(3)
     ids = np.concatenate([np.zeros(4000, np.int64), rng.integers(1, 200, 2000)])
@@ -99,14 +117,14 @@ def test_the_python_steps_do_not_grow_with_the_repeats():
 
     def trace(frame, event, arg):
         nonlocal lines
-        if frame.f_code is segments.sum_sorted.__code__:
+        if frame.f_code is numpy_sum_sorted.__code__:
             lines += event == "line"
             return trace
         return None
 
     sys.settrace(trace)
     try:
-        unique, _ = sum_by_id(ids, values)
+        unique, _ = _SUMS["numpy"](ids, values)
     finally:
         sys.settrace(None)
     bound = 40 + 3 * segments._MAX_ROUNDS + 5 * (segments._HEAVY + 1)
