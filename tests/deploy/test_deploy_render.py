@@ -50,6 +50,14 @@ def test_the_long_lived_and_run_to_completion_renders_hold_what_they_should(rend
                                "NetworkPolicy/worker", "PersistentVolumeClaim/ps-checkpoints"]
     assert kinds("tfjob") == ["Namespace/wehub-ps-tfjob", "NetworkPolicy/ps", "NetworkPolicy/worker",
                               "PersistentVolumeClaim/ps-checkpoints", "TFJob/train"]
+    # The replicated JobSet: the replicated overlay's etcd, budgets and NetworkPolicies, no long-lived
+    # servers or workers, and no role label RBAC (its Role could not name the JobSet's pods).
+    assert kinds("jobset-replicated") == [
+        "CronJob/etcd-maintenance", "JobSet/train", "Namespace/wehub-ps-train", "NetworkPolicy/etcd",
+        "NetworkPolicy/etcd-maintenance", "NetworkPolicy/ps", "NetworkPolicy/ps-replication",
+        "NetworkPolicy/worker", "PersistentVolumeClaim/etcd-snapshots", "PersistentVolumeClaim/ps-checkpoints",
+        "PodDisruptionBudget/etcd", "PodDisruptionBudget/ps-0", "PodDisruptionBudget/ps-1", "Service/etcd",
+        "StatefulSet/etcd"]
 
 
 def test_gpu_overlay_gives_workers_a_gpu_and_the_cuda_image(renders):
