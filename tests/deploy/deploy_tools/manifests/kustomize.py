@@ -27,7 +27,7 @@ PARTS = ("base", "overlays/replicated/from-base", "overlays/replicated/shard", "
 
 #: Kustomize Components (deploy/cert-manager): not applied alone, but added to a render target by an
 #: overlay of one's own. Each with the target it is checked on alone (its patches must match there).
-COMPONENTS: dict[str, str] = {}
+COMPONENTS = {"cert-manager": "overlays/cpu", "cert-manager/etcd": "overlays/replicated"}
 
 
 #: Where deploy/gen-secrets.sh writes (git-ignored): the ps-servers' and workers' material,
