@@ -7,14 +7,15 @@ cryptography package."""
 
 from __future__ import annotations
 
-import base64
 import ipaddress
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .k8s_objects import find, find_secret, namespace_of, ref
-from .pod_templates import PodUnit, command_of, mount_for, pod_units
+from .pod_templates import PodUnit, command_of, pod_units
+from .tls_material import _secret_bytes
+from .wehub_wiring import secret_key_at
 
 #: What gen-secrets.sh makes that no Certificate can: the bearer token (Secret ps-token).
 GEN_SECRETS_ONLY = frozenset({"ps-token"})
@@ -48,8 +49,7 @@ def secret_uses(unit: PodUnit) -> Iterator[SecretUse]:
     """The Secrets a pod template mounts or reads, and the keys its containers name: projected items,
     secretKeyRef, and every absolute path in a container's env values, command and args that lies
     on a Secret volume (ps-server's PS_TLS_*, etcd's --cert-file, ETCDCTL_CACERT, ...)."""
-    volumes = {v.get("name"): v for v in unit.spec.get("volumes") or []}
-    for volume in volumes.values():
+    for volume in unit.spec.get("volumes") or []:
         source = volume.get("secret")
         if source is not None:
             yield SecretUse(f"{unit.where} volume {volume.get('name')}", source.get("secretName"), None)
@@ -67,13 +67,9 @@ def secret_uses(unit: PodUnit) -> Iterator[SecretUse]:
         words = [str(v.get("value")) for v in container.get("env") or [] if "value" in v] + command_of(container)
         for word in words:
             for path in re.findall(r"(/[\w./-]+)", word):
-                mount = mount_for(container, path)
-                volume = volumes.get((mount or {}).get("name"))
-                if mount is None or volume is None or "secret" not in volume or path == mount["mountPath"]:
-                    continue
-                rel = path[len(str(mount["mountPath"]).rstrip("/")) + 1:]
-                items = {i.get("path"): i.get("key") for i in volume["secret"].get("items") or []}
-                yield SecretUse(f"{where} ({path})", volume["secret"].get("secretName"), items.get(rel, rel))
+                secret, key, problem = secret_key_at(unit, container, path)
+                if not problem and key:
+                    yield SecretUse(f"{where} ({path})", secret, key)
 
 
 def certificate_writing(objects: list[dict], secret: str, namespace: str | None) -> dict | None:
@@ -140,10 +136,6 @@ def issuer_chain_problems(objects: list[dict]) -> list[str]:
     return problems
 
 
-def _pem(secret: dict, key: str) -> bytes:
-    return base64.b64decode((secret.get("data") or {})[key])
-
-
 def certificate_vs_pem_problems(cert: dict, pem: bytes) -> list[str]:
     """What ``cert`` (a Certificate) asks for against what gen-secrets.sh put in ``pem``: the common
     name, CA or not, the DNS and IP names, key usages and extended key usages, and an ECDSA P-256 key."""
@@ -208,13 +200,13 @@ def gen_secrets_match_problems(plain: list[dict], objects: list[dict]) -> list[s
         if cert is None:
             problems.append(f"Secret {name}: no Certificate writes it")
             continue
-        problems += certificate_vs_pem_problems(cert, _pem(secret, "tls.crt"))
+        problems += certificate_vs_pem_problems(cert, _secret_bytes(secret, "tls.crt"))
         ca, why = ca_certificate(objects, cert)
         if ca is None:
             problems.append(why)
             continue
-        problems += certificate_vs_pem_problems(ca, _pem(secret, "ca.crt"))
-        issuers.setdefault(_pem(secret, "ca.crt"), set()).add(cert["spec"]["issuerRef"]["name"])
+        problems += certificate_vs_pem_problems(ca, _secret_bytes(secret, "ca.crt"))
+        issuers.setdefault(_secret_bytes(secret, "ca.crt"), set()).add(cert["spec"]["issuerRef"]["name"])
     for names in issuers.values():
         if len(names) != 1:
             problems.append(f"Certificates signed by one gen-secrets.sh CA come from the Issuers {sorted(names)}")

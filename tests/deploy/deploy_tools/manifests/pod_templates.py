@@ -6,7 +6,7 @@ add), so an environment variable resolves, ``$(VAR)`` references expanded, as in
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -232,6 +232,13 @@ def resolve_env(container: dict, objects: list[dict], namespace: str | None) -> 
     values come back as FieldRef / SecretValue markers. env overrides envFrom,
     as in Kubernetes.
     """
+    return _environment(container, objects, namespace, FieldRef, expand_values=False)
+
+
+def _environment(container: dict, objects: list[dict], namespace: str | None, field: Callable[[str], Any],
+                 expand_values: bool) -> dict[str, Any]:
+    """envFrom, then env in order; ``field`` gives a fieldRef's value, and with ``expand_values`` a
+    literal value has its ``$(VAR)`` references expanded with the variables defined before it."""
     env: dict[str, Any] = {}
     for source in container.get("envFrom") or []:
         prefix = source.get("prefix", "")
@@ -246,11 +253,11 @@ def resolve_env(container: dict, objects: list[dict], namespace: str | None) -> 
     for var in container.get("env") or []:
         name = var.get("name")
         if "value" in var:
-            env[name] = str(var["value"])
+            env[name] = expand(str(var["value"]), env) if expand_values else str(var["value"])
             continue
         source = var.get("valueFrom") or {}
         if "fieldRef" in source:
-            env[name] = FieldRef(source["fieldRef"].get("fieldPath", ""))
+            env[name] = field(source["fieldRef"].get("fieldPath", ""))
         elif "configMapKeyRef" in source:
             sel = source["configMapKeyRef"]
             cm = find(objects, "ConfigMap", sel.get("name"), namespace)
@@ -284,39 +291,11 @@ def expand(value: str, defined: dict[str, Any]) -> str:
 
 
 def pod_env(unit: PodUnit, container: dict, objects: list[dict], index: int) -> dict[str, Any]:
-    """The container's environment in pod ``index`` of ``unit``, as the kubelet makes it: envFrom,
-    then env in order, fieldRefs from that pod's downward values (None when the render cannot
-    tell), and ``$(VAR)`` in a value expanded with the variables defined before it. Secret values
-    stay SecretValue markers."""
+    """The container's environment in pod ``index`` of ``unit``, as the kubelet makes it: fieldRefs
+    from that pod's downward values (None when the render cannot tell), and ``$(VAR)`` in a value
+    expanded with the variables defined before it. Secret values stay SecretValue markers."""
     downward = unit.downward[index] if index < len(unit.downward) else {}
-    env: dict[str, Any] = {}
-    for source in container.get("envFrom") or []:
-        prefix = source.get("prefix", "")
-        if "configMapRef" in source:
-            cm = find(objects, "ConfigMap", source["configMapRef"].get("name"), unit.namespace)
-            for key, value in ((cm or {}).get("data") or {}).items():
-                env[prefix + key] = value
-        elif "secretRef" in source:
-            secret = find(objects, "Secret", source["secretRef"].get("name"), unit.namespace)
-            for key in secret_keys(secret or {}):
-                env[prefix + key] = SecretValue(source["secretRef"].get("name"), key)
-    for var in container.get("env") or []:
-        name = var.get("name")
-        if "value" in var:
-            env[name] = expand(str(var["value"]), env)
-            continue
-        source = var.get("valueFrom") or {}
-        if "fieldRef" in source:
-            env[name] = downward.get(source["fieldRef"].get("fieldPath", ""))
-        elif "configMapKeyRef" in source:
-            sel = source["configMapKeyRef"]
-            cm = find(objects, "ConfigMap", sel.get("name"), unit.namespace)
-            env[name] = ((cm or {}).get("data") or {}).get(sel.get("key"))
-        elif "secretKeyRef" in source:
-            env[name] = SecretValue(source["secretKeyRef"].get("name"), source["secretKeyRef"].get("key"))
-        else:
-            env[name] = None
-    return env
+    return _environment(container, objects, unit.namespace, downward.get, expand_values=True)
 
 
 def mount_for(container: dict, path: str) -> dict | None:
@@ -339,3 +318,16 @@ def host_matches(host: str, expected: str, namespace: str | None) -> bool:
         return host in (f"{expected}.{namespace}", f"{expected}.{namespace}.svc",
                         f"{expected}.{namespace}.svc.cluster.local")
     return False
+
+
+def volume_named(unit: PodUnit, name: str | None) -> dict | None:
+    """The pod template's volume ``name``."""
+    return next((v for v in unit.spec.get("volumes") or [] if v.get("name") == name), None)
+
+
+def claim_templates(unit: PodUnit) -> set[str]:
+    """The names of a StatefulSet's volume claim templates: a volume of its own for every pod."""
+    if unit.controller != "StatefulSet":
+        return set()
+    return {(t.get("metadata") or {}).get("name")
+            for t in (unit.owner.get("spec") or {}).get("volumeClaimTemplates") or []}

@@ -15,12 +15,14 @@ from .k8s_objects import label_selector_matches, namespace_of
 from .pod_templates import (
     FieldRef,
     PodUnit,
+    claim_templates,
     expand,
     host_matches,
     is_ps_server,
     mount_for,
     pod_env,
     resolve_env,
+    volume_named,
 )
 
 POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
@@ -122,12 +124,9 @@ def checkpoint_problems(unit: PodUnit, container: dict, env: dict, objects: list
     mount = mount_for(container, str(path)) if isinstance(path, str) else None
     if mount is None:
         return []  # reported by the checkpoint check of every server
-    templates = {(t.get("metadata") or {}).get("name")
-                 for t in (unit.owner.get("spec") or {}).get("volumeClaimTemplates") or []} \
-        if unit.controller == "StatefulSet" else set()
-    if mount.get("name") in templates:
+    if mount.get("name") in claim_templates(unit):
         return []
-    volume = next((v for v in unit.spec.get("volumes") or [] if v.get("name") == mount.get("name")), {})
+    volume = volume_named(unit, mount.get("name")) or {}
     source = (volume.get("persistentVolumeClaim") or {}).get("claimName") or mount.get("name")
     seen: dict[tuple[str, str], int] = {}
     for index in range(len(unit.downward)):

@@ -9,6 +9,7 @@ from .k8s_objects import find_secret, label_selector_matches, namespace_of, quan
 from .pod_templates import (
     FieldRef,
     PodUnit,
+    claim_templates,
     command_of,
     container_ports,
     host_matches,
@@ -19,6 +20,7 @@ from .pod_templates import (
     pod_units,
     resolve_env,
     secret_keys,
+    volume_named,
 )
 from .replica_wiring import (
     lane_port,
@@ -45,26 +47,13 @@ DEFAULT_DRAIN_TIMEOUT = 30.0
 CHECKPOINT_MARGIN = 60.0
 
 
-def _volume(unit: PodUnit, name: str) -> dict | None:
-    for volume in unit.spec.get("volumes") or []:
-        if volume.get("name") == name:
-            return volume
-    return None
-
-
-def _claim_templates(unit: PodUnit) -> set[str]:
-    if unit.controller != "StatefulSet":
-        return set()
-    return {(t.get("metadata") or {}).get("name")
-            for t in (unit.owner.get("spec") or {}).get("volumeClaimTemplates") or []}
-
-
-def secret_file(unit: PodUnit, container: dict, path: str, objects: list[dict]) -> tuple[dict | None, str | None, str]:
-    """(Secret, key, problem) behind a file path inside a container."""
+def secret_key_at(unit: PodUnit, container: dict, path: str) -> tuple[str | None, str | None, str]:
+    """(Secret name, key, problem) of a file path inside a container: which key of which Secret
+    volume it reads, or why it is none."""
     mount = mount_for(container, path)
     if mount is None:
         return None, None, f"{path} is not on any volume mount"
-    volume = _volume(unit, mount.get("name"))
+    volume = volume_named(unit, mount.get("name"))
     if volume is None or "secret" not in volume:
         return None, None, f"{path} is on volume {mount.get('name')!r}, which is not a Secret volume"
     rel = path[len(str(mount["mountPath"]).rstrip("/")) + 1:]
@@ -79,11 +68,19 @@ def secret_file(unit: PodUnit, container: dict, path: str, objects: list[dict]) 
     else:
         if src.get("items"):
             return None, None, f"{path}: volume {mount.get('name')} projects no item at {rel!r}"
-    secret = find_secret(objects, src.get("secretName"), unit.namespace)
+    return src.get("secretName"), key, ""
+
+
+def secret_file(unit: PodUnit, container: dict, path: str, objects: list[dict]) -> tuple[dict | None, str | None, str]:
+    """(Secret, key, problem) behind a file path inside a container."""
+    name, key, problem = secret_key_at(unit, container, path)
+    if problem:
+        return None, None, problem
+    secret = find_secret(objects, name, unit.namespace)
     if secret is None:
-        return None, None, f"{path}: Secret {src.get('secretName')!r} is not in the render"
+        return None, None, f"{path}: Secret {name!r} is not in the render"
     if key not in secret_keys(secret):
-        return secret, None, f"{path}: Secret {src.get('secretName')} has no key {key!r}"
+        return secret, None, f"{path}: Secret {name} has no key {key!r}"
     return secret, key, ""
 
 
@@ -226,8 +223,8 @@ def _server_problems(unit: PodUnit, container: dict, objects: list[dict]) -> lis
         problems.append(f"{where}: PS_CHECKPOINT_DIR is not set: a restart would lose everything")
     else:
         mount = mount_for(container, str(ckpt))
-        volume = _volume(unit, mount.get("name")) if mount else None
-        persistent = mount is not None and (mount.get("name") in _claim_templates(unit)
+        volume = volume_named(unit, mount.get("name")) if mount else None
+        persistent = mount is not None and (mount.get("name") in claim_templates(unit)
                                             or (volume is not None and "persistentVolumeClaim" in volume))
         if not persistent:
             problems.append(f"{where}: PS_CHECKPOINT_DIR={ckpt} is not on a persistent volume")
