@@ -55,9 +55,9 @@ def _job_counts(job_spec: dict) -> tuple[int | None, int | None, bool]:
 #: name resolves to something else in the checks, as it would in the cluster.
 RANDOM_SUFFIX = "x7k2p"
 
-#: The labels the JobSet controller puts on every child Job's pods (jobset.sigs.k8s.io/...), and
-#: the Job controller's (batch.kubernetes.io/job-name); each also as an annotation.
+#: The prefix of the labels (and the same annotations) the JobSet controller puts on its child Jobs' pods.
 JOBSET_PREFIX = "jobset.sigs.k8s.io/"
+#: An Indexed Job's pod's completion index, a label and an annotation the Job controller sets.
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 
 
@@ -235,9 +235,9 @@ def resolve_env(container: dict, objects: list[dict], namespace: str | None) -> 
     return _environment(container, objects, namespace, FieldRef, expand_values=False)
 
 
-def _environment(container: dict, objects: list[dict], namespace: str | None, field: Callable[[str], Any],
-                 expand_values: bool) -> dict[str, Any]:
-    """envFrom, then env in order; ``field`` gives a fieldRef's value, and with ``expand_values`` a
+def _environment(container: dict, objects: list[dict], namespace: str | None,
+                 field_value: Callable[[str], Any], expand_values: bool) -> dict[str, Any]:
+    """envFrom, then env in order; ``field_value`` gives a fieldRef's value, and with ``expand_values`` a
     literal value has its ``$(VAR)`` references expanded with the variables defined before it."""
     env: dict[str, Any] = {}
     for source in container.get("envFrom") or []:
@@ -257,7 +257,7 @@ def _environment(container: dict, objects: list[dict], namespace: str | None, fi
             continue
         source = var.get("valueFrom") or {}
         if "fieldRef" in source:
-            env[name] = field(source["fieldRef"].get("fieldPath", ""))
+            env[name] = field_value(source["fieldRef"].get("fieldPath", ""))
         elif "configMapKeyRef" in source:
             sel = source["configMapKeyRef"]
             cm = find(objects, "ConfigMap", sel.get("name"), namespace)

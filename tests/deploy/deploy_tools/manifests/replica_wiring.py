@@ -25,7 +25,6 @@ from .pod_templates import (
     volume_named,
 )
 
-POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
 _LABEL_FIELD = "metadata.labels['"
 #: The controllers that run a shard's replicas, one object (or child Job) per shard.
 REPLICA_CONTROLLERS = ("StatefulSet", "JobSet")
