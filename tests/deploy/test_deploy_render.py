@@ -68,6 +68,15 @@ def test_the_long_lived_and_run_to_completion_renders_hold_what_they_should(rend
         "StatefulSet/etcd"]
 
 
+def test_the_jobsets_name_references_are_the_same():
+    """deploy/jobset-replicated keeps a copy of deploy/jobset's (kustomize reads a configuration only
+    from below its kustomization): a reference taught to one must be taught to both."""
+    def read(target):
+        return yaml.safe_load((DEPLOY / target / "kustomizeconfig.yaml").read_text())
+
+    assert read("jobset-replicated") == read("jobset")
+
+
 def test_gpu_overlay_gives_workers_a_gpu_and_the_cuda_image(renders):
     job = next(o for o in renders["overlays/gpu"].objects if o["kind"] == "Job")
     pod = job["spec"]["template"]["spec"]
