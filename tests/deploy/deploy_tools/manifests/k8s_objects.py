@@ -26,6 +26,28 @@ def find(objects: Iterable[dict], kind: str, name: str, namespace: str | None) -
     return None
 
 
+#: The keys of the Secret a cert-manager Certificate writes (the CA and SelfSigned issuers fill ca.crt).
+CERTIFICATE_SECRET_KEYS = ("tls.crt", "tls.key", "ca.crt")
+
+
+def find_secret(objects: Iterable[dict], name: str, namespace: str | None) -> dict | None:
+    """The Secret ``name`` as the cluster will hold it: one of the render, or, where a cert-manager
+    Certificate of the render writes it (spec.secretName), a stand-in with the keys cert-manager
+    gives it and no data (the material exists only once cert-manager has issued it)."""
+    objects = list(objects)
+    secret = find(objects, "Secret", name, namespace)
+    if secret is not None:
+        return secret
+    for cert in objects:
+        if (cert.get("kind") == "Certificate" and str(cert.get("apiVersion", "")).startswith("cert-manager.io/")
+                and (cert.get("spec") or {}).get("secretName") == name and namespace_of(cert) == namespace):
+            return {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+                    "metadata": {"name": name, "namespace": namespace,
+                                 "annotations": {"cert-manager.io/certificate-name": cert["metadata"]["name"]}},
+                    "stringData": dict.fromkeys(CERTIFICATE_SECRET_KEYS, "")}
+    return None
+
+
 def label_selector_matches(selector: dict | None, labels: dict | None) -> bool:
     """A metav1.LabelSelector (matchLabels + matchExpressions) against labels.
 

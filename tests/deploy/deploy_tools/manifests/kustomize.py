@@ -3,9 +3,10 @@ copy of deploy/ whose secrets are generated there, so no test touches the reposi
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,11 +18,16 @@ REPO = Path(__file__).resolve().parents[4]
 DEPLOY = REPO / "deploy"
 
 #: Kustomizations that are applied to a cluster (rendered and checked).
-RENDER_TARGETS = ("overlays/cpu", "overlays/gpu", "overlays/replicated", "jobset", "tfjob")
+RENDER_TARGETS = ("overlays/cpu", "overlays/gpu", "overlays/replicated", "jobset", "jobset-replicated", "tfjob")
 
 #: Kustomizations that are only parts of those (rendered through them).
 PARTS = ("base", "overlays/replicated/from-base", "overlays/replicated/shard", "overlays/replicated/shard-0",
          "overlays/replicated/shard-1", "overlays/replicated/etcd")
+
+
+#: Kustomize Components (deploy/cert-manager): not applied alone, but added to a render target by an
+#: overlay of one's own. Each with the target it is checked on alone (its patches must match there).
+COMPONENTS = {"cert-manager": "overlays/cpu", "cert-manager/etcd": "overlays/replicated"}
 
 
 #: Where deploy/gen-secrets.sh writes (git-ignored): the ps-servers' and workers' material,
@@ -82,3 +88,15 @@ def generate_secrets(deploy_copy: Path) -> subprocess.CompletedProcess:
 
 def dump_all(objects: Iterable[dict]) -> str:
     return yaml.safe_dump_all(list(objects), sort_keys=False)
+
+
+def with_components(root: Path, target: str, components: Sequence[str], namespace: str) -> Path:
+    """An overlay of one's own, as deploy/README.md shows it, under ``root`` (a copy of deploy/):
+    ``target`` as its resource, ``components`` added, in the target's ``namespace``. Its directory."""
+    kdir = root / "_with-components" / target.replace("/", "-") / "-".join(c.replace("/", "-") for c in components)
+    kdir.mkdir(parents=True, exist_ok=True)
+    rel = os.path.relpath(root, kdir)
+    (kdir / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": namespace,
+        "resources": [f"{rel}/{target}"], "components": [f"{rel}/{c}" for c in components]}, sort_keys=False))
+    return kdir

@@ -68,8 +68,12 @@ def target_matches(target: dict, obj: dict) -> bool:
     def regex(field_value: str | None, pattern: str | None) -> bool:
         return pattern in (None, "") or re.fullmatch(str(pattern), str(field_value or "")) is not None
 
+    # A generated ConfigMap or Secret carries its content hash; kustomize matches its name without it.
+    name = str(meta.get("name") or "")
+    if obj.get("kind") in ("ConfigMap", "Secret"):
+        name = re.sub(r"-[a-z0-9]{10}$", "", name) if not regex(name, target.get("name")) else name
     return (regex(group, target.get("group")) and regex(version, target.get("version"))
-            and regex(obj.get("kind"), target.get("kind")) and regex(meta.get("name"), target.get("name"))
+            and regex(obj.get("kind"), target.get("kind")) and regex(name, target.get("name"))
             and regex(meta.get("namespace"), target.get("namespace"))
             and _equality_selector_matches(target.get("labelSelector") or "", meta.get("labels") or {})
             and _equality_selector_matches(target.get("annotationSelector") or "", meta.get("annotations") or {}))
@@ -105,6 +109,12 @@ def patch_target_problems(deploy_root: Path, rel: str, kubectl: Path) -> list[st
             if old in kust:
                 problems.append(f"{rel}: uses the deprecated field {old!r}")
         patches = kust.get("patches") or []
+        # A Component renders only inside a kustomization that includes it: the target it is checked on.
+        build = kdir
+        if kust.get("kind") == "Component":
+            from .kustomize import COMPONENTS, with_components
+
+            build = with_components(root, COMPONENTS[rel], [rel], "patch-check")
         for i, patch in enumerate(patches):
             targets, errors = patch_targets(patch, kdir)
             problems += [f"{rel}: patches[{i}]: {e}" for e in errors]
@@ -114,7 +124,7 @@ def patch_target_problems(deploy_root: Path, rel: str, kubectl: Path) -> list[st
                 del reduced["patches"]
             kfile.write_text(yaml.safe_dump(reduced, sort_keys=False))
             try:
-                objects = render(kubectl, kdir).objects
+                objects = render(kubectl, build).objects
             except RenderError as exc:
                 problems.append(f"{rel}: cannot render without patches[{i}]: {exc}")
                 continue

@@ -1,19 +1,33 @@
-"""Checks of replicated shards (deploy/overlays/replicated): each shard's StatefulSet carries
-its shard as a literal pod label the server reads, the workers list every shard's replicas in
-order ('|' between replicas, ',' between shards) and reach them (the gRPC port and the TCP lane),
-the replication stream has a fixed container port, the replicas reach each other (that port,
-and the gRPC port) and etcd, and the disruption budgets keep one replica of each shard and
-etcd's quorum."""
+"""Checks of replicated shards (deploy/overlays/replicated: a StatefulSet per shard;
+deploy/jobset-replicated: a JobSet's child Job per shard): every pod of a shard carries its shard
+as a pod label the server reads, each pod resolves its own replica index and advertises its own
+stable name, no two replicas of a shard share a checkpoint directory, the workers list every
+shard's replicas in order ('|' between replicas, ',' between shards) as the replicas advertise
+themselves and reach them (the gRPC port and the TCP lane), the replication stream has a fixed
+container port, the replicas reach each other (that port, and the gRPC port) and etcd, and the
+disruption budgets keep one replica of each shard and etcd's quorum."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from .k8s_objects import label_selector_matches, namespace_of
-from .pod_templates import FieldRef, PodUnit, is_ps_server, resolve_env
+from .pod_templates import (
+    FieldRef,
+    PodUnit,
+    claim_templates,
+    expand,
+    host_matches,
+    is_ps_server,
+    mount_for,
+    pod_env,
+    resolve_env,
+    volume_named,
+)
 
-POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
 _LABEL_FIELD = "metadata.labels['"
+#: The controllers that run a shard's replicas, one object (or child Job) per shard.
+REPLICA_CONTROLLERS = ("StatefulSet", "JobSet")
 
 
 def replicas_of(env: dict) -> int:
@@ -22,7 +36,8 @@ def replicas_of(env: dict) -> int:
 
 
 def shard_of(unit: PodUnit, env: dict) -> str | None:
-    """The shard a replicated StatefulSet serves: the literal template label PS_SHARD_INDEX reads."""
+    """The shard a replica set serves: the label PS_SHARD_INDEX reads, which every pod of the unit
+    carries alike (a StatefulSet's template label, a JobSet child Job's job index)."""
     index = env.get("PS_SHARD_INDEX")
     if not isinstance(index, FieldRef) or not index.path.startswith(_LABEL_FIELD):
         return None
@@ -45,27 +60,85 @@ def server_probe_problems(where: str, container: dict, health: object) -> list[s
     return problems
 
 
-def replica_server_problems(unit: PodUnit, container: dict, env: dict) -> list[str]:
-    """One replicated StatefulSet: shard and replica index, replica count, advertised address."""
+def replica_server_problems(unit: PodUnit, container: dict, env: dict, objects: list[dict]) -> list[str]:
+    """One shard's replica set: shard and replica index, replica count, advertised address, each
+    pod's own checkpoint directory, the replication port."""
     where = f"{unit.where} container {container.get('name')}"
     problems = []
-    if unit.controller != "StatefulSet":
-        return [f"{where}: replicated shards run as a StatefulSet per shard, not a {unit.controller}"]
-    if shard_of(unit, env) is None:
-        problems.append(f"{where}: PS_SHARD_INDEX must be a pod template label (one StatefulSet per shard), "
-                        f"got {env.get('PS_SHARD_INDEX')!r}")
-    index = env.get("PS_REPLICA_INDEX")
-    if not (isinstance(index, FieldRef) and index.path == POD_INDEX_FIELD):
-        problems.append(f"{where}: PS_REPLICA_INDEX must be {POD_INDEX_FIELD}, got {index!r}")
+    if unit.controller not in REPLICA_CONTROLLERS:
+        return [f"{where}: replicated shards run as a StatefulSet per shard or a JobSet child Job per "
+                f"shard, not a {unit.controller}"]
+    shard = shard_of(unit, env)
+    if shard is None:
+        problems.append(f"{where}: PS_SHARD_INDEX must be a label every pod of the shard carries (one "
+                        f"StatefulSet per shard, or the JobSet's job index), got {env.get('PS_SHARD_INDEX')!r}")
+    if unit.controller == "JobSet" and (not unit.indexed or unit.completions != unit.parallelism):
+        problems.append(f"{where}: a shard's Job must be Indexed with completions = parallelism (every replica "
+                        f"at once), got completions {unit.completions}, parallelism {unit.parallelism}")
     if unit.pods != replicas_of(env):
         problems.append(f"{where}: PS_REPLICAS={env.get('PS_REPLICAS')} but {unit.pods} pods")
-    pod_name_vars = [k for k, v in env.items() if isinstance(v, FieldRef) and v.path == "metadata.name"]
-    service = (unit.owner.get("spec") or {}).get("serviceName")
-    expected = {f"$({var}).{service}:{env.get('PS_PORT')}" for var in pod_name_vars}
-    if env.get("PS_ADVERTISE_ADDRESS") not in expected:
-        problems.append(f"{where}: PS_ADVERTISE_ADDRESS={env.get('PS_ADVERTISE_ADDRESS')!r} should be the "
-                        f"pod's stable name on PS_PORT, $(<pod name>).{service}:{env.get('PS_PORT')}")
+    problems += _pod_problems(unit, container, env, objects, shard)
+    problems += checkpoint_problems(unit, container, env, objects)
     return problems + _replication_port_problems(where, container, env)
+
+
+def _pod_problems(unit: PodUnit, container: dict, env: dict, objects: list[dict], shard: str | None) -> list[str]:
+    """Each pod, as its downward API values resolve its environment: its shard, its replica index
+    (its place among the shard's pods) and its advertised address (its own stable name)."""
+    where = f"{unit.where} container {container.get('name')}"
+    if not unit.hostnames:
+        return [f"{where}: the replicas have no stable DNS names (a headless Service, the JobSet's "
+                "enableDNSHostnames): backups could not dial their primary"]
+    port = env.get("PS_PORT")
+    problems: dict[str, str] = {}  # one message per variable: the first pod that gets it wrong
+    for index, host in enumerate(unit.hostnames):
+        penv = pod_env(unit, container, objects, index)
+        if shard is not None and penv.get("PS_SHARD_INDEX") != shard:
+            problems.setdefault("PS_SHARD_INDEX", f"{where}: PS_SHARD_INDEX is {penv.get('PS_SHARD_INDEX')!r} in "
+                                f"pod {host}, not its shard {shard}")
+        if penv.get("PS_REPLICA_INDEX") != str(index):
+            problems.setdefault("PS_REPLICA_INDEX", f"{where}: PS_REPLICA_INDEX={env.get('PS_REPLICA_INDEX')!r} "
+                                f"is {penv.get('PS_REPLICA_INDEX')!r} in pod {host}, not its replica index {index} "
+                                f"(its ordinal or completion index)")
+        advertised = str(penv.get("PS_ADVERTISE_ADDRESS") or "")
+        advertised_host, _, advertised_port = advertised.rpartition(":")
+        if advertised_port != str(port) or not host_matches(advertised_host, host, unit.namespace):
+            problems.setdefault("PS_ADVERTISE_ADDRESS", f"{where}: PS_ADVERTISE_ADDRESS="
+                                f"{env.get('PS_ADVERTISE_ADDRESS')!r} is {advertised!r} in pod {host}: it should be "
+                                f"that pod's stable name on PS_PORT, {host}:{port} (or its namespaced form)")
+    return list(problems.values())
+
+
+def advertised_addresses(unit: PodUnit, container: dict, objects: list[dict]) -> list[str | None]:
+    """PS_ADVERTISE_ADDRESS as each pod of the unit resolves it, in replica order."""
+    return [pod_env(unit, container, objects, i).get("PS_ADVERTISE_ADDRESS") for i in range(len(unit.downward))]
+
+
+def checkpoint_problems(unit: PodUnit, container: dict, env: dict, objects: list[dict]) -> list[str]:
+    """No two replicas of a shard write one checkpoint directory (each writes <root>/shard-<i>-of-<n>):
+    a claim template gives each pod its own volume; a shared claim needs a subPath(Expr) that
+    differs between them."""
+    where = f"{unit.where} container {container.get('name')}"
+    path = env.get("PS_CHECKPOINT_DIR")
+    mount = mount_for(container, str(path)) if isinstance(path, str) else None
+    if mount is None:
+        return []  # reported by the checkpoint check of every server
+    if mount.get("name") in claim_templates(unit):
+        return []
+    volume = volume_named(unit, mount.get("name")) or {}
+    source = (volume.get("persistentVolumeClaim") or {}).get("claimName") or mount.get("name")
+    seen: dict[tuple[str, str], int] = {}
+    for index in range(len(unit.downward)):
+        sub = mount.get("subPath", "")
+        if "subPathExpr" in mount:
+            sub = expand(str(mount["subPathExpr"]), pod_env(unit, container, objects, index))
+        key = (source, sub)
+        if key in seen:
+            return [(f"{where}: replicas {seen[key]} and {index} of the shard write the same checkpoint "
+                     f"directory (volume {source!r}, subPath {sub!r}): each replica needs its own "
+                     "(subPathExpr with $(PS_REPLICA_INDEX), or a claim template)")]
+        seen[key] = index
+    return []
 
 
 def replication_port(env: dict) -> int:
@@ -103,7 +176,7 @@ def replica_set_problems(
     shards = sorted(str(shard_of(u, envs[id(u)])) for u in units)
     count = envs[id(units[0])].get("PS_NUM_SHARDS")
     if shards != [str(i) for i in range(int(count or 0))]:
-        problems.append(f"replicated shards: StatefulSets for shards {shards}, but PS_NUM_SHARDS={count}")
+        problems.append(f"replicated shards: replica sets for shards {shards}, but PS_NUM_SHARDS={count}")
     pdbs = [o for o in objects if o.get("kind") == "PodDisruptionBudget"]
     for unit in units:
         env, where = envs[id(unit)], unit.where
@@ -175,28 +248,38 @@ def replica_address_problems(where: str, raw: str, worker: PodUnit, server_units
                              objects: list[dict],
                              policy_allows: Callable[[list[dict], PodUnit, PodUnit, int, str], list[str]]
                              ) -> list[str]:
-    """PS_ADDRESSES 'r0|r1,r0|r1': shard i's group names the pods of shard i's StatefulSet in ordinal
-    order, on the port the replicas listen on, and NetworkPolicies let the worker reach them."""
-    by_shard: dict[str, tuple[PodUnit, dict]] = {}
+    """PS_ADDRESSES 'r0|r1,r0|r1' (as the worker pod resolves it): shard i's group names the pods of
+    shard i's replica set in replica order, spelled as they advertise themselves (the client follows
+    a backup's NOT_PRIMARY only to a listed name), on the port the replicas listen on, and
+    NetworkPolicies let the worker reach them."""
+    by_shard: dict[str, tuple[PodUnit, dict, dict]] = {}
     for unit in server_units:
         if unit.namespace != worker.namespace:
             continue
-        env = resolve_env(next(c for c in unit.containers() if is_ps_server(c)), objects, unit.namespace)
+        container = next(c for c in unit.containers() if is_ps_server(c))
+        env = resolve_env(container, objects, unit.namespace)
         if replicas_of(env) > 1 and shard_of(unit, env) is not None:
-            by_shard[str(shard_of(unit, env))] = (unit, env)
+            by_shard[str(shard_of(unit, env))] = (unit, container, env)
     groups = [g.strip() for g in raw.split(",") if g.strip()]
     problems = []
     if sorted(by_shard) != [str(i) for i in range(len(groups))]:
-        return [(f"{where}: PS_ADDRESSES has {len(groups)} shards but the replicated StatefulSets serve "
+        return [(f"{where}: PS_ADDRESSES has {len(groups)} shards but the replicated servers serve "
                  f"shards {sorted(by_shard)}")]
     for i, group in enumerate(groups):
-        unit, env = by_shard[str(i)]
+        unit, container, env = by_shard[str(i)]
         entries = [e.strip() for e in group.split("|")]
         hosts = [e.rpartition(":")[0] for e in entries]
         ports = {e.rpartition(":")[2] for e in entries}
-        if hosts != unit.hostnames:
+        if len(hosts) != len(unit.hostnames) or not all(
+                host_matches(h, expected, unit.namespace) for h, expected in zip(hosts, unit.hostnames)):
             problems.append(f"{where}: PS_ADDRESSES shard {i} is {hosts}, expected the replicas of "
                             f"{unit.where} in order, {unit.hostnames}")
+        else:
+            advertised = advertised_addresses(unit, container, objects)
+            if entries != advertised:
+                problems.append(f"{where}: PS_ADDRESSES shard {i} lists {entries}, but the replicas advertise "
+                                f"themselves as {advertised}: a backup's NOT_PRIMARY names its primary so, and "
+                                "the client follows only a name in its list")
         if ports != {str(env.get("PS_PORT"))}:
             problems.append(f"{where}: PS_ADDRESSES shard {i} uses ports {sorted(ports)}, but the replicas "
                             f"listen on PS_PORT={env.get('PS_PORT')}")

@@ -31,7 +31,7 @@ def role_label_problems(objects: list[dict], units: list[PodUnit]) -> list[str]:
         account = unit.spec.get("serviceAccountName") or "default"
         if find(objects, "ServiceAccount", account, unit.namespace) is None and account != "default":
             problems.append(f"{where}: serviceAccountName {account!r} names no ServiceAccount")
-        pods = [f"{unit.owner['metadata']['name']}-{i}" for i in range(unit.pods or 0)]
+        pods = [pod["metadata.name"] for pod in unit.downward]
         problems += _grant_problems(objects, where, unit.namespace, account, pods)
     return problems
 

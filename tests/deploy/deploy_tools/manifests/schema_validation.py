@@ -1,5 +1,6 @@
 """Schema validation of a render: built-in kinds against kubernetes-validate's schemas,
-the custom resources (JobSet, TFJob) against the fields these manifests may use."""
+the custom resources (JobSet, TFJob, cert-manager's Issuer and Certificate) against the fields
+these manifests may use."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ K8S_MIN_VERSION = "1.33"
 CRD_ALLOWLIST = {
     ("jobset.x-k8s.io/v1alpha2", "JobSet"),
     ("kubeflow.org/v1", "TFJob"),
+    # deploy/cert-manager: the certificates from cert-manager instead of gen-secrets.sh.
+    ("cert-manager.io/v1", "Issuer"),
+    ("cert-manager.io/v1", "Certificate"),
 }
 
 #: The fields of the custom resources that these manifests may use. The
@@ -129,7 +133,72 @@ _TFJOB_SCHEMA = {
     },
 }
 
-CRD_SCHEMAS = {("jobset.x-k8s.io/v1alpha2", "JobSet"): _JOBSET_SCHEMA, ("kubeflow.org/v1", "TFJob"): _TFJOB_SCHEMA}
+_ISSUER_REF = {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+    "name": {"type": "string", "minLength": 1},
+    "kind": {"enum": ["Issuer", "ClusterIssuer"]},
+    "group": {"const": "cert-manager.io"}}}
+
+#: cert-manager's key usages (certificate.spec.usages), as its API validates them.
+CERT_MANAGER_USAGES = ("signing", "digital signature", "content commitment", "key encipherment", "key agreement",
+                       "data encipherment", "cert sign", "crl sign", "encipher only", "decipher only", "any",
+                       "server auth", "client auth", "code signing", "email protection", "s/mime",
+                       "ipsec end system", "ipsec tunnel", "ipsec user", "timestamping", "ocsp signing",
+                       "microsoft sgc", "netscape sgc")
+
+_CERTIFICATE_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "cert-manager.io/v1"},
+        "kind": {"const": "Certificate"},
+        "metadata": {"type": "object"},
+        "spec": {
+            "type": "object",
+            "required": ["secretName", "issuerRef"],
+            "additionalProperties": False,
+            "properties": {
+                "secretName": {"type": "string", "minLength": 1},
+                "issuerRef": _ISSUER_REF,
+                "commonName": {"type": "string", "maxLength": 64},
+                "isCA": {"type": "boolean"},
+                "duration": {"type": "string", "pattern": "^([0-9]+h)?([0-9]+m)?([0-9]+s)?$"},
+                "renewBefore": {"type": "string", "pattern": "^([0-9]+h)?([0-9]+m)?([0-9]+s)?$"},
+                "dnsNames": {"type": "array", "items": {"type": "string", "minLength": 1}},
+                "ipAddresses": {"type": "array", "items": {"type": "string"}},
+                "usages": {"type": "array", "items": {"enum": list(CERT_MANAGER_USAGES)}},
+                "privateKey": {"type": "object", "additionalProperties": False, "properties": {
+                    "algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]},
+                    "size": {"type": "integer"},
+                    "encoding": {"enum": ["PKCS1", "PKCS8"]},
+                    "rotationPolicy": {"enum": ["Never", "Always"]}}},
+            },
+        },
+    },
+}
+
+_ISSUER_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "cert-manager.io/v1"},
+        "kind": {"const": "Issuer"},
+        "metadata": {"type": "object"},
+        "spec": {
+            "type": "object", "minProperties": 1, "maxProperties": 1, "additionalProperties": False,
+            "properties": {
+                "selfSigned": {"type": "object", "additionalProperties": False},
+                "ca": {"type": "object", "required": ["secretName"], "additionalProperties": False,
+                       "properties": {"secretName": {"type": "string", "minLength": 1}}},
+            },
+        },
+    },
+}
+
+CRD_SCHEMAS = {("jobset.x-k8s.io/v1alpha2", "JobSet"): _JOBSET_SCHEMA, ("kubeflow.org/v1", "TFJob"): _TFJOB_SCHEMA,
+               ("cert-manager.io/v1", "Certificate"): _CERTIFICATE_SCHEMA,
+               ("cert-manager.io/v1", "Issuer"): _ISSUER_SCHEMA}
 
 
 def embedded_core_objects(obj: dict) -> list[tuple[str, dict]]:

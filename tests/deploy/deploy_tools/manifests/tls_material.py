@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from .kustomize import DEPLOY
-from .pod_templates import PodUnit, is_ps_server, is_ps_worker, pod_units, resolve_env
+from .pod_templates import PodUnit, is_ps_server, is_ps_worker, pod_env, pod_units, resolve_env
 from .wehub_wiring import secret_file
 
 
@@ -119,6 +119,13 @@ def tls_problems(objects: list[dict]) -> list[str]:
             if not name_matches_san(name, sans):
                 problems.append(f"{where}: the server certificate does not name the pod {name!r} "
                                 "(deploy/gen-secrets.sh --replicas / --namespace)")
+        # A backup dials its primary at the address the primary advertises, and verifies that host.
+        for index, host in enumerate(unit.hostnames if "PS_ADVERTISE_ADDRESS" in env else []):
+            advertised = str(pod_env(unit, container, objects, index).get("PS_ADVERTISE_ADDRESS") or "")
+            if not name_matches_san(advertised.rpartition(":")[0], sans):
+                problems.append(f"{where}: pod {host} advertises {advertised!r}, a name the server certificate "
+                                "does not have: its backups would refuse it as their primary")
+                break
         if client_ca is None:
             problems.append(f"{where}: no PS_TLS_CLIENT_CA: clients are not authenticated by certificate")
         if not isinstance(env.get("PS_AUTH_TOKEN_FILE"), str):

@@ -5,17 +5,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from .k8s_objects import find, label_selector_matches, namespace_of, quantity
+from .k8s_objects import find_secret, label_selector_matches, namespace_of, quantity
 from .pod_templates import (
     FieldRef,
     PodUnit,
+    claim_templates,
     command_of,
     container_ports,
+    host_matches,
     is_ps_server,
     is_ps_worker,
+    mount_for,
+    pod_env,
     pod_units,
     resolve_env,
     secret_keys,
+    volume_named,
 )
 from .replica_wiring import (
     lane_port,
@@ -42,36 +47,13 @@ DEFAULT_DRAIN_TIMEOUT = 30.0
 CHECKPOINT_MARGIN = 60.0
 
 
-def _mount_for(container: dict, path: str) -> dict | None:
-    best = None
-    for mount in container.get("volumeMounts") or []:
-        mp = str(mount.get("mountPath", "")).rstrip("/")
-        if path == mp or path.startswith(mp + "/"):
-            if best is None or len(mp) > len(str(best.get("mountPath", "")).rstrip("/")):
-                best = mount
-    return best
-
-
-def _volume(unit: PodUnit, name: str) -> dict | None:
-    for volume in unit.spec.get("volumes") or []:
-        if volume.get("name") == name:
-            return volume
-    return None
-
-
-def _claim_templates(unit: PodUnit) -> set[str]:
-    if unit.controller != "StatefulSet":
-        return set()
-    return {(t.get("metadata") or {}).get("name")
-            for t in (unit.owner.get("spec") or {}).get("volumeClaimTemplates") or []}
-
-
-def secret_file(unit: PodUnit, container: dict, path: str, objects: list[dict]) -> tuple[dict | None, str | None, str]:
-    """(Secret, key, problem) behind a file path inside a container."""
-    mount = _mount_for(container, path)
+def secret_key_at(unit: PodUnit, container: dict, path: str) -> tuple[str | None, str | None, str]:
+    """(Secret name, key, problem) of a file path inside a container: which key of which Secret
+    volume it reads, or why it is none."""
+    mount = mount_for(container, path)
     if mount is None:
         return None, None, f"{path} is not on any volume mount"
-    volume = _volume(unit, mount.get("name"))
+    volume = volume_named(unit, mount.get("name"))
     if volume is None or "secret" not in volume:
         return None, None, f"{path} is on volume {mount.get('name')!r}, which is not a Secret volume"
     rel = path[len(str(mount["mountPath"]).rstrip("/")) + 1:]
@@ -86,25 +68,24 @@ def secret_file(unit: PodUnit, container: dict, path: str, objects: list[dict]) 
     else:
         if src.get("items"):
             return None, None, f"{path}: volume {mount.get('name')} projects no item at {rel!r}"
-    secret = find(objects, "Secret", src.get("secretName"), unit.namespace)
+    return src.get("secretName"), key, ""
+
+
+def secret_file(unit: PodUnit, container: dict, path: str, objects: list[dict]) -> tuple[dict | None, str | None, str]:
+    """(Secret, key, problem) behind a file path inside a container."""
+    name, key, problem = secret_key_at(unit, container, path)
+    if problem:
+        return None, None, problem
+    secret = find_secret(objects, name, unit.namespace)
     if secret is None:
-        return None, None, f"{path}: Secret {src.get('secretName')!r} is not in the render"
+        return None, None, f"{path}: Secret {name!r} is not in the render"
     if key not in secret_keys(secret):
-        return secret, None, f"{path}: Secret {src.get('secretName')} has no key {key!r}"
+        return secret, None, f"{path}: Secret {name} has no key {key!r}"
     return secret, key, ""
 
 
 def _truthy(value: Any) -> bool:
     return str(value).strip().lower() in ("1", "true", "yes", "on")
-
-
-def _address_host_matches(host: str, expected: str, namespace: str | None) -> bool:
-    if host == expected:
-        return True
-    if namespace:
-        return host in (f"{expected}.{namespace}", f"{expected}.{namespace}.svc",
-                        f"{expected}.{namespace}.svc.cluster.local")
-    return False
 
 
 def wehub_problems(objects: list[dict]) -> list[str]:
@@ -144,7 +125,7 @@ def _server_problems(unit: PodUnit, container: dict, objects: list[dict]) -> lis
     replicated = replicas_of(env) > 1
 
     if replicated:
-        problems += replica_server_problems(unit, container, env)
+        problems += replica_server_problems(unit, container, env, objects)
         if env.get("PS_NUM_SHARDS") is None:
             problems.append(f"{where}: PS_NUM_SHARDS is not set")
     elif unit.controller == "TFJob":
@@ -241,9 +222,9 @@ def _server_problems(unit: PodUnit, container: dict, objects: list[dict]) -> lis
     if ckpt is None:
         problems.append(f"{where}: PS_CHECKPOINT_DIR is not set: a restart would lose everything")
     else:
-        mount = _mount_for(container, str(ckpt))
-        volume = _volume(unit, mount.get("name")) if mount else None
-        persistent = mount is not None and (mount.get("name") in _claim_templates(unit)
+        mount = mount_for(container, str(ckpt))
+        volume = volume_named(unit, mount.get("name")) if mount else None
+        persistent = mount is not None and (mount.get("name") in claim_templates(unit)
                                             or (volume is not None and "persistentVolumeClaim" in volume))
         if not persistent:
             problems.append(f"{where}: PS_CHECKPOINT_DIR={ckpt} is not on a persistent volume")
@@ -272,7 +253,8 @@ def _worker_problems(unit: PodUnit, container: dict, objects: list[dict],
     if unit.pods is not None and str(workers) != str(unit.pods):
         problems.append(f"{where}: PS_NUM_WORKERS={workers} but {unit.pods} worker pods are created")
 
-    raw = env.get("PS_ADDRESSES")
+    # As the worker pod sees it: $(VAR) references (its namespace, say) expanded.
+    raw = pod_env(unit, container, objects, 0).get("PS_ADDRESSES") if unit.downward else env.get("PS_ADDRESSES")
     if not isinstance(raw, str) or not raw.strip():
         problems.append(f"{where}: PS_ADDRESSES is not set")
         return problems
@@ -288,7 +270,7 @@ def _worker_problems(unit: PodUnit, container: dict, objects: list[dict],
         parsed.append((host, int(port)))
     # Which server group do these addresses name? The one whose first pod matches.
     candidates = [u for u in server_units if u.namespace == unit.namespace and u.hostnames]
-    group = next((u for u in candidates if _address_host_matches(parsed[0][0], u.hostnames[0], u.namespace)), None)
+    group = next((u for u in candidates if host_matches(parsed[0][0], u.hostnames[0], u.namespace)), None)
     if group is None:
         known = [u.hostnames for u in candidates]
         problems.append(f"{where}: PS_ADDRESSES starts with {parsed[0][0]!r}, which is not the first "
@@ -298,7 +280,7 @@ def _worker_problems(unit: PodUnit, container: dict, objects: list[dict],
         problems.append(f"{where}: PS_ADDRESSES has {len(parsed)} entries but {group.where} has "
                         f"{len(group.hostnames)} pods")
     for i, ((host, _port), expected) in enumerate(zip(parsed, group.hostnames)):
-        if not _address_host_matches(host, expected, group.namespace):
+        if not host_matches(host, expected, group.namespace):
             problems.append(f"{where}: PS_ADDRESSES[{i}] is {host!r}, expected {expected!r} "
                             "(shard order is pod order)")
     server_container = next(c for c in group.containers() if is_ps_server(c))
