@@ -152,7 +152,7 @@ class Follower:
                 # Before the snapshot is installed the answer names no term: it acknowledges nothing.
                 reply = answer(held.epoch, held.sequence) if held is not None else answer(0, 0)
                 connection.send([reply])
-                role.answered_primary(installed=held is not None)
+                role.answered_primary(installed=held is not None, epoch=leader.epoch)
         except ConnectionClosed as error:
             if held is not None and isinstance(error.__cause__, TimeoutError):
                 host_alive = connection.peer_acknowledged_within(0.75 * settings.failover_after)

@@ -50,6 +50,7 @@ import numpy as np
 
 from ps_server.coordination import CoordinationError
 from ps_server.coordination.positions import NO_STATE, Position
+from ps_server.coordination.records import InSync
 from ps_server.core.errors import RequestError
 from ps_server.replication import records
 from ps_server.replication.log import BackupLink, UpdateLog
@@ -83,6 +84,7 @@ class Coordination(Protocol):
     def set_state(self, state: str, holds_state: bool = False, position: Position = NO_STATE) -> None: ...
     def set_in_sync(self, epoch: int, members: list[tuple[int, int]],
                     addresses: dict[int, str] | None = None) -> bool: ...
+    def in_sync(self) -> InSync | None: ...
     def revoke_leader(self, leader: LeaderInfo) -> None: ...
     def step_down(self, epoch: int) -> bool: ...
     def end_silent_term(self, epoch: int) -> bool: ...
@@ -176,8 +178,13 @@ class ReplicaRole:
         self.applied = 0
         self.state_epoch = 0
         self.has_state = False
-        #: Backup: whether the stream being followed has installed its snapshot (in sync from then on).
+        #: Backup: whether the stream being followed has installed its snapshot.
         self._installed = False
+        #: Backup: streams followed so far (numbers the current one); the one whose term's in-sync set in
+        #: etcd names this replica (Ready from then on), and the one whose wait for that was started.
+        self._follows = 0
+        self._joined_isr = 0
+        self._isr_watched = 0
         #: Backup: the stream followed ended because the primary fell silent (not refused or closed).
         self._silent = False
         self._answered_at = 0.0
@@ -354,6 +361,7 @@ class ReplicaRole:
             return  # a replica without its lease first rejoins as a new member, then follows
         self._installed = False
         self._silent = False
+        self._follows += 1
         self._set_state(CATCHING_UP)
         self._primary_gone = False
         self._taking_over = False
@@ -470,12 +478,39 @@ class ReplicaRole:
             return NO_STATE
         return Position(self.state_epoch, self.last_sequence())
 
-    def answered_primary(self, installed: bool) -> None:
-        """The follower answered a message of its primary (the promise not to campaign starts anew);
-        ``installed``: this stream's snapshot is in place, so the answer acknowledged changes."""
+    def answered_primary(self, installed: bool, epoch: int = 0) -> None:
+        """The follower answered a message of its primary of term ``epoch`` (the promise not to
+        campaign starts anew); ``installed``: this stream's snapshot is in place, so the answer
+        acknowledged changes. The backup turns Ready (BACKUP) once etcd's in-sync set of that term
+        names it, not before: a disruption budget counts Ready pods as in-sync replicas, and only
+        those can be elected or handed the term."""
         self._answered_at = time.monotonic()
-        if self._state == CATCHING_UP and installed:
+        if self._state != CATCHING_UP or not installed:
+            return
+        follows = self._follows
+        if self._joined_isr == follows:
             self._set_state(BACKUP)
+        elif self._isr_watched != follows:
+            self._isr_watched = follows
+            threading.Thread(target=self._await_in_sync_set, args=(follows, epoch), name="ps-replica-isr",
+                             daemon=True).start()
+
+    def _await_in_sync_set(self, follows: int, epoch: int) -> None:
+        """Backup: poll etcd until the in-sync set of term ``epoch`` names this replica, while stream
+        ``follows`` lasts; the follower's next answer then makes it BACKUP (the follower's thread
+        alone moves a backup's state)."""
+        me = (self.settings.replica_index, self.settings.incarnation)
+        coordination = self._coordination
+        while follows == self._follows and not self._stopping.is_set():
+            try:
+                isr = coordination.in_sync() if coordination is not None else None
+            except CoordinationError as error:
+                event(log, logging.DEBUG, "cannot read the in-sync set", error=str(error))
+                isr = None
+            if isr is not None and isr.epoch == epoch and me in isr.members:
+                self._joined_isr = follows
+                return
+            self._stopping.wait(0.05)
 
     def _may_campaign(self) -> bool:
         if time.monotonic() < self._no_campaign_until:

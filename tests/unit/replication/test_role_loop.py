@@ -204,3 +204,44 @@ def test_a_lease_lost_while_the_follower_connects_ends_the_stream_before_it_star
     finally:
         for sock in accepted + [listener]:
             sock.close()
+
+
+def test_a_backup_turns_ready_only_once_the_in_sync_set_of_its_primarys_term_names_it():
+    """Installed is not enough: a disruption budget counts Ready pods as in-sync replicas. An isr of an
+    older term that names the replica does not count either."""
+    from ps_server.coordination.records import InSync
+
+    class _Following(_ElectedCoordination):
+        def __init__(self) -> None:
+            super().__init__()
+            self.current = _Leader(epoch=6)
+            self.isr = InSync(epoch=5, members=((0, 7), (1, 99)))  # the old term's set names this replica
+
+        def in_sync(self):
+            return self.isr
+
+    coordination = _Following()
+    role = ReplicaRole(_settings(), lambda has_state: None)
+    stop = threading.Event()
+
+    def follow(leader) -> str:
+        while not stop.is_set():  # the primary's messages, each answered after the snapshot installed
+            role.answered_primary(installed=True, epoch=leader.epoch)
+            time.sleep(0.02)
+        return "the test ended the stream"
+
+    role.connect("127.0.0.1:1", coordination)
+    role.follow = follow
+    role.start()
+    try:
+        _wait(lambda: role.state == "catching-up", "the replica did not follow the primary")
+        time.sleep(0.5)
+        assert role.state == "catching-up", "Ready before the primary's in-sync set named the backup"
+        coordination.isr = InSync(epoch=6, members=((1, 99),))
+        time.sleep(0.3)
+        assert role.state == "catching-up", "Ready while the term's in-sync set leaves the backup out"
+        coordination.isr = InSync(epoch=6, members=((0, 7), (1, 99)))
+        _wait(lambda: role.state == "backup", "the backup in the in-sync set never turned Ready")
+    finally:
+        stop.set()
+        role.stop()
