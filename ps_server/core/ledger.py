@@ -300,6 +300,9 @@ class _IncarnationState:
     #: Sorted, disjoint [start, end) ranges of written-off sequences below done_below.
     written_off: list[list[int]] = field(default_factory=list)
     forgotten_below: int = 0
+    #: The newest completed pushes that sync mode dropped whole (late for their step), at most
+    #: _DROPPED_KEPT: a retry whose first answer was lost is answered dropped again, not as applied.
+    dropped: set[int] = field(default_factory=set)
 
     def completed(self, sequence: int) -> bool:
         if sequence >= self.done_below:
@@ -382,6 +385,10 @@ class _IncarnationState:
         self.written_off[i:i + 1] = pieces
 
 
+#: Dropped sync pushes remembered per worker incarnation (a worker retries its newest pushes only).
+_DROPPED_KEPT = 64
+
+
 class PushLedger:
     """Which pushes were applied, per (worker, incarnation); thread-safe."""
 
@@ -425,13 +432,24 @@ class PushLedger:
             state.open[sequence] = session
             return session
 
-    def finish(self, session: PushSession) -> None:
-        """Record a completed push (call once, after its last chunk was applied)."""
+    def finish(self, session: PushSession, dropped: bool = False) -> None:
+        """Record a completed push (call once, after its last chunk was applied); ``dropped``: sync
+        mode dropped it whole, which a retry of it is answered too."""
         worker_id, incarnation, sequence = session.key
         with self._lock:
             state = self._state(worker_id, incarnation)
             state.mark_done(sequence)
+            if dropped:
+                state.dropped.add(sequence)
+                if len(state.dropped) > _DROPPED_KEPT:
+                    state.dropped.discard(min(state.dropped))
             state.bound(self._max_window, self._max_ranges)
+
+    def was_dropped(self, worker_id: str, incarnation: str, sequence: int) -> bool:
+        """Whether this completed push was dropped whole by sync mode (among the newest remembered)."""
+        with self._lock:
+            state = self._states.get((worker_id, incarnation))
+            return state is not None and sequence in state.dropped
 
     def check(self, worker_id: str, incarnation: str, sequence: int) -> bool:
         """True when this push was applied completely before; False when not (yet).
@@ -474,7 +492,8 @@ class PushLedger:
                      if include_open else {},
                      "off_above": sorted(st.off_above),
                      "written_off": [list(r) for r in st.written_off],
-                     "forgotten_below": st.forgotten_below}
+                     "forgotten_below": st.forgotten_below,
+                     "dropped": sorted(st.dropped)}
                     for (w, i), st in self._states.items()]
 
     def restore(self, entries: list[dict]) -> None:
@@ -487,7 +506,8 @@ class PushLedger:
                 {int(seq): PushSession.from_json((*key, int(seq)), data) for seq, data in entry["open"].items()},
                 {int(s) for s in entry.get("off_above", ())},
                 [[int(a), int(b)] for a, b in entry.get("written_off", ())],
-                int(entry.get("forgotten_below", 0)))
+                int(entry.get("forgotten_below", 0)),
+                {int(s) for s in entry.get("dropped", ())[-_DROPPED_KEPT:]})
         with self._lock:
             self._states = states
 

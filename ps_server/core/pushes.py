@@ -371,7 +371,7 @@ class ActivePush:
         if self._decision != PushDecision.APPLY:
             for name, item in self._items.items():
                 self._versions[name] = item.part.info().version
-        self._ledger.finish(self._session)
+        self._ledger.finish(self._session, dropped=self._dropped)
 
 
 def max_chunks_per_message(store: VariableStore) -> int:
@@ -474,6 +474,8 @@ def begin_push(store: VariableStore, ledger: PushLedger, begin: PushStart,
     followed, decision = decision, PushDecision.APPLY
     if consistency is not None and not assign and not already_done:
         decision = followed or _decide(store, consistency, begin, items, wait_seconds, decided)
+    elif already_done and not assign and ledger.was_dropped(begin.worker_id, begin.incarnation, begin.sequence):
+        decision = PushDecision.DROP  # a retry of a push sync mode dropped: answered dropped again
     if assign:
         session = _begin_upload(store, ledger, begin, items, total, wait_seconds)
     else:

@@ -547,3 +547,40 @@ def test_a_sync_push_logs_its_decision():
     begin_push(shard.store, shard.ledger, begin, shard.ctrl,
                decided=lambda step, decision, pins: logged.append((step, decision)))
     assert logged == [(0, "accumulate")]
+
+
+def test_a_retry_of_a_dropped_push_is_answered_dropped_again_also_after_a_restore():
+    """The answer of a push dropped whole (late for its step) can be lost; its retry is a duplicate
+    for the ledger, and must still say dropped, or the worker counts a gradient the step never had
+    and stays behind the cluster's step. The ledger's snapshot (checkpoints, catch-up snapshots)
+    keeps what it remembers."""
+    shard = Shard()
+    shard.join("a", "b")
+    shard.send(shard.begin("a", 0), 1.0)
+    shard.send(shard.begin("b", 0), 3.0)  # step 0 applied
+    late = shard.begin("a", 0)  # a's push of step 0 again, a new sequence: late
+    begin_again = _begin([("x", SIZE, ps_pb2.FLOAT32), ("y", SIZE, ps_pb2.FLOAT32)],
+                         sequence=shard.sequences["a"], worker_id="a", incarnation="inc-a", step=0)
+    first = shard.send(late, 5.0)
+    assert first.dropped and not first.duplicate
+    before = shard.value("x")
+    retry = shard.send(begin_push(shard.store, shard.ledger, begin_again, shard.ctrl), 5.0)
+    assert retry.duplicate and retry.dropped, "the retry of a dropped push was answered as applied"
+    np.testing.assert_array_equal(shard.value("x"), before)
+
+    restored = PushLedger()
+    restored.restore(shard.ledger.snapshot())
+    assert restored.was_dropped("a", "inc-a", shard.sequences["a"])
+    assert not restored.was_dropped("a", "inc-a", 1), "an applied push is not remembered as dropped"
+
+
+def test_the_ledger_remembers_a_bounded_number_of_dropped_pushes():
+    from ps_server.core import ledger as ledger_module
+
+    ledger = PushLedger()
+    kept = ledger_module._DROPPED_KEPT
+    for sequence in range(1, 3 * kept + 1):
+        session = ledger.begin("w", "i", sequence, 0)
+        ledger.finish(session, dropped=True)
+    remembered = [s for s in range(1, 3 * kept + 1) if ledger.was_dropped("w", "i", s)]
+    assert remembered == list(range(2 * kept + 1, 3 * kept + 1))
