@@ -11,7 +11,8 @@ batch, the top one repeated hundreds of times), one step per batch:
   timing (unique ids, one summed gradient each): the bound for the first.
 
 rows/s = ids of the batches (repeats counted) per second, summed over the
-workers; each worker's figure is the median of its passes over the stream.
+workers; each worker's figure is the median of its passes over the stream,
+the two modes' passes alternating; warm (rows created, compiled loops loaded).
 Target: as they come >= 0.85x merged, with 1 and 2 workers, both tables.
 
 Also a worker process: ``bench_sparse.py --worker N --addresses A`` answers
@@ -36,7 +37,7 @@ from common import child_env, median, ps_cluster, stop_process  # noqa: E402
 
 ROWS, DIM, BATCH, EXPONENT = 1_000_000, 64, 4096, 1.2
 #: Batches per pass and passes per figure (the median is kept), plus one warm-up pass.
-BATCHES, PASSES = 24, 4
+BATCHES, PASSES = 24, 5
 TABLES = ("dense", "hash")
 MODES = ("as_they_come", "merged")
 WORKER_COUNTS = (1, 2)
@@ -69,20 +70,28 @@ def _steps(client, table: str, mode: str) -> list[Callable[[], None]]:
 
 
 def worker_main(argv: list[str]) -> int:
+    from wehub_ps.kernels import segments
+    from wehub_ps.kernels.compiled import compiled
     from worker_client import PSClient
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", type=int, required=True)
     parser.add_argument("--addresses", required=True)
     args = parser.parse_args(argv)
+    # Warm figures: the segment sum's compiled loop is loaded before the timing (a worker loads it on
+    # a thread at its first push of repeated ids, running the NumPy passes meanwhile).
+    compiled(segments._sum_in_order, segments._sum_in_order_signatures)
+    prepared: dict[tuple[str, str], list[Callable[[], None]]] = {}
     with PSClient(args.addresses.split(","), worker_id=f"sparse-{args.worker}") as client:
         client.variables(refresh=True)
         print("ready", flush=True)
         for line in sys.stdin:
             table, mode, passes = line.split()
-            steps = _steps(client, table, mode)
-            for step in steps:  # warm-up: the hash table's rows exist, the servers' loops are loaded
-                step()
+            steps = prepared.get((table, mode))
+            if steps is None:
+                steps = prepared[table, mode] = _steps(client, table, mode)
+                for step in steps:  # warm-up: the hash table's rows exist, the servers' loops are loaded
+                    step()
             seconds = []
             for _ in range(int(passes)):
                 start = time.perf_counter()
@@ -112,14 +121,17 @@ def measure(worker_counts=WORKER_COUNTS, passes: int = PASSES) -> dict:
                         raise RuntimeError("a sparse benchmark worker did not start")
                 figures[count] = {}
                 for table in TABLES:
-                    figures[count][table] = {}
-                    for mode in MODES:
-                        for w in workers:
-                            w.stdin.write(f"{table} {mode} {passes}\n")
-                            w.stdin.flush()
-                        answers = [json.loads(w.stdout.readline()) for w in workers]
-                        figures[count][table][mode] = sum(BATCHES * BATCH / median(a["seconds"])
-                                                          for a in answers)
+                    # The modes alternate pass by pass: a machine's drift weighs on both alike.
+                    seconds: dict[str, list[list[float]]] = {mode: [[] for _ in workers] for mode in MODES}
+                    for _ in range(passes):
+                        for mode in MODES:
+                            for w in workers:
+                                w.stdin.write(f"{table} {mode} 1\n")
+                                w.stdin.flush()
+                            for i, w in enumerate(workers):
+                                seconds[mode][i] += json.loads(w.stdout.readline())["seconds"]
+                    figures[count][table] = {mode: sum(BATCHES * BATCH / median(s) for s in per_worker)
+                                             for mode, per_worker in seconds.items()}
             finally:
                 for w in workers:
                     w.stdin.close()
