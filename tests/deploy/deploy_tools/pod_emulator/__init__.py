@@ -39,5 +39,7 @@ ports a pod listens on), and ``netns``, whose :class:`netns.PodNetwork` gives
 every pod its own network namespace (veth pairs on a bridge, an address per pod,
 hosts files as Kubernetes DNS would answer) for the "separate hosts" runs;
 ``replicated`` plans the replicated overlay's etcd members, shard replicas and
-a worker on such a network and asks which replica is a shard's primary.
+a worker on such a network, asks which replica is a shard's primary, and
+recreates a StatefulSet pod on another host with an empty volume, as its
+controller does once the pod of a lost node is force-deleted.
 """
