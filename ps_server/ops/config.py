@@ -375,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
                "in upper case with underscores (PS_SHARD_INDEX=1). TF_CONFIG with task.type 'ps' "
                "sets the shard index, shard count and port; with --replicas R > 1 a flat cluster.ps "
                "(a TFJob's PS replicas, no 'a|b' entries) is read as shards of R consecutive entries: "
-               "shard task.index // R, replica index task.index %% R.",
+               "shard task.index // R, replica index task.index % R.",
     )
     for f in fields(ServerConfig):
         if f.name not in _HELP:

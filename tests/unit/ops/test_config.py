@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ps_server.ops.config import ConfigError, ServerConfig, default_memory_limit, parse_config
+from ps_server.ops.config import ConfigError, ServerConfig, build_parser, default_memory_limit, parse_config
 from wehub_ps.cluster import (
     WORKER_ENVIRONMENT,
     ClusterConfigError,
@@ -153,6 +153,11 @@ def test_flat_tf_config_of_no_multiple_of_the_replicas_is_refused(argv, env, set
         f"TF_CONFIG cluster.ps lists 3 ps-servers, which is not a multiple of {setting}: a flat list is "
         f"read as shards of 2 consecutive replicas, so it needs shards x 2 entries (a TFJob's PS "
         f"replicas); set {name} to the replicas per shard, or list every replica of every shard")
+
+
+def test_the_help_says_how_a_flat_cluster_ps_is_grouped():
+    epilog = " ".join(build_parser().format_help().split())
+    assert "read as shards of R consecutive entries: shard task.index // R, replica index task.index % R." in epilog
 
 
 def test_one_replica_or_grouped_entries_keep_their_reading():
