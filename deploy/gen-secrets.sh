@@ -21,7 +21,10 @@
 #                           and for every namespace NS: each pod's name +
 #                           .NS, .NS.svc, .NS.svc.cluster.local, ps.NS, ps.NS.svc,
 #                           ps.NS.svc.cluster.local, *.ps.NS.svc,
-#                           *.ps.NS.svc.cluster.local; localhost, 127.0.0.1
+#                           *.ps.NS.svc.cluster.local, and the replicated
+#                           TFJob's per-replica Services train-ps-<i>.NS,
+#                           .NS.svc, .NS.svc.cluster.local for
+#                           i < SHARDS x SHARD_REPLICAS; localhost, 127.0.0.1
 #   client.crt, client.key  worker certificate for mutual TLS, clientAuth
 #   token                   32 random bytes, hex, no trailing newline
 #
@@ -43,7 +46,8 @@
 #   --replicas N      number of ps-server pods to name (ps-0 .. ps-<N-1>);
 #                     default: $WEHUB_PS_REPLICAS, else the replicas of the
 #                     StatefulSet in deploy/base/ps-statefulset.yaml
-#   --shards S        replicated shards to name (ps-0-<r> .. ps-<S-1>-<r>);
+#   --shards S        replicated shards to name (ps-0-<r> .. ps-<S-1>-<r>, and
+#                     the replicated TFJob's train-ps-<i> for i < S x R);
 #                     default: $WEHUB_PS_SHARDS, else the number of shard-<i>/
 #                     directories in deploy/overlays/replicated
 #   --shard-replicas R  replicas per shard to name (ps-<s>-0 .. ps-<s>-<R-1>);
@@ -69,7 +73,7 @@ shard_replicas="${WEHUB_PS_SHARD_REPLICAS:-}"
 etcd_out="$here/overlays/replicated/secrets"
 etcd_members=3
 
-usage() { sed -n '2,57p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,61p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -195,6 +199,12 @@ if [ "$token_only" = 0 ]; then
       sans="$sans,DNS:$pod.ps.$ns,DNS:$pod.ps.$ns.svc,DNS:$pod.ps.$ns.svc.cluster.local"
     done
     sans="$sans,DNS:*.ps.$ns.svc,DNS:*.ps.$ns.svc.cluster.local"
+    # deploy/tfjob-replicated: the operator's headless Service of each PS
+    # replica, train-ps-<i> (i < shards x replicas per shard), is the name a
+    # replica advertises (its TF_CONFIG entry) and a backup verifies.
+    for ((i = 0; i < shards * shard_replicas; i++)); do
+      sans="$sans,DNS:train-ps-$i.$ns,DNS:train-ps-$i.$ns.svc,DNS:train-ps-$i.$ns.svc.cluster.local"
+    done
   done
   sans="$sans,DNS:localhost,IP:127.0.0.1"
 

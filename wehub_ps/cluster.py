@@ -11,6 +11,12 @@ h1a:p|h1b:p'``; in TF_CONFIG a ``cluster.ps`` entry is such a string or a
 list of strings. :func:`parse_shard_replicas` is the one parser of every
 form (PS_ADDRESSES, TF_CONFIG, ``PSClient(addresses=...)``).
 
+A flat ``cluster.ps`` (no entry lists replicas) with R replicas per shard
+(``PS_REPLICAS``, ps-server's ``--replicas``) is read as shards of R
+consecutive entries: entry i is replica ``i % R`` of shard ``i // R``
+(:func:`group_flat_replicas`). That is how Kubeflow's TFJob operator lists
+shards x R PS replicas, one address each, in index order.
+
 The ``*_ENV`` names are the environment variables the worker side reads
 (``PSClient.from_env``, ps-admin, ps-local's worker); :data:`WORKER_ENVIRONMENT`
 lists them all, so that ps-server, which warns about PS_* variables it does
@@ -32,13 +38,15 @@ __all__ = ["ClusterConfigError", "TaskSpec", "ps_addresses_from_env", "task_from
            "WORKER_ENVIRONMENT", "ADDRESSES_ENV", "WORKER_ID_ENV", "WORKER_INDEX_ENV", "NUM_WORKERS_ENV",
            "TLS_CA_ENV", "TLS_CERT_ENV", "TLS_KEY_ENV", "SERVER_NAME_ENV", "AUTH_TOKEN_FILE_ENV",
            "AUTH_TOKEN_ENV", "LOG_LEVEL_ENV", "FINISH_CLUSTER_ENV", "EXAMPLE_ENV", "EXAMPLE_CONFIG_ENV",
-           "WIRE_DTYPE_ENV"]
+           "WIRE_DTYPE_ENV", "REPLICAS_ENV", "replicas_from_env", "group_flat_replicas"]
 
 #: The ps-servers, 'host:port,host:port' in shard order, a shard's replicas joined by '|'
 #: (else TF_CONFIG's cluster.ps).
 ADDRESSES_ENV = "PS_ADDRESSES"
 #: TensorFlow's cluster spec: the servers (cluster.ps) and this process's task.
 TF_CONFIG_ENV = "TF_CONFIG"
+#: Replicas per shard: groups a flat TF_CONFIG cluster.ps into shards (ps-server's --replicas too).
+REPLICAS_ENV = "PS_REPLICAS"
 #: PSClient.from_env: this worker's id (else TF_CONFIG's task type and index).
 WORKER_ID_ENV = "PS_WORKER_ID"
 #: PSClient.from_env: TLS, server name and bearer token of the connections to the servers.
@@ -61,9 +69,9 @@ WIRE_DTYPE_ENV = "PS_WIRE_DTYPE"
 
 #: Every environment variable the worker side reads.
 WORKER_ENVIRONMENT: tuple[str, ...] = (
-    ADDRESSES_ENV, WORKER_ID_ENV, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, SERVER_NAME_ENV, AUTH_TOKEN_FILE_ENV,
-    AUTH_TOKEN_ENV, WORKER_INDEX_ENV, NUM_WORKERS_ENV, LOG_LEVEL_ENV, FINISH_CLUSTER_ENV, EXAMPLE_ENV,
-    EXAMPLE_CONFIG_ENV, WIRE_DTYPE_ENV,
+    ADDRESSES_ENV, REPLICAS_ENV, WORKER_ID_ENV, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, SERVER_NAME_ENV,
+    AUTH_TOKEN_FILE_ENV, AUTH_TOKEN_ENV, WORKER_INDEX_ENV, NUM_WORKERS_ENV, LOG_LEVEL_ENV, FINISH_CLUSTER_ENV,
+    EXAMPLE_ENV, EXAMPLE_CONFIG_ENV, WIRE_DTYPE_ENV,
 )
 
 
@@ -84,6 +92,9 @@ CLUSTER_ENVIRONMENT: tuple[EnvSetting, ...] = (
                "replicas joined by '|' ('h0a:p|h0b:p,h1a:p|h1b:p')"),
     EnvSetting(TF_CONFIG_ENV, "addresses",
                "TensorFlow's cluster spec: the servers are its cluster.ps when PS_ADDRESSES is unset"),
+    EnvSetting(REPLICAS_ENV, "addresses",
+               "replicas per shard R (default 1): a TF_CONFIG cluster.ps of single addresses (a TFJob's PS "
+               "replicas) is read as shards of R consecutive entries; PS_ADDRESSES marks replicas with '|'"),
     EnvSetting(WORKER_ID_ENV, "worker_id", "this worker's id (else TF_CONFIG's task type and index)"),
 )
 
@@ -230,10 +241,47 @@ def task_from_tf_config(environ: Mapping[str, str]) -> TaskSpec | None:
     return TaskSpec(tuple(shard_spec(r) for r in shards), task_type, task_index, workers)
 
 
+def replicas_from_env(environ: Mapping[str, str]) -> int:
+    """PS_REPLICAS, the replicas per shard (1 when unset); ClusterConfigError when not a whole number >= 1."""
+    raw = environ.get(REPLICAS_ENV, "").strip()
+    if not raw:
+        return 1
+    if not raw.isdigit() or int(raw) < 1:
+        raise ClusterConfigError(f"{REPLICAS_ENV} must be a whole number >= 1 (the replicas per shard), "
+                                 f"got {raw!r}")
+    return int(raw)
+
+
+def group_flat_replicas(shards: Sequence[Sequence[str]], replicas: int, where: str = "TF_CONFIG cluster.ps",
+                        setting: str = REPLICAS_ENV) -> tuple[tuple[str, ...], ...]:
+    """A flat list (one address per entry) read as shards of ``replicas`` consecutive entries.
+
+    Entry i becomes replica ``i % replicas`` of shard ``i // replicas``: a
+    TFJob's operator lists its PS replicas so, one per index, and cannot mark a
+    shard's replicas with '|'. A list that already groups replicas (an entry
+    with several), or ``replicas`` 1, comes back as it is. ClusterConfigError
+    when the length is not a multiple of ``replicas``; ``where`` and
+    ``setting`` name the list and the replica count in the message.
+    """
+    groups = tuple(tuple(shard) for shard in shards)
+    if replicas <= 1 or any(len(shard) != 1 for shard in groups):
+        return groups
+    if len(groups) % replicas:
+        raise ClusterConfigError(
+            f"{where} lists {len(groups)} ps-servers, which is not a multiple of {setting} {replicas}: "
+            f"a flat list is read as shards of {replicas} consecutive replicas, so it needs shards x {replicas} "
+            f"entries (a TFJob's PS replicas); set {setting} to the replicas per shard, or list every "
+            "replica of every shard")
+    flat = [shard[0] for shard in groups]
+    return tuple(tuple(flat[i:i + replicas]) for i in range(0, len(flat), replicas))
+
+
 def ps_addresses_from_env(environ: Mapping[str, str]) -> tuple[str, ...]:
     """PS_ADDRESSES ('h:p,h:p', a replicated shard 'h:p|h:p') if set, else TF_CONFIG's cluster.ps.
 
-    One entry per shard, its replicas joined by '|' (see :func:`parse_shard_replicas`).
+    One entry per shard, its replicas joined by '|' (see :func:`parse_shard_replicas`). A flat
+    cluster.ps is grouped into shards of PS_REPLICAS consecutive replicas
+    (:func:`group_flat_replicas`); PS_ADDRESSES is taken as written.
     """
     raw = environ.get(ADDRESSES_ENV, "").strip()
     if raw:
@@ -245,4 +293,5 @@ def ps_addresses_from_env(environ: Mapping[str, str]) -> tuple[str, ...]:
             "shard: 'host:port|host:port') or a "
             "TF_CONFIG whose cluster has a 'ps' list"
         )
-    return task.ps_addresses
+    shards = group_flat_replicas(task.ps_replicas, replicas_from_env(environ))
+    return tuple(shard_spec(replicas) for replicas in shards)

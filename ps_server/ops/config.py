@@ -3,6 +3,16 @@
 Precedence, highest first: command-line flag, its environment variable
 (``PS_`` + the flag in upper case, e.g. ``PS_SHARD_INDEX``), TF_CONFIG (for
 shard index, shard count and port), the default.
+
+TF_CONFIG's ``cluster.ps`` lists the shards in order. An entry that names a
+shard's replicas ('a|b', or a list) gives the replica count, and
+``--replica-index`` picks this process's entry (and port) among them. A flat
+``cluster.ps`` (one address per entry, as Kubeflow's TFJob operator writes
+it for shards x R PS replicas) with ``--replicas``/``PS_REPLICAS`` R > 1 is
+read as shards of R consecutive entries: task.index i is replica ``i % R`` of
+shard ``i // R``, of ``len(cluster.ps) / R`` shards, on its own entry's port.
+A shard index, replica index or shard count given as a flag or ``PS_``
+variable must then agree with that, or the start fails naming both.
 """
 
 from __future__ import annotations
@@ -15,7 +25,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from ps_server.ops.pod_label import DEFAULT_SERVICE_ACCOUNT_DIR
-from wehub_ps.cluster import WORKER_ENVIRONMENT, ClusterConfigError, split_host_port, task_from_tf_config
+from wehub_ps.cluster import (
+    WORKER_ENVIRONMENT,
+    ClusterConfigError,
+    TaskSpec,
+    group_flat_replicas,
+    split_host_port,
+    task_from_tf_config,
+)
 from wehub_ps.kernels.compiled import COMPILED_LOOPS_ENV
 from wehub_ps.process.allocator import DEFAULT_ARENA_MAX, DEFAULT_TRIM_THRESHOLD
 from wehub_ps.wire.rpc import DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES
@@ -356,7 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="wehub-ps parameter server: holds one shard of the variables and applies pushes.",
         epilog="Every flag can also be set as an environment variable: PS_ plus the flag name "
                "in upper case with underscores (PS_SHARD_INDEX=1). TF_CONFIG with task.type 'ps' "
-               "sets the shard index, shard count and port.",
+               "sets the shard index, shard count and port; with --replicas R > 1 a flat cluster.ps "
+               "(a TFJob's PS replicas, no 'a|b' entries) is read as shards of R consecutive entries: "
+               "shard task.index // R, replica index task.index % R.",
     )
     for f in fields(ServerConfig):
         if f.name not in _HELP:
@@ -375,8 +394,6 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     """Resolve the configuration; ConfigError with an actionable message on bad input."""
     environ = os.environ if environ is None else environ
     args = vars(build_parser().parse_args(argv))
-    values: dict[str, object] = {}
-    explicit: set[str] = set()  # settings given by a flag or a PS_ variable (they win over TF_CONFIG)
     try:
         task = task_from_tf_config(environ)
     except ClusterConfigError as exc:
@@ -387,11 +404,22 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
                 f"TF_CONFIG describes a {task.task_type!r} task; ps-server needs task.type 'ps'")
         if not 0 <= task.task_index < len(task.ps_addresses):
             raise ConfigError(f"TF_CONFIG task.index {task.task_index} has no entry in cluster.ps")
-        replicas = task.ps_replicas[task.task_index]
-        values.update(shard_index=task.task_index, num_shards=len(task.ps_addresses),
-                      port=split_host_port(replicas[0])[1])
-        if len(replicas) > 1:  # 'a|b': the shard's replica set; --replica-index picks this process's port
-            values["replicas"] = len(replicas)
+    values, sources = _given_settings(args, environ)
+    if task is not None and task.ps_addresses:
+        # Flags and PS_ variables win over TF_CONFIG (a flat grouping refuses contradictions instead).
+        for name, value in _tf_config_settings(task, values, sources).items():
+            values.setdefault(name, value)
+    # The worker side's settings share the PS_ prefix; those are no misspellings of a server's.
+    known = {_env_name(f.name) for f in fields(ServerConfig)} | set(WORKER_ENVIRONMENT) | {COMPILED_LOOPS_ENV}
+    unknown = sorted(k for k in environ if k.startswith("PS_") and k not in known)
+    return ServerConfig(**values, unknown_environment=tuple(unknown))  # type: ignore[arg-type]
+
+
+def _given_settings(args: dict[str, object], environ: Mapping[str, str]
+                    ) -> tuple[dict[str, object], dict[str, str]]:
+    """The settings given by a flag or a PS_ variable, typed, and where each came from (for messages)."""
+    values: dict[str, object] = {}
+    sources: dict[str, str] = {}
     for f in fields(ServerConfig):
         if f.name not in args:
             continue
@@ -401,7 +429,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             raw, source = environ[_env_name(f.name)], _env_name(f.name)
         if raw is None:
             continue
-        explicit.add(f.name)
+        sources[f.name] = source
         kind = type(f.default) if f.default is not None else str
         if kind is bool:
             if isinstance(raw, bool):
@@ -417,14 +445,50 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
             values[f.name] = kind(raw) if kind is not str else str(raw)
         except (TypeError, ValueError):
             raise ConfigError(f"{source} must be {kind.__name__}, got {raw!r}") from None
-    if task is not None and task.ps_addresses and "port" not in explicit:
-        replicas = task.ps_replicas[task.task_index]
-        index = int(values.get("replica_index", 0))  # type: ignore[call-overload]
-        if not 0 <= index < len(replicas):
+    return values, sources
+
+
+def _tf_config_settings(task: TaskSpec, given: dict[str, object], sources: dict[str, str]
+                        ) -> dict[str, object]:
+    """What TF_CONFIG says of this process: shard index, shard count, port (and replica count and index).
+
+    ``given`` are the settings from flags and PS_ variables. A flat cluster.ps with a given replica
+    count R > 1 is grouped into shards of R (see the module docstring); otherwise each entry is one
+    shard, and a replicated entry's replicas are picked by the given replica index.
+    """
+    replicas = int(given.get("replicas", 1))  # type: ignore[call-overload]
+    if replicas > 1 and all(len(shard) == 1 for shard in task.ps_replicas):
+        return _flat_tf_config_settings(task, given, sources, replicas)
+    own = task.ps_replicas[task.task_index]
+    settings: dict[str, object] = {"shard_index": task.task_index, "num_shards": len(task.ps_addresses)}
+    if len(own) > 1:  # 'a|b': the shard's replica set; --replica-index picks this process's port
+        settings["replicas"] = len(own)
+    if "port" not in given:
+        index = int(given.get("replica_index", 0))  # type: ignore[call-overload]
+        if not 0 <= index < len(own):
             raise ConfigError(f"--replica-index {index} has no entry in TF_CONFIG's "
-                              f"cluster.ps[{task.task_index}] ({'|'.join(replicas)})")
-        values["port"] = split_host_port(replicas[index])[1]
-    # The worker side's settings share the PS_ prefix; those are no misspellings of a server's.
-    known = {_env_name(f.name) for f in fields(ServerConfig)} | set(WORKER_ENVIRONMENT) | {COMPILED_LOOPS_ENV}
-    unknown = sorted(k for k in environ if k.startswith("PS_") and k not in known)
-    return ServerConfig(**values, unknown_environment=tuple(unknown))  # type: ignore[arg-type]
+                              f"cluster.ps[{task.task_index}] ({'|'.join(own)})")
+        settings["port"] = split_host_port(own[index])[1]
+    return settings
+
+
+def _flat_tf_config_settings(task: TaskSpec, given: dict[str, object], sources: dict[str, str],
+                             replicas: int) -> dict[str, object]:
+    """A flat cluster.ps as shards of ``replicas`` consecutive entries: task.index i is replica
+    i % replicas of shard i // replicas. A given shard index, replica index or shard count that says
+    otherwise is refused: it would make this process serve a shard or a slot its peers do not expect."""
+    try:
+        shards = group_flat_replicas(task.ps_replicas, replicas, "TF_CONFIG cluster.ps", sources["replicas"])
+    except ClusterConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    shard, replica = divmod(task.task_index, replicas)
+    settings: dict[str, object] = {"shard_index": shard, "num_shards": len(shards), "replica_index": replica}
+    for name, value in settings.items():
+        if name in given and given[name] != value:
+            raise ConfigError(
+                f"{sources[name]} {given[name]} contradicts TF_CONFIG: task.index {task.task_index} of its "
+                f"{len(task.ps_addresses)} cluster.ps entries, read as shards of {sources['replicas']} "
+                f"{replicas} consecutive replicas, is replica {replica} of shard {shard} of {len(shards)} "
+                f"shards; leave {sources[name]} unset (TF_CONFIG gives it) or set it to {value}")
+    settings["port"] = split_host_port(task.ps_replicas[task.task_index][0])[1]
+    return settings

@@ -79,6 +79,29 @@ def test_replicated_jobset_lists_every_replica_of_every_shard(renders):
     assert env["PS_ADVERTISE_ADDRESS"]["value"] == "$(JOB_NAME)-$(PS_REPLICA_INDEX).ps.$(POD_NAMESPACE).svc:7001"
 
 
+def test_replicated_tfjob_holds_shards_times_replicas_read_alike_by_servers_and_workers(renders):
+    """The render says what the brief asks, independently of the checks: shards x replicas PS
+    replicas, PS_REPLICAS from ps-config on the servers and the workers, no shard or replica index
+    or port that TF_CONFIG gives, and each replica advertising its operator Service."""
+    objects = renders["tfjob-replicated"].objects
+    tfjob = _kind(objects, "TFJob")
+    config = _ps_config(objects)["data"]
+    specs = tfjob["spec"]["tfReplicaSpecs"]
+    assert specs["PS"]["replicas"] == int(config["PS_NUM_SHARDS"]) * int(config["PS_REPLICAS"]) == 4
+    assert specs["Worker"]["replicas"] == 2 and tfjob["metadata"]["namespace"] == "wehub-ps-tfjob"
+    server = specs["PS"]["template"]["spec"]["containers"][0]
+    env = {v["name"]: v for v in server["env"]}
+    assert server["envFrom"] == [{"configMapRef": {"name": _ps_config(objects)["metadata"]["name"]}}]
+    assert not {"PS_SHARD_INDEX", "PS_REPLICA_INDEX", "PS_PORT"} & set(env)
+    assert env["PS_ADVERTISE_ADDRESS"]["value"] == "$(POD_NAME).$(POD_NAMESPACE).svc:7001"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    mount = next(m for m in server["volumeMounts"] if m["name"] == "checkpoints")
+    assert mount["subPathExpr"] == "$(POD_NAME)"
+    worker = specs["Worker"]["template"]["spec"]["containers"][0]
+    replicas = next(v for v in worker["env"] if v["name"] == "PS_REPLICAS")
+    assert replicas["valueFrom"]["configMapKeyRef"]["key"] == "PS_REPLICAS"
+
+
 # --- the checks can fail ---------------------------------------------------
 
 
@@ -544,6 +567,121 @@ JOBSET_REPLICATED_BROKEN = [
     ("jobset-replicated", _js_role_label_on, "no RoleBinding binds service account 'default'"),
 ]
 
+
+# --- replicated shards as a TFJob (tfjob-replicated) ------------------------
+
+
+def _tf_pod(o, rtype):
+    return _kind(o, "TFJob")["spec"]["tfReplicaSpecs"][rtype]
+
+
+def _tf_env(o, rtype, name, value=None, drop=False):
+    _env(_tf_pod(o, rtype)["template"]["spec"]["containers"][0], name, value, drop)
+
+
+def _tf_replica_missing(o):
+    _tf_pod(o, "PS")["replicas"] = 3
+
+
+def _tf_more_shards_than_configured(o):
+    _tf_pod(o, "PS")["replicas"] = 6
+
+
+def _tf_servers_other_replica_count(o):
+    _ps_config(o)["data"]["PS_REPLICAS"] = "4"
+
+
+def _tf_workers_other_replica_count(o):
+    _tf_env(o, "Worker", "PS_REPLICAS", "1")
+
+
+def _tf_workers_without_replica_count(o):
+    _tf_env(o, "Worker", "PS_REPLICAS", drop=True)
+
+
+def _tf_sets_shard_index(o):
+    _tf_env(o, "PS", "PS_SHARD_INDEX", "0")
+
+
+def _tf_advertise_other_replica(o):
+    _tf_env(o, "PS", "PS_ADVERTISE_ADDRESS", "train-ps-0.$(POD_NAMESPACE).svc:7001")
+
+
+def _tf_advertise_short_name(o):
+    _tf_env(o, "PS", "PS_ADVERTISE_ADDRESS", "$(POD_NAME):7001")
+
+
+def _tf_shared_checkpoints(o):
+    container = _tf_pod(o, "PS")["template"]["spec"]["containers"][0]
+    del next(m for m in container["volumeMounts"] if m["name"] == "checkpoints")["subPathExpr"]
+
+
+def _tf_checkpoints_per_shard(o):
+    # the operator's index halved would be the shard: both replicas of a shard in one directory
+    container = _tf_pod(o, "PS")["template"]["spec"]["containers"][0]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "checkpoints")
+    mount["subPathExpr"] = "$(SHARD)"
+    container["env"].insert(0, {"name": "SHARD", "value": "shard"})
+
+
+def _tf_budget_over_both_shards(o):
+    expression = _kind(o, "PodDisruptionBudget", "ps-1")["spec"]["selector"]["matchExpressions"][0]
+    expression["values"] = ["0", "1", "2", "3"]
+
+
+def _tf_budget_across_shards(o):
+    _kind(o, "PodDisruptionBudget", "ps-0")["spec"]["selector"]["matchExpressions"][0]["values"] = ["1", "2"]
+
+
+def _tf_not_spread(o):
+    spread = _tf_pod(o, "PS")["template"]["spec"]["topologySpreadConstraints"][0]
+    spread["labelSelector"]["matchExpressions"] = [
+        {"key": "training.kubeflow.org/replica-index", "operator": "In", "values": ["0", "2"]}]
+
+
+def _tf_replication_port_unset(o):
+    _tf_env(o, "PS", "PS_REPLICATION_PORT", drop=True)
+
+
+def _tf_replication_blocked(o):
+    del _kind(o, "NetworkPolicy", "ps-replication")["spec"]["ingress"]
+
+
+def _tf_role_label_on(o):
+    _tf_env(o, "PS", "PS_ROLE_LABEL", drop=True)
+
+
+TFJOB_REPLICATED_BROKEN = [
+    ("tfjob-replicated", _tf_more_shards_than_configured, "does not name the pod 'train-ps-4.wehub-ps-tfjob.svc'"),
+    ("tfjob-replicated", _tf_replica_missing, "ps-server in pod train-ps-0 refuses the operator's TF_CONFIG: "
+     "TF_CONFIG cluster.ps lists 3 ps-servers, which is not a multiple of PS_REPLICAS 2"),
+    ("tfjob-replicated", _tf_more_shards_than_configured, "PS_NUM_SHARDS 2 contradicts TF_CONFIG"),
+    ("tfjob-replicated", _tf_servers_other_replica_count, "PS_NUM_SHARDS 2 contradicts TF_CONFIG: task.index 0 of "
+     "its 4 cluster.ps entries, read as shards of PS_REPLICAS 4 consecutive replicas"),
+    ("tfjob-replicated", _tf_workers_other_replica_count, "with PS_REPLICAS='1' the workers read TF_CONFIG's "
+     "cluster.ps as the shards ['train-ps-0.wehub-ps-tfjob.svc:7001', 'train-ps-1.wehub-ps-tfjob.svc:7001',"),
+    ("tfjob-replicated", _tf_workers_without_replica_count, "with PS_REPLICAS=None the workers read"),
+    ("tfjob-replicated", _tf_sets_shard_index, "sets PS_SHARD_INDEX, which the TF_CONFIG the operator injects gives"),
+    ("tfjob-replicated", _tf_sets_shard_index, "PS_SHARD_INDEX 0 contradicts TF_CONFIG: task.index 2"),
+    ("tfjob-replicated", _tf_advertise_other_replica, "is 'train-ps-0.wehub-ps-tfjob.svc:7001' in pod train-ps-1: "
+     "it should be its TF_CONFIG entry, the operator's Service 'train-ps-1.wehub-ps-tfjob.svc:7001'"),
+    ("tfjob-replicated", _tf_advertise_short_name, "pod train-ps-0 advertises 'train-ps-0:7001', a name the server "
+     "certificate does not have"),
+    ("tfjob-replicated", _tf_shared_checkpoints, "pods train-ps-0 and train-ps-1, replicas 0 and 1 of shard 0, "
+     "write the same checkpoint directory"),
+    ("tfjob-replicated", _tf_checkpoints_per_shard, "write the same checkpoint directory (volume 'ps-checkpoints', "
+     "subPath 'shard')"),
+    ("tfjob-replicated", _tf_budget_over_both_shards, "shard 0 (pods ['train-ps-0', 'train-ps-1']): needs exactly "
+     "one PodDisruptionBudget"),
+    ("tfjob-replicated", _tf_budget_across_shards, "shard 1 (pods ['train-ps-2', 'train-ps-3']): needs exactly "
+     "one PodDisruptionBudget"),
+    ("tfjob-replicated", _tf_not_spread, "no topologySpreadConstraint over kubernetes.io/hostname (DoNotSchedule, "
+     "maxSkew 1) counts every PS pod of the job"),
+    ("tfjob-replicated", _tf_replication_port_unset, "PS_REPLICATION_PORT=None: the replication stream"),
+    ("tfjob-replicated", _tf_replication_blocked, "(replication): no NetworkPolicy lets it in"),
+    ("tfjob-replicated", _tf_role_label_on, "no RoleBinding binds service account 'default'"),
+]
+
 REPLICATED_BROKEN = [
     ("overlays/replicated", _role_label_pod_unnamed, "does not let pods ['ps-1-1'] patch themselves"),
     ("overlays/replicated", _role_label_every_pod, "lets it patch every pod of the namespace"),
@@ -620,6 +758,7 @@ BROKEN = [
     ("tfjob", _tfjob_port_name, "port named tfjob-port"),
     *REPLICATED_BROKEN,
     *JOBSET_REPLICATED_BROKEN,
+    *TFJOB_REPLICATED_BROKEN,
 ]
 
 

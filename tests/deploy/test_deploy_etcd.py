@@ -133,8 +133,9 @@ def etcd_problems(objects: list[dict]) -> list[str]:
     return problems
 
 
-#: The renders that run etcd for replicated shards (jobset-replicated reuses overlays/replicated's).
-ETCD_TARGETS = ("overlays/replicated", "jobset-replicated")
+#: The renders that run etcd for replicated shards (jobset-replicated and tfjob-replicated reuse
+#: overlays/replicated's).
+ETCD_TARGETS = ("overlays/replicated", "jobset-replicated", "tfjob-replicated")
 
 
 @pytest.mark.parametrize("target", ETCD_TARGETS)

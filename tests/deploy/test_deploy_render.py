@@ -66,6 +66,13 @@ def test_the_long_lived_and_run_to_completion_renders_hold_what_they_should(rend
         "NetworkPolicy/worker", "PersistentVolumeClaim/etcd-snapshots", "PersistentVolumeClaim/ps-checkpoints",
         "PodDisruptionBudget/etcd", "PodDisruptionBudget/ps-0", "PodDisruptionBudget/ps-1", "Service/etcd",
         "StatefulSet/etcd"]
+    # The replicated TFJob: the same, with the TFJob (the operator makes a Service per replica).
+    assert kinds("tfjob-replicated") == [
+        "CronJob/etcd-maintenance", "Namespace/wehub-ps-tfjob", "NetworkPolicy/etcd",
+        "NetworkPolicy/etcd-maintenance", "NetworkPolicy/ps", "NetworkPolicy/ps-replication",
+        "NetworkPolicy/worker", "PersistentVolumeClaim/etcd-snapshots", "PersistentVolumeClaim/ps-checkpoints",
+        "PodDisruptionBudget/etcd", "PodDisruptionBudget/ps-0", "PodDisruptionBudget/ps-1", "Service/etcd",
+        "StatefulSet/etcd", "TFJob/train"]
 
 
 def test_the_jobsets_name_references_are_the_same():
@@ -75,6 +82,14 @@ def test_the_jobsets_name_references_are_the_same():
         return yaml.safe_load((DEPLOY / target / "kustomizeconfig.yaml").read_text())
 
     assert read("jobset-replicated") == read("jobset")
+
+
+def test_the_tfjobs_name_references_are_the_same():
+    """deploy/tfjob-replicated keeps a copy of deploy/tfjob's, for the same reason."""
+    def read(target):
+        return yaml.safe_load((DEPLOY / target / "kustomizeconfig.yaml").read_text())
+
+    assert read("tfjob-replicated") == read("tfjob")
 
 
 def test_gpu_overlay_gives_workers_a_gpu_and_the_cuda_image(renders):

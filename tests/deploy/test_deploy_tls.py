@@ -87,6 +87,9 @@ OPENSSL_ACCEPTED = [
     "ps-0-0.ps", "ps-1-1.ps", "ps-0-1.ps.wehub-ps", "ps-1-0.ps.wehub-ps.svc.cluster.local",
     # the JobSet's pods, by their full names (namespaced wildcard)
     "train-ps-0-1.ps.wehub-ps-train.svc.cluster.local", "train-ps-0-0.ps.wehub-ps-train.svc",
+    # the replicated TFJob's per-replica Services (each replica advertises its own), shards x replicas
+    "train-ps-0.wehub-ps-tfjob.svc", "train-ps-3.wehub-ps-tfjob.svc", "train-ps-2.wehub-ps-tfjob",
+    "train-ps-1.wehub-ps-tfjob.svc.cluster.local",
     "localhost",
 ]
 OPENSSL_REJECTED = [
@@ -95,6 +98,8 @@ OPENSSL_REJECTED = [
     "ps-2.ps.wehub-ps",  # the same, namespaced (full names ending in .svc match the wildcard)
     "x.ps",  # no single-label wildcard
     "train-ps-0-0.ps",  # the JobSet's short name: only its full name is covered
+    "train-ps-4.wehub-ps-tfjob.svc",  # beyond the replicated TFJob's shards x replicas
+    "train-ps-0",  # a TFJob Service's bare name: only its namespaced names are covered
     "ps-0.ps.team-a.svc.cluster.local",  # a namespace not asked for
     "a.ps-0.ps.wehub-ps.svc",  # a wildcard covers one label only
     "wehub",
@@ -126,6 +131,10 @@ def test_replicated_shards_are_named_beyond_the_first_two(tmp_path, openssl_cli)
     assert "Hostname mismatch" in verdict(tmp_path / "arg", "ps-2.ps")
     assert "Hostname mismatch" in verdict(tmp_path / "arg", "ps-3-0.ps")
     assert verdict(tmp_path / "env", "ps-2-2.ps") == ""
+    # ... and the replicated TFJob's Services, shards x replicas of them.
+    assert verdict(tmp_path / "arg", "train-ps-5.wehub-ps-tfjob.svc") == ""
+    assert "Hostname mismatch" in verdict(tmp_path / "arg", "train-ps-6.wehub-ps-tfjob.svc")
+    assert verdict(tmp_path / "env", "train-ps-8.wehub-ps-tfjob.svc") == ""
     # The check itself sees the third shard missing from a two-shard certificate.
     gen(tmp_path / "two", "--shards", "2")
     problems = generated_secret_problems(tmp_path / "two", shards=3)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ps_server.ops.config import ConfigError, ServerConfig, default_memory_limit, parse_config
+from ps_server.ops.config import ConfigError, ServerConfig, build_parser, default_memory_limit, parse_config
 from wehub_ps.cluster import (
     WORKER_ENVIRONMENT,
     ClusterConfigError,
@@ -91,6 +91,86 @@ def test_tf_config_replicated_ps_task_takes_its_replicas_port(replica_index, por
     with pytest.raises(ConfigError, match="replica-index 2 has no entry"):
         parse_config(["--replica-index", "2", "--replicas", "3", "--etcd-endpoints", "etcd:2379"],
                      {"TF_CONFIG": raw})
+
+
+# A TFJob's replicated shards: the operator lists shards x R PS replicas as a flat cluster.ps.
+_TFJOB_PS = ("t-ps-0.ns.svc:7001", "t-ps-1.ns.svc:7002", "t-ps-2.ns.svc:7003", "t-ps-3.ns.svc:7004")
+
+
+def tfjob_ps_env(index, ps=_TFJOB_PS, **extra):
+    return {"TF_CONFIG": tf_config("ps", index, ps=ps), "PS_REPLICAS": "2", "PS_ETCD_ENDPOINTS": "etcd:2379",
+            **extra}
+
+
+@pytest.mark.parametrize("index, shard, replica", [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)])
+def test_flat_tf_config_is_read_as_shards_of_r_consecutive_replicas(index, shard, replica):
+    config = parse_config([], tfjob_ps_env(index))
+    assert (config.shard_index, config.replica_index, config.num_shards, config.replicas, config.port) == (
+        shard, replica, 2, 2, 7001 + index)
+
+
+def test_flat_tf_config_grouping_by_the_flag():
+    ps = tuple(f"t-ps-{i}.ns.svc:{7001 + i}" for i in range(6))
+    config = parse_config(["--replicas", "3", "--etcd-endpoints", "e:1"],
+                          {"TF_CONFIG": tf_config("ps", 4, ps=ps)})
+    assert (config.shard_index, config.replica_index, config.num_shards, config.replicas, config.port) == (
+        1, 1, 2, 3, 7005)
+
+
+def test_flat_tf_config_grouping_takes_agreeing_settings_and_an_explicit_port():
+    env = tfjob_ps_env(3, PS_NUM_SHARDS="2", PS_SHARD_INDEX="1", PS_REPLICA_INDEX="1", PS_PORT="7500")
+    config = parse_config([], env)
+    assert (config.shard_index, config.replica_index, config.num_shards, config.port) == (1, 1, 2, 7500)
+
+
+@pytest.mark.parametrize("argv, extra, given", [
+    ([], {"PS_REPLICA_INDEX": "0"}, "PS_REPLICA_INDEX 0"),
+    (["--replica-index", "0"], {}, "--replica-index 0"),
+    ([], {"PS_SHARD_INDEX": "0"}, "PS_SHARD_INDEX 0"),
+    ([], {"PS_NUM_SHARDS": "4"}, "PS_NUM_SHARDS 4"),
+])
+def test_flat_tf_config_grouping_refuses_contradicting_settings(argv, extra, given):
+    with pytest.raises(ConfigError) as info:
+        parse_config(argv, tfjob_ps_env(3, **extra))
+    setting = given.split(" ")[0]
+    value = {"PS_REPLICA_INDEX": 1, "--replica-index": 1, "PS_SHARD_INDEX": 1, "PS_NUM_SHARDS": 2}[setting]
+    assert str(info.value) == (
+        f"{given} contradicts TF_CONFIG: task.index 3 of its 4 cluster.ps entries, read as shards of "
+        f"PS_REPLICAS 2 consecutive replicas, is replica 1 of shard 1 of 2 shards; leave {setting} unset "
+        f"(TF_CONFIG gives it) or set it to {value}")
+
+
+@pytest.mark.parametrize("argv, env, setting", [
+    ([], {"PS_REPLICAS": "2"}, "PS_REPLICAS 2"),
+    (["--replicas", "2"], {}, "--replicas 2"),
+])
+def test_flat_tf_config_of_no_multiple_of_the_replicas_is_refused(argv, env, setting):
+    raw = tf_config("ps", 0, ps=_TFJOB_PS[:3])
+    with pytest.raises(ConfigError) as info:
+        parse_config([*argv, "--etcd-endpoints", "e:1"], {"TF_CONFIG": raw, **env})
+    name = setting.split(" ")[0]
+    assert str(info.value) == (
+        f"TF_CONFIG cluster.ps lists 3 ps-servers, which is not a multiple of {setting}: a flat list is "
+        f"read as shards of 2 consecutive replicas, so it needs shards x 2 entries (a TFJob's PS "
+        f"replicas); set {name} to the replicas per shard, or list every replica of every shard")
+
+
+def test_the_help_says_how_a_flat_cluster_ps_is_grouped():
+    epilog = " ".join(build_parser().format_help().split())
+    assert "read as shards of R consecutive entries: shard task.index // R, replica index task.index % R." in epilog
+
+
+def test_one_replica_or_grouped_entries_keep_their_reading():
+    # R = 1: each flat entry is a shard.
+    config = parse_config([], {"TF_CONFIG": tf_config("ps", 2, ps=_TFJOB_PS), "PS_REPLICAS": "1"})
+    assert (config.shard_index, config.replica_index, config.num_shards, config.replicas, config.port) == (
+        2, 0, 4, 1, 7003)
+    # Entries that name their replicas: the entry is the shard, whatever R says.
+    raw = json.dumps({"cluster": {"ps": ["h0a:7001|h0b:7002", "h1a:7003|h1b:7004"]},
+                      "task": {"type": "ps", "index": 1}})
+    config = parse_config(["--replica-index", "1"],
+                          {"TF_CONFIG": raw, "PS_REPLICAS": "2", "PS_ETCD_ENDPOINTS": "e:1"})
+    assert (config.shard_index, config.replica_index, config.num_shards, config.port) == (1, 1, 2, 7004)
 
 
 def test_sync_steps_run_replicated():

@@ -3,18 +3,22 @@ PS_ADDRESSES, TF_CONFIG's cluster.ps, and PSClient's ``addresses`` (through chec
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
+from ps_local.worker import _resolve
 from wehub_ps.cluster import (
     CLUSTER_ENVIRONMENT,
     ClusterConfigError,
+    group_flat_replicas,
     parse_shard_replicas,
     ps_addresses_from_env,
     shard_spec,
     task_from_tf_config,
 )
+from worker_client import PSClient
 from worker_client.session import check_addresses
 
 
@@ -110,3 +114,69 @@ def test_psclient_addresses_take_every_form_and_errors_are_value_errors():
 def test_the_help_text_shows_the_replicated_form():
     meaning = {s.name: s.meaning for s in CLUSTER_ENVIRONMENT}["PS_ADDRESSES"]
     assert "'|'" in meaning and "h0a:p|h0b:p" in meaning
+
+
+# --- a flat TF_CONFIG cluster.ps (a TFJob's PS replicas) grouped by PS_REPLICAS ---------------------
+
+_FLAT = ["t-ps-0.ns.svc:7001", "t-ps-1.ns.svc:7001", "t-ps-2.ns.svc:7001", "t-ps-3.ns.svc:7001"]
+
+
+@pytest.mark.parametrize("replicas, expected", [
+    ({"PS_REPLICAS": "2"}, ("|".join(_FLAT[:2]), "|".join(_FLAT[2:]))),
+    ({"PS_REPLICAS": "4"}, ("|".join(_FLAT),)),
+    ({"PS_REPLICAS": " 1 "}, tuple(_FLAT)),
+    ({}, tuple(_FLAT)),
+])
+def test_a_flat_tf_config_is_grouped_into_shards_of_ps_replicas(replicas, expected):
+    assert ps_addresses_from_env({**_tf_config(_FLAT), **replicas}) == expected
+
+
+def test_ps_replicas_leaves_replicated_entries_and_ps_addresses_as_written():
+    grouped = {**_tf_config(["a:1|a:2", "b:1|b:2"]), "PS_REPLICAS": "2"}
+    assert ps_addresses_from_env(grouped) == ("a:1|a:2", "b:1|b:2")
+    assert ps_addresses_from_env({"PS_ADDRESSES": "a:1,b:1", "PS_REPLICAS": "2"}) == ("a:1", "b:1")
+    # PS_ADDRESSES wins, so a PS_REPLICAS meant for TF_CONFIG is not even read.
+    assert ps_addresses_from_env({"PS_ADDRESSES": "a:1", "PS_REPLICAS": "x"}) == ("a:1",)
+
+
+@pytest.mark.parametrize("replicas, message", [
+    ("3", "TF_CONFIG cluster.ps lists 4 ps-servers, which is not a multiple of PS_REPLICAS 3: a flat list "
+          "is read as shards of 3 consecutive replicas, so it needs shards x 3 entries (a TFJob's PS "
+          "replicas); set PS_REPLICAS to the replicas per shard, or list every replica of every shard"),
+    ("0", "PS_REPLICAS must be a whole number >= 1 (the replicas per shard), got '0'"),
+    ("-2", "PS_REPLICAS must be a whole number >= 1 (the replicas per shard), got '-2'"),
+    ("two", "PS_REPLICAS must be a whole number >= 1 (the replicas per shard), got 'two'"),
+])
+def test_a_flat_tf_config_with_bad_ps_replicas_is_refused(replicas, message):
+    with pytest.raises(ClusterConfigError) as info:
+        ps_addresses_from_env({**_tf_config(_FLAT), "PS_REPLICAS": replicas})
+    assert str(info.value) == message
+
+
+def test_group_flat_replicas_names_the_setting_it_was_given():
+    flat = (("a:1",), ("b:1",), ("c:1",), ("d:1",))
+    assert group_flat_replicas(flat, 2) == (("a:1", "b:1"), ("c:1", "d:1"))
+    assert group_flat_replicas(flat, 1) == flat
+    assert group_flat_replicas((("a:1", "a:2"), ("b:1",)), 2) == (("a:1", "a:2"), ("b:1",))
+    with pytest.raises(ClusterConfigError,
+                       match=r"^the list lists 4 ps-servers, which is not a multiple of --replicas 3:"):
+        group_flat_replicas(flat, 3, "the list", "--replicas")
+
+
+def test_psclient_from_env_and_ps_worker_get_each_shards_replicas():
+    env = {**_tf_config(_FLAT), "PS_REPLICAS": "2"}
+    client = PSClient.from_env(env, connect=False, register=False)
+    try:
+        assert client.replicas == (tuple(_FLAT[:2]), tuple(_FLAT[2:]))
+    finally:
+        client.close()
+    args = argparse.Namespace(addresses=None, worker_index=None, num_workers=None)
+    addresses, index, count = _resolve(args, env)
+    assert (addresses, index, count) == (["|".join(_FLAT[:2]), "|".join(_FLAT[2:])], 0, 1)
+    with pytest.raises(ValueError, match="not a multiple of PS_REPLICAS 3"):
+        PSClient.from_env({**env, "PS_REPLICAS": "3"}, connect=False, register=False)
+
+
+def test_the_help_text_explains_ps_replicas():
+    meaning = {s.name: s.meaning for s in CLUSTER_ENVIRONMENT}["PS_REPLICAS"]
+    assert "consecutive" in meaning and "cluster.ps" in meaning

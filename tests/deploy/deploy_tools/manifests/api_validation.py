@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from .k8s_objects import label_selector_matches, namespace_of, ref
+from .k8s_objects import namespace_of, ref
 from .pod_templates import PodUnit, pod_units
 
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -301,7 +301,7 @@ def pdb_problems(pdb: dict, units: Iterable[PodUnit]) -> list[str]:
     problems += label_selector_problems(f"{where}: spec.selector", selector)
     if not selector or not _selector_keys(selector):
         problems.append(f"{where}: spec.selector is empty: it would select every pod of the namespace")
-    elif not any(u.namespace == namespace_of(pdb) and label_selector_matches(selector, u.labels) for u in units):
+    elif not any(u.namespace == namespace_of(pdb) and u.selected_by(selector) for u in units):
         problems.append(f"{where}: spec.selector selects no pod of the render")
     return problems
 

@@ -70,7 +70,7 @@ def _pdb_problems(objects: list[dict], units: list[PodUnit]) -> list[str]:
     for pdb in (o for o in objects if o.get("kind") == "PodDisruptionBudget"):
         spec = pdb.get("spec") or {}
         selected = [u for u in units
-                    if u.namespace == namespace_of(pdb) and label_selector_matches(spec.get("selector"), u.labels)]
+                    if u.namespace == namespace_of(pdb) and u.selected_by(spec.get("selector"))]
         if not selected:
             problems.append(f"{ref(pdb)}: selector selects no pods")
         # Eviction refuses maxUnavailable (and percentages) for pods whose

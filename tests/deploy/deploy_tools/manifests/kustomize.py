@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[4]
 DEPLOY = REPO / "deploy"
 
 #: Kustomizations that are applied to a cluster (rendered and checked).
-RENDER_TARGETS = ("overlays/cpu", "overlays/gpu", "overlays/replicated", "jobset", "jobset-replicated", "tfjob")
+RENDER_TARGETS = ("overlays/cpu", "overlays/gpu", "overlays/replicated", "jobset", "jobset-replicated", "tfjob",
+                  "tfjob-replicated")
 
 #: Kustomizations that are only parts of those (rendered through them).
 PARTS = ("base", "overlays/replicated/from-base", "overlays/replicated/shard", "overlays/replicated/shard-0",

@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .k8s_objects import find, namespace_of, ref
+from .k8s_objects import find, label_selector_matches, namespace_of, ref
 
 POD_TEMPLATE_KINDS = {"Deployment", "ReplicaSet", "StatefulSet", "DaemonSet", "Job"}
+#: How a downward API fieldPath names a pod label.
+_LABEL_FIELD = "metadata.labels['"
 
 
 @dataclass
@@ -42,6 +44,18 @@ class PodUnit:
 
     def containers(self) -> list[dict]:
         return list(self.spec.get("containers") or [])
+
+    def pod_labels(self) -> list[dict[str, str]]:
+        """Each pod's labels, with those its controllers add (its ordinal, completion or replica
+        index), in index order; the template's labels alone when the render cannot tell the pods apart."""
+        if not self.downward:
+            return [dict(self.labels)]
+        return [{key[len(_LABEL_FIELD):-2]: value for key, value in pod.items() if key.startswith(_LABEL_FIELD)}
+                for pod in self.downward]
+
+    def selected_by(self, selector: dict | None) -> bool:
+        """A label selector (a budget's, say) selects some pod of the unit."""
+        return any(label_selector_matches(selector, labels) for labels in self.pod_labels())
 
 
 def _job_counts(job_spec: dict) -> tuple[int | None, int | None, bool]:

@@ -79,7 +79,7 @@ def replica_server_problems(unit: PodUnit, container: dict, env: dict, objects: 
         problems.append(f"{where}: PS_REPLICAS={env.get('PS_REPLICAS')} but {unit.pods} pods")
     problems += _pod_problems(unit, container, env, objects, shard)
     problems += checkpoint_problems(unit, container, env, objects)
-    return problems + _replication_port_problems(where, container, env)
+    return problems + replication_port_problems(where, container, env)
 
 
 def _pod_problems(unit: PodUnit, container: dict, env: dict, objects: list[dict], shard: str | None) -> list[str]:
@@ -153,7 +153,7 @@ def lane_port(env: dict) -> int:
     return int(value) if isinstance(value, str) and value.isdigit() else 0
 
 
-def _replication_port_problems(where: str, container: dict, env: dict) -> list[str]:
+def replication_port_problems(where: str, container: dict, env: dict) -> list[str]:
     """The replication stream listens on a fixed container port: a free port picked at start
     is announced through etcd, but no NetworkPolicy can let an unknown port through."""
     port = replication_port(env)
@@ -201,7 +201,7 @@ def replica_set_problems(
         problems += policy_allows(objects, unit, unit, replication_port(env), f"{where} (replication)")
         problems += policy_allows(objects, unit, unit, int(env.get("PS_PORT") or 0),
                                   f"{where} (primary check)")
-        problems += _etcd_problems(objects, unit, env, pdbs, policy_allows)
+        problems += etcd_problems(objects, unit, env, pdbs, policy_allows)
     return problems
 
 
@@ -214,7 +214,7 @@ def _budget_keeps(spec: dict, pods: int) -> int:
     return 0
 
 
-def _etcd_problems(objects: list[dict], unit: PodUnit, env: dict, pdbs: list[dict],
+def etcd_problems(objects: list[dict], unit: PodUnit, env: dict, pdbs: list[dict],
                    policy_allows: Callable[[list[dict], PodUnit, PodUnit, int, str], list[str]]) -> list[str]:
     from .pod_templates import pod_units
 

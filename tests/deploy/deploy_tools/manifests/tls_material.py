@@ -72,14 +72,16 @@ def key_matches_cert(key_pem: bytes, cert_pem: bytes) -> bool:
 
 def pod_names(unit: PodUnit) -> list[str]:
     """The names a client may verify a server pod under: a StatefulSet pod's short and
-    full names, a JobSet pod's full name (TFJob pods are reached through per-replica
-    Services, verified as the server name the workers use)."""
+    full names, a JobSet pod's full name, a TFJob pod's per-replica Service as TF_CONFIG
+    names it (a replicated TFJob's replicas advertise it, and backups verify it)."""
     names = []
     for host in unit.hostnames:
         if unit.controller == "StatefulSet":
             names.append(host)
         if unit.controller in ("StatefulSet", "JobSet") and unit.namespace:
             names.append(f"{host}.{unit.namespace}.svc.cluster.local")
+        if unit.controller == "TFJob" and unit.namespace:
+            names.append(f"{host}.{unit.namespace}.svc")
     return names
 
 
@@ -188,7 +190,9 @@ def replicated_shards(deploy: Path = DEPLOY) -> int:
 def required_sans(namespaces: Iterable[str], replicas: int, replicas_per_shard: int = 0,
                   shards: int | None = None) -> set[str]:
     """The service ``ps`` and every pod ``ps-<i>`` (i < replicas) and ``ps-<s>-<r>`` (s < shards,
-    r < replicas_per_shard) by its short and namespaced names; ``shards`` defaults to ``replicas``."""
+    r < replicas_per_shard) by its short and namespaced names, and the replicated TFJob's Services
+    ``train-ps-<i>`` (i < shards x replicas_per_shard) by their namespaced names; ``shards``
+    defaults to ``replicas``."""
     pods = [f"ps-{i}" for i in range(replicas)]
     shards = replicas if shards is None else shards
     pods += [f"ps-{i}-{r}" for i in range(shards) for r in range(replicas_per_shard)]
@@ -197,6 +201,8 @@ def required_sans(namespaces: Iterable[str], replicas: int, replicas_per_shard: 
         sans |= {f"ps.{ns}", f"ps.{ns}.svc", f"ps.{ns}.svc.cluster.local"}
         for pod in pods:
             sans |= {f"{pod}.ps.{ns}", f"{pod}.ps.{ns}.svc", f"{pod}.ps.{ns}.svc.cluster.local"}
+        for i in range(shards * replicas_per_shard):
+            sans |= {f"train-ps-{i}.{ns}", f"train-ps-{i}.{ns}.svc", f"train-ps-{i}.{ns}.svc.cluster.local"}
     return sans
 
 

@@ -31,6 +31,7 @@ from .replica_wiring import (
     server_probe_problems,
 )
 from .role_label import role_label_problems
+from .tfjob_replicas import tfjob_replica_server_problems, tfjob_replica_set_problems, tfjob_worker_problems
 
 POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
 COMPLETION_INDEX_FIELDS = {
@@ -98,8 +99,14 @@ def wehub_problems(objects: list[dict]) -> list[str]:
         for container in (c for c in unit.containers() if is_ps_server(c)):
             problems += _server_problems(unit, container, objects)
     replicated = [u for u in server_units if _replicated(u, objects)]
+    # A TFJob holds every shard's replicas in one replica type; the others run a unit per shard.
+    per_shard = [u for u in replicated if u.controller != "TFJob"]
+    if per_shard:
+        problems += replica_set_problems(objects, per_shard, _policy_allows)
+    for unit in (u for u in replicated if u.controller == "TFJob"):
+        env = resolve_env(next(c for c in unit.containers() if is_ps_server(c)), objects, unit.namespace)
+        problems += tfjob_replica_set_problems(objects, unit, env, _policy_allows)
     if replicated:
-        problems += replica_set_problems(objects, replicated, _policy_allows)
         problems += role_label_problems(objects, replicated)
     for unit in worker_units:
         for container in (c for c in unit.containers() if is_ps_worker(c)):
@@ -124,7 +131,10 @@ def _server_problems(unit: PodUnit, container: dict, objects: list[dict]) -> lis
     names, numbers = container_ports(container)
     replicated = replicas_of(env) > 1
 
-    if replicated:
+    if replicated and unit.controller == "TFJob":
+        # TF_CONFIG's flat cluster.ps, read as shards of PS_REPLICAS, gives shard, replica and count.
+        problems += tfjob_replica_server_problems(unit, container, env, objects)
+    elif replicated:
         problems += replica_server_problems(unit, container, env, objects)
         if env.get("PS_NUM_SHARDS") is None:
             problems.append(f"{where}: PS_NUM_SHARDS is not set")
@@ -240,6 +250,9 @@ def _worker_problems(unit: PodUnit, container: dict, objects: list[dict],
         for var in ("PS_ADDRESSES", "PS_WORKER_INDEX", "PS_NUM_WORKERS"):
             if var in env:
                 problems.append(f"{where}: sets {var}, which overrides the TF_CONFIG the operator injects")
+        replicated = [u for u in server_units if u.owner is unit.owner and _replicated(u, objects)]
+        for servers in replicated:
+            problems += tfjob_worker_problems(where, unit, container, objects, servers, _policy_allows)
         return problems
     if unit.controller in ("Job", "JobSet"):
         if not unit.indexed:
