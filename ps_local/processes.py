@@ -1,7 +1,8 @@
 """Starting and always stopping the processes of a local cluster.
 
-Every child is started with a parent-death signal (Linux), so even a
-``kill -9`` of ps-local cannot leave ps-servers running; the normal path
+Every child is started with a parent-death signal (Linux: through
+``setpriv --pdeathsig``, else a preexec_fn), so even a ``kill -9`` of
+ps-local cannot leave ps-servers running; the normal path
 stops them by PID: SIGTERM, a grace period, then SIGKILL.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +29,15 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
+
+
+def _death_signal_prefix() -> list[str]:
+    """``setpriv --pdeathsig=KILL --`` in front of a child's command (util-linux, Linux): the
+    signal survives the exec into the program. Preferred to a preexec_fn: with one, Python starts
+    the child by fork(), which runs this process's pthread_atfork handlers (gRPC's among them,
+    once a client was made here), and a child can hang there before its exec, unregistered, and
+    outlive a Ctrl-C; without one Python uses vfork(), which runs none."""
+    return ["setpriv", "--pdeathsig=KILL", "--"] if shutil.which("setpriv") else []
 
 
 #: One BLAS thread per process ps-local starts, unless the user's environment says otherwise: its
@@ -71,11 +82,13 @@ class ProcessGroup:
 
     def start(self, name: str, argv: Sequence[str], *, capture_stdout: bool = False) -> ManagedProcess:
         stderr_path = os.path.join(self.workdir, f"{name}.stderr")
+        linux = sys.platform.startswith("linux")
+        prefix = _death_signal_prefix() if linux else []
         with open(stderr_path, "wb") as stderr:
             popen = subprocess.Popen(
-                list(argv), stdout=subprocess.PIPE if capture_stdout else subprocess.DEVNULL,
+                prefix + list(argv), stdout=subprocess.PIPE if capture_stdout else subprocess.DEVNULL,
                 stderr=stderr, stdin=subprocess.DEVNULL, env=repo_python_env(),
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                preexec_fn=_die_with_parent if linux and not prefix else None,
                 text=capture_stdout, bufsize=1 if capture_stdout else -1)
         process = ManagedProcess(name, popen, stderr_path)
         self.processes.append(process)
