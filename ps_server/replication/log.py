@@ -98,6 +98,11 @@ class BackupLink:
                 self._queue.append((TAKE_OVER, [], 0))
                 self._cond.notify_all()
 
+    def wait_closed(self, timeout: float) -> bool:
+        """Wait until the link is closed, at most ``timeout`` seconds; whether it is."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.closed is not None, timeout)
+
     def take(self, timeout: float) -> list[tuple[int, list]]:
         """The queued (sequence, record) (waiting up to ``timeout`` for one); [] on timeout or once closed."""
         with self._cond:

@@ -743,14 +743,21 @@ class ReplicaRole:
                                 f"{timeout:g}s ({target.closed or 'still catching up'}); this replica "
                                 "goes on as the primary")
                         self._acks.wait(min(remaining, 0.05))
-                target.hand_over()
+                # Named first: the monitor leaves the in-sync set alone from here on (the target closes
+                # its stream once it took the term; it must stay in the set it is elected from).
                 self._handed_to = target.address
+                target.hand_over()
                 self._no_campaign_until = time.monotonic() + 2 * self.settings.lease_seconds
                 # Written before anything more could be ordered (the order is held): wait for it, bounded.
                 written = target.handed_over.wait(max(0.1, started + timeout - time.monotonic()))
+                # The backup ends its stream once it took the message in (taking_over): from then on it
+                # holds the calls sent to it until it leads. Only then do refusals name it; before, a
+                # worker sent there would be refused back here and retry with a growing backoff.
+                taken = written and target.wait_closed(
+                    min(_TAKE_OVER_WAIT, max(0.1, started + timeout - time.monotonic())))
                 self._deposed(f"handed the primary role to replica {target.replica_index}")
         event(log, logging.WARNING, "handed over the primary role", replica_index=target.replica_index,
-              address=target.address, sequence=last, take_over_sent=written,
+              address=target.address, sequence=last, take_over_sent=written, take_over_taken=taken,
               seconds=round(time.monotonic() - started, 3))
         return target
 
@@ -825,7 +832,7 @@ class ReplicaRole:
             self._join(log_)
             caught_up = {key for key, since in self._joining.items() if key not in failed
                          and key in self._links and self._links[key].acknowledged >= since}
-            if failed or caught_up:
+            if (failed or caught_up) and self._handed_to is None:
                 self._change_in_sync(failed, caught_up)
             self._log_consistency()
             for key, link in list(self._links.items()):

@@ -100,7 +100,12 @@ def test_sigterm_on_a_primary_hands_its_role_over_and_loses_nothing(two_replicas
             waits.append(max(_longest_waits(training.pushers, stopped - 0.2)))
             handed = log_events(primary.process.log_text(), "handed over the primary role")
             assert handed and handed[-1]["take_over_sent"] is True, primary.process.log_text()[-3000:]
+            # Refusals named the backup only once it took the term (it holds calls from then on, rather
+            # than refusing them back to the old primary), and it stayed in the in-sync set meanwhile.
+            assert handed[-1]["take_over_taken"] is True, primary.process.log_text()[-3000:]
             assert log_events(backup.process.log_text(), "taking over the primary role")
+            won = log_events(backup.process.log_text(), "won the election")
+            assert won and won[-1]["from_isr"] is True, backup.process.log_text()[-3000:]
             primary.start()
     finally:
         training.finish(cluster)

@@ -10,13 +10,14 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
-from ps_testing import child_env
+from ps_testing import child_env, free_port
 
 from wehub_ps.errors import REASON_METADATA_KEY, Reason
-from wehub_ps.wire.rpc import PRIMARY_METADATA_KEY
+from wehub_ps.wire.rpc import PRIMARY_METADATA_KEY, SERVICE_NAME, method_path
 from worker_client import NotPrimaryError, PSUnavailableError
 from worker_client.errors import ServerBusyError, VariableNotFoundError, error_for, translate_rpc_error
 from worker_client.transport.channels import ShardChannel
@@ -233,3 +234,92 @@ def test_the_primary_watch_survives_the_shard_moving_under_it():
                           check=False, capture_output=True, text=True, timeout=60, env=child_env())
     assert done.returncode == 0, f"exit {done.returncode}:\n{done.stderr[-3000:]}"
     assert int(done.stdout) > 1000, "the shard moved too rarely for the test to tell"
+
+
+def test_a_replica_followed_again_is_connected_to_at_once_not_after_an_old_reconnect_backoff():
+    """A replica that was down (restarted in a rolling restart) and is then handed the primary role:
+    the channel the shard opens to it must connect at once. gRPC shares a process's subchannels between
+    channels with the same target, and the one to that replica still waits out its reconnect backoff
+    from the failures (up to 2 s), failing every call at once meanwhile."""
+    from concurrent import futures
+
+    from worker_client.errors import PSError
+
+    port = free_port()
+    replica = f"127.0.0.1:{port}"
+    shard = ShardChannel(0, (replica, B))
+    probe = shard._probe_channel(replica)  # as the primary watch holds one while a replica is silent
+    try:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:  # reconnect attempts fail: their backoff grows past 1 s
+            with pytest.raises(PSError):
+                shard.describe(b"", timeout=0.2)
+            with pytest.raises(grpc.RpcError):
+                probe.unary_unary(method_path("Describe"))(b"", timeout=0.2)
+            time.sleep(0.05)
+        server = grpc.server(futures.ThreadPoolExecutor(2))
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            SERVICE_NAME, {"Describe": grpc.unary_unary_rpc_method_handler(
+                lambda request, context: b"")}),))
+        assert server.add_insecure_port(replica) == port
+        server.start()
+        try:
+            assert shard.follow(_not_primary(replica, B)) and shard.address == B
+            assert shard.follow(_not_primary(B, replica)) and shard.address == replica
+            assert shard.describe(b"", timeout=5.0) == b"", "the first call on the new channel failed"
+        finally:
+            server.stop(None)
+    finally:
+        probe.close()
+        shard.close()
+
+
+class _HealthServer:
+    """A gRPC health service on a free loopback port that answers ``status`` and counts its checks."""
+
+    def __init__(self, status: str) -> None:
+        from concurrent import futures
+
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        outer = self
+        self.checks: list[float] = []
+
+        class Servicer(health_pb2_grpc.HealthServicer):
+            def Check(self, request, context):
+                outer.checks.append(time.monotonic())
+                return health_pb2.HealthCheckResponse(
+                    status=health_pb2.HealthCheckResponse.ServingStatus.Value(status))
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(2))
+        health_pb2_grpc.add_HealthServicer_to_server(Servicer(), self.server)
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop(None)
+
+
+def test_a_replica_named_the_primary_is_not_left_at_once_for_answering_as_a_backup():
+    """A backup handed the primary role answers health checks as a backup until its election ends (and
+    holds the calls sent to it meanwhile): the watch must not send the calls back to the old primary
+    for that, only once the grace has passed without it leading."""
+    old, named = _HealthServer("SERVING"), _HealthServer("NOT_SERVING")
+    shard = ShardChannel(0, (old.address, named.address))
+    try:
+        assert shard.follow(_not_primary(old.address, named.address))
+        moved = time.monotonic()
+        deadline = moved + 10
+        while len([t for t in named.checks if t > moved]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen = [t for t in named.checks if t > moved]
+        assert len(seen) >= 2, "the watch asked the named replica too rarely for the test to tell"
+        if seen[1] - moved < 0.9:  # (a loaded runner may only get there after the grace)
+            assert shard.address == named.address, "left a replica named the primary at its first answer"
+        while shard.address == named.address and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert shard.address == old.address, "a replica that never leads is never left"
+    finally:
+        shard.close()
+        old.stop()
+        named.stop()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from ps_server.replication.log import BackupLink, UpdateLog
@@ -43,3 +45,12 @@ def test_a_change_is_logged_only_in_the_shards_order():
     with pytest.raises(RuntimeError, match="outside the shard's order"):
         log.append([b""], 1)
     assert log.sequence == 0 and link.take(0.0) == []
+
+
+def test_wait_closed_returns_once_the_backup_ends_its_stream():
+    """hand_over waits on it: the backup closes its stream once it took the term."""
+    link = _link(epoch=3)
+    assert link.wait_closed(0.01) is False
+    threading.Timer(0.05, link.close, ("the backup's answers ended: it took the term",)).start()
+    assert link.wait_closed(5.0) is True
+    assert link.closed == "the backup's answers ended: it took the term"
