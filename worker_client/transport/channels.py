@@ -49,6 +49,9 @@ _WATCH_SECONDS, _WATCH_TIMEOUT_SECONDS = 0.25, 0.25
 _SEARCH_SECONDS = 0.05
 #: A replica in use silent this long is left for the next one even if no other says it is the primary.
 _SILENT_SECONDS = 4.0
+#: A replica named as the primary by another is not left for saying it is not (yet) the primary for this long:
+#: one handed the role takes over within it, and holds the calls sent to it meanwhile.
+_NAMED_GRACE_SECONDS = 1.0
 # Opening a TCP lane (its Describe and its connection) waits at most this long.
 _LANE_CONNECT_SECONDS = 10.0
 _DESCRIBE = ps_pb2.DescribeRequest().SerializeToString()
@@ -160,8 +163,14 @@ class ShardChannel:
             # Reconnect quickly after a server restart or a cut connection;
             # the client's own retry loop spaces the attempts.
             ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 2000),
+            # gRPC's least time for one connection attempt (TCP, TLS, HTTP/2 settings): at 100 ms a
+            # handshake with a busy or just-elected server was cut off and retried after a backoff.
+            ("grpc.min_reconnect_backoff_ms", 1000),
+            # Subchannels of this client's own: gRPC otherwise shares one per address among a process's
+            # channels, so a channel opened to a replica (one handed the primary role after its restart)
+            # took over the reconnect backoff of earlier failures and failed every call until it ran out.
+            ("grpc.use_local_subchannel_pool", 1),
             # Notice a dead peer (a partitioned host) within ~30 s; a replicated shard's primary that
             # froze or lost its host within ~3 s, so calls move on to the replica elected next (which
             # takes about a lease): the ping is answered by gRPC's own threads, not the server's Python.
@@ -187,6 +196,8 @@ class ShardChannel:
         # Primaries named by a replica that are not in the list, warned about once each.
         self._unknown_hints: set[str] = set()
         self._conn = self._connect(self.replicas[0])
+        #: The replica another one named as the primary, and when the shard moved to it (monotonic).
+        self._named: tuple[str, float] = ("", 0.0)
         self._watching = threading.Event()
         self._watch: threading.Thread | None = None
         if len(self.replicas) > 1:
@@ -226,7 +237,7 @@ class ShardChannel:
                         for channel in channels:
                             channel.close()
                         probes, channels = {}, []
-                        if status == "NOT_SERVING":
+                        if status == "NOT_SERVING" and not self._named_lately(conn.address):
                             self.follow(NotPrimaryError(
                                 f"ps-server {conn.address} is no longer the primary of its shard",
                                 address=conn.address, reason=Reason.NOT_PRIMARY.value, code="UNAVAILABLE"))
@@ -311,11 +322,19 @@ class ShardChannel:
             if target == old.address:
                 return False
             self._conn = self._connect(target)
+            if isinstance(error, NotPrimaryError) and error.primary == target:
+                self._named = (target, time.monotonic())
         old.close()
         log.info("shard %d: calls go to replica %s, not %s (%s)", self.index, target, old.address, error,
                  extra={"fields": {"shard": self.index, "address": target, "previous": old.address,
                                    "error": str(error)}})
         return True
+
+    def _named_lately(self, address: str) -> bool:
+        """Whether the shard moved to ``address`` because another replica named it the primary, lately:
+        a backup handed the role answers health checks as a backup until it won its election."""
+        named, at = self._named
+        return named == address and time.monotonic() - at < _NAMED_GRACE_SECONDS
 
     @staticmethod
     def _says_move(error: PSError) -> bool:
