@@ -71,13 +71,17 @@ def renders(kubectl, deploy_copy) -> dict:
 
 @pytest.fixture
 def work() -> Iterator[Path]:
-    """A scratch directory for the pods' volumes and logs, removed afterwards."""
+    """A scratch directory for the pods' volumes and logs, removed afterwards (``PS_TEST_KEEP_PODS=DIR``
+    copies it to DIR first, for a look at the pods' logs)."""
     from deploy_tools.pod_emulator.pod_plan import work_dir
 
     path = work_dir()
     try:
         yield path
     finally:
+        keep = os.environ.get("PS_TEST_KEEP_PODS")
+        if keep:
+            shutil.copytree(path, keep, ignore_dangling_symlinks=True)
         shutil.rmtree(path, ignore_errors=True)
 
 

@@ -8,7 +8,8 @@ PS_SERVER_NAME and PS_AUTH_TOKEN_FILE, default timeouts), creates the variables 
 to variable ``i`` for n = 0, 1, ... until SIGTERM. Standard output, one JSON object a line:
 
 * ``{"type": "placed", "shards": {name: [shard, ...]}}`` once the variables exist;
-* ``{"type": "ack", "n": n}`` when push n returned (every shard involved applied it);
+* ``{"type": "ack", "n": n, "at": unix_seconds}`` when push n returned (every shard involved
+  applied it; ``at`` places it among the servers' log lines);
 * ``{"type": "failed", "n": n, "error": ...}`` when push n raised (it may or may not
   have been applied: the program stops there, exit code 1);
 * ``{"type": "stopped", "pushes": count}`` after SIGTERM, once the push in flight returned.
@@ -19,6 +20,7 @@ Run as ``python known_pushes.py`` with the pod's environment.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -54,6 +56,9 @@ def _emit(kind: str, **fields: object) -> None:
 def main() -> int:
     from worker_client import SGD, PSClient, Zeros
 
+    # The client's failovers (which replica its calls go to, and why) on standard error, with unix times.
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(created).4f %(name)s %(message)s")
+
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     worker_id = f"known-pushes-{os.environ.get('PS_WORKER_INDEX', '0')}"
@@ -74,7 +79,7 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
                 _emit("failed", n=n, error=f"{type(exc).__name__}: {exc}")
                 return 1
-            _emit("ack", n=n)
+            _emit("ack", n=n, at=round(time.time(), 4))
             n += 1
             time.sleep(PAUSE_SECONDS)
         _emit("stopped", pushes=n)
