@@ -2,22 +2,49 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ps_server.core import id_index
 from ps_server.core.id_index import IdIndex
+from wehub_ps.kernels.compiled import compiled
 
 INT64 = st.integers(-2**63, 2**63 - 1)
 # Small ranges make repeats, removals of live ids and full probe chains likely.
 IDS = st.one_of(st.integers(-50, 50), INT64, st.sampled_from([-2**63, 2**63 - 1, 0, -1, 1]))
 
 
+@contextlib.contextmanager
+def _probing(path: str) -> Iterator[None]:
+    """Lookups by NumPy rounds only, or by the compiled loop for every batch."""
+    saved = id_index.compiled_soon, id_index._COMPILED_FROM
+    if path == "rounds":
+        id_index.compiled_soon = lambda fn, signatures=None: None
+    else:
+        if compiled(id_index._probe, id_index._probe_signatures) is None:
+            pytest.skip("numba is not installed")
+        id_index._COMPILED_FROM = 0
+    try:
+        yield
+    finally:
+        id_index.compiled_soon, id_index._COMPILED_FROM = saved
+
+
+@pytest.mark.parametrize("path", ["rounds", "compiled"])
+def test_matches_a_dict(path):
+    with _probing(path):
+        _matches_a_dict()
+
+
 @given(st.lists(st.tuples(st.sampled_from(["insert", "remove", "lookup"]), st.lists(IDS, max_size=300)),
                 max_size=40))
 @settings(max_examples=150, deadline=None)
-def test_matches_a_dict(operations):
+def _matches_a_dict(operations):
     index, model, next_slot = IdIndex(), {}, 0
     for op, raw in operations:
         batch = list(dict.fromkeys(raw))  # unique, in order
@@ -40,7 +67,13 @@ def test_matches_a_dict(operations):
     assert sorted(index.live_slots().tolist()) == sorted(model.values())
 
 
-def test_ids_with_the_same_home_bucket_all_stay_reachable():
+@pytest.mark.parametrize("path", ["rounds", "compiled"])
+def test_ids_with_the_same_home_bucket_all_stay_reachable(path):
+    with _probing(path):
+        _same_home_bucket()
+
+
+def _same_home_bucket() -> None:
     # id * FIBONACCI = (7 << 54) + j mod 2^64: the top 10 bits, the home bucket
     # in a 1,024-bucket table, are 7 for every j: one long probe chain.
     fibonacci = 0x9E3779B97F4A7C15
