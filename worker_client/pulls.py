@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from wehub_ps.kernels.rowops import put_rows, take_rows
+from wehub_ps.kernels.rowops import take_rows
 from wehub_ps.kernels.segments import sort_ids
 from wehub_ps.wire.codec import EXCHANGE_PULL
 from wehub_ps.wire.dtypes import to_wire_dtype
@@ -143,17 +143,12 @@ class Puller:
         unique = sorted_ids[first]
         fetched = np.empty((len(unique), width), dtype=variable.dtype)
         by_shard: dict[int, list[PullItem]] = {}
-        scattered: list[tuple[np.ndarray, np.ndarray]] = []
         for shard, positions in self._rows_by_shard(variable, unique).items():
-            if isinstance(positions, slice):
-                dest = fetched[positions]  # received in place
-            else:
-                dest = np.empty((len(positions), width), dtype=variable.dtype)
-                scattered.append((positions, dest))
-            by_shard[shard] = [PullItem(variable.name, dest.reshape(-1), unique[positions])]
+            if isinstance(positions, slice):  # a dense variable's shard: its rows in one block
+                by_shard[shard] = [PullItem(variable.name, fetched[positions].reshape(-1), unique[positions])]
+            else:  # a hash table's shard: each answer's rows put in their places as they come
+                by_shard[shard] = [PullItem(variable.name, fetched, unique[positions], rows_at=positions)]
         self.pull_all(by_shard)
-        for positions, dest in scattered:
-            put_rows(fetched, positions, dest)
         # Row i of the result is fetched row source[i]: one gather (a scatter
         # through ``order`` took twice as long).
         source = np.empty(len(ids), dtype=np.intp)
