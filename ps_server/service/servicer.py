@@ -223,10 +223,15 @@ class ParameterServerService:
             with plan.hold:
                 # ssp / sync: wait (at most the call's deadline) until this step may read.
                 self._consistency.before_pull(msg.worker_id, msg.step, context.time_remaining())
-                for pieces in pull_messages(plan):
-                    message = join_pieces(pieces)
-                    self._metrics.bytes_sent.inc(len(message))
-                    yield message
+                sent = 0
+                try:
+                    for pieces in pull_messages(plan):
+                        message = join_pieces(pieces)
+                        sent += len(message)
+                        yield message
+                finally:
+                    # Counted once per call, not per message: the counter takes a lock each time.
+                    self._metrics.bytes_sent.inc(sent)
         except RequestError as error:
             self._count_pulls(names, error.reason.value)
             abort(context, error)

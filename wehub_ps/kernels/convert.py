@@ -33,6 +33,10 @@ def _f32_to_bf16(src, dst):  # pragma: no cover - runs compiled
 
 def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
     """``np.copyto(dst, src, casting="unsafe")``; float32 <-> bfloat16 on the bit patterns."""
+    if src.dtype == dst.dtype:
+        # The common case (every chunk of a pull without a wire dtype): no bfloat16 checks first.
+        np.copyto(dst, src)
+        return
     if dst.dtype == np.float32 and is_bfloat16(src.dtype) and src.shape == dst.shape and dst.flags.writeable:
         # (any alignment: NumPy's ufunc buffers what is not aligned)
         np.left_shift(src.view(np.uint16), 16, out=dst.view(np.uint32), dtype=np.uint32)
