@@ -451,7 +451,7 @@ from concurrent import futures
 from wehub_ps.process.allocator import keep_freed_buffers
 keep_freed_buffers()
 N, CHUNK = int(sys.argv[1]), 1 << 20
-data = bytes(N)
+data = b"\x01" * N  # written pages, as a ps-server's variables are (bytes(N) reads the kernel's zero page)
 def pull(request, context):
     view = memoryview(data)
     for i in range(0, N, CHUNK):
@@ -477,7 +477,7 @@ def grpc_stream_seconds(nbytes: int, repeats: int) -> tuple[list[float], list[fl
     try:
         port = int(server.stdout.readline())
         options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-        source = np.zeros(nbytes, np.uint8)
+        source = np.ones(nbytes, np.uint8)  # written pages, as gradients are
         view = memoryview(source)
         with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
             pull = channel.unary_stream("/bench.Raw/Pull")
@@ -597,7 +597,7 @@ keep_freed_buffers()
 ports, nbytes, repeats = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
 options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 channels = [grpc.insecure_channel(f"127.0.0.1:{p}", options=options) for p in ports]
-source = memoryview(bytes(nbytes))
+source = memoryview(b"\x01" * nbytes)  # written pages, as gradients are
 def pull(channel):
     for message in channel.unary_stream("/bench.Raw/Pull")(b""):
         pass

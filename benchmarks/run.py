@@ -109,8 +109,9 @@ def create_model(client, lr: float = 1e-9) -> None:
         client.create_variable(name, (ROWS, COLUMNS), initializer="zeros", optimizer=SGD(learning_rate=lr))
 
 
-def zero_grads() -> dict[str, np.ndarray]:
-    return {name: np.zeros((ROWS, COLUMNS), np.float32) for name in NAMES}
+def gradients() -> dict[str, np.ndarray]:
+    """Gradients in written pages, as a model's are (np.zeros maps the kernel's zero page until written)."""
+    return {name: np.full((ROWS, COLUMNS), 1e-6, np.float32) for name in NAMES}
 
 
 def worker_main(args: argparse.Namespace) -> int:
@@ -119,7 +120,7 @@ def worker_main(args: argparse.Namespace) -> int:
 
     with PSClient(args.addresses.split(","), worker_id=f"bench-{args.worker}") as client:
         client.variables(refresh=True)
-        grads = zero_grads()
+        grads = gradients()
         if args.worker_job == "dense":
             dest = client.pull(NAMES)
             client.push(grads)
@@ -199,7 +200,7 @@ def section_dense(repeats: int, tcp: float, results: dict) -> list[Row]:
     for servers in (1, 2):
         with ps_cluster(servers) as (addresses, _), PSClient(addresses, worker_id="bench") as client:
             create_model(client)
-            grads = zero_grads()
+            grads = gradients()
             dest = client.pull(NAMES)
             pull = best(time_calls(lambda: client.pull(NAMES, out=dest), repeats))
             push = best(time_calls(lambda: client.push(grads), repeats))
@@ -263,7 +264,7 @@ def section_bf16(repeats: int, tcp: float, results: dict) -> list[Row]:
 
     with ps_cluster(1) as (addresses, _), PSClient(addresses, worker_id="bench", wire_dtype="bfloat16") as client:
         create_model(client)
-        grads = zero_grads()
+        grads = gradients()
         dest = client.pull(NAMES)
         pull = best(time_calls(lambda: client.pull(NAMES, out=dest), repeats))
         push = best(time_calls(lambda: client.push(grads), repeats))
@@ -405,7 +406,7 @@ def section_replication(repeats: int, results: dict) -> list[Row]:
             address, _ = stack.enter_context(bench_replication.replicated_shard(replicas, etcd))
             clients[replicas] = client = stack.enter_context(PSClient([address], worker_id="bench"))
             create_model(client)
-        grads = zero_grads()
+        grads = gradients()
         for client in clients.values():
             client.push(grads)  # warm-up
         for _ in range(max(repeats, 7)):
