@@ -516,12 +516,14 @@ class ChunkHeader(_message.Message):
     def __init__(self, variable: _Optional[str] = ..., offset: _Optional[int] = ..., count: _Optional[int] = ..., dtype: _Optional[_Union[DataType, str]] = ..., version: _Optional[int] = ..., part_elements: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "pad")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    PAD_FIELD_NUMBER: _ClassVar[int]
     header: ChunkHeader
     data: bytes
-    def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    pad: bytes
+    def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., pad: _Optional[bytes] = ...) -> None: ...
 
 class ChunkBatch(_message.Message):
     __slots__ = ("headers", "data")

@@ -13,6 +13,7 @@ from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.arrays import as_wire_array, byte_view, chunk_ranges, chunk_view
 from wehub_ps.wire.codec import (
     BATCH_BELOW_BYTES,
+    DATA_ALIGNMENT,
     EXCHANGE_ERROR,
     EXCHANGE_PULL,
     EXCHANGE_PUSH,
@@ -326,6 +327,19 @@ def _proto_parts(chunks: list[OutgoingChunk]) -> dict:
             "batches": [batch]}
 
 
+def _padding_checked(message: bytes, message_class: type) -> bytes:
+    """``message`` as protobuf writes it without padding: each TensorChunk's pad must be zeros that put its
+    data at a multiple of DATA_ALIGNMENT (found by searching the message for the data's own bytes)."""
+    parsed = message_class.FromString(message)
+    for chunk in parsed.chunks:
+        if len(chunk.data) >= BATCH_BELOW_BYTES:
+            assert chunk.pad == bytes(len(chunk.pad)) and len(chunk.pad) < 2 * DATA_ALIGNMENT
+        else:
+            assert not chunk.pad, "a small chunk is not padded"
+        chunk.ClearField("pad")
+    return parsed.SerializeToString()
+
+
 def _parsed_chunks(parsed) -> list[tuple]:
     """(header, data) of every chunk of a parsed PullResponse/PushRequest, batches split up."""
     out = [(c.header, c.data) for c in parsed.chunks]
@@ -467,7 +481,8 @@ def test_large_and_small_chunks_together_are_byte_identical_and_round_trip():
     chunks = (_outgoing(large, large.size, variable="large") + _outgoing(small, 3, variable="small")
               + _outgoing(large, large.size, variable="large2"))
     message = encode_pull_response(chunks)
-    assert message == ps_pb2.PullResponse(**_proto_parts(chunks)).SerializeToString()
+    assert _padding_checked(message, ps_pb2.PullResponse) == ps_pb2.PullResponse(
+        **_proto_parts(chunks)).SerializeToString()
     parsed = ps_pb2.PullResponse.FromString(message)
     assert len(parsed.chunks) == 2 and len(parsed.batches) == 1
     assert len(parsed.batches[0].headers.items) == 3
@@ -489,9 +504,34 @@ def test_large_chunk_uses_multi_byte_lengths():
     wire = np.arange(75_000, dtype="<f4")
     chunks = _outgoing(wire, 75_000)
     ours = encode_pull_response(chunks)
-    assert ours == ps_pb2.PullResponse(chunks=_proto_chunks(chunks)).SerializeToString()
+    assert _padding_checked(ours, ps_pb2.PullResponse) == ps_pb2.PullResponse(
+        chunks=_proto_chunks(chunks)).SerializeToString()
     (decoded,) = decode_pull_response(ours)
     np.testing.assert_array_equal(decoded.array(), wire)
+
+
+# Names of any length: the header before the data grows a byte at a time.
+_NAMES_FOR_ALIGNMENT = st.text(alphabet="ab", max_size=20)
+
+
+@SETTINGS
+@given(st.lists(st.integers(BATCH_BELOW_BYTES // 4, BATCH_BELOW_BYTES // 4 + 40), min_size=1, max_size=4),
+       st.lists(st.integers(1, 9), max_size=3), st.booleans(), _NAMES_FOR_ALIGNMENT)
+def test_large_chunks_data_starts_aligned_in_pushes_and_pulls(large, small, with_begin, name):
+    """Whatever precedes it (a push's begin, other chunks, headers of any length), a large chunk's data
+    is at a multiple of DATA_ALIGNMENT in its message, and decoding gives back every chunk unchanged."""
+    chunks = [_outgoing(as_wire_array(np.arange(n, dtype="<f4")), n, variable=f"{name}{i}")[0]
+              for i, n in enumerate(large)]
+    chunks += [_outgoing(as_wire_array(np.arange(n, dtype="<f8")), n, variable=name)[0] for n in small]
+    begin = ps_pb2.PushBegin(worker_id=name, sequence=len(name)) if with_begin else None
+    for message, decoded in ((m := encode_pull_response(chunks), decode_pull_response(m)),
+                             (m := encode_push_request(begin, chunks), decode_push_request(m)[1])):
+        for chunk in decoded:
+            if chunk.data.nbytes >= BATCH_BELOW_BYTES:
+                start = np.frombuffer(chunk.data, np.uint8).ctypes.data - np.frombuffer(message, np.uint8).ctypes.data
+                assert start % DATA_ALIGNMENT == 0, f"data of {chunk.header.variable!r} at byte {start}"
+        assert sorted((d.header.variable, bytes(d.data)) for d in decoded) == sorted(
+            (c.header.variable, bytes(c.data)) for c in chunks)
 
 
 def test_decoded_data_is_a_view_of_the_message():

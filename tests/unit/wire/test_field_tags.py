@@ -18,6 +18,7 @@ from wehub_ps.wire.protowire import WIRE_LEN, WIRE_VARINT, field_tag
 _TAGS = {
     (codec, "_TAG_TENSOR_CHUNK_HEADER"): (ps_pb2.TensorChunk, "header"),
     (codec, "_TAG_TENSOR_CHUNK_DATA"): (ps_pb2.TensorChunk, "data"),
+    (codec, "_TAG_TENSOR_CHUNK_PAD"): (ps_pb2.TensorChunk, "pad"),
     (codec, "_TAG_CHUNK_BATCH_HEADERS"): (ps_pb2.ChunkBatch, "headers"),
     (codec, "_TAG_CHUNK_BATCH_DATA"): (ps_pb2.ChunkBatch, "data"),
     (codec, "_TAG_CHUNK_HEADERS_ITEMS"): (ps_pb2.ChunkHeaders, "items"),
