@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 
 #: Longest wait for a worker's next acknowledged push that still counts as a failover sample.
 FAILOVER_WINDOW = 60.0
+# A worker gives a failover sample only if it had a push acknowledged this shortly before the loss: one
+# restarted (a worker-kill just before) or stalled by another fault would time its own start or that fault.
+FAILOVER_WORKING_BEFORE = 2.0
 
 
 @dataclass
@@ -82,7 +85,9 @@ def failover_seconds(timeline: Timeline, worker_logs: list[pathlib.Path]) -> dic
     primary was lost is the first the shard's new primary (or the healed
     one) gave that worker: what the worker waited, retries and the
     replica-set's election included. A worker with no acknowledgement
-    within ``FAILOVER_WINDOW`` s (killed, or out of slots) gives no sample.
+    within ``FAILOVER_WINDOW`` s (killed, or out of slots), or none in the
+    ``FAILOVER_WORKING_BEFORE`` s before the loss (restarting, or held up by
+    an earlier fault), gives no sample.
     """
     acks = []
     for path in worker_logs:
@@ -98,6 +103,8 @@ def failover_seconds(timeline: Timeline, worker_logs: list[pathlib.Path]) -> dic
     found: dict[str, list[float]] = {}
     for what, lost in timeline.failovers:
         for times in acks:
+            if not any(lost - FAILOVER_WORKING_BEFORE < t <= lost for t in times):
+                continue
             after = next((t for t in times if t > lost), None)
             if after is not None and after - lost < FAILOVER_WINDOW:
                 found.setdefault(what, []).append(after - lost)
