@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 
 from wehub_ps.kernels.rowops import take_rows
-from wehub_ps.kernels.segments import sort_ids
 from wehub_ps.wire.codec import EXCHANGE_PULL
 from wehub_ps.wire.dtypes import to_wire_dtype
 from worker_client.arrays import check_array, check_ids, parse_device, to_device
 from worker_client.gpu import LazyGpuTransfers
+from worker_client.id_sorts import sorted_ids as sorted_ids_of
 from worker_client.out_arrays import OutArrays, check_out_arrays
 from worker_client.prefetch import NextPull, Prefetch, Prefetches
 from worker_client.pull_receiver import PullItem, PullReceiver, pull_request
@@ -121,7 +121,7 @@ class Puller:
         ids = check_ids(ids, "ids")
         width = variable.spec.row_elements
         # Sorted once: the unique ids, and for a dense variable each shard's rows as one slice.
-        order, sorted_ids, first = sort_ids(ids, keep_order_of_repeats=False)
+        order, sorted_ids, first = sorted_ids_of(ids, keep_order_of_repeats=False)
         if first.all():
             # No repeats: each shard's rows go from its answer straight to their places.
             result = np.empty((len(ids), width), dtype=variable.dtype)

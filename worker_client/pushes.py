@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from wehub_ps.kernels.rowops import RowGather, take_rows
-from wehub_ps.kernels.segments import sort_ids, sum_sorted
+from wehub_ps.kernels.segments import sum_sorted
 from wehub_ps.process import allocator
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.arrays import as_wire_array
@@ -29,6 +29,7 @@ from wehub_ps.wire.codec import EXCHANGE_PUSH, join_pieces, split_push_response
 from worker_client.arrays import check_array, check_ids, is_gpu_array, parse_device, to_host
 from worker_client.errors import InvalidArgumentError, PSError, PSUnavailableError, PushWrittenOffError
 from worker_client.gpu import LazyGpuTransfers
+from worker_client.id_sorts import sorted_ids
 from worker_client.prefetch import NextPull, Prefetch, Prefetches
 from worker_client.pull_receiver import PullReceiver
 from worker_client.pulls import Puller
@@ -358,7 +359,7 @@ class Pushes:
         check_array(host, (len(ids), *row_shape), spec.dtype, f"gradients for {spec.name!r}")
         width = spec.row_elements
         rows = as_wire_array(host).reshape(len(ids), width)  # C-contiguous, little-endian
-        order, unique, first = sort_ids(ids)
+        order, unique, first = sorted_ids(ids)
         if first.all():
             # No id repeats: the rows are gathered in id order straight into each message.
             summed: np.ndarray | RowGather = RowGather(rows, order)

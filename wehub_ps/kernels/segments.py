@@ -22,7 +22,7 @@ import numpy as np
 from wehub_ps.kernels.compiled import compiled_soon
 from wehub_ps.kernels.rowops import take_rows
 
-__all__ = ["numpy_sum_sorted", "sort_ids", "sum_by_id", "sum_sorted"]
+__all__ = ["is_stable", "numpy_sum_sorted", "sort_ids", "sum_by_id", "sum_sorted"]
 
 
 def sort_ids(ids: np.ndarray, *, keep_order_of_repeats: bool = True
@@ -47,7 +47,7 @@ def sort_ids(ids: np.ndarray, *, keep_order_of_repeats: bool = True
         order, sorted_ids = packed
     first = np.ones(len(ids), dtype=bool)
     np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
-    if keep_order_of_repeats and not first.all() and not _is_stable(order, first):
+    if keep_order_of_repeats and not first.all() and not is_stable(order, first):
         order = np.argsort(ids, kind="stable")
         sorted_ids = ids[order]
     return order, sorted_ids, first
@@ -71,7 +71,7 @@ def _packed_sort(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     return key & ((1 << shift) - 1), key >> shift
 
 
-def _is_stable(order: np.ndarray, first: np.ndarray) -> bool:
+def is_stable(order: np.ndarray, first: np.ndarray) -> bool:
     """Whether equal ids in ``order`` keep their order of occurrence (each run ascending)."""
     later = ~first[1:]
     return bool((order[1:][later] > order[:-1][later]).all())
