@@ -48,12 +48,14 @@ _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # backoff) to complete (TCP and HTTP/2 handshakes): that is the connect
 # timeout. It must outlast a lost SYN (Linux resends it after 1 s), or the
 # first connection fails whenever one packet is lost; the backoff between
-# attempts stays short (initial, max).
+# attempts stays short (initial, max): an etcd back from seconds away must be
+# reached again well within a lease's TTL (1 s in the tests), or the lease
+# can expire although etcd is back.
 _CONNECT_TIMEOUT_MS = 3000
 _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", _CONNECT_TIMEOUT_MS),
-    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_reconnect_backoff_ms", 250),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
 ]
