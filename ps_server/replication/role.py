@@ -256,6 +256,8 @@ class ReplicaRole:
     def _set_state(self, state: str) -> None:
         if state != self._state:
             with self._state_changed:
+                if self._state == STOPPING:
+                    return  # final: the role's thread, deposed just before, must not start following now
                 self._state = state
                 if state == PRIMARY:
                     self._leading_soon_until = 0.0

@@ -245,3 +245,19 @@ def test_a_backup_turns_ready_only_once_the_in_sync_set_of_its_primarys_term_nam
     finally:
         stop.set()
         role.stop()
+
+
+def test_a_stopping_replica_stays_stopping_whatever_its_thread_does_next():
+    """role.stop() after a handover: the role's thread, woken by the deposition, may try to follow the new
+    primary just after; its state (and so the pod's role label, which stopping takes off) must stay stopping."""
+    from ps_server.replication.role import CATCHING_UP, STOPPING
+
+    settings = ReplicaSettings(replica_index=0, replicas=2, address="127.0.0.1:1", incarnation=7,
+                               lease_seconds=1.0, replication_timeout=0.4, failover_after=0.6,
+                               backup_stall_timeout=5.0, max_backup_bytes=1 << 20)
+    role = ReplicaRole(settings, lambda has_state: None)
+    seen: list[str] = []
+    role.on_state = seen.append
+    role._set_state(STOPPING)
+    role._set_state(CATCHING_UP)
+    assert role.state == STOPPING and seen == [STOPPING]
