@@ -211,12 +211,7 @@ def _append_framed(pieces: list, outer_tag: bytes, header_tag: bytes, data_tag: 
     one per tag and length (the per-piece Python work showed in profiles).
     """
     data_len = sum(d.nbytes for d in data)
-    # proto3 omits an empty bytes field; do the same so that the encoding
-    # is byte-identical to protobuf's own.
-    inner = header_tag + varint(len(header)) + header
-    if data_len:
-        inner += data_tag + varint(data_len)
-    pieces.append(outer_tag + varint(len(inner) + data_len) + inner)
+    pieces.append(_framing(outer_tag, header_tag, data_tag, header, data_len))
     if data_len:
         pieces += [d for d in data if d.nbytes]
 
@@ -226,18 +221,29 @@ def _append_aligned(pieces: list, outer_tag: bytes, header: bytes, data: memoryv
     """One TensorChunk at ``offset`` in its message, padded so that its data starts at a multiple of
     DATA_ALIGNMENT; the bytes it adds."""
     data_len = piece_size(data)
-    head = _TAG_TENSOR_CHUNK_HEADER + varint(len(header)) + header
-    tail = _TAG_TENSOR_CHUNK_DATA + varint(data_len)
-    for pad in range(2 * DATA_ALIGNMENT + 2):  # a pad field is its tag, its length and pad - 2 zeros
+    for pad in range(2 * DATA_ALIGNMENT + 2):  # a pad field takes 2 bytes or more: 0, 2, 3, ... reach all
         if pad == 1:
             continue
-        inner = head + (_TAG_TENSOR_CHUNK_PAD + varint(pad - 2) + bytes(pad - 2) if pad else b"") + tail
-        framing = outer_tag + varint(len(inner) + data_len) + inner
+        framing = _framing(outer_tag, _TAG_TENSOR_CHUNK_HEADER, _TAG_TENSOR_CHUNK_DATA, header, data_len, pad)
         if (offset + len(framing)) % DATA_ALIGNMENT == 0:
             break
     pieces.append(framing)
     pieces.append(data)
     return len(framing) + data_len
+
+
+def _framing(outer_tag: bytes, header_tag: bytes, data_tag: bytes, header: bytes, data_len: int,
+             pad: int = 0) -> bytes:
+    """Everything of a TensorChunk or ChunkBatch but its data: ``pad`` > 1 bytes of TensorChunk.pad (its
+    tag, its length and zeros) go between the header and the data."""
+    inner = header_tag + varint(len(header)) + header
+    if pad:
+        inner += _TAG_TENSOR_CHUNK_PAD + varint(pad - 2) + bytes(pad - 2)
+    # proto3 omits an empty bytes field; do the same so that the encoding
+    # is byte-identical to protobuf's own.
+    if data_len:
+        inner += data_tag + varint(data_len)
+    return outer_tag + varint(len(inner) + data_len) + inner
 
 
 def pull_response_pieces(chunks: Sequence[OutgoingChunk]) -> list:
