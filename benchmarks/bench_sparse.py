@@ -37,7 +37,7 @@ from common import child_env, median, ps_cluster, stop_process  # noqa: E402
 
 ROWS, DIM, BATCH, EXPONENT = 1_000_000, 64, 4096, 1.2
 #: Batches per pass and passes per figure (the median is kept), plus one warm-up pass.
-BATCHES, PASSES = 24, 5
+BATCHES, PASSES = 48, 9
 TABLES = ("dense", "hash")
 MODES = ("as_they_come", "merged")
 WORKER_COUNTS = (1, 2)
@@ -70,7 +70,7 @@ def _steps(client, table: str, mode: str) -> list[Callable[[], None]]:
 
 
 def worker_main(argv: list[str]) -> int:
-    from wehub_ps.kernels import segments
+    from wehub_ps.kernels import groups
     from wehub_ps.kernels.compiled import compiled
     from worker_client import PSClient
 
@@ -78,9 +78,10 @@ def worker_main(argv: list[str]) -> int:
     parser.add_argument("--worker", type=int, required=True)
     parser.add_argument("--addresses", required=True)
     args = parser.parse_args(argv)
-    # Warm figures: the segment sum's compiled loop is loaded before the timing (a worker loads it on
-    # a thread at its first push of repeated ids, running the NumPy passes meanwhile).
-    compiled(segments._sum_in_order, segments._sum_in_order_signatures)
+    # Warm figures: the grouping and summing loops are loaded before the timing (a worker loads them on
+    # a thread at its first rows call, running the NumPy sort meanwhile).
+    compiled(groups._group, groups._group_signatures)
+    compiled(groups._sum_in_groups, groups._sum_in_groups_signatures)
     prepared: dict[tuple[str, str], list[Callable[[], None]]] = {}
     with PSClient(args.addresses.split(","), worker_id=f"sparse-{args.worker}") as client:
         client.variables(refresh=True)

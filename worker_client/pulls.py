@@ -18,7 +18,7 @@ from wehub_ps.wire.codec import EXCHANGE_PULL
 from wehub_ps.wire.dtypes import to_wire_dtype
 from worker_client.arrays import check_array, check_ids, parse_device, to_device
 from worker_client.gpu import LazyGpuTransfers
-from worker_client.id_sorts import sorted_ids as sorted_ids_of
+from worker_client.id_groups import IdGroups, grouped_ids
 from worker_client.out_arrays import OutArrays, check_out_arrays
 from worker_client.prefetch import NextPull, Prefetch, Prefetches
 from worker_client.pull_receiver import PullItem, PullReceiver, pull_request
@@ -120,15 +120,15 @@ class Puller:
         variable = self._registry.resolve([name])[0]
         ids = check_ids(ids, "ids")
         width = variable.spec.row_elements
-        # Sorted once: the unique ids, and for a dense variable each shard's rows as one slice.
-        order, sorted_ids, first = sorted_ids_of(ids, keep_order_of_repeats=False)
-        if first.all():
+        # Grouped once: the sorted unique ids, and for a dense variable each shard's rows as one slice.
+        groups = grouped_ids(ids)
+        if not groups.repeats:
             # No repeats: each shard's rows go from its answer straight to their places.
             result = np.empty((len(ids), width), dtype=variable.dtype)
-            self.pull_all({shard: [PullItem(name, result, sorted_ids[positions], rows_at=order[positions])]
-                           for shard, positions in self._rows_by_shard(variable, sorted_ids).items()})
+            self.pull_all({shard: [PullItem(name, result, groups.unique[positions], rows_at=groups.order[positions])]
+                           for shard, positions in self._rows_by_shard(variable, groups.unique).items()})
         else:
-            result = self._pull_unique_rows(variable, ids, order, sorted_ids, first)
+            result = self._pull_unique_rows(variable, groups)
         row_shape = variable.shape if variable.spec.hash_table else variable.shape[1:]
         result = result.reshape((len(ids), *row_shape))
         return result if gpu is None else to_device(result, gpu)
@@ -136,12 +136,10 @@ class Puller:
     def _rows_by_shard(self, variable: Variable, unique_ids: np.ndarray) -> dict[int, slice | np.ndarray]:
         return rows_by_shard(variable, unique_ids, self._session.num_shards)
 
-    def _pull_unique_rows(self, variable: Variable, ids: np.ndarray, order: np.ndarray,
-                          sorted_ids: np.ndarray, first: np.ndarray) -> np.ndarray:
+    def _pull_unique_rows(self, variable: Variable, groups: IdGroups) -> np.ndarray:
         """pull_rows of ids that repeat: each id fetched once, then copied to every place it was asked."""
-        width = variable.spec.row_elements
-        unique = sorted_ids[first]
-        fetched = np.empty((len(unique), width), dtype=variable.dtype)
+        unique = groups.unique
+        fetched = np.empty((len(unique), variable.spec.row_elements), dtype=variable.dtype)
         by_shard: dict[int, list[PullItem]] = {}
         for shard, positions in self._rows_by_shard(variable, unique).items():
             if isinstance(positions, slice):  # a dense variable's shard: its rows in one block
@@ -149,11 +147,7 @@ class Puller:
             else:  # a hash table's shard: each answer's rows put in their places as they come
                 by_shard[shard] = [PullItem(variable.name, fetched, unique[positions], rows_at=positions)]
         self.pull_all(by_shard)
-        # Row i of the result is fetched row source[i]: one gather (a scatter
-        # through ``order`` took twice as long).
-        source = np.empty(len(ids), dtype=np.intp)
-        source[order] = np.cumsum(first) - 1
-        return take_rows(fetched, source)
+        return take_rows(fetched, groups.inverse)  # row i of the result is fetched row inverse[i]
 
     # ---- the calls ----
 

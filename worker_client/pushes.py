@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from wehub_ps.kernels.groups import sum_groups
 from wehub_ps.kernels.rowops import RowGather, take_rows
-from wehub_ps.kernels.segments import sum_sorted
 from wehub_ps.process import allocator
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.arrays import as_wire_array
@@ -29,7 +29,7 @@ from wehub_ps.wire.codec import EXCHANGE_PUSH, join_pieces, split_push_response
 from worker_client.arrays import check_array, check_ids, is_gpu_array, parse_device, to_host
 from worker_client.errors import InvalidArgumentError, PSError, PSUnavailableError, PushWrittenOffError
 from worker_client.gpu import LazyGpuTransfers
-from worker_client.id_sorts import sorted_ids
+from worker_client.id_groups import grouped_ids
 from worker_client.prefetch import NextPull, Prefetch, Prefetches
 from worker_client.pull_receiver import PullReceiver
 from worker_client.pulls import Puller
@@ -359,13 +359,14 @@ class Pushes:
         check_array(host, (len(ids), *row_shape), spec.dtype, f"gradients for {spec.name!r}")
         width = spec.row_elements
         rows = as_wire_array(host).reshape(len(ids), width)  # C-contiguous, little-endian
-        order, unique, first = sorted_ids(ids)
-        if first.all():
+        groups = grouped_ids(ids)
+        unique = groups.unique
+        if not groups.repeats:
             # No id repeats: the rows are gathered in id order straight into each message.
-            summed: np.ndarray | RowGather = RowGather(rows, order)
+            summed: np.ndarray | RowGather = RowGather(rows, groups.order)
             check_fits_wire(rows, self._wire_dtype, f"gradient for rows of {spec.name!r}")
         else:
-            unique, summed = sum_sorted(rows, order, unique, first)
+            summed = sum_groups(rows, groups.inverse, len(unique))
             check_fits_wire(summed, self._wire_dtype, f"gradient for rows of {spec.name!r} (repeats summed)")
         items = {}
         for shard, positions in rows_by_shard(variable, unique, self._session.num_shards).items():

@@ -52,7 +52,7 @@ LAYERS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     "worker_client": [
         ("leaf helpers", ("worker_client.errors", "worker_client.arrays", "worker_client.gpu",
                           "worker_client.topk", "worker_client.out_arrays",
-                          "worker_client.blas_threads", "worker_client.id_sorts")),
+                          "worker_client.blas_threads", "worker_client.id_groups")),
         ("transport", ("worker_client.transport",)),
         ("client parts", ("worker_client.shard_info", "worker_client.session", "worker_client.registry",
                           "worker_client.pull_receiver", "worker_client.prefetch", "worker_client.pulls",

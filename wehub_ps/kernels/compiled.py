@@ -3,7 +3,7 @@
 Used for Adam's update and SGD on pushed rows on the server
 (ps_server/core/fused.py), for the float32 -> bfloat16 cast on both sides
 (wehub_ps/kernels/convert.py), for summing the rows of repeated ids
-(wehub_ps/kernels/segments.py: a worker's push_rows, a server's sync rows) and for
+(wehub_ps/kernels/groups.py: a worker's rows calls, grouping ids by a hash) and for
 a hash table's id lookups (ps_server/core/id_index.py). Each loop is compiled on first use (about 0.4 s per
 argument type) and kept in numba's on-disk cache, where numba finds one, in
 this order: ``NUMBA_CACHE_DIR``, the module's ``__pycache__`` when writable,
@@ -15,7 +15,7 @@ loop of a process still pays numba's import and LLVM's set-up (about 0.5 s).
 Without numba every caller has a NumPy path that gives the same bits.
 
 Memory: numba is imported only when a loop is first needed (an Adam
-variable, SGD on rows, a hash table's lookup of 16 ids or more, a bfloat16 wire, a worker's push of repeated rows), and then costs about 140 MB of
+variable, SGD on rows, a hash table's lookup of 16 ids or more, a bfloat16 wire, a worker's first rows call), and then costs about 140 MB of
 RSS per process (65 MB the import, the rest LLVM). ``PS_COMPILED_LOOPS=0`` in the
 environment keeps every process on the NumPy paths.
 """

@@ -10,19 +10,19 @@ while many ids still have a k-th occurrence, and the few most repeated ids
 (a Zipf batch repeats its top id hundreds of times) finish with one
 sequential accumulation each. (``np.add.reduceat`` would be shorter, but
 NumPy sums a segment pairwise, so its bits are not those of ``np.add.at``.)
-Where numba is available, one compiled pass does the same additions in the
-same order, gathering the rows as it goes: about 0.05 ms against 0.3-1 ms for
-a Zipf batch (the NumPy passes run while it loads, see ``compiled_soon``).
+
+Used where numba is not wanted (a server's sync rows) or not loaded yet; a
+worker's rows take the compiled hash pass of :mod:`wehub_ps.kernels.groups`,
+whose sums have the same bits.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from wehub_ps.kernels.compiled import compiled_soon
 from wehub_ps.kernels.rowops import take_rows
 
-__all__ = ["is_stable", "numpy_sum_sorted", "sort_ids", "sum_by_id", "sum_sorted"]
+__all__ = ["is_stable", "numpy_sum_sorted", "sort_ids"]
 
 
 def sort_ids(ids: np.ndarray, *, keep_order_of_repeats: bool = True
@@ -77,57 +77,18 @@ def is_stable(order: np.ndarray, first: np.ndarray) -> bool:
     return bool((order[1:][later] > order[:-1][later]).all())
 
 
-def sum_by_id(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(sorted unique ids, the sum of ``values`` rows for each), ``values`` of shape (len(ids), ...)."""
-    return sum_sorted(values, *sort_ids(ids))
-
-
 #: Ids repeated more often than the ``_HEAVY``-th most repeated one finish with an accumulation of their
 #: own; rounds across all ids stop at ``_MAX_ROUNDS`` occurrences in any case.
 _HEAVY = 16
 _MAX_ROUNDS = 32
 
 
-def sum_sorted(values: np.ndarray, order: np.ndarray, sorted_ids: np.ndarray, first: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`sum_by_id` for ids already sorted by :func:`sort_ids` (its three results)."""
-    if first.all():  # no id repeats (or there are none)
-        return sorted_ids, take_rows(values, order)
-    flat = values.reshape(len(values), -1)
-    if flat.dtype in (np.float32, np.float64) and flat.flags.c_contiguous and flat.flags.aligned:
-        kernel = compiled_soon(_sum_in_order, _sum_in_order_signatures)
-        if kernel is not None:
-            sums = np.empty((int(np.count_nonzero(first)), flat.shape[1]), flat.dtype)
-            kernel(flat, np.ascontiguousarray(order, dtype=np.int64), first, sums)
-            return sorted_ids[first], sums.reshape((len(sums), *values.shape[1:]))
-    return numpy_sum_sorted(values, order, sorted_ids, first)
-
-
-def _sum_in_order(values, order, first, sums):  # pragma: no cover - compiled by numba
-    """Row ``order[i]`` of ``values`` starts (``first[i]``) or adds to the next row of ``sums``, in order."""
-    group = -1
-    width = values.shape[1]
-    for i in range(order.shape[0]):
-        row = order[i]
-        if first[i]:
-            group += 1
-            for j in range(width):
-                sums[group, j] = values[row, j]
-        else:
-            for j in range(width):
-                sums[group, j] += values[row, j]
-
-
-def _sum_in_order_signatures(types) -> list:
-    # values and order read only (a read-only array, such as JAX's, converts to that; a writable one too)
-    return [types.void(types.Array(dtype, 2, "C", readonly=True), types.Array(types.int64, 1, "C", readonly=True),
-                       types.Array(types.boolean, 1, "C", readonly=True), types.Array(dtype, 2, "C"))
-            for dtype in (types.float32, types.float64)]
-
-
 def numpy_sum_sorted(values: np.ndarray, order: np.ndarray, sorted_ids: np.ndarray, first: np.ndarray
                      ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`sum_sorted` in NumPy passes (any dtype; the same bits as the compiled loop)."""
+    """(sorted unique ids, the sum of ``values`` rows for each) for ids sorted by :func:`sort_ids` (its three results).
+
+    Any dtype; each id's rows are added in order of occurrence, starting from its first row.
+    """
     sorted_values = take_rows(values, order)
     if first.all():
         return sorted_ids, sorted_values

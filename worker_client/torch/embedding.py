@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from wehub_ps.kernels.groups import group_ids
 from wehub_ps.placement import Partitioner
 from wehub_ps.specs import Normal, Optimizer
 from worker_client.client import PSClient
@@ -115,7 +116,7 @@ class PSEmbedding(torch.nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of ``ids`` (any shape), shape ``ids.shape + (embedding_dim,)``, on ids' device."""
         host_ids = self._host_ids(ids)
-        unique, inverse = np.unique(host_ids, return_inverse=True)
+        unique, inverse = group_ids(host_ids)  # one hash pass: linear in the ids, not a sort
         rows = self._pull(unique, ids.device)
         inverse_on_device = torch.from_numpy(inverse.reshape(-1)).to(ids.device)
         out = _RowLookup.apply(self._grad_anchor, rows, inverse_on_device, self, unique)
@@ -184,7 +185,7 @@ class _RowLookup(torch.autograd.Function):
 
 
 def _sum_by_id(ids: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
-    unique, inverse = np.unique(ids, return_inverse=True)
+    unique, inverse = group_ids(ids)
     index = torch.from_numpy(inverse.reshape(-1)).to(grads.device)
     return unique, grads.new_zeros((len(unique), grads.shape[1])).index_add_(0, index, grads)
 

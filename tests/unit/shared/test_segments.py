@@ -1,4 +1,4 @@
-"""sum_by_id: the same sums, bit for bit, as np.add.at on a dense array; sort_ids' contract."""
+"""Sums by id, sorted (numpy_sum_sorted) or grouped (sum_groups): np.add.at's bits; sort_ids' contract."""
 
 from __future__ import annotations
 
@@ -7,19 +7,26 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wehub_ps.kernels import segments
+from wehub_ps.kernels import groups, segments
 from wehub_ps.kernels.compiled import compiled
-from wehub_ps.kernels.segments import numpy_sum_sorted, sort_ids, sum_by_id
+from wehub_ps.kernels.segments import numpy_sum_sorted, sort_ids
 
-#: Both paths of sum_sorted: the compiled loop (built now, where numba is installed) and the NumPy passes.
+
+def _grouped_sums(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    unique, inverse = groups.group_ids(ids)
+    return unique, groups.sum_groups(values, inverse, len(unique))
+
+
+#: Both ways of summing: the NumPy passes over sorted ids, and the compiled hash grouping (built now).
 _SUMS = {"numpy": lambda ids, values: numpy_sum_sorted(values, *sort_ids(ids)),
-         "compiled": sum_by_id}
+         "compiled": _grouped_sums}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled_loop_ready():
-    if compiled(segments._sum_in_order, segments._sum_in_order_signatures) is None:
-        _SUMS.pop("compiled")  # numba not installed, or PS_COMPILED_LOOPS=0: sum_by_id is the NumPy path
+    if compiled(groups._sum_in_groups, groups._sum_in_groups_signatures) is None or \
+            compiled(groups._group, groups._group_signatures) is None:
+        _SUMS.pop("compiled")  # numba not installed, or PS_COMPILED_LOOPS=0
 
 
 @pytest.mark.parametrize("path", ["numpy", "compiled"])
@@ -42,7 +49,7 @@ def test_sums_equal_add_at_in_order_of_occurrence(path, ids, width, dtype, seed)
 def test_no_repeats_is_a_reordering_only():
     ids = np.array([9, -3, 4])
     values = np.arange(6.0).reshape(3, 2)
-    unique, sums = sum_by_id(ids, values)
+    unique, sums = numpy_sum_sorted(values, *sort_ids(ids))
     assert unique.tolist() == [-3, 4, 9]
     assert sums.tolist() == [[2.0, 3.0], [4.0, 5.0], [0.0, 1.0]]
 
