@@ -8,13 +8,6 @@ parameters against NumPy's 2.9-3.2 on this machine (100 MB in 1 MiB
 chunks; memcpy 18 GB/s). It does the same float operations in the same
 order as the NumPy kernel, so the results are bit for bit the same.
 
-SGD on a dense chunk: NumPy's two passes (``g * lr`` into a scratch array,
-then ``w - scratch``) move five chunks' worth of memory; one loop reads w
-and g and writes w: 60 against 104 us per MiB of float32 here, about a
-twentieth of a server's CPU for a dense push. Same bits: the product is
-rounded to the dtype before the subtraction, as NumPy does (no fast-math,
-so no fused multiply-add).
-
 SGD on rows (a sparse push): NumPy gathers the rows, updates the copy and
 scatters it back, three passes over rows that sit at random places in a
 table of gigabytes, each paying the memory latency again. One compiled
@@ -39,7 +32,7 @@ import numpy as np
 from wehub_ps.kernels.compiled import compiled
 from wehub_ps.specs import SGD, Adam, VariableSpec
 
-__all__ = ["fused_adam", "fused_sgd", "fused_sgd_rows", "loops_for", "prepare"]
+__all__ = ["fused_adam", "fused_sgd_rows", "loops_for", "prepare"]
 
 
 def _adam(w, g, m, v, b1, c1, b2, c2, eps, lr_t):  # pragma: no cover - runs compiled
@@ -49,17 +42,6 @@ def _adam(w, g, m, v, b1, c1, b2, c2, eps, lr_t):  # pragma: no cover - runs com
         m[i] = mi
         v[i] = vi
         w[i] = w[i] - (mi / (np.sqrt(vi) + eps)) * lr_t
-
-
-def _sgd(w, g, lr):  # pragma: no cover - runs compiled
-    for i in range(w.size):
-        w[i] = w[i] - g[i] * lr
-
-
-def _sgd_signatures(types) -> list:
-    """The parameters as the server allocates them; the gradient only read, at any alignment (see below)."""
-    return [types.void(types.Array(dtype, 1, "C"), types.Array(dtype, 1, "C", readonly=True, aligned=False), dtype)
-            for dtype in (types.float32, types.float64)]
 
 
 def _sgd_rows(table, rows, g, lr):  # pragma: no cover - runs compiled
@@ -127,22 +109,6 @@ def fused_adam(w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray,
     return True
 
 
-def fused_sgd(w: np.ndarray, g: np.ndarray, learning_rate: float) -> bool:
-    """``w -= learning_rate * g`` in place in one pass; False (nothing done) where it cannot."""
-    dtype = w.dtype
-    if dtype not in (np.float32, np.float64) or g.dtype != dtype or w.ndim != 1 or g.shape != w.shape \
-            or not (w.flags.c_contiguous and g.flags.c_contiguous):
-        return False  # (the compiled loop checks no bounds: equal sizes are a must)
-    if not (w.flags.writeable and w.flags.aligned):
-        return False
-    kernel = compiled(_sgd, _sgd_signatures, wait=False)  # None while being prepared: NumPy meanwhile
-    if kernel is None:
-        return False
-    # The constant NumPy's kernel uses: the Python float rounded once to the array's dtype.
-    kernel(w, g, dtype.type(learning_rate))
-    return True
-
-
 def fused_sgd_rows(table: np.ndarray, rows: np.ndarray, g: np.ndarray, learning_rate: float) -> bool:
     """``table[rows] -= learning_rate * g`` in place, rows unique; False (nothing done) where it cannot.
 
@@ -169,15 +135,18 @@ def fused_sgd_rows(table: np.ndarray, rows: np.ndarray, g: np.ndarray, learning_
 
 
 def loops_for(specs: Iterable[VariableSpec]) -> list[str]:
-    """The compiled loops pushes to ``specs`` will run: 'adam' for Adam; for SGD, 'sgd_rows' for hash
-    tables and 'sgd' for dense variables (their rows pushed as rows take 'sgd_rows' when it is loaded).
+    """The compiled loops pushes to ``specs`` will run: 'adam' for Adam, 'sgd_rows' for SGD hash tables.
+
+    A dense SGD variable is left out: only a push of its rows would use
+    the loop, and loading numba for it would cost a process that never
+    sees one about 140 MB.
     """
     loops = set()
     for spec in specs:
         if isinstance(spec.optimizer, Adam):
             loops.add("adam")
-        elif isinstance(spec.optimizer, SGD):
-            loops.add("sgd_rows" if spec.hash_table else "sgd")
+        elif isinstance(spec.optimizer, SGD) and spec.hash_table:
+            loops.add("sgd_rows")
     return sorted(loops)
 
 
@@ -190,9 +159,7 @@ def prepare(loops: Iterable[str]) -> None:
     for loop in loops:
         if loop == "adam":
             compiled(_adam, _adam_signatures)
-        elif loop == "sgd":
-            compiled(_sgd, _sgd_signatures)
         elif loop == "sgd_rows":
             compiled(_sgd_rows, _sgd_rows_signatures)
         else:
-            raise ValueError(f"loop must be 'adam', 'sgd' or 'sgd_rows', got {loop!r}")
+            raise ValueError(f"loop must be 'adam' or 'sgd_rows', got {loop!r}")

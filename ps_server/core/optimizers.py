@@ -18,7 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ps_server.core.fused import fused_adam, fused_sgd, fused_sgd_rows
+from ps_server.core.fused import fused_adam, fused_sgd_rows
 from wehub_ps.specs import SGD, Adagrad, Adam, Momentum, Optimizer
 
 __all__ = ["OptimizerKernel", "make_kernel"]
@@ -77,8 +77,7 @@ class _SGDKernel(_FlatRows):
 
     def __init__(self, config: SGD) -> None:
         self.lr = config.learning_rate
-        #: Update in place with a compiled loop where it can run (False: NumPy passes; for rows gather,
-        #: update, scatter).
+        #: Update rows in place with a compiled loop where it can run (False: gather, update, scatter).
         self.fused = True
 
     def update_rows(self, table, rows, g):
@@ -89,8 +88,6 @@ class _SGDKernel(_FlatRows):
         raise KeyError(name)
 
     def apply(self, w, g, slots, step, scratch):
-        if self.fused and fused_sgd(w, g, self.lr):
-            return
         s = scratch[: w.size]
         np.multiply(g, self.lr, out=s, casting="unsafe")
         np.subtract(w, s, out=w)

@@ -351,46 +351,6 @@ def test_fused_adam_declines_arrays_it_cannot_take():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_fused_sgd_gives_numpys_bits_for_any_gradient_alignment(dtype):
-    pytest.importorskip("numba")
-    from ps_server.core.fused import fused_sgd
-
-    rng = np.random.default_rng(12)
-    n = 4_099
-    g = rng.standard_normal(n).astype(dtype)
-    unaligned = np.frombuffer(memoryview(bytes(1) + g.tobytes())[1:], dtype)
-    assert not unaligned.flags.aligned and not unaligned.flags.writeable  # as read in place from a message
-    start = rng.standard_normal(n).astype(dtype)
-    expected = start - (g * np.dtype(dtype).type(0.37)).astype(dtype)  # NumPy's two passes
-    for gradient in (g, unaligned):
-        w = start.copy()
-        assert fused_sgd(w, gradient, 0.37)
-        assert w.tobytes() == expected.tobytes()
-    results = {}
-    for fused in (True, False):  # and through the kernel, the NumPy path being its fallback
-        part = _part(SGD(learning_rate=0.37), shape=(n,), dtype=dtype)
-        part.kernel.fused = fused
-        part.apply_gradient(0, g, 1)
-        results[fused] = part.value.copy()
-    assert results[True].tobytes() == results[False].tobytes()
-
-
-def test_fused_sgd_declines_arrays_it_cannot_take():
-    from ps_server.core.fused import fused_sgd
-
-    w = np.zeros(8, np.float32)
-    assert not fused_sgd(w, np.ones(8, np.float64), 0.1)  # mixed dtypes
-    assert not fused_sgd(w, np.ones(16, np.float32)[::2], 0.1)  # strided
-    assert not fused_sgd(w, np.ones(4, np.float32), 0.1)  # short
-    assert not fused_sgd(w.reshape(2, 4), np.ones((2, 4), np.float32), 0.1)  # not flat
-    assert not fused_sgd(w.astype(np.float16), np.ones(8, np.float16), 0.1)
-    read_only = np.zeros(8, np.float32)
-    read_only.flags.writeable = False
-    assert not fused_sgd(read_only, np.ones(8, np.float32), 0.1)
-    assert w.tolist() == [0.0] * 8
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_fused_sgd_rows_give_the_same_bits_as_gather_update_scatter(dtype):
     pytest.importorskip("numba")
     rng = np.random.default_rng(11)

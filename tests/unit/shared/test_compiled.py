@@ -71,10 +71,9 @@ def test_ps_compiled_loops_0_keeps_numpy_and_never_imports_numba():
         from wehub_ps.kernels.compiled import compiled
         from wehub_ps.kernels.convert import _f32_to_bf16, cast_into
         from wehub_ps.dtypes import BFLOAT16
-        from ps_server.core.fused import fused_adam, fused_sgd, fused_sgd_rows
+        from ps_server.core.fused import fused_adam, fused_sgd_rows
         assert compiled(_f32_to_bf16) is None
         w = np.zeros(8, np.float32)
-        assert not fused_sgd(w, w.copy(), 0.1)
         assert not fused_adam(w, w.copy(), w.copy(), w.copy(), 0.9, 0.999, 1e-7, 0.01)
         assert not fused_sgd_rows(w.reshape(4, 2), np.array([0, 1]), np.ones((2, 2), np.float32), 0.1)
         dst = np.empty(8, BFLOAT16)
