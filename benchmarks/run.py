@@ -12,7 +12,9 @@ dense     100 MB model (4 x 6400x1024 float32): pull and push with 1 worker and
           same arrays each time (pull(out=...), as a training loop does);
           one row reports a pull into new arrays. References: gRPC Python
           alone (raw 1 MiB messages, no serialisation) with 1 worker and 1
-          server, and with 2 worker processes x 2 servers
+          server, and with 2 worker processes x 2 servers; CPU per GB of
+          pull and of push by process, 1 worker x 2 servers, against gRPC
+          alone in alternating rounds (bench_dense_cpu.py)
 bf16      the same model with bfloat16 on the wire: float32 parameters moved per second
 topk      the same model's push with top-k rows (1%) and error feedback: gradient
           parameters per second, and the time choosing the rows takes
@@ -89,6 +91,8 @@ from common import (  # noqa: E402
     time_calls,
 )
 from common import make_row as _row  # noqa: E402
+
+import bench_dense_cpu  # noqa: E402
 
 from wehub_ps.process.allocator import keep_freed_buffers  # noqa: E402 - importable once common put the repo on sys.path
 
@@ -198,7 +202,7 @@ def section_dense(repeats: int, tcp: float, results: dict) -> list[Row]:
     rows.append(_row("dense", "gRPC Python ceiling: raw 1 MiB stream, push", results["grpc_ceiling"]["push"], "GB/s",
                      tcp, "raw TCP", target_text="reference"))
     for servers in (1, 2):
-        with ps_cluster(servers) as (addresses, _), PSClient(addresses, worker_id="bench") as client:
+        with ps_cluster(servers) as (addresses, procs), PSClient(addresses, worker_id="bench") as client:
             create_model(client)
             grads = gradients()
             dest = client.pull(NAMES)
@@ -216,6 +220,10 @@ def section_dense(repeats: int, tcp: float, results: dict) -> list[Row]:
             rows.append(_row("dense", f"push, 1 worker, {servers} server(s)", MODEL_BYTES / push / 1e9, "GB/s",
                              tcp, "raw TCP", 0.40))
             if servers == 2:
+                figures = bench_dense_cpu.measure(lambda: client.pull(NAMES, out=dest), lambda: client.push(grads),
+                                                  [p.pid for p in procs], MODEL_BYTES)
+                results["cpu_2s_1w"] = figures
+                rows += bench_dense_cpu.rows(figures, _row)
                 workers = _spawn_workers(addresses, "dense", 2, repeats)
                 started = time.perf_counter()
                 ours_cpu = MachineCPU()

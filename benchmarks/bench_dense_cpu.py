@@ -1,0 +1,117 @@
+"""The dense section's CPU per GB by direction and process: 1 worker, 2 servers, ours beside gRPC Python alone.
+
+The worker (this process) pulls the 100 MB model into the same arrays, or
+pushes its gradients, ``REPEATS`` times in a round; the same bytes then go
+through gRPC Python alone (two bare stream servers, raw 1 MiB messages, one
+thread per server in this process). Rounds alternate ours and bare,
+``ROUNDS`` of each, so the machine's drift weighs on both alike; a figure
+is the median over the rounds. CPU is each process's own (user + system
+from /proc and getrusage), so the split between the worker and the
+servers shows where a difference lies. Target: ours ≤ 1.15x gRPC alone,
+for pull and for push.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+
+from common import _GRPC_STREAM_SERVER, child_env, median, stop_process
+
+REPEATS, ROUNDS = 6, 7
+TARGET = 1.15
+_CHUNK = 1 << 20
+
+
+def _process_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _round(fn: Callable[[], object], server_pids: list[int], nbytes: int) -> tuple[float, float]:
+    """(worker, servers) core-seconds per GB over REPEATS calls of ``fn``, each moving ``nbytes``."""
+    servers = [_process_seconds(pid) for pid in server_pids]
+    own = _own_seconds()
+    for _ in range(REPEATS):
+        fn()
+    gb = nbytes * REPEATS / 1e9
+    return ((_own_seconds() - own) / gb,
+            sum(_process_seconds(pid) - before for pid, before in zip(server_pids, servers, strict=True)) / gb)
+
+
+def measure(pull: Callable[[], object], push: Callable[[], object], server_pids: list[int], nbytes: int) -> dict:
+    """{direction: {"ours"|"bare": {"worker", "servers", "total"}}}: medians over the rounds, core-s per GB.
+
+    ``pull`` / ``push`` move ``nbytes`` through ps-servers ``server_pids`` (2 of them); the bare
+    servers are started here and stopped before returning.
+    """
+    import grpc
+
+    half = nbytes // 2
+    bare = [subprocess.Popen([sys.executable, "-c", _GRPC_STREAM_SERVER, str(half)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=child_env()) for _ in range(2)]
+    channels = []
+    try:
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        channels = [grpc.insecure_channel(f"127.0.0.1:{int(s.stdout.readline())}", options=options) for s in bare]
+        source = memoryview(b"\x01" * half)  # written pages, as gradients are
+
+        def bare_pull(channel) -> None:
+            for _ in channel.unary_stream("/bench.Raw/Pull")(b""):
+                pass
+
+        def bare_push(channel) -> None:
+            channel.stream_unary("/bench.Raw/Push")(bytes(source[i:i + _CHUNK]) for i in range(0, half, _CHUNK))
+
+        def both(fn: Callable) -> Callable[[], None]:
+            def run() -> None:
+                threads = [threading.Thread(target=fn, args=(channel,)) for channel in channels]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+            return run
+
+        bare_pids = [s.pid for s in bare]
+        calls = {("pull", "ours"): (pull, server_pids), ("pull", "bare"): (both(bare_pull), bare_pids),
+                 ("push", "ours"): (push, server_pids), ("push", "bare"): (both(bare_push), bare_pids)}
+        for fn, _ in calls.values():  # warm: connections open, loops loaded
+            fn()
+        rounds: dict[tuple[str, str], list[tuple[float, float]]] = {key: [] for key in calls}
+        for _ in range(ROUNDS):
+            for key, (fn, pids) in calls.items():
+                rounds[key].append(_round(fn, pids, nbytes))
+    finally:
+        for channel in channels:
+            channel.close()
+        for proc in bare:
+            proc.stdin.close()
+            stop_process(proc)
+    figures: dict = {}
+    for (direction, who), samples in rounds.items():
+        figures.setdefault(direction, {})[who] = {
+            "worker": median([w for w, _ in samples]), "servers": median([s for _, s in samples]),
+            "total": median([w + s for w, s in samples])}
+    return figures
+
+
+def rows(figures: dict, make_row: Callable) -> list:
+    """One row per direction (target ≤ TARGET x gRPC alone) with the per-process split in its title."""
+    out = []
+    for direction in ("pull", "push"):
+        ours, bare = figures[direction]["ours"], figures[direction]["bare"]
+        out.append(make_row(
+            "dense", f"  CPU per GB, 1 worker x 2 servers, {direction}: worker {ours['worker']:.3f} "
+                     f"(alone {bare['worker']:.3f}), servers {ours['servers']:.3f} (alone {bare['servers']:.3f})",
+            ours["total"], "core-s", bare["total"], "gRPC alone", TARGET, higher=False))
+    return out
