@@ -1,4 +1,4 @@
-"""``ps-local``: run a built-in example on a local wehub-ps cluster."""
+"""``ps-local``: run a built-in example, or the user's own script (``--script``), on a local wehub-ps cluster."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, fields
 from typing import Any, TextIO
 
+from ps_local.etcd import EtcdUnavailable, start_etcd
 from ps_local.examples import EXAMPLES, load_example
 from ps_local.processes import ManagedProcess, ProcessGroup
+from ps_local.script import ScriptFailed, run_script
 from wehub_ps.process.logs import configure, event
 
 log = logging.getLogger("ps_local")
@@ -29,12 +31,29 @@ class LocalRunError(RuntimeError):
     """The local cluster could not run; the message says which process and why."""
 
 
+_EXAMPLE_TIMEOUT = 900.0
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the first "--" belongs to the script.
+    script_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(
         prog="ps-local",
-        description="Start ps-servers and workers on this machine and train a built-in example.")
-    parser.add_argument("--num-ps", type=int, default=2, help="ps-server processes (default 2)")
-    parser.add_argument("--num-workers", type=int, default=2, help="worker processes (default 2)")
+        description="Start ps-servers and workers on this machine and train a built-in example, or run "
+                    "your own training script once per worker (--script train.py [-- its arguments]).")
+    parser.add_argument("--num-ps", "--servers", dest="num_ps", type=int, default=2,
+                        help="ps-server processes, one per shard (default 2)")
+    parser.add_argument("--num-workers", "--workers", dest="num_workers", type=int, default=2,
+                        help="worker processes (default 2)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="processes per shard, a primary and its backups; more than 1 starts etcd, "
+                             "which they elect their primary through (default 1)")
+    parser.add_argument("--script", default=None, metavar="PATH",
+                        help="run this Python script on every worker instead of an example; it finds the "
+                             "cluster with PSClient.from_env() and its place in PS_WORKER_INDEX / "
+                             "PS_NUM_WORKERS; ps-local exits with its status")
     parser.add_argument("--example", default="digits", choices=sorted(EXAMPLES),
                         help="built-in example to train (default digits)")
     parser.add_argument("--epochs", type=int, default=None, help="override the example's epochs")
@@ -52,12 +71,22 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--topk-ratio", type=float, default=None,
                         help="send only this fraction of each gradient's rows, the largest, and carry "
                              "the rest to the next push (error feedback); default: every row")
-    parser.add_argument("--timeout", type=float, default=900.0,
-                        help="seconds before the run is abandoned (default 900)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help=f"seconds before the run is abandoned (default: {_EXAMPLE_TIMEOUT:.0f} for an "
+                             "example, none for a script)")
     parser.add_argument("--log-level", default="warning", help="log level of ps-local and the servers")
     args = parser.parse_args(argv)
     if args.num_ps < 1 or args.num_workers < 1:
         parser.error(f"--num-ps and --num-workers must be at least 1, got {args.num_ps} and {args.num_workers}")
+    if not 1 <= args.replicas <= 9:
+        parser.error(f"--replicas must be in [1, 9], got {args.replicas}")
+    if script_args and args.script is None:
+        parser.error("arguments after '--' are passed to a --script; there is none")
+    if args.script is not None and not os.path.isfile(args.script):
+        parser.error(f"--script {args.script!r}: no such file")
+    if args.script is None and args.timeout is None:
+        args.timeout = _EXAMPLE_TIMEOUT
+    args.script_args = script_args
     return args
 
 
@@ -92,22 +121,29 @@ def _example_config(example, args: argparse.Namespace):
     return example.Config(**overrides)
 
 
-def _start_servers(group: ProcessGroup, args: argparse.Namespace) -> list[str]:
+def _start_servers(group: ProcessGroup, args: argparse.Namespace, etcd_endpoint: str | None) -> list[str]:
+    """Start every shard's replicas; each shard's address ('a' or 'a|b' for replicas) once all serve."""
     servers = []
     num_ps = args.num_ps
+    job = f"ps-local-{os.getpid()}"
     for i in range(num_ps):
-        port_file = os.path.join(group.workdir, f"ps-{i}.port")
-        proc = group.start(f"ps-{i}", [
-            sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0", "--lane-port", "0",
-            "--port-file", port_file, "--shard-index", str(i), "--num-shards", str(num_ps),
-            "--log-level", args.log_level, "--consistency", args.consistency,
-            "--staleness", str(args.staleness), "--backup-workers", str(args.backup_workers),
-            # The first steps wait until every worker has joined.
-            "--expected-workers", str(args.num_workers)])
-        servers.append((proc, port_file))
-    addresses = []
+        for r in range(args.replicas):
+            name = f"ps-{i}" if args.replicas == 1 else f"ps-{i}-{r}"
+            port_file = os.path.join(group.workdir, f"{name}.port")
+            replication = [] if args.replicas == 1 else [
+                "--replicas", str(args.replicas), "--replica-index", str(r),
+                "--etcd-endpoints", etcd_endpoint, "--job-name", job]
+            proc = group.start(name, [
+                sys.executable, "-m", "ps_server", "--host", "127.0.0.1", "--port", "0", "--lane-port", "0",
+                "--port-file", port_file, "--shard-index", str(i), "--num-shards", str(num_ps),
+                "--log-level", args.log_level, "--consistency", args.consistency,
+                "--staleness", str(args.staleness), "--backup-workers", str(args.backup_workers),
+                # The first steps wait until every worker has joined.
+                "--expected-workers", str(args.num_workers), *replication])
+            servers.append((i, proc, port_file))
+    addresses: list[list[str]] = [[] for _ in range(num_ps)]
     deadline = time.monotonic() + _SERVER_START_TIMEOUT
-    for proc, port_file in servers:
+    for shard, proc, port_file in servers:
         while not os.path.exists(port_file):
             if proc.popen.poll() is not None:
                 raise LocalRunError(f"{proc.name} exited with code {proc.popen.returncode}:\n{proc.stderr_tail()}")
@@ -115,8 +151,8 @@ def _start_servers(group: ProcessGroup, args: argparse.Namespace) -> list[str]:
                 raise LocalRunError(f"{proc.name} did not start within {_SERVER_START_TIMEOUT:.0f}s")
             time.sleep(0.05)
         with open(port_file) as f:
-            addresses.append(f"127.0.0.1:{int(f.read())}")
-    return addresses
+            addresses[shard].append(f"127.0.0.1:{int(f.read())}")
+    return ["|".join(replicas) for replicas in addresses]
 
 
 class _Progress:
@@ -231,41 +267,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     configure(args.log_level)
     out = sys.stdout
-    example = load_example(args.example)
     group = ProcessGroup()
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        config = _example_config(example, args)
-        out.write(f"ps-local: example {example.NAME!r} ({example.DESCRIPTION}); "
-                  f"{args.num_ps} ps-servers, {args.num_workers} workers, {args.consistency} mode, "
-                  f"device {getattr(config, 'device', 'cpu')}\n")
-        started = time.perf_counter()
-        addresses = _start_servers(group, args)
-        out.write(f"ps-local: ps-servers at {', '.join(addresses)}\n")
-        out.flush()
-        wire = _run_workers(group, args, addresses, config, out)
-        out.write(f"ps-local: tensors went over the wire as {', '.join(sorted(wire))}\n")
-        from worker_client import PSClient
-
-        with PSClient(addresses, worker_id="ps-local-evaluator", register=False) as client:
-            metric = example.evaluate(client, config)
-            if args.consistency != "async":
-                stats = [info.consistency for info in client.describe()]
-                blocked = sum(c["blocked_seconds"] for c in stats)
-                pulls = sum(c["pulls"] for c in stats)
-                out.write(f"ps-local: {args.consistency}: {sum(c['pulls_blocked'] for c in stats)} of {pulls} "
-                          f"pulls waited, {1000 * blocked / max(1, pulls):.2f} ms per pull on average; "
-                          f"{sum(c['dropped_gradients'] for c in stats)} late gradients dropped\n")
-        if hasattr(example, "oracle_auc"):
-            out.write(f"ps-local: best achievable {example.METRIC} on this data: {example.oracle_auc(config):.4f}\n")
-        elapsed = time.perf_counter() - started
-        reached = metric >= example.TARGET if example.HIGHER_IS_BETTER else metric <= example.TARGET
-        out.write(f"ps-local: {example.METRIC} {metric:.4f} (target {example.TARGET}) "
-                  f"after {elapsed:.1f}s: {'reached' if reached else 'NOT reached'}\n")
-        out.flush()
-        event(log, logging.INFO, "finished", metric=metric, target=example.TARGET, seconds=elapsed)
-        return 0 if reached else 1
-    except LocalRunError as exc:
+        etcd = None
+        if args.replicas > 1:
+            etcd = start_etcd(group)
+        if args.script is not None:
+            out.write(f"ps-local: {args.num_workers} x {args.script}; {args.num_ps} ps-servers"
+                      f"{f' x {args.replicas} replicas' if args.replicas > 1 else ''}, {args.consistency} mode\n")
+            addresses = _start_servers(group, args, etcd)
+            out.write(f"ps-local: ps-servers at {', '.join(addresses)}\n")
+            out.flush()
+            run_script(group, args, addresses, out)
+            out.write(f"ps-local: every worker of {args.script} exited 0\n")
+            return 0
+        return _run_example(group, args, etcd, out)
+    except ScriptFailed as exc:
+        out.write(f"\nps-local: {exc}; stopping every process it started\n")
+        return exc.status
+    except (LocalRunError, EtcdUnavailable) as exc:
         out.write(f"\nps-local: error: {exc}\n")
         return 1
     except KeyboardInterrupt:
@@ -274,6 +295,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         group.stop_all()
         shutil.rmtree(group.workdir, ignore_errors=True)
+
+
+def _run_example(group: ProcessGroup, args: argparse.Namespace, etcd: str | None, out: TextIO) -> int:
+    """Train a built-in example, evaluate it and say whether it reached its target (exit status 0)."""
+    example = load_example(args.example)
+    config = _example_config(example, args)
+    out.write(f"ps-local: example {example.NAME!r} ({example.DESCRIPTION}); "
+              f"{args.num_ps} ps-servers{f' x {args.replicas} replicas' if args.replicas > 1 else ''}, "
+              f"{args.num_workers} workers, {args.consistency} mode, device {getattr(config, 'device', 'cpu')}\n")
+    started = time.perf_counter()
+    addresses = _start_servers(group, args, etcd)
+    out.write(f"ps-local: ps-servers at {', '.join(addresses)}\n")
+    out.flush()
+    wire = _run_workers(group, args, addresses, config, out)
+    out.write(f"ps-local: tensors went over the wire as {', '.join(sorted(wire))}\n")
+    from worker_client import PSClient
+
+    with PSClient(addresses, worker_id="ps-local-evaluator", register=False) as client:
+        metric = example.evaluate(client, config)
+        if args.consistency != "async":
+            stats = [info.consistency for info in client.describe()]
+            blocked = sum(c["blocked_seconds"] for c in stats)
+            pulls = sum(c["pulls"] for c in stats)
+            out.write(f"ps-local: {args.consistency}: {sum(c['pulls_blocked'] for c in stats)} of {pulls} "
+                      f"pulls waited, {1000 * blocked / max(1, pulls):.2f} ms per pull on average; "
+                      f"{sum(c['dropped_gradients'] for c in stats)} late gradients dropped\n")
+    if hasattr(example, "oracle_auc"):
+        out.write(f"ps-local: best achievable {example.METRIC} on this data: {example.oracle_auc(config):.4f}\n")
+    elapsed = time.perf_counter() - started
+    reached = metric >= example.TARGET if example.HIGHER_IS_BETTER else metric <= example.TARGET
+    out.write(f"ps-local: {example.METRIC} {metric:.4f} (target {example.TARGET}) "
+              f"after {elapsed:.1f}s: {'reached' if reached else 'NOT reached'}\n")
+    out.flush()
+    event(log, logging.INFO, "finished", metric=metric, target=example.TARGET, seconds=elapsed)
+    return 0 if reached else 1
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["ManagedProcess", "ProcessGroup", "repo_python_env"]
@@ -80,14 +80,25 @@ class ProcessGroup:
     workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="ps-local-"))
     processes: list[ManagedProcess] = field(default_factory=list)
 
-    def start(self, name: str, argv: Sequence[str], *, capture_stdout: bool = False) -> ManagedProcess:
+    def start(self, name: str, argv: Sequence[str], *, capture_stdout: bool = False, merge_stderr: bool = False,
+              env: Mapping[str, str] | None = None, python: bool = True) -> ManagedProcess:
+        """Start ``argv`` as a child that dies with this process.
+
+        ``capture_stdout``: its stdout is a text pipe (``popen.stdout``);
+        ``merge_stderr`` sends its stderr there too, else stderr goes to a
+        file in the work directory (``stderr_tail``). ``env`` is added to
+        the environment; ``python`` gives a Python child this package's
+        import path and one BLAS thread (:func:`repo_python_env`).
+        """
         stderr_path = os.path.join(self.workdir, f"{name}.stderr")
         linux = sys.platform.startswith("linux")
         prefix = _death_signal_prefix() if linux else []
+        environment = {**(repo_python_env() if python else os.environ), **(env or {})}
         with open(stderr_path, "wb") as stderr:
             popen = subprocess.Popen(
                 prefix + list(argv), stdout=subprocess.PIPE if capture_stdout else subprocess.DEVNULL,
-                stderr=stderr, stdin=subprocess.DEVNULL, env=repo_python_env(),
+                stderr=subprocess.STDOUT if merge_stderr and capture_stdout else stderr,
+                stdin=subprocess.DEVNULL, env=environment,
                 preexec_fn=_die_with_parent if linux and not prefix else None,
                 text=capture_stdout, bufsize=1 if capture_stdout else -1)
         process = ManagedProcess(name, popen, stderr_path)

@@ -85,6 +85,29 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def children_of(pid: int) -> list[int]:
+    """Live child processes of ``pid`` (from /proc)."""
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        return (pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
 def memory_status(pid: int) -> dict[str, int]:
     """A process's resident bytes now (VmRSS) and at its peak (VmHWM), from /proc (Linux)."""
     with open(f"/proc/{pid}/status") as f:

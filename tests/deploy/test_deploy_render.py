@@ -103,6 +103,19 @@ def test_gpu_overlay_gives_workers_a_gpu_and_the_cuda_image(renders):
     assert "-gpu" not in server["spec"]["template"]["spec"]["containers"][0]["image"]
 
 
+@pytest.mark.parametrize("target", ["overlays/cpu", "overlays/gpu", "overlays/replicated"])
+def test_worker_pods_get_the_environment_ps_local_gives_a_script(renders, target):
+    """deploy/README.md: a script run by `ps-local --script` runs unchanged in the worker Job."""
+    from ps_local.script import worker_environment
+    from wehub_ps.cluster import WORKER_ID_ENV
+
+    job = next(o for o in renders[target].objects if o["kind"] == "Job")
+    env = {e["name"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    # Not PS_WORKER_ID: without it PSClient.from_env() makes a worker id of its own.
+    expected = set(worker_environment(["a:1"], 0, 1)) - {WORKER_ID_ENV}
+    assert expected <= env, f"the worker Job lacks {sorted(expected - env)}"
+
+
 @pytest.mark.parametrize("rel", KUSTOMIZATIONS)
 def test_every_patch_matches_an_object(kubectl, deploy_copy, rel):
     assert patch_target_problems(deploy_copy, rel, kubectl) == []

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from ps_testing import ROOT, child_env
+from ps_testing import ROOT, child_env, children_of, process_alive
 
 
 def test_ps_local_trains_digits_to_target_accuracy():
@@ -48,28 +48,6 @@ def test_ps_local_fails_loudly_when_the_target_is_missed():
     assert "NOT reached" in result.stdout
 
 
-def _children(pid: int) -> list[int]:
-    """Live child processes of ``pid`` (from /proc)."""
-    found = []
-    for entry in pathlib.Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return (pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.skipif(not pathlib.Path("/proc").is_dir(), reason="reads processes from /proc")
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL])
 def test_ps_local_stops_every_process_it_started_on_ctrl_c_and_when_killed(signum):
@@ -82,16 +60,16 @@ def test_ps_local_stops_every_process_it_started_on_ctrl_c_and_when_killed(signu
         while len(started) < 4:  # 2 servers and 2 workers
             assert launcher.poll() is None and time.monotonic() < deadline, "ps-local did not start its processes"
             time.sleep(0.2)
-            started = _children(launcher.pid)
+            started = children_of(launcher.pid)
         launcher.send_signal(signum)
         launcher.wait(60)
         deadline = time.monotonic() + 30
-        while [pid for pid in started if _alive(pid)]:
-            assert time.monotonic() < deadline, f"left running: {[pid for pid in started if _alive(pid)]}"
+        while [pid for pid in started if process_alive(pid)]:
+            assert time.monotonic() < deadline, f"left running: {[pid for pid in started if process_alive(pid)]}"
             time.sleep(0.2)
     finally:
         for pid in started:
-            if _alive(pid):
+            if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
         if launcher.poll() is None:
             launcher.kill()
