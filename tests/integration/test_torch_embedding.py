@@ -223,7 +223,7 @@ def test_bad_input_is_refused_with_a_typed_error_and_nothing_is_pushed(client):
     with pytest.raises(TypeError, match="torch tensor"):
         dense(np.array([0, 1]))
     with pytest.raises(VariableConflictError):
-        PSEmbedding(client, dense.name, DIM + 1, num_embeddings=len(initial))
+        PSEmbedding(client, dense.name, DIM + 1, num_embeddings=len(initial), optimizer=SGD(LEARNING_RATE))
     with pytest.raises(ValueError, match="hash table"):
         PSEmbedding(client, _name(), DIM, initializer=initial)
     empty = dense(torch.zeros((0, 3), dtype=torch.long))
@@ -244,3 +244,53 @@ def test_the_core_package_loads_without_torch():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
                             env=child_env(), timeout=120, check=True)
     assert result.stdout.strip() == "False", result.stdout + result.stderr
+
+
+class _Recommender(torch.nn.Module):
+    """A dense layer beside a hash table and a dense table built without optimizers of their own."""
+
+    def __init__(self, client: PSClient, names: tuple[str, str], optimizer=None) -> None:
+        super().__init__()
+        self.users = PSEmbedding(client, names[0], DIM, optimizer=optimizer)
+        self.items = PSEmbedding(client, names[1], DIM, num_embeddings=50)
+        self.out = torch.nn.Linear(DIM, 1)
+
+    def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        return self.out(self.users(users) * self.items(items)).squeeze(-1)
+
+
+def test_a_table_without_an_optimizer_refuses_to_train_and_makes_nothing(client):
+    names = (_name(), _name())
+    model = _Recommender(client, names)
+    from worker_client.torch import EmbeddingOptimizerError
+
+    with pytest.raises(EmbeddingOptimizerError, match="no optimizer.*attach"):
+        model(torch.tensor([1, 2]), torch.tensor([3, 4]))
+    assert not set(names) & set(client.variables(refresh=True))  # no table with a silent default
+    with pytest.raises(TypeError, match="wehub optimizer"):
+        PSEmbedding(client, _name(), DIM, optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0))
+
+
+@pytest.mark.parametrize("given", ["torch", "wehub"])
+def test_attach_gives_tables_without_an_optimizer_its_own_and_they_train_with_it(client, given):
+    from worker_client import Adagrad
+    from worker_client.torch import attach
+
+    names = (_name(), _name())
+    model = _Recommender(client, names, optimizer=SGD(0.5))  # the hash table keeps the one it was given
+    optimizer = (torch.optim.Adagrad(model.parameters(), lr=0.05) if given == "torch"
+                 else Adagrad(learning_rate=0.05, initial_accumulator_value=0.0, epsilon=1e-10))
+    ps_model = attach(client, model, prefix=f"rec-{uuid.uuid4().hex[:6]}", optimizer=optimizer)
+    known = client.variables(refresh=True)
+    assert known[names[0]].spec.optimizer == SGD(0.5)
+    assert known[names[1]].spec.optimizer == Adagrad(learning_rate=0.05, initial_accumulator_value=0.0,
+                                                      epsilon=1e-10)
+    items = torch.tensor([3, 3, 7])
+    before = client.pull_rows(names[1], items.numpy())
+    with ps_model.step():
+        model(torch.tensor([1, 2, 1]), items).sum().backward()
+    after = client.pull_rows(names[1], items.numpy())
+    # Adagrad's first step moves every touched element by lr * g / (|g| + eps): 0.05, whatever g.
+    moved = np.abs(after - before)
+    np.testing.assert_allclose(moved[moved > 0], 0.05, rtol=1e-4)
+    assert (moved > 0).any()

@@ -55,14 +55,15 @@ A row module's own parameters are not attached as dense variables: its
 tables hold them.
 """
 
-from worker_client.torch.embedding import PSEmbedding
+from worker_client.torch.embedding import EmbeddingOptimizerError, PSEmbedding
 from worker_client.torch.module import PSModel, attach
 from worker_client.torch.optimizers import (
     UnsupportedOptimizerError,
     optimizers_by_parameter,
     server_optimizer,
+    table_optimizer,
 )
 from worker_client.torch.step import TorchStep
 
-__all__ = ["PSEmbedding", "PSModel", "TorchStep", "UnsupportedOptimizerError", "attach",
-           "optimizers_by_parameter", "server_optimizer"]
+__all__ = ["EmbeddingOptimizerError", "PSEmbedding", "PSModel", "TorchStep", "UnsupportedOptimizerError", "attach",
+           "optimizers_by_parameter", "server_optimizer", "table_optimizer"]

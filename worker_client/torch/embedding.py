@@ -5,7 +5,7 @@ forward pulls only the rows of the batch's ids and backward sends only
 their gradients; the server-side optimizer updates those rows.
 
     user = PSEmbedding(client, "user", embedding_dim=16, optimizer=Adagrad(0.05))  # a hash table
-    item = PSEmbedding(client, "item", 16, num_embeddings=10_000)                  # a dense table
+    item = PSEmbedding(client, "item", 16, num_embeddings=10_000)  # a dense table; attach() gives its optimizer
     scores = (user(user_ids) * item(item_ids)).sum(-1)
 
 Outside a step, backward pushes the rows' gradients at once (``push_rows``).
@@ -44,7 +44,7 @@ gradients leave through DLPack; both need CuPy (the ``gpu`` extra).
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import torch
@@ -55,10 +55,14 @@ from wehub_ps.specs import Normal, Optimizer
 from worker_client.client import PSClient
 from worker_client.errors import InvalidArgumentError
 
-__all__ = ["PSEmbedding", "begin_step", "take_row_gradients"]
+__all__ = ["EmbeddingOptimizerError", "PSEmbedding", "begin_step", "take_row_gradients"]
 
 _TABLE_DTYPES = ("float16", "float32", "float64")  # those numpy and torch share
 _ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+class EmbeddingOptimizerError(InvalidArgumentError):
+    """A PSEmbedding was used before it had an optimizer (none given to it, and not attached)."""
 
 
 class PSEmbedding(torch.nn.Module):
@@ -71,6 +75,11 @@ class PSEmbedding(torch.nn.Module):
     creates it, the others get the same table (a different spec raises
     VariableConflictError). ``initializer`` defaults to torch's N(0, 1);
     a dense table also takes an array (or tensor) of initial values.
+
+    ``optimizer`` runs on the servers for this table. Without one, the table
+    is made when ``attach()`` maps its optimizer (a torch optimizer's
+    constructor settings, or the wehub optimizer given); a forward before
+    that raises EmbeddingOptimizerError. There is no default optimizer.
     """
 
     def __init__(self, client: PSClient, name: str, embedding_dim: int, num_embeddings: int | None = None, *,
@@ -90,13 +99,15 @@ class PSEmbedding(torch.nn.Module):
             if partitioner is not None or isinstance(initializer, np.ndarray):
                 raise ValueError("a hash table (num_embeddings=None) takes no partitioner and no array of "
                                  "initial values: give num_embeddings for a dense table")
-            client.create_embedding(name, embedding_dim, dtype, initializer, optimizer, max_rows, eviction,
-                                    aggregation)
-        else:
-            if max_rows or eviction != "none":
-                raise ValueError("max_rows and eviction bound hash tables: pass num_embeddings=None for one")
-            client.create_variable(name, (num_embeddings, embedding_dim), dtype, initializer, optimizer,
-                                   partitioner, aggregation)
+        elif max_rows or eviction != "none":
+            raise ValueError("max_rows and eviction bound hash tables: pass num_embeddings=None for one")
+        if optimizer is not None and not isinstance(optimizer, get_args(Optimizer)):
+            raise TypeError(f"optimizer must be a wehub optimizer (SGD, Momentum, Adagrad, Adam) or None, got "
+                            f"{type(optimizer).__name__}; a torch.optim optimizer is mapped by attach()")
+        # The table is made with its optimizer: now when given, else by attach()'s (use_optimizer).
+        self._table_settings = dict(dtype=dtype, initializer=initializer, aggregation=aggregation,
+                                    partitioner=partitioner, max_rows=max_rows, eviction=eviction)
+        self.optimizer: Optimizer | None = None
         self.client = client
         self.name = name
         self.embedding_dim = embedding_dim
@@ -108,6 +119,32 @@ class PSEmbedding(torch.nn.Module):
         # Guards _held: backward of CUDA tensors runs on autograd's device threads.
         self._lock = threading.Lock()
         self._held: list[tuple[np.ndarray, torch.Tensor]] | None = None
+        if optimizer is not None:
+            self.use_optimizer(optimizer)
+
+    @property
+    def needs_optimizer(self) -> bool:
+        """True until the table exists: made with the optimizer given here, or by attach()'s."""
+        return self.optimizer is None
+
+    def use_optimizer(self, optimizer: Optimizer) -> None:
+        """Make the table (idempotently, as every worker does) with ``optimizer`` on the servers.
+
+        attach() calls it for a module built without ``optimizer=``; a module
+        whose table exists keeps the optimizer it was made with.
+        """
+        if self.optimizer is not None:
+            return
+        settings = self._table_settings
+        if self.num_embeddings is None:
+            self.client.create_embedding(self.name, self.embedding_dim, settings["dtype"], settings["initializer"],
+                                         optimizer, settings["max_rows"], settings["eviction"],
+                                         settings["aggregation"])
+        else:
+            self.client.create_variable(self.name, (self.num_embeddings, self.embedding_dim), settings["dtype"],
+                                        settings["initializer"], optimizer, settings["partitioner"],
+                                        settings["aggregation"])
+        self.optimizer = optimizer
 
     def extra_repr(self) -> str:
         kind = "hash table" if self.num_embeddings is None else f"num_embeddings={self.num_embeddings}"
@@ -115,6 +152,11 @@ class PSEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of ``ids`` (any shape), shape ``ids.shape + (embedding_dim,)``, on ids' device."""
+        if self.optimizer is None:
+            raise EmbeddingOptimizerError(
+                f"PSEmbedding {self.name!r} has no optimizer, so its table was not made: pass optimizer= "
+                "(worker_client.SGD, Momentum, Adagrad or Adam) to PSEmbedding, or attach(client, model, "
+                "optimizer=...) the model that holds it before its first forward")
         host_ids = self._host_ids(ids)
         unique, inverse = group_ids(host_ids)  # one hash pass: linear in the ids, not a sort
         rows = self._pull(unique, ids.device)

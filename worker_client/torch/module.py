@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from worker_client.client import PSClient
-from worker_client.torch.optimizers import optimizers_by_parameter
+from worker_client.torch.optimizers import optimizers_by_parameter, table_optimizer
 from worker_client.torch.step import TorchStep
 from worker_client.torch.variables import create_from_parameters, pull_when_initialized
 
@@ -66,7 +66,10 @@ def attach(client: PSClient, model: torch.nn.Module, *, prefix: str, optimizer: 
     worker_client.torch.optimizers), or a wehub optimizer for all.
     ``timeout``: how long to wait for another worker that is creating the
     same variables. Parameters of row modules (worker_client.torch's
-    docstring) belong to their module's tables and are not attached.
+    docstring) belong to their module's tables and are not attached; a row
+    module built without an optimizer (``needs_optimizer``) gets this one
+    through ``use_optimizer`` (a torch optimizer's constructor settings,
+    worker_client.torch.optimizers.table_optimizer).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -80,6 +83,9 @@ def attach(client: PSClient, model: torch.nn.Module, *, prefix: str, optimizer: 
             raise TypeError(f"parameter {name!r} has dtype {p.dtype}; attach supports float16, float32 and "
                             "float64 parameters")
     server_side = optimizers_by_parameter(optimizer, named)
+    for module in row_modules:  # tables made without an optimizer of their own get this one's
+        if getattr(module, "needs_optimizer", False):
+            module.use_optimizer(table_optimizer(optimizer))
     parameters = {f"{prefix}/{name}": p for name, p in named}
     optimizers = {f"{prefix}/{name}": server_side[name] for name, _ in named}
     create_from_parameters(client, parameters, optimizers, timeout)

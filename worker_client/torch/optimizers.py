@@ -24,7 +24,7 @@ import torch
 
 from wehub_ps.specs import SGD, Adagrad, Adam, Momentum, Optimizer, SpecError
 
-__all__ = ["UnsupportedOptimizerError", "server_optimizer", "optimizers_by_parameter"]
+__all__ = ["UnsupportedOptimizerError", "server_optimizer", "optimizers_by_parameter", "table_optimizer"]
 
 _WEHUB_OPTIMIZERS = (SGD, Momentum, Adagrad, Adam)
 
@@ -91,3 +91,18 @@ def optimizers_by_parameter(optimizer: Any, parameters: Iterable[tuple[str, torc
             f"parameters {', '.join(missing)} are in no parameter group of the {type(optimizer).__name__} "
             "given; build it from model.parameters()")
     return {name: by_tensor[id(tensor)] for name, tensor in parameters}
+
+
+def table_optimizer(optimizer: Any) -> Optimizer:
+    """The server-side optimizer of an embedding table attached without one of its own.
+
+    A table has no torch parameters in any group, so a ``torch.optim``
+    optimizer gives it its constructor's settings (``optimizer.defaults``,
+    torch's defaults where not given); a wehub optimizer is used as it is.
+    """
+    if isinstance(optimizer, _WEHUB_OPTIMIZERS):
+        return optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("optimizer must be a torch.optim.Optimizer or a wehub optimizer (SGD, Momentum, "
+                        f"Adagrad, Adam), got {type(optimizer).__name__}")
+    return server_optimizer(type(optimizer), optimizer.defaults)
