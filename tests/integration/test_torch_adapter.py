@@ -198,3 +198,25 @@ def test_a_sync_step_pushes_dense_and_embedding_gradients_as_one_push(cluster_fa
                                    rows_before - count * weight_before.numpy(), rtol=1e-6)
         assert client.pull(["rec/head.bias"])["rec/head.bias"][0] == np.float32(bias_before) - 3  # 3 outputs
         assert client.step_count == 1
+
+
+def test_overlapped_steps_push_every_gradient_exactly_once(cluster2):
+    """step(overlap=True): pushes go out in the background; after flush the values hold every one of them,
+    dense and rows alike, whatever each step's pull saw."""
+    with PSClient(cluster2.addresses, worker_id="overlap") as client:
+        model = _Recommender(client)
+        ps_model = attach(client, model, prefix="ovl", optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+        ids = torch.tensor([3, 8, 3])
+        rows_before = client.pull_rows("items", [3, 8]).astype(np.float64)
+        bias_before = float(model.head.bias.detach()[0])
+        pushed_rows = np.zeros((2, 4))
+        for _ in range(6):
+            with ps_model.step(overlap=True):
+                model(ids).backward()
+                # The rows' gradient is the weight the step pulled (times each id's count): record it.
+                pushed_rows += np.array([[2.0], [1.0]]) * model.head.weight.detach().numpy().astype(np.float64)
+            assert all(p.grad is None for p in model.parameters())
+        client.flush()
+        assert client.pull(["ovl/head.bias"])["ovl/head.bias"][0] == np.float32(bias_before) - 18  # 6 steps x 3
+        np.testing.assert_allclose(client.pull_rows("items", [3, 8]), rows_before - pushed_rows, rtol=1e-5)
+        assert client.stats()["duplicate_acks"] == 0

@@ -36,9 +36,13 @@ class PSModel:
         self.parameters = parameters
         self.row_modules = row_modules
 
-    def step(self) -> TorchStep:
-        """``with ps_model.step():`` pulls into the parameters; leaving pushes their gradients as one push."""
-        return TorchStep(self)
+    def step(self, overlap: bool = False) -> TorchStep:
+        """``with ps_model.step():`` pulls into the parameters; leaving pushes their gradients as one push.
+
+        ``overlap=True`` (asynchronous mode): the push goes out in the background while the next step
+        pulls and computes, as ``client.step(overlap=True)``; ``client.flush()`` waits for the last one.
+        """
+        return TorchStep(self, overlap)
 
     def pull(self) -> None:
         """Pull the current values into the parameters, in place (to evaluate, say)."""

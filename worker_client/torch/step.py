@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from worker_client.overlap import OverlappedStep
 from worker_client.step import Step
 
 if TYPE_CHECKING:
@@ -26,9 +27,10 @@ __all__ = ["TorchStep"]
 class TorchStep:
     """``with ps_model.step():`` around a forward and backward pass (see the module docstring)."""
 
-    def __init__(self, model: PSModel) -> None:
+    def __init__(self, model: PSModel, overlap: bool = False) -> None:
         self._model = model
-        self._step: Step | None = None
+        self._overlap = overlap
+        self._step: Step | OverlappedStep | None = None
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
@@ -40,7 +42,7 @@ class TorchStep:
         model.clear_gradients()
         for module in model.row_modules:
             module.begin_step()
-        step = model.client.step(list(model.parameters), out=model.out_arrays())
+        step = model.client.step(list(model.parameters), out=model.out_arrays(), overlap=self._overlap)
         step.__enter__()
         self._step = step
         return self
