@@ -56,6 +56,7 @@ tables hold them.
 """
 
 from worker_client.torch.embedding import EmbeddingOptimizerError, PSEmbedding
+from worker_client.torch.embedding_bag import PSEmbeddingBag
 from worker_client.torch.module import PSModel, attach
 from worker_client.torch.optimizers import (
     UnsupportedOptimizerError,
@@ -65,5 +66,5 @@ from worker_client.torch.optimizers import (
 )
 from worker_client.torch.step import TorchStep
 
-__all__ = ["EmbeddingOptimizerError", "PSEmbedding", "PSModel", "TorchStep", "UnsupportedOptimizerError", "attach",
-           "optimizers_by_parameter", "server_optimizer", "table_optimizer"]
+__all__ = ["EmbeddingOptimizerError", "PSEmbedding", "PSEmbeddingBag", "PSModel", "TorchStep",
+           "UnsupportedOptimizerError", "attach", "optimizers_by_parameter", "server_optimizer", "table_optimizer"]

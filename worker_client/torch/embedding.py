@@ -48,6 +48,7 @@ from typing import Any, get_args
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from wehub_ps.kernels.groups import group_ids
 from wehub_ps.placement import Partitioner
@@ -76,6 +77,10 @@ class PSEmbedding(torch.nn.Module):
     VariableConflictError). ``initializer`` defaults to torch's N(0, 1);
     a dense table also takes an array (or tensor) of initial values.
 
+    ``padding_idx``, as torch's: that id's positions give zeros and no
+    gradient; it is never pulled or pushed (a dense table's may be negative,
+    counted from the end, as in torch).
+
     ``optimizer`` runs on the servers for this table. Without one, the table
     is made when ``attach()`` maps its optimizer (a torch optimizer's
     constructor settings, or the wehub optimizer given); a forward before
@@ -85,7 +90,7 @@ class PSEmbedding(torch.nn.Module):
     def __init__(self, client: PSClient, name: str, embedding_dim: int, num_embeddings: int | None = None, *,
                  dtype: str = "float32", initializer: Any = None, optimizer: Optimizer | None = None,
                  aggregation: str = "mean", partitioner: Partitioner | None = None, max_rows: int = 0,
-                 eviction: str = "none") -> None:
+                 eviction: str = "none", padding_idx: int | None = None) -> None:
         super().__init__()
         if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim < 1:
             raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
@@ -113,9 +118,7 @@ class PSEmbedding(torch.nn.Module):
         self.embedding_dim = embedding_dim
         self.num_embeddings = num_embeddings
         self.dtype = str(dtype)
-        # A tensor, not a Parameter (attach() must not make it a variable): with no input that
-        # requires grad, autograd would not call our backward.
-        self._grad_anchor = torch.zeros(0, requires_grad=True)
+        self.padding_idx = _padding_index(padding_idx, num_embeddings)
         # Guards _held: backward of CUDA tensors runs on autograd's device threads.
         self._lock = threading.Lock()
         self._held: list[tuple[np.ndarray, torch.Tensor]] | None = None
@@ -152,17 +155,39 @@ class PSEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of ``ids`` (any shape), shape ``ids.shape + (embedding_dim,)``, on ids' device."""
+        weight, positions, padding = self._lookup(ids)
+        out = F.embedding(positions, weight, padding_idx=padding)
+        return out.reshape(*ids.shape, self.embedding_dim)
+
+    def _lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """(weight, positions, padding slot): the batch's unique rows, pulled once, as a leaf tensor whose
+        gradient goes to the table; where each id's row is in it; the index of a zero row for padding ids.
+
+        Forward runs torch's own embedding functions on ``weight``, so the gradients are what torch's
+        modules compute, summed over repeated ids by torch; a hook on ``weight`` delivers them per unique id.
+        """
         if self.optimizer is None:
             raise EmbeddingOptimizerError(
-                f"PSEmbedding {self.name!r} has no optimizer, so its table was not made: pass optimizer= "
-                "(worker_client.SGD, Momentum, Adagrad or Adam) to PSEmbedding, or attach(client, model, "
+                f"{type(self).__name__} {self.name!r} has no optimizer, so its table was not made: pass "
+                "optimizer= (worker_client.SGD, Momentum, Adagrad or Adam) to it, or attach(client, model, "
                 "optimizer=...) the model that holds it before its first forward")
         host_ids = self._host_ids(ids)
-        unique, inverse = group_ids(host_ids)  # one hash pass: linear in the ids, not a sort
+        padded = None if self.padding_idx is None else host_ids == self.padding_idx
+        if padded is not None and padded.any():
+            unique, inverse = group_ids(host_ids[~padded])  # one hash pass: linear in the ids, not a sort
+            positions = np.full(len(host_ids), len(unique), np.int64)
+            positions[~padded] = inverse
+            padding: int | None = len(unique)
+        else:
+            unique, positions = group_ids(host_ids)
+            padding = None
         rows = self._pull(unique, ids.device)
-        inverse_on_device = torch.from_numpy(inverse.reshape(-1)).to(ids.device)
-        out = _RowLookup.apply(self._grad_anchor, rows, inverse_on_device, self, unique)
-        return out.reshape(*ids.shape, self.embedding_dim)
+        if padding is not None:
+            rows = torch.cat([rows, rows.new_zeros((1, self.embedding_dim))])
+        weight = rows.detach().requires_grad_()
+        count = len(unique)
+        weight.register_hook(lambda grad: self._deliver(unique, grad[:count].detach()))
+        return weight, torch.from_numpy(positions).to(ids.device), padding
 
     def _host_ids(self, ids: Any) -> np.ndarray:
         """The ids as flat int64 on the host; InvalidArgumentError before anything is pulled or pushed."""
@@ -208,22 +233,19 @@ class PSEmbedding(torch.nn.Module):
         return {self.name: (ids, grads)}
 
 
-class _RowLookup(torch.autograd.Function):
-    """Pulled unique rows spread to the batch's positions; backward sums them back per unique id."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor,
-                module: PSEmbedding, unique: np.ndarray) -> torch.Tensor:
-        ctx.module, ctx.unique, ctx.num_unique = module, unique, rows.shape[0]
-        ctx.save_for_backward(inverse)
-        return rows.index_select(0, inverse)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
-        (inverse,) = ctx.saved_tensors
-        summed = grad.new_zeros((ctx.num_unique, grad.shape[1])).index_add_(0, inverse, grad.detach())
-        ctx.module._deliver(ctx.unique, summed)
-        return None, None, None, None, None
+def _padding_index(padding_idx: int | None, num_embeddings: int | None) -> int | None:
+    """torch's padding_idx rule for a dense table (negative counts from the end); any id for a hash table."""
+    if padding_idx is None:
+        return None
+    if isinstance(padding_idx, bool) or not isinstance(padding_idx, (int, np.integer)):
+        raise ValueError(f"padding_idx must be an int or None, got {padding_idx!r}")
+    padding_idx = int(padding_idx)
+    if num_embeddings is None:
+        return padding_idx
+    if not -num_embeddings <= padding_idx < num_embeddings:
+        raise ValueError(f"padding_idx must be within [-{num_embeddings}, {num_embeddings}) for "
+                         f"num_embeddings={num_embeddings}, got {padding_idx}")
+    return padding_idx % num_embeddings
 
 
 def _sum_by_id(ids: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
