@@ -55,6 +55,12 @@ A row module's own parameters are not attached as dense variables: its
 tables hold them.
 """
 
+from worker_client.torch.collection import (
+    KeyedJaggedBatch,
+    PooledFeatures,
+    PSEmbeddingBagCollection,
+    TableConfig,
+)
 from worker_client.torch.embedding import EmbeddingOptimizerError, PSEmbedding
 from worker_client.torch.embedding_bag import PSEmbeddingBag
 from worker_client.torch.module import PSModel, attach
@@ -66,5 +72,6 @@ from worker_client.torch.optimizers import (
 )
 from worker_client.torch.step import TorchStep
 
-__all__ = ["EmbeddingOptimizerError", "PSEmbedding", "PSEmbeddingBag", "PSModel", "TorchStep",
+__all__ = ["EmbeddingOptimizerError", "KeyedJaggedBatch", "PSEmbedding", "PSEmbeddingBag",
+           "PSEmbeddingBagCollection", "PSModel", "PooledFeatures", "TableConfig", "TorchStep",
            "UnsupportedOptimizerError", "attach", "optimizers_by_parameter", "server_optimizer", "table_optimizer"]
