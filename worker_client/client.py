@@ -30,6 +30,7 @@ from wehub_ps.dtypes import is_wire_float, parse_dtype
 from wehub_ps.placement import Partitioner
 from wehub_ps.process import allocator
 from wehub_ps.specs import Initializer, Optimizer
+from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.rpc import DEFAULT_CHUNK_BYTES
 from worker_client.background import BackgroundPushes, PushHandle
 from worker_client.blas_threads import warn_if_blas_oversubscribed
@@ -398,6 +399,22 @@ class PSClient:
         """
         self._background.raise_failure()
         return self._puller.pull_rows(name, ids, device)
+
+    def lookup_rows(self, name: str, ids: Any, *, missing: str = "initializer", device: Any = None) -> Any:
+        """Rows ``ids`` as :meth:`pull_rows` returns them, read without changing anything on the servers.
+
+        For evaluation and serving: a hash table's row that does not exist
+        is not created; it is answered with the initializer's value for its
+        id (``missing="initializer"``: the row it would start from) or with
+        zeros (``missing="zeros"``). No access is recorded for LRU eviction,
+        and the read is anonymous (no lease, no step), so it waits for no
+        consistency mode. Dense tables read as :meth:`pull_rows`.
+        """
+        modes = {"initializer": ps_pb2.ROW_LOOKUP_READ_ONLY, "zeros": ps_pb2.ROW_LOOKUP_READ_ONLY_ZEROS}
+        if missing not in modes:
+            raise ValueError(f"missing must be 'initializer' or 'zeros', got {missing!r}")
+        self._background.raise_failure()
+        return self._puller.pull_rows(name, ids, device, lookup=modes[missing])
 
     def push(self, gradients: Mapping[str, Any], rows: Mapping[str, tuple[Any, Any]] | None = None, *,
              wait: bool = True) -> set[int] | PushHandle:

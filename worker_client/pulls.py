@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from wehub_ps.kernels.rowops import take_rows
+from wehub_ps.v1.ps_pb2 import ROW_LOOKUP_CREATE
 from wehub_ps.wire.codec import EXCHANGE_PULL
 from wehub_ps.wire.dtypes import to_wire_dtype
 from worker_client.arrays import check_array, check_ids, parse_device, to_device
@@ -114,8 +115,12 @@ class Puller:
 
     # ---- rows ----
 
-    def pull_rows(self, name: str, ids: Any, device: Any = None) -> Any:
-        """PSClient.pull_rows: rows ``ids`` in the order given; repeated ids are fetched once."""
+    def pull_rows(self, name: str, ids: Any, device: Any = None, lookup: int = ROW_LOOKUP_CREATE) -> Any:
+        """PSClient.pull_rows: rows ``ids`` in the order given; repeated ids are fetched once.
+
+        ``lookup`` other than ROW_LOOKUP_CREATE (PSClient.lookup_rows): read
+        only, as an anonymous reader (no lease, no step), so no server state changes.
+        """
         gpu = parse_device(device)
         variable = self._registry.resolve([name])[0]
         ids = check_ids(ids, "ids")
@@ -126,9 +131,9 @@ class Puller:
             # No repeats: each shard's rows go from its answer straight to their places.
             result = np.empty((len(ids), width), dtype=variable.dtype)
             self.pull_all({shard: [PullItem(name, result, groups.unique[positions], rows_at=groups.order[positions])]
-                           for shard, positions in self._rows_by_shard(variable, groups.unique).items()})
+                           for shard, positions in self._rows_by_shard(variable, groups.unique).items()}, lookup)
         else:
-            result = self._pull_unique_rows(variable, groups)
+            result = self._pull_unique_rows(variable, groups, lookup)
         row_shape = variable.shape if variable.spec.hash_table else variable.shape[1:]
         result = result.reshape((len(ids), *row_shape))
         return result if gpu is None else to_device(result, gpu)
@@ -136,7 +141,7 @@ class Puller:
     def _rows_by_shard(self, variable: Variable, unique_ids: np.ndarray) -> dict[int, slice | np.ndarray]:
         return rows_by_shard(variable, unique_ids, self._session.num_shards)
 
-    def _pull_unique_rows(self, variable: Variable, groups: IdGroups) -> np.ndarray:
+    def _pull_unique_rows(self, variable: Variable, groups: IdGroups, lookup: int) -> np.ndarray:
         """pull_rows of ids that repeat: each id fetched once, then copied to every place it was asked."""
         unique = groups.unique
         fetched = np.empty((len(unique), variable.spec.row_elements), dtype=variable.dtype)
@@ -146,12 +151,12 @@ class Puller:
                 by_shard[shard] = [PullItem(variable.name, fetched[positions].reshape(-1), unique[positions])]
             else:  # a hash table's shard: each answer's rows put in their places as they come
                 by_shard[shard] = [PullItem(variable.name, fetched, unique[positions], rows_at=positions)]
-        self.pull_all(by_shard)
+        self.pull_all(by_shard, lookup)
         return take_rows(fetched, groups.inverse)  # row i of the result is fetched row inverse[i]
 
     # ---- the calls ----
 
-    def pull_all(self, by_shard: dict[int, list[PullItem]]) -> None:
+    def pull_all(self, by_shard: dict[int, list[PullItem]], lookup: int = ROW_LOOKUP_CREATE) -> None:
         """Pull from every shard in ``by_shard`` at once, straight into the items' ``dest``.
 
         Row ids travel in the request: a shard's ids beyond chunk_bytes go in
@@ -160,7 +165,7 @@ class Puller:
         rounds = {i: self._requests(items) for i, items in by_shard.items()}
         shards = self._session.shards
         for r in range(max((len(requests) for requests in rounds.values()), default=0)):
-            self._session.run_calls(self._call(shards[i], requests[r])
+            self._session.run_calls(self._call(shards[i], requests[r], lookup)
                                     for i, requests in rounds.items() if r < len(requests))
 
     def _requests(self, items: list[PullItem]) -> list[list[PullItem]]:
@@ -190,9 +195,9 @@ class Puller:
                 ids_in = end - start
         return requests
 
-    def _call(self, shard: ShardChannel, items: list[PullItem]) -> ShardCall:
+    def _call(self, shard: ShardChannel, items: list[PullItem], lookup: int = ROW_LOOKUP_CREATE) -> ShardCall:
         session = self._session
-        request = self.request(shard, items)
+        request = self.request(shard, items, lookup=lookup)
         receiver = PullReceiver(shard.address, items)
         ticket = session.state.take_ticket()
 
@@ -212,9 +217,14 @@ class Puller:
         return ShardCall(shard, "pull", ordinary, finish, EXCHANGE_PULL, (lambda: request) if small else None,
                          on_lane_answer)
 
-    def request(self, shard: ShardChannel, items: list[PullItem], step_ahead: int = 0) -> bytes:
-        """The serialised PullRequest of ``items`` to ``shard`` (``step_ahead``: for the next step)."""
+    def request(self, shard: ShardChannel, items: list[PullItem], step_ahead: int = 0,
+                lookup: int = ROW_LOOKUP_CREATE) -> bytes:
+        """The serialised PullRequest of ``items`` to ``shard`` (``step_ahead``: for the next step;
+        ``lookup``: a read-only lookup is sent as an anonymous reader)."""
         session = self._session
+        if lookup != ROW_LOOKUP_CREATE:
+            return pull_request(items, shard_index=shard.index, num_shards=session.num_shards,
+                                wire_dtype=self._wire, chunk_bytes=session.chunk_bytes, lookup=lookup)
         return pull_request(items, shard_index=shard.index, num_shards=session.num_shards,
                             wire_dtype=self._wire, chunk_bytes=session.chunk_bytes,
                             worker_id=session.worker_id, incarnation=session.incarnation if session.register else "",

@@ -31,7 +31,8 @@ from ps_server.core.workers import WorkerPresence, check_worker
 from wehub_ps.dtypes import VARIABLE_DTYPES, dtype_name, is_bfloat16
 from wehub_ps.errors import Reason
 
-__all__ = ["PullItemFields", "UnknownDtype", "PullQuery", "RangeRead", "RowsRead", "PullRead", "PullPlan",
+__all__ = ["PullItemFields", "UnknownDtype", "PullQuery", "LOOKUP_CREATE", "LOOKUP_READ_ONLY",
+           "LOOKUP_READ_ONLY_ZEROS", "RangeRead", "RowsRead", "PullRead", "PullPlan",
            "PullPlanner", "MIN_CHUNK_BYTES"]
 
 #: The smallest chunk a pull is answered in, whatever the request asks for.
@@ -70,6 +71,13 @@ class PullQuery(NamedTuple):
     chunk_bytes: int
     #: None: each variable in its own dtype.
     wire_dtype: np.dtype | UnknownDtype | None
+    #: Hash-table rows: LOOKUP_CREATE (a training pull), or read without any change (LOOKUP_READ_ONLY,
+    #: missing rows answered with their initializer's values; LOOKUP_READ_ONLY_ZEROS, with zeros).
+    lookup: int = 0
+
+
+#: PullQuery.lookup values (wehub_ps.v1.RowLookup).
+LOOKUP_CREATE, LOOKUP_READ_ONLY, LOOKUP_READ_ONLY_ZEROS = 0, 1, 2
 
 
 #: ``(part, start, count, wire)``: ``count`` elements of a dense part from ``start``, read as
@@ -148,6 +156,9 @@ class PullPlanner:
         chunk_bytes = query.chunk_bytes or self._default_chunk_bytes
         chunk_bytes = max(MIN_CHUNK_BYTES, min(chunk_bytes, self._max_chunk_bytes))
         requested = _checked_wire_dtype(query.wire_dtype)
+        if query.lookup not in (LOOKUP_CREATE, LOOKUP_READ_ONLY, LOOKUP_READ_ONLY_ZEROS):
+            raise RequestError(Reason.INVALID_REQUEST, f"unknown row lookup {query.lookup} (0: create missing "
+                                                       "rows, 1: read only, 2: read only, zeros for missing rows)")
         reads: list = []
         reply_bytes = 0
         gathers: list[_Gather] = []
@@ -197,7 +208,7 @@ class PullPlanner:
             # Every request is checked above: read (and, in a hash table, create) all rows at once,
             # all or nothing, so a refusal leaves nothing behind and the rows are one instant.
             try:
-                read = self._read_rows(gathers)
+                read = self._read_rows(gathers, query.lookup)
             except BaseException:
                 hold.release()
                 raise
@@ -205,9 +216,12 @@ class PullPlanner:
                 reads[g.index] = RowsRead(g.part, rows_in_order(values, g.inverse, g.wire), version, g.wire)
         return PullPlan(reads, chunk_bytes, hold)
 
-    def _read_rows(self, gathers: list[_Gather]) -> list[tuple[np.ndarray, int]]:
-        """The rows of every gather; reads of hash tables are changes, logged in the shard's order."""
+    def _read_rows(self, gathers: list[_Gather], lookup: int) -> list[tuple[np.ndarray, int]]:
+        """The rows of every gather; reads of hash tables are changes, logged in the shard's order,
+        unless read only (nothing changes, nothing to log)."""
         reads = [(g.part, g.unique) for g in gathers]
+        if lookup != LOOKUP_CREATE:
+            return self._store.lookup_rows(reads, zeros=lookup == LOOKUP_READ_ONLY_ZEROS)
         tables = [(g.part.spec.name, g.unique) for g in gathers if isinstance(g.part, HashTablePart)]
         if not tables:
             return self._store.read_rows(reads)

@@ -129,6 +129,15 @@ class VariableStore:
                 self.generation += 1
             return out
 
+    def lookup_rows(self, reads: list[tuple[VariablePart | HashTablePart, np.ndarray]], zeros: bool
+                    ) -> list[tuple[np.ndarray, int]]:
+        """(values, version) of rows of several parts, changing nothing: a hash table's missing rows
+        are answered with their initializer's values (``zeros``: with zeros) and are not created, and
+        no access is recorded for LRU eviction."""
+        with self.gate.shared():
+            return [(part.lookup_rows(ids, zeros) if isinstance(part, HashTablePart) else part.read_rows(ids),
+                     part.version) for part, ids in reads]
+
     def pin_rows(self, pins: list[tuple[HashTablePart, np.ndarray]]) -> None:
         """Synchronous mode: create and pin rows of several tables for the open step, all or nothing.
 

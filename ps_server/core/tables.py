@@ -201,6 +201,21 @@ class HashTablePart:
             slots = self._slots_for(ids)
             return take_rows(self.value, slots)
 
+    def lookup_rows(self, ids: np.ndarray, zeros: bool) -> np.ndarray:
+        """Values of unique ``ids`` without changing the table: a missing id gets the initializer's
+        value for it (the row it would be created with), or zeros; no access is recorded."""
+        with self.lock:
+            slots = self._index.lookup(ids)
+            present = slots >= 0
+            out = np.zeros((len(ids), self.row_elements), self.value.dtype)
+            out[present] = take_rows(self.value, slots[present])
+        missing = np.flatnonzero(~present)
+        if missing.size and not zeros:
+            rows = np.empty((missing.size, self.row_elements), np.float64)
+            fill_rows(self.spec.initializer, self.spec.shape, ids[missing], rows)
+            out[missing] = rows
+        return out
+
     def apply_rows(self, ids: np.ndarray, grads: np.ndarray) -> None:
         """Run the optimizer on rows ``ids`` (unique) with ``grads`` (len(ids), row elements)."""
         with self.lock:

@@ -525,4 +525,4 @@ def _pull_query(msg: ps_pb2.PullRequest) -> PullQuery:
         except ValueError:
             wire_dtype = UnknownDtype(msg.wire_dtype)
     return PullQuery(msg.shard_index, msg.num_shards, msg.worker_id, msg.incarnation, msg.step, msg.items,
-                     msg.chunk_bytes, wire_dtype)
+                     msg.chunk_bytes, wire_dtype, msg.lookup)

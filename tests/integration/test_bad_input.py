@@ -117,6 +117,12 @@ def test_pull_of_unknown_variable(channel, unchanged):
             StatusCode.NOT_FOUND, "UNKNOWN_VARIABLE", "'nope' does not exist")
 
 
+def test_pull_with_an_unknown_row_lookup(channel, unchanged):
+    request = ps_pb2.PullRequest(shard_index=0, num_shards=1, items=[ps_pb2.PullItem(variable="b")], lookup=7)
+    _expect(lambda: list(channel.unary_stream(method_path("Pull"))(request.SerializeToString(), timeout=10)),
+            StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST", "unknown row lookup 7")
+
+
 def test_push_to_unknown_variable(channel, unchanged):
     _expect(lambda: _push(channel, _begin("nope", 3), [_chunk("nope", 0, np.ones(3, np.float32))]),
             StatusCode.NOT_FOUND, "UNKNOWN_VARIABLE", "'nope'")

@@ -784,3 +784,56 @@ def test_bad_row_input_is_refused_precisely_and_changes_nothing(three):
         expected = np.frombuffer(before[1], np.float32).reshape(3, 4).copy()
         expected[:2] -= np.float32(1)
         assert rows.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("kind", ["hash", "dense"])
+def test_read_only_lookups_create_nothing_and_answer_missing_rows_by_option(three, kind):
+    """lookup_rows, for evaluation and serving: existing rows as pull_rows gives them; a hash table's missing
+    row answered with its initializer's value (what it would be created with) or zeros, and not created; no
+    version, row count or counter moves on any shard."""
+    name = f"serve-{kind}-{uuid.uuid4().hex[:6]}"
+    with PSClient(three.addresses) as client:
+        if kind == "hash":
+            client.create_embedding(name, 3, initializer=Normal(0.0, 1.0, seed=5), optimizer=SGD(learning_rate=1.0))
+        else:
+            client.create_variable(name, (50, 3), initializer=Normal(0.0, 1.0, seed=5),
+                                   optimizer=SGD(learning_rate=1.0))
+        seen = np.array([3, 7, 11], np.int64)
+        client.pull_rows(name, seen)
+        client.push_rows(name, seen, np.ones((3, 3), np.float32))  # trained: not the initializer's any more
+        trained = client.pull_rows(name, seen)
+        unseen = np.array([2**40 + 9, -4, 13], np.int64) if kind == "hash" else np.array([20, 21, 13])
+        before = _table_info(client, name), _counters(client)  # each shard's version, rows, evictions
+        ids = np.concatenate([seen, unseen, seen[:1]])  # repeats too
+        looked_up = client.lookup_rows(name, ids)
+        zeros = client.lookup_rows(name, ids, missing="zeros")
+        assert (_table_info(client, name), _counters(client)) == before
+        np.testing.assert_array_equal(looked_up[:3], trained)
+        np.testing.assert_array_equal(looked_up[6], trained[0])
+        np.testing.assert_array_equal(zeros[:3], trained)
+        if kind == "hash":
+            assert not zeros[3:6].any()
+            # The initializer's values: exactly the rows the table creates for those ids later.
+            np.testing.assert_array_equal(looked_up[3:6], client.pull_rows(name, unseen))
+            assert [i["num_rows"] for i in _table_info(client, name)] != [i["num_rows"] for i in before[0]]
+        else:  # a dense table has every row: read as pull_rows, whatever the option
+            np.testing.assert_array_equal(zeros[3:6], looked_up[3:6])
+            np.testing.assert_array_equal(looked_up[3:6], client.pull_rows(name, unseen))
+        with pytest.raises(ValueError, match="'initializer' or 'zeros'"):
+            client.lookup_rows(name, ids, missing="random")
+
+
+def test_a_read_only_lookup_is_no_access_for_lru(one):
+    """An evaluation reading a table must not keep its rows from eviction: the LRU order is training's."""
+    with PSClient(one.addresses) as client:
+        client.create_embedding("lru-serve", 2, max_rows=4, eviction="lru", optimizer=SGD(learning_rate=1.0))
+        initial = client.pull_rows("lru-serve", np.arange(4))  # row 0 the least recently used
+        client.push_rows("lru-serve", np.arange(4), np.ones((4, 2), np.float32))
+        for _ in range(3):
+            client.lookup_rows("lru-serve", [0])  # read, read, read: still the least recently used
+        client.pull_rows("lru-serve", [10])  # one new row: row 0 goes
+        info = _table_info(client, "lru-serve")[0]
+        assert (info["num_rows"], info["evicted_rows"]) == (4, 1)
+        # Row 0's training is gone: it is its initializer's value again, and rows 1..3 kept theirs.
+        assert client.lookup_rows("lru-serve", [0]).tobytes() == initial[:1].tobytes()
+        np.testing.assert_array_equal(client.lookup_rows("lru-serve", [1, 2, 3]), initial[1:] - np.float32(1))

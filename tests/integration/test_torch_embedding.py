@@ -294,3 +294,17 @@ def test_attach_gives_tables_without_an_optimizer_its_own_and_they_train_with_it
     moved = np.abs(after - before)
     np.testing.assert_allclose(moved[moved > 0], 0.05, rtol=1e-4)
     assert (moved > 0).any()
+
+
+def test_eval_mode_reads_rows_without_creating_them(client):
+    module = PSEmbedding(client, _name(), DIM, optimizer=SGD(LEARNING_RATE))
+    module(torch.tensor([1, 2]))  # training: rows 1 and 2 exist now
+    rows_before = [info.variables[module.name]["num_rows"] for info in client.describe()]
+    module.eval()
+    with torch.no_grad():
+        served = module(torch.tensor([1, 2, 2**40, 77]))
+    assert [info.variables[module.name]["num_rows"] for info in client.describe()] == rows_before
+    np.testing.assert_array_equal(served.numpy(), client.lookup_rows(module.name, [1, 2, 2**40, 77]))
+    module.train()
+    np.testing.assert_array_equal(module(torch.tensor([2**40])).detach().numpy(), served[2:3].numpy())
+    assert sum(info.variables[module.name]["num_rows"] for info in client.describe()) == sum(rows_before) + 1

@@ -35,6 +35,12 @@ class Aggregation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AGGREGATION_SUM: _ClassVar[Aggregation]
     AGGREGATION_ROW_MEAN: _ClassVar[Aggregation]
 
+class RowLookup(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROW_LOOKUP_CREATE: _ClassVar[RowLookup]
+    ROW_LOOKUP_READ_ONLY: _ClassVar[RowLookup]
+    ROW_LOOKUP_READ_ONLY_ZEROS: _ClassVar[RowLookup]
+
 class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PUSH_KIND_UNSPECIFIED: _ClassVar[PushKind]
@@ -59,6 +65,9 @@ EVICTION_LRU: Eviction
 AGGREGATION_MEAN: Aggregation
 AGGREGATION_SUM: Aggregation
 AGGREGATION_ROW_MEAN: Aggregation
+ROW_LOOKUP_CREATE: RowLookup
+ROW_LOOKUP_READ_ONLY: RowLookup
+ROW_LOOKUP_READ_ONLY_ZEROS: RowLookup
 PUSH_KIND_UNSPECIFIED: PushKind
 GRADIENT: PushKind
 ASSIGN: PushKind
@@ -480,7 +489,7 @@ class PullItem(_message.Message):
     def __init__(self, variable: _Optional[str] = ..., offset: _Optional[int] = ..., count: _Optional[int] = ..., row_ids: _Optional[bytes] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "items", "wire_dtype", "chunk_bytes", "worker_id", "incarnation", "step")
+    __slots__ = ("shard_index", "num_shards", "items", "wire_dtype", "chunk_bytes", "worker_id", "incarnation", "step", "lookup")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
@@ -489,6 +498,7 @@ class PullRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     items: _containers.RepeatedCompositeFieldContainer[PullItem]
@@ -497,7 +507,8 @@ class PullRequest(_message.Message):
     worker_id: str
     incarnation: str
     step: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., items: _Optional[_Iterable[_Union[PullItem, _Mapping]]] = ..., wire_dtype: _Optional[_Union[DataType, str]] = ..., chunk_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    lookup: RowLookup
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., items: _Optional[_Iterable[_Union[PullItem, _Mapping]]] = ..., wire_dtype: _Optional[_Union[DataType, str]] = ..., chunk_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., step: _Optional[int] = ..., lookup: _Optional[_Union[RowLookup, str]] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
     __slots__ = ("variable", "offset", "count", "dtype", "version", "part_elements")

@@ -60,6 +60,7 @@ _TAG_PULL_REQUEST_CHUNK_BYTES = field_tag(ps_pb2.PullRequest, "chunk_bytes", WIR
 _TAG_PULL_REQUEST_WORKER_ID = field_tag(ps_pb2.PullRequest, "worker_id", WIRE_LEN)
 _TAG_PULL_REQUEST_INCARNATION = field_tag(ps_pb2.PullRequest, "incarnation", WIRE_LEN)
 _TAG_PULL_REQUEST_STEP = field_tag(ps_pb2.PullRequest, "step", WIRE_VARINT)
+_TAG_PULL_REQUEST_LOOKUP = field_tag(ps_pb2.PullRequest, "lookup", WIRE_VARINT)
 
 _TAG_PUSH_RESPONSE_VERSIONS = field_tag(ps_pb2.PushResponse, "versions", WIRE_LEN)
 _TAG_PUSH_RESPONSE_DUPLICATE = field_tag(ps_pb2.PushResponse, "duplicate", WIRE_VARINT)
@@ -162,7 +163,7 @@ def encode_pull_item(variable: str, row_ids: bytes = b"") -> bytes:
 
 def encode_pull_request(shard_index: int, num_shards: int, items: Sequence[bytes], wire_dtype: int = 0,
                         chunk_bytes: int = 0, worker_id: str = "", incarnation: str = "",
-                        step: int = 0) -> bytes:
+                        step: int = 0, lookup: int = 0) -> bytes:
     """``PullRequest(...).SerializeToString()`` with ``items`` from :func:`encode_pull_item`."""
     return b"".join((varint_field(_TAG_PULL_REQUEST_SHARD_INDEX, shard_index),
                      varint_field(_TAG_PULL_REQUEST_NUM_SHARDS, num_shards), *items,
@@ -170,7 +171,8 @@ def encode_pull_request(shard_index: int, num_shards: int, items: Sequence[bytes
                      varint_field(_TAG_PULL_REQUEST_CHUNK_BYTES, chunk_bytes),
                      string_field(_TAG_PULL_REQUEST_WORKER_ID, worker_id),
                      string_field(_TAG_PULL_REQUEST_INCARNATION, incarnation),
-                     varint_field(_TAG_PULL_REQUEST_STEP, step)))
+                     varint_field(_TAG_PULL_REQUEST_STEP, step),
+                     varint_field(_TAG_PULL_REQUEST_LOOKUP, lookup)))
 
 
 def encode_push_response(versions: dict[str, int], duplicate: bool = False, elements_applied: int = 0,

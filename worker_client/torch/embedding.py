@@ -77,6 +77,9 @@ class PSEmbedding(torch.nn.Module):
     VariableConflictError). ``initializer`` defaults to torch's N(0, 1);
     a dense table also takes an array (or tensor) of initial values.
 
+    In eval mode (``module.eval()``) rows are read only: a hash table's
+    missing row gives its initializer's value and is not created.
+
     ``padding_idx``, as torch's: that id's positions give zeros and no
     gradient; it is never pulled or pushed (a dense table's may be negative,
     counted from the end, as in torch).
@@ -199,11 +202,15 @@ class PSEmbedding(torch.nn.Module):
         return ids.detach().reshape(-1).to("cpu", torch.int64).numpy()
 
     def _pull(self, unique: np.ndarray, device: torch.device) -> torch.Tensor:
+        """The rows of ``unique``: pulled in training; in eval mode read only (PSClient.lookup_rows), so
+        evaluating or serving creates no rows and leaves the LRU order to training."""
         if unique.size == 0:
             return torch.empty((0, self.embedding_dim), dtype=getattr(torch, self.dtype), device=device)
-        if device.type == "cuda":
-            return torch.from_dlpack(self.client.pull_rows(self.name, unique, device=str(device)))
-        return torch.from_numpy(self.client.pull_rows(self.name, unique))
+        if self.training:
+            rows = self.client.pull_rows(self.name, unique, device=str(device) if device.type == "cuda" else None)
+        else:
+            rows = self.client.lookup_rows(self.name, unique, device=str(device) if device.type == "cuda" else None)
+        return torch.from_dlpack(rows) if device.type == "cuda" else torch.from_numpy(rows)
 
     def _deliver(self, unique: np.ndarray, grads: torch.Tensor) -> None:
         """Backward's end: hold the gradients inside a step, else push them now."""

@@ -429,14 +429,16 @@ def test_push_begins_written_by_hand_are_protobufs(worker, incarnation, sequence
 @SETTINGS
 @given(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
        st.lists(st.tuples(_NAMES, st.binary(max_size=300)), max_size=5),
-       st.sampled_from(sorted(ps_pb2.DataType.values())), _UINT64, _NAMES, _NAMES, _UINT64)
+       st.sampled_from(sorted(ps_pb2.DataType.values())), _UINT64, _NAMES, _NAMES, _UINT64,
+       st.sampled_from(sorted(ps_pb2.RowLookup.values())))
 def test_pull_requests_written_by_hand_are_protobufs(shard, shards, items, wire_dtype, chunk_bytes, worker,
-                                                      incarnation, step):
+                                                      incarnation, step, lookup):
     ours = encode_pull_request(shard, shards, [encode_pull_item(name, ids) for name, ids in items], wire_dtype,
-                               chunk_bytes, worker, incarnation, step)
+                               chunk_bytes, worker, incarnation, step, lookup)
     expected = ps_pb2.PullRequest(
         shard_index=shard, num_shards=shards, items=[ps_pb2.PullItem(variable=n, row_ids=r) for n, r in items],
-        wire_dtype=wire_dtype, chunk_bytes=chunk_bytes, worker_id=worker, incarnation=incarnation, step=step)
+        wire_dtype=wire_dtype, chunk_bytes=chunk_bytes, worker_id=worker, incarnation=incarnation, step=step,
+        lookup=lookup)
     assert ours == expected.SerializeToString()
 
 

@@ -60,6 +60,7 @@ _TAGS = {
     (small_messages, "_TAG_PULL_REQUEST_WORKER_ID"): (ps_pb2.PullRequest, "worker_id"),
     (small_messages, "_TAG_PULL_REQUEST_INCARNATION"): (ps_pb2.PullRequest, "incarnation"),
     (small_messages, "_TAG_PULL_REQUEST_STEP"): (ps_pb2.PullRequest, "step"),
+    (small_messages, "_TAG_PULL_REQUEST_LOOKUP"): (ps_pb2.PullRequest, "lookup"),
     (small_messages, "_TAG_PUSH_RESPONSE_VERSIONS"): (ps_pb2.PushResponse, "versions"),
     (small_messages, "_TAG_PUSH_RESPONSE_DUPLICATE"): (ps_pb2.PushResponse, "duplicate"),
     (small_messages, "_TAG_PUSH_RESPONSE_ELEMENTS_APPLIED"): (ps_pb2.PushResponse, "elements_applied"),
