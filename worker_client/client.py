@@ -416,6 +416,31 @@ class PSClient:
         self._background.raise_failure()
         return self._puller.pull_rows(name, ids, device, lookup=modes[missing])
 
+    def export_rows(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """Every row of embedding table ``name`` with its id: ``(ids, rows)``, ids sorted, read only.
+
+        For serving and export: a hash table's rows as they are on the
+        servers (created by training; unseen ids are not in it), a dense
+        table's rows with ids ``0..n-1``. Nothing changes on the servers. A
+        row created or evicted while this runs may be in the answer or not:
+        export once training has stopped for one instant's table.
+        """
+        self._background.raise_failure()
+        variable = self._registry.resolve([name])[0]
+        spec = variable.spec
+        if not spec.hash_table:
+            return np.arange(spec.shape[0], dtype=np.int64), self.pull([name])[name]
+        row_shape = tuple(spec.shape)
+        ids, rows = [], []
+        for pieces in self._session.export_rows(name):
+            for piece in pieces:
+                ids.append(np.frombuffer(piece.ids, "<i8"))
+                rows.append(np.frombuffer(piece.rows, spec.dtype).reshape(-1, *row_shape))
+        all_ids = np.concatenate(ids) if ids else np.empty(0, np.int64)
+        all_rows = np.concatenate(rows) if rows else np.empty((0, *row_shape), spec.dtype)
+        order = np.argsort(all_ids, kind="stable")
+        return all_ids[order].astype(np.int64), all_rows[order]
+
     def push(self, gradients: Mapping[str, Any], rows: Mapping[str, tuple[Any, Any]] | None = None, *,
              wait: bool = True) -> set[int] | PushHandle:
         """Send gradients; returns once every shard involved has applied them.

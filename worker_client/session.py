@@ -362,6 +362,17 @@ class Session:
 
         return self.on_every_shard(on)
 
+    def export_rows(self, name: str) -> list[list[ps_pb2.ExportRowsResponse]]:
+        """Each shard's ExportRows answer for hash table ``name`` (read only), in shard order."""
+
+        def on(shard: ShardChannel) -> list[ps_pb2.ExportRowsResponse]:
+            request = ps_pb2.ExportRowsRequest(variable=name, shard_index=shard.index, num_shards=self.num_shards,
+                                               chunk_bytes=self.chunk_bytes).SerializeToString()
+            messages = self.call(shard, "export_rows", lambda: shard.export_rows(request, self.data_timeout))
+            return [ps_pb2.ExportRowsResponse.FromString(m) for m in messages]
+
+        return self.on_every_shard(on)
+
     def finish(self) -> None:
         """Every server writes its final checkpoint and exits (servers run with --allow-finish)."""
         request = ps_pb2.FinishRequest(worker_id=self.worker_id).SerializeToString()

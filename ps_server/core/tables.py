@@ -26,7 +26,7 @@ No gRPC here; all methods are thread-safe.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from typing import NamedTuple
 
@@ -215,6 +215,24 @@ class HashTablePart:
             fill_rows(self.spec.initializer, self.spec.shape, ids[missing], rows)
             out[missing] = rows
         return out
+
+    def export_rows(self, rows_per_piece: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(ids, rows) of every row, ``rows_per_piece`` at a time, each piece read under the lock.
+
+        The ids and slots are listed once (the caller books ``16 * num_rows``
+        bytes for them); a row evicted before its piece is read is left out,
+        one created after the listing is not in it. Changes nothing.
+        """
+        with self.lock:
+            ids, slots = self._index.items()
+        order = np.argsort(slots, kind="stable")  # slot order: rows near each other in memory
+        ids, slots = ids[order], slots[order]
+        for start in range(0, len(ids), rows_per_piece):
+            piece_ids, piece_slots = ids[start:start + rows_per_piece], slots[start:start + rows_per_piece]
+            with self.lock:
+                still = self._index.lookup(piece_ids) == piece_slots
+                rows = take_rows(self.value, piece_slots[still])
+            yield piece_ids[still], rows
 
     def apply_rows(self, ids: np.ndarray, grads: np.ndarray) -> None:
         """Run the optimizer on rows ``ids`` (unique) with ``grads`` (len(ids), row elements)."""

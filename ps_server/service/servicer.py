@@ -17,8 +17,9 @@ import grpc
 from ps_server.core.consistency import PushDecision
 from ps_server.core.errors import RequestError
 from ps_server.core.memory import MemoryHold
-from ps_server.core.pulls import PullPlan, PullQuery, UnknownDtype
+from ps_server.core.pulls import MIN_CHUNK_BYTES, PullPlan, PullQuery, UnknownDtype
 from ps_server.core.pushes import begin_push, check_cluster, max_chunks_per_message
+from ps_server.core.tables import HashTablePart
 from ps_server.core.workers import check_worker
 from ps_server.service.builders import checkpoint_info, describe_response, variable_info
 from ps_server.service.calls import STATUS_BY_REASON, CallSlots, abort, parse, unary
@@ -44,7 +45,7 @@ from wehub_ps.wire.codec import (
     piece_size,
     push_response_pieces,
 )
-from wehub_ps.wire.dtypes import to_numpy_dtype
+from wehub_ps.wire.dtypes import to_numpy_dtype, to_wire_dtype
 from wehub_ps.wire.protowire import CodecError
 from wehub_ps.wire.rpc import PRIMARY_METADATA_KEY, SERVICE_NAME
 from wehub_ps.wire.small_messages import encode_push_response
@@ -88,6 +89,7 @@ class ParameterServerService:
             "Exchange": grpc.stream_stream_rpc_method_handler(self._slots.exchange(self.exchange)),
             "Finish": grpc.unary_unary_rpc_method_handler(bounded(self.finish)),
             "Switchover": grpc.unary_unary_rpc_method_handler(bounded(self.switchover)),
+            "ExportRows": grpc.unary_stream_rpc_method_handler(streaming(self.export_rows)),
         })
 
     def end_exchange_streams(self) -> int:
@@ -237,6 +239,33 @@ class ParameterServerService:
             abort(context, error)
             return
         self._count_pulls(names, "ok")
+
+    def export_rows(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Every row of a hash table on this shard, with its ids, in pieces (read only)."""
+        try:
+            msg = parse(ps_pb2.ExportRowsRequest, request)
+            self._role.check_primary()
+            self._lifecycle.check_accepting()
+            check_cluster(self._store, msg.shard_index, msg.num_shards)
+            part = self._store.get(msg.variable)
+            if not isinstance(part, HashTablePart):
+                raise RequestError(Reason.INVALID_REQUEST, f"{msg.variable!r} is a dense variable: pull it "
+                                                           "(its row ids are its row numbers)")
+            chunk_bytes = max(MIN_CHUNK_BYTES, min(msg.chunk_bytes or self._context.max_chunk_bytes,
+                                                   self._context.max_chunk_bytes))
+            row_bytes = part.row_elements * part.spec.dtype.itemsize
+            rows_per_piece = max(1, chunk_bytes // (row_bytes + 8))
+            # The listing of ids and slots, and one piece at a time.
+            hold = self._store.hold(16 * part.num_rows + rows_per_piece * (row_bytes + 8),
+                                    f"an export of {msg.variable!r}")
+            with hold:
+                dtype, width = to_wire_dtype(part.spec.dtype), part.row_elements
+                for ids, rows in part.export_rows(rows_per_piece):
+                    yield ps_pb2.ExportRowsResponse(
+                        ids=ids.astype("<i8", copy=False).tobytes(), rows=rows.tobytes(), dtype=dtype,
+                        row_elements=width, version=part.version).SerializeToString()
+        except RequestError as error:
+            abort(context, error)
 
     def _count_pulls(self, names: list[str], outcome: str) -> None:
         # A refused request may name anything: only this shard's variables become label values.

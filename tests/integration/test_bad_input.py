@@ -100,7 +100,8 @@ GARBAGE = b"\x0a\xff\xff\xff\xff\x0f\x01"  # a length-delimited field longer tha
 
 
 @pytest.mark.parametrize("method,kind", [("Describe", "unary"), ("CreateVariable", "unary"),
-                                         ("Pull", "stream_out"), ("Push", "stream_in")])
+                                         ("Pull", "stream_out"), ("Push", "stream_in"),
+                                         ("ExportRows", "stream_out")])
 def test_a_request_that_is_not_a_message_at_all(channel, unchanged, method, kind):
     def call():
         if kind == "unary":
@@ -121,6 +122,16 @@ def test_pull_with_an_unknown_row_lookup(channel, unchanged):
     request = ps_pb2.PullRequest(shard_index=0, num_shards=1, items=[ps_pb2.PullItem(variable="b")], lookup=7)
     _expect(lambda: list(channel.unary_stream(method_path("Pull"))(request.SerializeToString(), timeout=10)),
             StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST", "unknown row lookup 7")
+
+
+@pytest.mark.parametrize("variable,shards,code,reason,fragment", [
+    ("nope", (0, 1), StatusCode.NOT_FOUND, "UNKNOWN_VARIABLE", "'nope' does not exist"),
+    ("b", (0, 1), StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST", "is a dense variable: pull it"),
+    ("b", (1, 2), StatusCode.FAILED_PRECONDITION, "CLUSTER_MISMATCH", "shard 0 of 1")])
+def test_export_rows_of_what_is_not_a_hash_table_here(channel, unchanged, variable, shards, code, reason, fragment):
+    request = ps_pb2.ExportRowsRequest(variable=variable, shard_index=shards[0], num_shards=shards[1])
+    _expect(lambda: list(channel.unary_stream(method_path("ExportRows"))(request.SerializeToString(), timeout=10)),
+            code, reason, fragment)
 
 
 def test_push_to_unknown_variable(channel, unchanged):

@@ -837,3 +837,26 @@ def test_a_read_only_lookup_is_no_access_for_lru(one):
         # Row 0's training is gone: it is its initializer's value again, and rows 1..3 kept theirs.
         assert client.lookup_rows("lru-serve", [0]).tobytes() == initial[:1].tobytes()
         np.testing.assert_array_equal(client.lookup_rows("lru-serve", [1, 2, 3]), initial[1:] - np.float32(1))
+
+
+def test_export_rows_gives_every_row_with_its_id_and_changes_nothing(three):
+    name = f"export-{uuid.uuid4().hex[:6]}"
+    with PSClient(three.addresses) as client:
+        client.create_embedding(name, 3, initializer=Normal(0.0, 1.0, seed=2), optimizer=SGD(learning_rate=1.0))
+        ids = np.concatenate([np.arange(-50, 2_000, 7), [2**62, -(2**63)]]).astype(np.int64)
+        client.pull_rows(name, ids)
+        client.push_rows(name, ids[::3], np.ones((len(ids[::3]), 3), np.float32))
+        expected = client.lookup_rows(name, ids)
+        before = _table_info(client, name), _counters(client)
+        exported_ids, rows = client.export_rows(name)
+        assert (_table_info(client, name), _counters(client)) == before
+        assert exported_ids.tolist() == sorted(ids.tolist())
+        np.testing.assert_array_equal(rows, expected[np.argsort(ids)])
+        # In pieces: a small chunk size makes many messages per shard, the same answer.
+    with PSClient(three.addresses, chunk_bytes=4096) as client:
+        again_ids, again_rows = client.export_rows(name)
+        assert again_ids.tolist() == exported_ids.tolist() and again_rows.tobytes() == rows.tobytes()
+        dense = f"export-dense-{uuid.uuid4().hex[:6]}"
+        client.create_variable(dense, (10, 2), initializer=np.ones((10, 2), np.float32), optimizer=SGD(learning_rate=1.0))
+        dense_ids, dense_rows = client.export_rows(dense)
+        assert dense_ids.tolist() == list(range(10)) and (dense_rows == 1).all()

@@ -96,6 +96,11 @@ def test_tls_server_with_token(cluster_factory, tls, token_file):
                                                      metadata=(("authorization", "Bearer nope"),))
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert dict(info.value.trailing_metadata())[REASON_METADATA_KEY] == "UNAUTHENTICATED"
+        # Nor can a table be read out (ExportRows) without one.
+        export = ps_pb2.ExportRowsRequest(variable="w", shard_index=0, num_shards=1).SerializeToString()
+        with pytest.raises(grpc.RpcError) as info:
+            list(channel.unary_stream(method_path("ExportRows"))(export, timeout=5))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # Health needs no token (kubelet and load balancers call it).
         status = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="wehub_ps.v1.ParameterServer"), timeout=5).status

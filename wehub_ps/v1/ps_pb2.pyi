@@ -821,3 +821,29 @@ class TableRows(_message.Message):
     variable: str
     ids: bytes
     def __init__(self, variable: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+
+class ExportRowsRequest(_message.Message):
+    __slots__ = ("variable", "shard_index", "num_shards", "chunk_bytes")
+    VARIABLE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    variable: str
+    shard_index: int
+    num_shards: int
+    chunk_bytes: int
+    def __init__(self, variable: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class ExportRowsResponse(_message.Message):
+    __slots__ = ("ids", "rows", "dtype", "row_elements", "version")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ROW_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ids: bytes
+    rows: bytes
+    dtype: DataType
+    row_elements: int
+    version: int
+    def __init__(self, ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., dtype: _Optional[_Union[DataType, str]] = ..., row_elements: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...

@@ -79,6 +79,11 @@ class ParameterServerStub:
                 request_serializer=wehub__ps_dot_v1_dot_ps__pb2.SwitchoverRequest.SerializeToString,
                 response_deserializer=wehub__ps_dot_v1_dot_ps__pb2.SwitchoverResponse.FromString,
                 _registered_method=True)
+        self.ExportRows = channel.unary_stream(
+                '/wehub_ps.v1.ParameterServer/ExportRows',
+                request_serializer=wehub__ps_dot_v1_dot_ps__pb2.ExportRowsRequest.SerializeToString,
+                response_deserializer=wehub__ps_dot_v1_dot_ps__pb2.ExportRowsResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -154,6 +159,15 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportRows(self, request, context):
+        """Every row of a hash table on this shard, with its id, in pieces of at
+        most chunk_bytes: an export for serving. Reads only; a row created or
+        evicted while the export runs may be in it or not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +215,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Switchover,
                     request_deserializer=wehub__ps_dot_v1_dot_ps__pb2.SwitchoverRequest.FromString,
                     response_serializer=wehub__ps_dot_v1_dot_ps__pb2.SwitchoverResponse.SerializeToString,
+            ),
+            'ExportRows': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportRows,
+                    request_deserializer=wehub__ps_dot_v1_dot_ps__pb2.ExportRowsRequest.FromString,
+                    response_serializer=wehub__ps_dot_v1_dot_ps__pb2.ExportRowsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -446,6 +465,33 @@ class ParameterServer:
             '/wehub_ps.v1.ParameterServer/Switchover',
             wehub__ps_dot_v1_dot_ps__pb2.SwitchoverRequest.SerializeToString,
             wehub__ps_dot_v1_dot_ps__pb2.SwitchoverResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/wehub_ps.v1.ParameterServer/ExportRows',
+            wehub__ps_dot_v1_dot_ps__pb2.ExportRowsRequest.SerializeToString,
+            wehub__ps_dot_v1_dot_ps__pb2.ExportRowsResponse.FromString,
             options,
             channel_credentials,
             insecure,

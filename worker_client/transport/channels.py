@@ -82,6 +82,7 @@ class _Connection:
         self.checkpoint = self.channel.unary_unary(method_path("Checkpoint"))
         self.finish = self.channel.unary_unary(method_path("Finish"))
         self.switchover = self.channel.unary_unary(method_path("Switchover"))
+        self.export_rows = self.channel.unary_stream(method_path("ExportRows"))
         #: The health Check (ps-admin's status, a replicated shard's watch of its primary).
         self.health_check: Callable[..., Any] = health_pb2_grpc.HealthStub(self.channel).Check
         exchange = self.channel.stream_stream(method_path("Exchange"))
@@ -444,6 +445,12 @@ class ShardChannel:
             for message in conn.pull(request, timeout=timeout, metadata=self._metadata):
                 on_message(message)
         self._guard(conn, "pull", run)
+
+    def export_rows(self, request: bytes, timeout: float) -> list[bytes]:
+        """Every message of an ExportRows stream (a retry starts the export again)."""
+        conn = self._conn
+        return self._guard(conn, "export_rows", lambda: list(conn.export_rows(request, timeout=timeout,
+                                                                              metadata=self._metadata)))
 
     def push(self, messages: Iterator[bytes], timeout: float) -> bytes:
         conn = self._conn
