@@ -19,11 +19,11 @@ import numpy as np
 from ps_server.core.accumulator import PushStaging, StepAccumulator
 from ps_server.core.errors import RequestError
 from ps_server.core.info import VariableInfo
-from ps_server.core.initializers import fill_initial_values
 from ps_server.core.optimizers import make_kernel
 from ps_server.core.persistence import LoadedPart, PartSnapshot
 from wehub_ps.dtypes import dtype_name, is_wire_float
 from wehub_ps.errors import Reason
+from wehub_ps.initializers import fill_initial_values
 from wehub_ps.kernels.convert import cast_into
 from wehub_ps.kernels.rowops import RowGather, put_rows, take_rows
 from wehub_ps.placement import rows_of

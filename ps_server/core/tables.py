@@ -36,10 +36,10 @@ from ps_server.core.accumulator import PushStaging, StepAccumulator
 from ps_server.core.errors import RequestError
 from ps_server.core.id_index import IdIndex, index_bytes_for
 from ps_server.core.info import VariableInfo
-from ps_server.core.initializers import fill_rows
 from ps_server.core.optimizers import make_kernel
 from ps_server.core.persistence import AccumulatorSnapshot, PartSnapshot
 from wehub_ps.errors import Reason
+from wehub_ps.initializers import fill_rows
 from wehub_ps.kernels.rowops import put_rows, take_rows
 from wehub_ps.specs import VariableSpec
 

@@ -15,7 +15,7 @@ A create is acknowledged only after its spec record is appended and
 fsynced; an ASSIGN push (an uploaded initial value) only after the value's
 file is written and fsynced, renamed into place, and its record appended.
 Values from an initializer are not stored: they are a pure function of the
-spec's seed and regenerate bit for bit (ps_server.core.initializers).
+spec's seed and regenerate bit for bit (wehub_ps.initializers).
 
 Every record carries a SHA-256 of itself, every value file's record the
 file's SHA-256: a torn last line (a crash during the append) or a damaged
@@ -52,7 +52,6 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from ps_server.core.initializers import fill_initial_values
 from ps_server.core.optimizers import make_kernel
 from ps_server.core.persistence import LoadedPart
 from ps_server.durability.format import (
@@ -66,6 +65,7 @@ from ps_server.durability.format import (
     spec_from_json,
     spec_to_json,
 )
+from wehub_ps.initializers import fill_initial_values
 from wehub_ps.placement import rows_of
 from wehub_ps.process.logs import event
 from wehub_ps.specs import Explicit, VariableSpec

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
-from ps_server.core.initializers import fill_rows
 from wehub_ps.dtypes import BFLOAT16
 from wehub_ps.errors import REASON_METADATA_KEY
+from wehub_ps.initializers import fill_rows
 from wehub_ps.placement import hash_shards
 from wehub_ps.specs import Explicit, VariableSpec
 from wehub_ps.specs_proto import spec_to_proto

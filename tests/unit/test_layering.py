@@ -31,7 +31,7 @@ PACKAGES = ("wehub_ps", "ps_server", "worker_client")
 LAYERS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     "wehub_ps": [
         ("pure shared code", ("wehub_ps.errors", "wehub_ps.dtypes", "wehub_ps.placement", "wehub_ps.specs",
-                              "wehub_ps.cluster", "wehub_ps.kernels", "wehub_ps.process")),
+                              "wehub_ps.cluster", "wehub_ps.kernels", "wehub_ps.process", "wehub_ps.initializers")),
         ("generated stubs", ("wehub_ps.v1",)),
         ("wire code", ("wehub_ps.wire", "wehub_ps.specs_proto")),
         ("package facade", ("wehub_ps.__init__",)),
@@ -67,7 +67,7 @@ LAYERS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
 #: Modules (by prefix) that must not load these, directly or indirectly.
 WIRE_MODULES = ("grpc", "google.protobuf", "wehub_ps.v1", "wehub_ps.wire", "wehub_ps.specs_proto")
 NO_WIRE = ("ps_server.core", "wehub_ps.errors", "wehub_ps.dtypes", "wehub_ps.placement", "wehub_ps.specs",
-           "wehub_ps.cluster", "wehub_ps.kernels", "wehub_ps.process")
+           "wehub_ps.cluster", "wehub_ps.kernels", "wehub_ps.process", "wehub_ps.initializers")
 
 #: Which other top-level packages each package may import.
 ALLOWED_PACKAGES = {"wehub_ps": set(), "ps_server": {"wehub_ps"}, "worker_client": {"wehub_ps"}}

@@ -10,7 +10,6 @@ import pytest
 
 from ps_server.core import memory as memory_module
 from ps_server.core.errors import RequestError
-from ps_server.core.initializers import fill_initial_values
 from ps_server.core.ledger import PushLedger
 from ps_server.core.parts import check_dtype_allowed
 from ps_server.core.pushes import begin_push, check_cluster
@@ -18,6 +17,7 @@ from ps_server.core.store import VariableStore
 from ps_server.service.push_messages import push_chunk, push_start
 from wehub_ps.dtypes import BFLOAT16
 from wehub_ps.errors import Reason
+from wehub_ps.initializers import fill_initial_values
 from wehub_ps.placement import FixedShardsPartitioner, rows_of
 from wehub_ps.specs import (
     SGD,

@@ -13,9 +13,9 @@ import pytest
 
 from ps_server.core.accumulator import PushStaging, StepAccumulator
 from ps_server.core.errors import RequestError
-from ps_server.core.initializers import fill_rows
 from ps_server.core.tables import HashTablePart
 from wehub_ps.errors import Reason
+from wehub_ps.initializers import fill_rows
 from wehub_ps.specs import SGD, Adagrad, Adam, Constant, Normal, Uniform, VariableSpec
 
 INT64_EDGES = np.array([-(2**63), -(2**62), -1, 0, 1, 2**62, 2**63 - 1, -12345, 987654321], np.int64)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from ps_server.core.initializers import _BLOCK, fill_initial_values, glorot_limit
+from wehub_ps.initializers import _BLOCK, fill_initial_values, glorot_limit
 from wehub_ps.placement import FixedShardsPartitioner, rows_of, stable_hash64
 from wehub_ps.specs import Constant, Explicit, GlorotUniform, Normal, Uniform, VariableSpec, Zeros
 
