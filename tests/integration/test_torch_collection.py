@@ -15,7 +15,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from worker_client import SGD, PSClient  # noqa: E402
-from worker_client.torch import KeyedJaggedBatch, PSEmbeddingBagCollection, TableConfig, attach  # noqa: E402
+from worker_client.torch import (  # noqa: E402
+    KeyedJaggedBatch,
+    PSEmbeddingBag,
+    PSEmbeddingBagCollection,
+    TableConfig,
+    attach,
+)
 from worker_client.torch.embedding import begin_step, take_row_gradients  # noqa: E402
 
 DIM = 4
@@ -137,6 +143,13 @@ def test_a_dlrm_with_the_collection_swapped_in_trains(client):
             loss.backward()
         losses.append(float(loss.detach()))
     assert losses[-1] < 0.5 * losses[0], losses
+    # Exported: the same predictions from plain torch modules (the collection's tables swapped).
+    ps_model.pull()
+    model.eval()
+    plain = ps_model.plain_model().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(dense, batch), model(dense, batch), rtol=0, atol=0)
+    assert not any(isinstance(m, PSEmbeddingBag) for m in plain.modules())
 
 
 def test_against_torchrecs_own_collection(client):

@@ -308,3 +308,21 @@ def test_eval_mode_reads_rows_without_creating_them(client):
     module.train()
     np.testing.assert_array_equal(module(torch.tensor([2**40])).detach().numpy(), served[2:3].numpy())
     assert sum(info.variables[module.name]["num_rows"] for info in client.describe()) == sum(rows_before) + 1
+
+
+@pytest.mark.parametrize("missing", ["initializer", "zeros"])
+def test_an_exported_hash_table_answers_unseen_ids_as_the_cluster_does(client, missing):
+    from worker_client.torch import ExportedEmbedding
+
+    module = PSEmbedding(client, _name(), DIM, optimizer=SGD(LEARNING_RATE), padding_idx=-1)
+    module(torch.tensor([5, 6, 7])).sum().backward()  # rows 5..7 trained
+    ids, rows = client.export_rows(module.name)
+    initializer = client.variables()[module.name].spec.initializer
+    exported = ExportedEmbedding(torch.from_numpy(ids), torch.from_numpy(rows).reshape(len(ids), DIM),
+                                 initializer=initializer, missing=missing, padding_idx=-1)
+    query = torch.tensor([[5, 2**50, -1], [7, 7, 3]])
+    expected = client.lookup_rows(module.name, query.reshape(-1).numpy(), missing=missing).reshape(2, 3, DIM)
+    expected[0, 2] = 0  # the padding id
+    np.testing.assert_array_equal(exported(query).numpy(), expected)
+    with pytest.raises(ValueError, match="needs the table's initializer"):
+        ExportedEmbedding(torch.from_numpy(ids), torch.from_numpy(rows), missing="initializer")

@@ -63,6 +63,7 @@ from worker_client.torch.collection import (
 )
 from worker_client.torch.embedding import EmbeddingOptimizerError, PSEmbedding
 from worker_client.torch.embedding_bag import PSEmbeddingBag
+from worker_client.torch.export import ExportedEmbedding, ExportedEmbeddingBag, plain_model
 from worker_client.torch.module import PSModel, attach
 from worker_client.torch.optimizers import (
     UnsupportedOptimizerError,
@@ -72,6 +73,7 @@ from worker_client.torch.optimizers import (
 )
 from worker_client.torch.step import TorchStep
 
-__all__ = ["EmbeddingOptimizerError", "KeyedJaggedBatch", "PSEmbedding", "PSEmbeddingBag",
-           "PSEmbeddingBagCollection", "PSModel", "PooledFeatures", "TableConfig", "TorchStep",
-           "UnsupportedOptimizerError", "attach", "optimizers_by_parameter", "server_optimizer", "table_optimizer"]
+__all__ = ["EmbeddingOptimizerError", "ExportedEmbedding", "ExportedEmbeddingBag", "KeyedJaggedBatch",
+           "PSEmbedding", "PSEmbeddingBag", "PSEmbeddingBagCollection", "PSModel", "PooledFeatures", "TableConfig",
+           "TorchStep", "UnsupportedOptimizerError", "attach", "optimizers_by_parameter", "plain_model",
+           "server_optimizer", "table_optimizer"]

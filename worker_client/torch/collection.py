@@ -133,8 +133,6 @@ class PSEmbeddingBagCollection(torch.nn.Module):
                  optimizer: Optimizer | None = None, is_weighted: bool = False, **table_options: Any) -> None:
         super().__init__()
         self.is_weighted = is_weighted
-        #: Each table's module, by the config's name (also a submodule ``bag_<name>``).
-        self.bags: dict[str, PSEmbeddingBag] = {}
         self._features: dict[str, list[str]] = {}  # table -> its features, in config order
         owner: dict[str, str] = {}
         for config in tables:
@@ -146,14 +144,18 @@ class PSEmbeddingBagCollection(torch.nn.Module):
             mode = _pooling(config)
             if is_weighted and mode != "sum":
                 raise ValueError(f"table {config.name!r}: weighted features pool by sum, not {mode!r}")
-            if config.name in self.bags:
+            if config.name in self._features:
                 raise ValueError(f"two tables are named {config.name!r}")
-            self.bags[config.name] = PSEmbeddingBag(
+            # A submodule each (bag_<name>): an export swaps it for a plain torch module.
+            self.add_module(f"bag_{config.name}", PSEmbeddingBag(
                 client, prefix + config.name, config.embedding_dim, getattr(config, "num_embeddings", None),
-                mode=mode, include_last_offset=True, optimizer=optimizer, **table_options)
-            self.add_module(f"bag_{config.name}", self.bags[config.name])
+                mode=mode, include_last_offset=True, optimizer=optimizer, **table_options))
             self._features[config.name] = features
         self._owner = owner
+
+    def bag(self, table: str) -> torch.nn.Module:
+        """The module pooling ``table`` (a PSEmbeddingBag; in an exported model, a plain one)."""
+        return getattr(self, f"bag_{table}")
 
     def forward(self, features: Any) -> Any:
         """Pooled features (TorchRec's ``KeyedTensor`` when TorchRec is installed, else
@@ -179,7 +181,7 @@ class PSEmbeddingBagCollection(torch.nn.Module):
             bag_lengths = torch.cat([per_key[keys.index(f)] for f in present])
             offsets = torch.cat([bag_lengths.new_zeros(1), torch.cumsum(bag_lengths, 0)])
             sample_weights = torch.cat([weights[a:b] for a, b in spans]) if self.is_weighted else None
-            out = self.bags[table](ids, offsets, per_sample_weights=sample_weights)
+            out = self.bag(table)(ids, offsets, per_sample_weights=sample_weights)
             for i, feature in enumerate(present):
                 pooled[feature] = out[i * batch:(i + 1) * batch]
         order = [f for features_of in self._features.values() for f in features_of if f in pooled]

@@ -56,7 +56,7 @@ from wehub_ps.specs import Normal, Optimizer
 from worker_client.client import PSClient
 from worker_client.errors import InvalidArgumentError
 
-__all__ = ["EmbeddingOptimizerError", "PSEmbedding", "begin_step", "take_row_gradients"]
+__all__ = ["EmbeddingOptimizerError", "PSEmbedding", "batch_rows", "begin_step", "take_row_gradients"]
 
 _TABLE_DTYPES = ("float16", "float32", "float64")  # those numpy and torch share
 _ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -174,16 +174,7 @@ class PSEmbedding(torch.nn.Module):
                 f"{type(self).__name__} {self.name!r} has no optimizer, so its table was not made: pass "
                 "optimizer= (worker_client.SGD, Momentum, Adagrad or Adam) to it, or attach(client, model, "
                 "optimizer=...) the model that holds it before its first forward")
-        host_ids = self._host_ids(ids)
-        padded = None if self.padding_idx is None else host_ids == self.padding_idx
-        if padded is not None and padded.any():
-            unique, inverse = group_ids(host_ids[~padded])  # one hash pass: linear in the ids, not a sort
-            positions = np.full(len(host_ids), len(unique), np.int64)
-            positions[~padded] = inverse
-            padding: int | None = len(unique)
-        else:
-            unique, positions = group_ids(host_ids)
-            padding = None
+        unique, positions, padding = batch_rows(self._host_ids(ids), self.padding_idx)
         rows = self._pull(unique, ids.device)
         if padding is not None:
             rows = torch.cat([rows, rows.new_zeros((1, self.embedding_dim))])
@@ -238,6 +229,20 @@ class PSEmbedding(torch.nn.Module):
         if len(held) > 1:
             ids, grads = _sum_by_id(ids, grads)
         return {self.name: (ids, grads)}
+
+
+def batch_rows(ids: np.ndarray, padding_idx: int | None) -> tuple[np.ndarray, np.ndarray, int | None]:
+    """(unique ids, positions, padding slot) of a flat batch of int64 ``ids``: the rows to fetch once
+    each, where each id's row is among them, and, when ``padding_idx`` occurs, the index (one past the
+    fetched rows) of the zero row its positions point to (else None)."""
+    padded = None if padding_idx is None else ids == padding_idx
+    if padded is not None and padded.any():
+        unique, inverse = group_ids(ids[~padded])  # one hash pass: linear in the ids, not a sort
+        positions = np.full(len(ids), len(unique), np.int64)
+        positions[~padded] = inverse
+        return unique, positions, len(unique)
+    unique, positions = group_ids(ids)
+    return unique, positions, None
 
 
 def _padding_index(padding_idx: int | None, num_embeddings: int | None) -> int | None:

@@ -44,6 +44,21 @@ class PSModel:
         """
         return TorchStep(self, overlap)
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every trained value: dense parameters by variable name, each table's ``<table>.ids`` and
+        ``<table>.rows`` (worker_client.torch.export; torch.save and safetensors take it). Reads only."""
+        from worker_client.torch.export import state_dict
+
+        return state_dict(self)
+
+    def plain_model(self, state: dict[str, torch.Tensor] | None = None,
+                    missing: str = "initializer") -> torch.nn.Module:
+        """A copy of the model with the trained values and plain torch tables, needing no ps-server
+        (worker_client.torch.export.plain_model)."""
+        from worker_client.torch.export import plain_model
+
+        return plain_model(self, state, missing)
+
     def pull(self) -> None:
         """Pull the current values into the parameters, in place (to evaluate, say)."""
         self.client.pull(list(self.parameters), out=self.out_arrays())
