@@ -48,7 +48,7 @@ from common import (  # noqa: E402
     socket_pull_push_seconds,
     stop_process,
 )
-from training_models import MLP_10M, MLP_100K, MLPLoops, RecommenderLoops  # noqa: E402
+from training_models import MLP_10M, MLP_100K, MLPLoops, RecommenderLoops, torch_installed  # noqa: E402
 
 #: (timed steps, warm-up steps) per loop and model: about a minute for the section on 2 busy cores.
 STEPS = {"mlp10m": (10, 2), "mlp100k": (200, 20), "recommender": (100, 10)}
@@ -56,7 +56,8 @@ WORKER_COUNTS = (1, 2)
 TITLES = {"mlp10m": "10.5M MLP (22 vars, batch 16)", "mlp100k": "100K MLP (6 vars, batch 16)",
           "recommender": "recommender (hash emb + MLP, batch 256)"}
 LOOP_TITLES = {"plain": "plain loop: pull(out=) + push", "step": "client.step() loop",
-               "recommender_plain": "example loop: step + pull_rows"}
+               "recommender_plain": "example loop: step + pull_rows",
+               "torch": "the same model in worker_client.torch (PSEmbedding, attach, step)"}
 
 
 def _loops_for(model: str, seed: int):
@@ -198,7 +199,8 @@ def measure(model: str, steps: int, warmup: int, worker_counts=WORKER_COUNTS, la
         for count in worker_counts:
             workers = _Workers(addresses, model, count)
             try:
-                run = loops or ("compute", "comm", "plain") + (("step",) if model != "recommender" else ())
+                run = loops or ("compute", "comm", "plain") + (
+                    ("step",) if model != "recommender" else ("torch",) if torch_installed() else ())
                 figures[count] = {loop: workers.run(loop, steps, warmup, servers) for loop in run}
             finally:
                 workers.close()
@@ -280,6 +282,16 @@ def rows_for(model: str, count: int, loops: dict, tcp: float, rtt: float, per_va
         rows.append(make_row("training", f"  {title} (p50 {figures['p50_ms']:.1f} ms)", figures["rate"], "step/s",
                              serial, "1/(compute+comm)", 0.8 if loop == "plain" else None,
                              target_text=None if loop == "plain" else "report"))
+        rows.append(make_row("training", f"    CPU per step: worker {figures['worker_cpu_ms']:.1f}, servers "
+                                         f"{figures['server_cpu_ms']:.1f}; machine "
+                                         f"({figures['cores_busy']:.2f} cores busy)",
+                             figures["machine_cpu_ms"], "ms", count / figures["rate"] * 1e3, "wall ms per step",
+                             target_text="report"))
+    if "torch" in loops:
+        figures = loops["torch"]
+        rows.append(make_row("training", f"  {LOOP_TITLES['torch']} (p50 {figures['p50_ms']:.1f} ms)",
+                             figures["rate"], "step/s", loops["plain"]["rate"], "the example's numpy loop",
+                             target_text="report"))
         rows.append(make_row("training", f"    CPU per step: worker {figures['worker_cpu_ms']:.1f}, servers "
                                          f"{figures['server_cpu_ms']:.1f}; machine "
                                          f"({figures['cores_busy']:.2f} cores busy)",

@@ -202,7 +202,49 @@ class RecommenderLoops:
                 _, dense, d_ue, d_ie = rec.gradients(s.params, ue, ie, self.data.clicks[idx])
                 s.push(dense, rows={rec.USERS: (users, d_ue), rec.ITEMS: (items, d_ie)})
 
-        return {"compute": compute, "comm": comm, "plain": plain}
+        loops = {"compute": compute, "comm": comm, "plain": plain}
+        if client is not None and torch_installed():
+            loops["torch"] = self._torch_loop(client)
+        return loops
+
+    def _torch_loop(self, client) -> Callable[[], None]:
+        """The same model written with worker_client.torch: PSEmbedding over the example's two tables,
+        its MLP as torch layers attached (variables of their own), one ``ps_model.step()`` per batch."""
+        import torch
+
+        from worker_client import Adagrad, Adam
+        from worker_client.torch import PSEmbedding, attach
+
+        rec, config = self.example, self.config
+        torch.set_num_threads(1)
+
+        class Recommender(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                sparse = Adagrad(learning_rate=config.embedding_learning_rate)
+                self.users = PSEmbedding(client, rec.USERS, config.embedding_dim, initializer="normal",
+                                         optimizer=sparse)
+                self.items = PSEmbedding(client, rec.ITEMS, config.embedding_dim, initializer="normal",
+                                         optimizer=sparse)
+                self.hidden = torch.nn.Linear(3 * config.embedding_dim, config.hidden)
+                self.out = torch.nn.Linear(config.hidden, 1)
+
+            def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+                ue, ie = self.users(users), self.items(items)
+                hidden = torch.relu(self.hidden(torch.cat([ue, ie, ue * ie], dim=1)))
+                return self.out(hidden).squeeze(-1)
+
+        model = Recommender()
+        ps_model = attach(client, model, prefix="rec-torch", optimizer=Adam(learning_rate=config.learning_rate))
+        clicks = torch.from_numpy(self.data.clicks.astype(np.float32))
+        users, items = torch.from_numpy(self.data.users), torch.from_numpy(self.data.items)
+
+        def step() -> None:
+            idx = torch.from_numpy(self._batch())
+            with ps_model.step():
+                logits = model(users[idx], items[idx])
+                torch.nn.functional.binary_cross_entropy_with_logits(logits, clicks[idx]).backward()
+        return step
 
     @staticmethod
     def bytes_per_step() -> int:
@@ -213,3 +255,10 @@ class RecommenderLoops:
         dense = sum(int(np.prod(shape)) for shape in RecommenderLoops.dense_shapes_of(config).values()) * 4
         rows = 2 * config.batch_size * config.embedding_dim * 4
         return 2 * (dense + rows)
+
+
+def torch_installed() -> bool:
+    """Whether the torch extra is here (the recommender's torch loop needs it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
