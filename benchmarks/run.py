@@ -73,6 +73,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_dense_cpu  # noqa: E402
 from common import (  # noqa: E402
     MachineCPU,
     Row,
@@ -91,8 +92,6 @@ from common import (  # noqa: E402
     time_calls,
 )
 from common import make_row as _row  # noqa: E402
-
-import bench_dense_cpu  # noqa: E402
 
 from wehub_ps.process.allocator import keep_freed_buffers  # noqa: E402 - importable once common put the repo on sys.path
 

@@ -40,7 +40,7 @@ def worker_environment(addresses: list[str], index: int, count: int) -> dict[str
             WORKER_INDEX_ENV: str(index), NUM_WORKERS_ENV: str(count)}
 
 
-def _stream(proc: ManagedProcess, lines: "queue.Queue[tuple[str, str | None]]") -> None:
+def _stream(proc: ManagedProcess, lines: queue.Queue[tuple[str, str | None]]) -> None:
     """Each line the copy writes, then None when its output closes."""
     assert proc.popen.stdout is not None
     for line in proc.popen.stdout:
@@ -82,7 +82,7 @@ def run_script(group: ProcessGroup, args: argparse.Namespace, addresses: list[st
             raise ScriptFailed(f"{args.script} did not finish within --timeout {args.timeout:g}s", 124)
 
 
-def _drain(lines: "queue.Queue[tuple[str, str | None]]", out: TextIO, grace: float = 0.5) -> None:
+def _drain(lines: queue.Queue[tuple[str, str | None]], out: TextIO, grace: float = 0.5) -> None:
     """Print what the copies wrote before a failure (its traceback first of all)."""
     end = time.monotonic() + grace
     while time.monotonic() < end:

@@ -113,8 +113,8 @@ class PSEmbedding(torch.nn.Module):
             raise TypeError(f"optimizer must be a wehub optimizer (SGD, Momentum, Adagrad, Adam) or None, got "
                             f"{type(optimizer).__name__}; a torch.optim optimizer is mapped by attach()")
         # The table is made with its optimizer: now when given, else by attach()'s (use_optimizer).
-        self._table_settings = dict(dtype=dtype, initializer=initializer, aggregation=aggregation,
-                                    partitioner=partitioner, max_rows=max_rows, eviction=eviction)
+        self._table_settings = {"dtype": dtype, "initializer": initializer, "aggregation": aggregation,
+                                    "partitioner": partitioner, "max_rows": max_rows, "eviction": eviction}
         self.optimizer: Optimizer | None = None
         self.client = client
         self.name = name
@@ -250,7 +250,7 @@ def _padding_index(padding_idx: int | None, num_embeddings: int | None) -> int |
     if padding_idx is None:
         return None
     if isinstance(padding_idx, bool) or not isinstance(padding_idx, (int, np.integer)):
-        raise ValueError(f"padding_idx must be an int or None, got {padding_idx!r}")
+        raise TypeError(f"padding_idx must be an int or None, got {padding_idx!r}")
     padding_idx = int(padding_idx)
     if num_embeddings is None:
         return padding_idx

@@ -129,8 +129,8 @@ def _plain_table(module: PSEmbedding, state: dict[str, torch.Tensor], missing: s
                                                          include_last_offset=module.include_last_offset,
                                                          padding_idx=module.padding_idx)
         return torch.nn.Embedding.from_pretrained(weight, freeze=True, padding_idx=module.padding_idx)
-    options = dict(initializer=module.client.variables()[module.name].spec.initializer, missing=missing,
-                   padding_idx=module.padding_idx)
+    options = {"initializer": module.client.variables()[module.name].spec.initializer, "missing": missing,
+                   "padding_idx": module.padding_idx}
     if bag:
         return ExportedEmbeddingBag(ids, rows, mode=module.mode, include_last_offset=module.include_last_offset,
                                     **options)
