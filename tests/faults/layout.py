@@ -76,6 +76,11 @@ def table_ids() -> tuple[np.ndarray, np.ndarray]:
     return candidates[shards == 0][:SLOTS], candidates[shards == 1][:SLOTS]
 
 
+def serve_ids() -> np.ndarray:
+    """One ``emb`` id per shard that workers only read with ``lookup_rows`` (read only): never a row."""
+    return np.concatenate([fresh_ids(shard, 1, 1 << 40) for shard in range(NUM_SHARDS)])
+
+
 def fresh_ids(shard: int, count: int, start: int) -> np.ndarray:
     """``count`` ids on ``shard`` from ``start`` up (limit events use ids no push uses)."""
     candidates = np.arange(start, start + 8 * count + 64, dtype=np.int64)

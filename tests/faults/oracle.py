@@ -87,6 +87,12 @@ class Oracle:
         tables = {name: (self.cluster.call_admin(lambda c, name=name: c.pull_rows(name, emb_ids)) if begun
                          else np.zeros((0, 2), np.float32)) for name in ROW_TABLES}
         row_of = {slot: i for i, slot in enumerate(begun)}
+        # Workers read serve_ids() with lookup_rows every step: a read-only lookup never makes a row.
+        exported, _ = self.cluster.call_admin(lambda c: c.export_rows("emb"))
+        made = np.intersect1d(exported, layout.serve_ids())
+        if made.size:
+            self.report.fail("lookup changed state", f"emb has rows for ids {made.tolist()}, which workers "
+                                                     "only read with lookup_rows (read only)")
 
         # Elements no begun push writes must be untouched.
         written = np.zeros(layout.DENSE, bool)

@@ -55,7 +55,9 @@ loses none of its record.
   refused one, and change the full table not at all); a checkpoint written
   while restoring that lacks variables; ``checkpoint()`` refused while idle
   clients hold streams; a step (pull and push) longer than
-  ``oracle.STALL_SECONDS``.
+  ``oracle.STALL_SECONDS``; a row of ``emb`` for an id workers only read
+  with ``lookup_rows`` each step (``layout.serve_ids``: a read-only
+  lookup creates nothing, on any replica).
 
 **Replicated** (``--replicas 2``, ``replicated.py``): each shard runs as two
 replicas on a real etcd, each behind its own proxy, and the faults are

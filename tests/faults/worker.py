@@ -90,6 +90,7 @@ def worker_main(config: dict[str, Any]) -> int:
     write({"ev": "start", "inc": client.incarnation, "k": k, "t": time.time()}, durable=True)
     dense = np.zeros(layout.DENSE, np.float32)
     small = np.zeros(layout.SLOTS, np.float32)
+    serving = layout.serve_ids()
     while k < layout.PER_WORKER and not stop_file.exists() and os.getppid() == parent:
         slot = index * layout.PER_WORKER + k
         g = gradient_value(slot)
@@ -105,6 +106,8 @@ def worker_main(config: dict[str, Any]) -> int:
             # pull half the time: a push that fits the Exchange stream opens no new RPC. Half of the
             # async pushes and steps go out in the background, their arrays cleared before the wait.
             background = config["consistency"] == "async" and rng.random() < 0.5
+            # A serving read beside training: it must create no row, on any replica (checked at the end).
+            client.lookup_rows("emb", serving)
             handle = None
             if config["consistency"] == "async" and (index == 0 or rng.random() < 0.5):
                 pushed_at = time.time()
