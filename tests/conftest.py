@@ -47,6 +47,16 @@ def token_file(tmp_path):
     return path
 
 
+@pytest.fixture(scope="module")
+def module_cluster2(tmp_path_factory):
+    """A running 2-shard cluster shared by a module's tests (each test uses variable names of its own)."""
+    factory = ClusterFactory(tmp_path_factory.mktemp("module-cluster"))
+    try:
+        yield factory(2)
+    finally:
+        factory.stop_all()
+
+
 @pytest.fixture
 def cluster2(cluster_factory):
     """A running 2-shard cluster."""

@@ -9,7 +9,8 @@ the first's grouping after one comparison of the ids (a few us).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -26,24 +27,21 @@ class IdGroups:
 
     unique: np.ndarray
     inverse: np.ndarray
-    _order: list = field(default_factory=list, repr=False, compare=False)
 
     @property
     def repeats(self) -> bool:
         """Whether some id occurs more than once."""
         return len(self.unique) < len(self.inverse)
 
-    @property
+    @cached_property
     def order(self) -> np.ndarray:
         """Where in the batch each unique id is; only where no id repeats."""
         if self.repeats:
             raise ValueError("ids repeat: an id has several places, use inverse")
-        if not self._order:
-            order = np.empty(len(self.inverse), np.int64)
-            order[self.inverse] = np.arange(len(self.inverse))
-            order.flags.writeable = False
-            self._order.append(order)
-        return self._order[0]
+        order = np.empty(len(self.inverse), np.int64)
+        order[self.inverse] = np.arange(len(self.inverse))
+        order.flags.writeable = False
+        return order
 
 
 def grouped_ids(ids: np.ndarray) -> IdGroups:

@@ -130,8 +130,9 @@ class Puller:
         if not groups.repeats:
             # No repeats: each shard's rows go from its answer straight to their places.
             result = np.empty((len(ids), width), dtype=variable.dtype)
-            self.pull_all({shard: [PullItem(name, result, groups.unique[positions], rows_at=groups.order[positions])]
-                           for shard, positions in self._rows_by_shard(variable, groups.unique).items()}, lookup)
+            unique, order = groups.unique, groups.order
+            self.pull_all({shard: [PullItem(name, result, unique[positions], rows_at=order[positions])]
+                           for shard, positions in self._rows_by_shard(variable, unique).items()}, lookup)
         else:
             result = self._pull_unique_rows(variable, groups, lookup)
         row_shape = variable.shape if variable.spec.hash_table else variable.shape[1:]
@@ -222,13 +223,12 @@ class Puller:
         """The serialised PullRequest of ``items`` to ``shard`` (``step_ahead``: for the next step;
         ``lookup``: a read-only lookup is sent as an anonymous reader)."""
         session = self._session
-        if lookup != ROW_LOOKUP_CREATE:
-            return pull_request(items, shard_index=shard.index, num_shards=session.num_shards,
-                                wire_dtype=self._wire, chunk_bytes=session.chunk_bytes, lookup=lookup)
+        anonymous = lookup != ROW_LOOKUP_CREATE
         return pull_request(items, shard_index=shard.index, num_shards=session.num_shards,
                             wire_dtype=self._wire, chunk_bytes=session.chunk_bytes,
-                            worker_id=session.worker_id, incarnation=session.incarnation if session.register else "",
-                            step=session.state.step + step_ahead)
+                            worker_id="" if anonymous else session.worker_id,
+                            incarnation=session.incarnation if session.register and not anonymous else "",
+                            step=0 if anonymous else session.state.step + step_ahead, lookup=lookup)
 
     def answer_bytes(self, items: list[PullItem]) -> int:
         """Tensor bytes the answer to a pull of ``items`` carries."""

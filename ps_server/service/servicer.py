@@ -255,8 +255,8 @@ class ParameterServerService:
                                                    self._context.max_chunk_bytes))
             row_bytes = part.row_elements * part.spec.dtype.itemsize
             rows_per_piece = max(1, chunk_bytes // (row_bytes + 8))
-            # The listing of ids and slots, and one piece at a time.
-            hold = self._store.hold(16 * part.num_rows + rows_per_piece * (row_bytes + 8),
+            # The listing of ids and slots, and one piece at a time: its rows read, their bytes, the message.
+            hold = self._store.hold(16 * part.num_rows + 3 * rows_per_piece * (row_bytes + 8),
                                     f"an export of {msg.variable!r}")
             with hold:
                 dtype, width = to_wire_dtype(part.spec.dtype), part.row_elements

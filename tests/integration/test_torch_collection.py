@@ -27,20 +27,9 @@ from worker_client.torch.embedding import begin_step, take_row_gradients  # noqa
 DIM = 4
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from ps_testing import ClusterFactory
-
-    factory = ClusterFactory(tmp_path_factory.mktemp("torch-collection"))
-    try:
-        yield factory(2)
-    finally:
-        factory.stop_all()
-
-
 @pytest.fixture
-def client(cluster):
-    with PSClient(cluster.addresses) as client:
+def client(module_cluster2):
+    with PSClient(module_cluster2.addresses) as client:
         yield client
 
 

@@ -31,20 +31,9 @@ needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and gpu_available
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from ps_testing import ClusterFactory
-
-    factory = ClusterFactory(tmp_path_factory.mktemp("torch-embedding"))
-    try:
-        yield factory(2)
-    finally:
-        factory.stop_all()
-
-
 @pytest.fixture
-def client(cluster):
-    with PSClient(cluster.addresses) as client:
+def client(module_cluster2):
+    with PSClient(module_cluster2.addresses) as client:
         yield client
 
 

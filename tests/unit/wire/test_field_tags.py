@@ -146,3 +146,12 @@ def test_the_tensor_chunk_and_chunk_batch_fields_are_the_descriptors():
 def test_a_field_is_refused_with_a_wire_type_its_type_is_not_written_with(message_class, name, wire_type):
     with pytest.raises(TypeError, match=name):
         field_tag(message_class, name, wire_type)
+
+
+def test_the_cores_row_lookup_values_are_the_protos():
+    """ps_server.core.pulls may not import the stubs: its RowLookup numbers must stay the proto's."""
+    from ps_server.core.pulls import LOOKUP_CREATE, LOOKUP_READ_ONLY, LOOKUP_READ_ONLY_ZEROS
+
+    assert (LOOKUP_CREATE, LOOKUP_READ_ONLY, LOOKUP_READ_ONLY_ZEROS) == (
+        ps_pb2.ROW_LOOKUP_CREATE, ps_pb2.ROW_LOOKUP_READ_ONLY, ps_pb2.ROW_LOOKUP_READ_ONLY_ZEROS)
+    assert len(ps_pb2.RowLookup.values()) == 3
