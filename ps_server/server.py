@@ -34,6 +34,7 @@ from ps_server.core.ledger import PushLedger
 from ps_server.core.lifecycle import Lifecycle
 from ps_server.core.membership import Membership
 from ps_server.core.ordering import UNLOGGED
+from ps_server.core.sweeps import ExpirySweeper
 from ps_server.core.pulls import PullPlanner
 from ps_server.core.store import VariableStore
 from ps_server.core.workers import WorkerPresence
@@ -77,6 +78,7 @@ class PSServer:
                                                  self.membership, self.store, config.expected_workers)
         self.lifecycle = Lifecycle()
         self.metrics = Metrics()
+        self.metrics.watch_tables(self.store.describe)
         checkpointer = None
         if config.checkpoint_dir:
             checkpointer = Checkpointer(self.store, self.ledger, config.checkpoint_dir, self.server_id,
@@ -109,12 +111,15 @@ class PSServer:
         if config.lane_port >= 0:
             self.lanes = TcpLanes(config, lambda raw, wait: self.service.answer_exchange(raw, wait),
                                   admission, self.tokens, name=f"ps{config.shard_index}-lane")
+        changes = self.replica.role if self.replica is not None else UNLOGGED
+        #: Expiry of hash-table rows (ps_server.core.row_policies): swept on the primary, logged for backups.
+        self.sweeper = ExpirySweeper(self.store, changes, config.expiry_interval)
         self.context = ShardContext(
             store=self.store, ledger=self.ledger, lifecycle=self.lifecycle, membership=self.membership,
             consistency=self.consistency, workers=workers,
             pulls=PullPlanner(self.store, self.lifecycle, self.consistency, workers,
                               default_chunk_bytes=config.chunk_bytes, max_chunk_bytes=max_chunk_bytes,
-                              changes=self.replica.role if self.replica is not None else UNLOGGED),
+                              changes=changes),
             metrics=self.metrics,
             admission=admission,
             lane_port=(config.advertise_lane_port or self.lanes.port) if self.lanes is not None else 0,
@@ -262,6 +267,7 @@ class PSServer:
             self.checkpointer.start_periodic()
         self._reaper = threading.Thread(target=self._reap_leases, name="ps-lease-reaper", daemon=True)
         self._reaper.start()
+        self.sweeper.start()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if self.config.port_file:
             _write_atomically(self.config.port_file, f"{self.port}\n")
@@ -301,6 +307,7 @@ class PSServer:
         self._stop_reaper.set()
         if self._reaper is not None:
             self._reaper.join()  # a lease expiry may apply a sync step: before the seal, not after
+        self.sweeper.stop()  # a sweep changes rows: before the final checkpoint
         if self.checkpointer is not None:
             self.checkpointer.stop_periodic()
             try:

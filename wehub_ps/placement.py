@@ -31,6 +31,7 @@ import numpy as np
 
 __all__ = [
     "hash_shards",
+    "splitmix64",
     "DEFAULT_MIN_SHARD_BYTES",
     "Partitioner",
     "MinSizePartitioner",
@@ -184,14 +185,9 @@ def place(
     return Placement(tuple(parts))
 
 
-def hash_shards(ids: np.ndarray, num_shards: int) -> np.ndarray:
-    """The shard of each hash-table row id: SplitMix64(id) mod num_shards.
-
-    A pure function of the id and the shard count (invariant: identical in
-    every process); the mixing spreads consecutive ids evenly.
-    """
-    _check_positive("num_shards", num_shards)
-    z = np.asarray(ids, dtype=np.int64).view(np.uint64).copy()
+def splitmix64(values: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer of each uint64 (a new array): well-mixed bits, identical everywhere."""
+    z = np.asarray(values).astype(np.uint64)  # int64 wraps around: the bits are kept
     with np.errstate(over="ignore"):
         z += np.uint64(0x9E3779B97F4A7C15)
         z ^= z >> np.uint64(30)
@@ -199,4 +195,15 @@ def hash_shards(ids: np.ndarray, num_shards: int) -> np.ndarray:
         z ^= z >> np.uint64(27)
         z *= np.uint64(0x94D049BB133111EB)
         z ^= z >> np.uint64(31)
+    return z
+
+
+def hash_shards(ids: np.ndarray, num_shards: int) -> np.ndarray:
+    """The shard of each hash-table row id: SplitMix64(id) mod num_shards.
+
+    A pure function of the id and the shard count (invariant: identical in
+    every process); the mixing spreads consecutive ids evenly.
+    """
+    _check_positive("num_shards", num_shards)
+    z = splitmix64(np.asarray(ids, dtype=np.int64))
     return (z % np.uint64(num_shards)).astype(np.int64)

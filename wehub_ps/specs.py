@@ -52,6 +52,8 @@ __all__ = [
     "PARTITIONER_KINDS",
     "EVICTIONS",
     "AGGREGATIONS",
+    "Admission",
+    "Expiry",
     "as_dict",
 ]
 
@@ -266,6 +268,75 @@ EVICTIONS = ("none", "lru")
 AGGREGATIONS = ("mean", "sum", "row_mean")
 
 
+# ---- hash-table row policies ------------------------------------------------------
+
+#: Counters of an admission filter at most (4 rows of them, 2 bytes each: 512 MiB).
+MAX_ADMISSION_COUNTERS = 1 << 26
+
+
+@dataclass(frozen=True)
+class Admission:
+    """When a hash table's new id becomes a row: after ``min_count`` sightings, with ``probability``.
+
+    A training pull of an id without a row is a sighting. The shard counts
+    sightings in a count-min filter of ``counters`` 16-bit counters per
+    each of its 4 hash rows (bounded memory; it may overcount, never
+    undercount; its counts are halved after every ``10 * counters``
+    sightings so old ones fade). An id is admitted at the sighting that
+    brings its count to ``min_count``, if a draw seeded by the table, the
+    id and the table's clock falls under ``probability``. Until then a pull
+    answers the initializer's value for the id (``zeros=True``: zeros) and a
+    push drops the id's gradient; both are counted.
+    """
+
+    min_count: int = 1
+    probability: float = 1.0
+    counters: int = 1 << 18
+    zeros: bool = False
+
+    def __post_init__(self) -> None:
+        if (isinstance(self.min_count, bool) or not isinstance(self.min_count, int)
+                or not 1 <= self.min_count <= 65535):
+            raise SpecError(f"Admission.min_count must be an integer in [1, 65535], got {self.min_count!r}")
+        if isinstance(self.probability, bool) or not isinstance(self.probability, (int, float)) or not (
+                0.0 < float(self.probability) <= 1.0):
+            raise SpecError(f"Admission.probability must be in (0, 1], got {self.probability!r}")
+        object.__setattr__(self, "probability", float(self.probability))
+        if (isinstance(self.counters, bool) or not isinstance(self.counters, int)
+                or not 64 <= self.counters <= MAX_ADMISSION_COUNTERS):
+            raise SpecError(f"Admission.counters must be an integer in [64, {MAX_ADMISSION_COUNTERS}], "
+                            f"got {self.counters!r}")
+        if not isinstance(self.zeros, bool):
+            raise SpecError(f"Admission.zeros must be a bool, got {self.zeros!r}")
+
+
+@dataclass(frozen=True)
+class Expiry:
+    """Rows of a hash table not updated for ``steps`` versions of the table or ``seconds`` are removed.
+
+    ``steps`` counts the table's version on its shard (one per push applied
+    there; one per step in sync mode). Each shard sweeps its tables every
+    ``--expiry-interval`` seconds: a sweep removes the rows whose last update
+    is ``steps`` or more versions old, or happened before a sweep at least
+    ``seconds`` ago (so a row is never removed early and at most one interval
+    late). 0 turns either rule off.
+    """
+
+    steps: int = 0
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if (isinstance(self.steps, bool) or not isinstance(self.steps, int)
+                or not 0 <= self.steps <= _UINT64_MAX):
+            raise SpecError(f"Expiry.steps must be an integer >= 0, got {self.steps!r}")
+        if isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float)) or not (
+                math.isfinite(self.seconds) and self.seconds >= 0):
+            raise SpecError(f"Expiry.seconds must be a finite number >= 0, got {self.seconds!r}")
+        object.__setattr__(self, "seconds", float(self.seconds))
+        if not self.steps and not self.seconds:
+            raise SpecError("Expiry needs steps > 0 or seconds > 0")
+
+
 # ---- the variable spec ----------------------------------------------------------
 
 
@@ -293,6 +364,10 @@ class VariableSpec:
     #: Synchronous mode: apply the "mean" or the "sum" of the workers' gradients, or "row_mean":
     #: each row's sum divided by the workers that pushed that row (see ps_server.core.accumulator).
     aggregation: str = "mean"
+    #: Hash tables: when a new id becomes a row (None: at its first touch).
+    admission: Admission | None = None
+    #: Hash tables: rows removed when not updated for a while (None: never).
+    expiry: Expiry | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -342,8 +417,13 @@ class VariableSpec:
                                 "take an explicit initial value")
             if self.partitioner != MinSizePartitioner():
                 raise SpecError(f"hash table {self.name!r} is placed by id; it takes no partitioner")
-        elif self.max_rows or self.eviction != "none":
-            raise SpecError(f"max_rows and eviction apply to hash tables only ({self.name!r} is dense)")
+        elif self.max_rows or self.eviction != "none" or self.admission is not None or self.expiry is not None:
+            raise SpecError(f"max_rows, eviction, admission and expiry apply to hash tables only "
+                            f"({self.name!r} is dense)")
+        if self.admission is not None and not isinstance(self.admission, Admission):
+            raise SpecError(f"admission of {self.name!r} must be an Admission, got {self.admission!r}")
+        if self.expiry is not None and not isinstance(self.expiry, Expiry):
+            raise SpecError(f"expiry of {self.name!r} must be an Expiry, got {self.expiry!r}")
         if self.eviction == "lru" and not self.max_rows:
             raise SpecError(f"eviction 'lru' of {self.name!r} needs max_rows > 0")
 

@@ -15,6 +15,8 @@ from wehub_ps.specs import (
     INITIALIZER_KINDS,
     OPTIMIZER_KINDS,
     PARTITIONER_KINDS,
+    Admission,
+    Expiry,
     SpecError,
     VariableSpec,
     as_dict,
@@ -40,6 +42,10 @@ def spec_to_proto(spec: VariableSpec) -> ps_pb2.VariableSpec:
         msg.initializer.seed = seed
     _oneof_to_proto(spec.optimizer, OPTIMIZER_KINDS, msg.optimizer)
     _oneof_to_proto(spec.partitioner, PARTITIONER_KINDS, msg.partitioner)
+    if spec.admission is not None:
+        msg.admission.CopyFrom(ps_pb2.AdmissionSpec(**as_dict(spec.admission)))
+    if spec.expiry is not None:
+        msg.expiry.CopyFrom(ps_pb2.ExpirySpec(**as_dict(spec.expiry)))
     return msg
 
 
@@ -61,7 +67,13 @@ def spec_from_proto(msg: ps_pb2.VariableSpec) -> VariableSpec:
                             initializer=initializer, optimizer=optimizer, partitioner=partitioner,
                             hash_table=msg.hash_table, max_rows=msg.max_rows,
                             eviction=_by_value(_EVICTIONS, msg.eviction, "eviction"),
-                            aggregation=_by_value(_AGGREGATIONS, msg.aggregation, "aggregation"))
+                            aggregation=_by_value(_AGGREGATIONS, msg.aggregation, "aggregation"),
+                            admission=(Admission(min_count=msg.admission.min_count,
+                                                 probability=msg.admission.probability,
+                                                 counters=msg.admission.counters, zeros=msg.admission.zeros)
+                                       if msg.HasField("admission") else None),
+                            expiry=(Expiry(steps=msg.expiry.steps, seconds=msg.expiry.seconds)
+                                    if msg.HasField("expiry") else None))
     except SpecError:
         raise
     except (TypeError, ValueError) as exc:

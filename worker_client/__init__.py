@@ -12,7 +12,9 @@ from wehub_ps.specs import (
     SGD,
     Adagrad,
     Adam,
+    Admission,
     Constant,
+    Expiry,
     GlorotUniform,
     Momentum,
     Normal,
@@ -49,7 +51,7 @@ from worker_client.step import Step
 
 __all__ = [
     "PSClient", "Variable", "ShardInfo", "Step", "ReplicaGroup", "ReplicaStep",
-    "SGD", "Momentum", "Adagrad", "Adam",
+    "SGD", "Momentum", "Adagrad", "Adam", "Admission", "Expiry",
     "Zeros", "Constant", "Uniform", "Normal", "GlorotUniform",
     "MinSizePartitioner", "FixedShardsPartitioner", "MaxSizePartitioner",
     "PSError", "InvalidArgumentError", "ShapeMismatchError", "DTypeMismatchError",

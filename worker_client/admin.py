@@ -96,6 +96,9 @@ def status_table(infos: Sequence[ShardInfo | PSError], health: Sequence[str],
             seen["step"] = max(seen["step"], record["step"])
             seen["seconds_since_seen"] = min(seen["seconds_since_seen"], record["seconds_since_seen"])
     text = _table(shards)
+    tables = _tables_table(answered)
+    if tables:
+        text += "\n\n" + tables
     if workers:
         rows = [["worker", "live", "step", "pushes (shard 0)", "last seen"]]
         for worker_id, record in sorted(workers.items()):
@@ -191,6 +194,19 @@ def _primary_summary(shard: str, statuses: Mapping[str, ReplicaInfo | PSError | 
     if named:
         return f"shard {shard}: NO PRIMARY ANSWERED; the backups name {', '.join(sorted(named))}"
     return f"shard {shard}: NO PRIMARY (an election may be under way)"
+
+
+def _tables_table(infos: Sequence[ShardInfo]) -> str:
+    """Each hash table on each shard: rows held, and what eviction, expiry and admission did."""
+    rows = [["table", "shard", "rows", "evicted", "expired", "admitted", "reads not admitted",
+             "gradient rows dropped"]]
+    for info in infos:
+        for name, v in sorted(info.variables.items()):
+            if v.get("hash_table"):
+                rows.append([name, f"{info.shard_index}/{info.num_shards}", str(v["num_rows"]),
+                             str(v["evicted_rows"]), str(v.get("expired_rows", 0)), str(v.get("admitted_rows", 0)),
+                             str(v.get("unadmitted_reads", 0)), str(v.get("dropped_gradient_rows", 0))])
+    return _table(rows) if len(rows) > 1 else ""
 
 
 def _held(variable: dict[str, Any]) -> bool:

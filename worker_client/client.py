@@ -29,7 +29,7 @@ from wehub_ps.cluster import (
 from wehub_ps.dtypes import is_wire_float, parse_dtype
 from wehub_ps.placement import Partitioner
 from wehub_ps.process import allocator
-from wehub_ps.specs import Initializer, Optimizer
+from wehub_ps.specs import Admission, Expiry, Initializer, Optimizer
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.rpc import DEFAULT_CHUNK_BYTES
 from worker_client.background import BackgroundPushes, PushHandle
@@ -352,6 +352,8 @@ class PSClient:
         max_rows: int = 0,
         eviction: str = "none",
         aggregation: str = "mean",
+        admission: Admission | None = None,
+        expiry: Expiry | None = None,
     ) -> Variable:
         """Create (or return) a hash table of rows keyed by unbounded 64-bit ids.
 
@@ -361,10 +363,18 @@ class PSClient:
         and 'lru' evicts the least recently used ones. ``aggregation`` is as for
         :meth:`create_variable`: 'row_mean' averages each row over the workers
         that pushed it in a sync step.
+
+        ``admission=Admission(min_count=k, probability=p)``: a new id becomes
+        a row only at the training pull that sees it the k-th time (counted
+        in a bounded count-min filter per shard), with probability p; until
+        then pulls answer its initializer's value (or zeros) and pushes drop
+        its gradient. ``expiry=Expiry(steps=n, seconds=s)``: rows not updated
+        for n versions of the table on their shard, or s seconds, are removed
+        by the shard's next sweep (``--expiry-interval``).
         """
         self._background.raise_failure()
         return self._registry.create_embedding(name, dim, dtype, initializer, optimizer, max_rows, eviction,
-                                               aggregation)
+                                               aggregation, admission, expiry)
 
     # ---- pulls and pushes ----
 

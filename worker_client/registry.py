@@ -24,8 +24,10 @@ from wehub_ps.dtypes import dtype_name, parse_dtype
 from wehub_ps.placement import MinSizePartitioner, Partitioner, Placement, hash_shards
 from wehub_ps.specs import (
     SGD,
+    Admission,
     Constant,
     Explicit,
+    Expiry,
     GlorotUniform,
     Initializer,
     Normal,
@@ -254,14 +256,16 @@ class Registry:
 
     def create_embedding(self, name: str, dim: int | Sequence[int], dtype: str | np.dtype,
                          initializer: str | Initializer, optimizer: Optimizer | None, max_rows: int,
-                         eviction: str, aggregation: str) -> Variable:
+                         eviction: str, aggregation: str, admission: Admission | None = None,
+                         expiry: Expiry | None = None) -> Variable:
         """PSClient.create_embedding: a hash table on every shard."""
         row_shape = (dim,) if isinstance(dim, (int, np.integer)) else tuple(dim)
         if isinstance(initializer, str):
             initializer = initializer_from_name(initializer)
         spec = VariableSpec(name=name, shape=row_shape, dtype=dtype, initializer=initializer,
                             optimizer=optimizer if optimizer is not None else SGD(), hash_table=True,
-                            max_rows=max_rows, eviction=eviction, aggregation=aggregation)
+                            max_rows=max_rows, eviction=eviction, aggregation=aggregation,
+                            admission=admission, expiry=expiry)
         results = self._create_everywhere(spec)
         return self._keep(Variable(spec, None, any(r.created for r in results.values())))
 

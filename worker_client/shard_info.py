@@ -48,7 +48,10 @@ def read_describe(address: str, raw: bytes) -> tuple[ShardInfo, list[VariableSpe
         variables[spec.name] = {"row_start": info.row_start, "row_end": info.row_end,
                                 "version": info.version, "initialized": info.initialized,
                                 "optimizer_steps": info.optimizer_steps, "num_rows": info.num_rows,
-                                "evicted_rows": info.evicted_rows, "hash_table": spec.hash_table}
+                                "evicted_rows": info.evicted_rows, "hash_table": spec.hash_table,
+                                "expired_rows": info.expired_rows, "admitted_rows": info.admitted_rows,
+                                "unadmitted_reads": info.unadmitted_reads,
+                                "dropped_gradient_rows": info.dropped_gradient_rows}
     workers = {w.worker_id: {"incarnation": w.incarnation, "live": w.live, "step": w.step,
                              "seconds_since_seen": w.seconds_since_seen, "pushes": w.pushes}
                for w in msg.workers}

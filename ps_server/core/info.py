@@ -23,6 +23,10 @@ class VariableInfo:
 
     num_rows: int = 0
     evicted_rows: int = 0
+    expired_rows: int = 0
+    admitted_rows: int = 0
+    unadmitted_reads: int = 0
+    dropped_gradient_rows: int = 0
 
     @property
     def elements(self) -> int:

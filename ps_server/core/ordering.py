@@ -7,7 +7,8 @@ ordered by the service layer (pushes, variable creation); the one the core
 makes on its own is a pull of hash-table rows, which creates missing rows and
 refreshes the tables' LRU order, and in sync mode the move of the open step
 (applied or jumped over), which a push, a heartbeat or a lease running out
-may cause. The pull planner and the consistency controller report those
+may cause, and an expiry sweep of the tables (its time is the primary's
+clock). The pull planner, the consistency controller and the sweeper report those
 through :class:`ChangeLog`; an unreplicated shard uses :data:`UNLOGGED`.
 """
 
@@ -35,6 +36,10 @@ class ChangeLog(Protocol):
     def sync_step(self, step: int, applied: bool) -> None:
         """Under ``ordered``: the open sync step became ``step`` (``applied``: the one before was applied)."""
 
+    def rows_expired(self, now: float, tables: Sequence[tuple[str, np.ndarray]]) -> None:
+        """Under ``ordered``: an expiry sweep at ``now`` removed these rows (sorted ids) of these tables
+        and stamped their rows updated since the last sweep."""
+
 
 class _Unlogged:
     """An unreplicated shard: changes need no order beyond their locks."""
@@ -46,6 +51,9 @@ class _Unlogged:
         return None
 
     def sync_step(self, step: int, applied: bool) -> None:
+        return None
+
+    def rows_expired(self, now: float, tables: Sequence[tuple[str, np.ndarray]]) -> None:
         return None
 
 

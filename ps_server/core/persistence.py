@@ -55,6 +55,11 @@ class PartSnapshot:
     access_clock: int = 0
     #: Synchronous mode: the open step's sum of gradients (None when empty).
     accumulator: AccumulatorSnapshot | None = None
+    #: Hash tables: what admission and expiry did (row_policies.PolicyCounts, as a dict).
+    policy_counts: dict | None = None
+    #: Hash tables with admission: the count-min filter's counters and its sightings since halving.
+    admission_counts: np.ndarray | None = None
+    admission_sightings: int = 0
 
 
 #: A variable part assembled from checkpoint data: the same fields as a snapshot.

@@ -138,6 +138,33 @@ class VariableStore:
             return [(part.lookup_rows(ids, zeros) if isinstance(part, HashTablePart) else part.read_rows(ids),
                      part.version) for part, ids in reads]
 
+    def has_expiry(self) -> bool:
+        """Whether any table here has expiry (the sweeper's thread idles otherwise)."""
+        return any(isinstance(part, HashTablePart) and part.expiry is not None for part in self.parts())
+
+    def sweep_expiry(self, now: float) -> list[tuple[str, np.ndarray]]:
+        """An expiry sweep of every table with expiry (row_policies); the tables it changed, each with
+        the ids it removed (sorted), for the backups (:meth:`apply_sweep`)."""
+        with self.gate.shared():
+            swept = []
+            for part in self.parts():
+                if isinstance(part, HashTablePart) and part.expiry is not None:
+                    ids, stamped = part.sweep(now)
+                    if len(ids) or stamped:
+                        swept.append((part.spec.name, ids))
+            if swept:
+                self.generation += 1
+            return swept
+
+    def apply_sweep(self, tables: list[tuple[VariablePart | HashTablePart, np.ndarray]], now: float) -> None:
+        """A backup: the primary's sweep at ``now`` of these tables, removing these ids."""
+        with self.gate.shared():
+            for table, ids in tables:
+                if not isinstance(table, HashTablePart):
+                    raise RequestError(Reason.INVALID_REQUEST, f"{table.spec.name!r} is not a hash table")
+                table.apply_sweep(ids, now)
+            self.generation += 1
+
     def pin_rows(self, pins: list[tuple[HashTablePart, np.ndarray]]) -> None:
         """Synchronous mode: create and pin rows of several tables for the open step, all or nothing.
 
@@ -414,7 +441,8 @@ class VariableStore:
                 table = HashTablePart(item.spec, self._table_limit(item.spec), reserve)
                 reserve(table.nbytes)
                 table.load_rows(item.rows, item.version, item.optimizer_steps, item.evicted_rows,
-                                item.access_clock)
+                                item.access_clock, item.policy_counts, item.admission_counts,
+                                item.admission_sightings)
                 table.restore_accumulator(item.accumulator)
                 parts[item.spec.name] = table
             else:

@@ -15,6 +15,12 @@ row; rows of the request itself are never evicted). A refusal happens
 before anything of that request changes (a push that spans several chunks
 keeps its earlier chunks, as every push does; see docs/failure-semantics.md).
 
+A table may also admit new ids only once seen often enough, and remove rows
+not updated for a while (:mod:`ps_server.core.row_policies`). With
+admission, only a training pull makes rows: a pull answers an id not
+admitted with its initializer's value (or zeros) and a push drops the
+gradient of an id without a row, counting both.
+
 Synchronous mode applies a step's row gradients when the step ends, after
 its pushes were acknowledged; so a push's rows are created and pinned when
 the push begins (:meth:`HashTablePart.pin_rows`): a push that would not fit
@@ -38,6 +44,7 @@ from ps_server.core.id_index import IdIndex, index_bytes_for
 from ps_server.core.info import VariableInfo
 from ps_server.core.optimizers import make_kernel
 from ps_server.core.persistence import AccumulatorSnapshot, PartSnapshot
+from ps_server.core.row_policies import NOT_STAMPED, AdmissionFilter, ExpiryRule, PolicyCounts
 from wehub_ps.errors import Reason
 from wehub_ps.initializers import fill_rows
 from wehub_ps.kernels.rowops import put_rows, take_rows
@@ -52,7 +59,7 @@ class RowPlan(NamedTuple):
     """What touching some ids of a table will do (:meth:`HashTablePart.plan`)."""
 
     ids: np.ndarray
-    #: Slot of each id, -1 where it is new.
+    #: Slot of each id, -1 where it is new (and, after carry_out, where it was not admitted).
     slots: np.ndarray
     #: Positions of the new ids in ``ids``.
     missing: np.ndarray
@@ -69,6 +76,9 @@ class RowPlan(NamedTuple):
     transient_bytes: int = 0
     #: Slots eviction must not take: the request's own rows and a synchronous step's pinned ones.
     protect: np.ndarray | None = None
+    #: Admission: the new ids (unique) that get no row, and whether this touch was a sighting of them.
+    waiting: np.ndarray | None = None
+    sighting: bool = False
 
 
 def read_tables_rows(reads: Sequence[tuple["HashTablePart", np.ndarray]],
@@ -99,7 +109,7 @@ def read_tables_rows(reads: Sequence[tuple["HashTablePart", np.ndarray]],
         for table, ids in reads:
             first = taken.get(id(table), 0)
             taken[id(table)] = first + len(ids)
-            out.append(take_rows(table.value, slots[id(table)][first:first + len(ids)]))
+            out.append(table.values_of(ids, slots[id(table)][first:first + len(ids)]))
         return out
 
 
@@ -118,7 +128,7 @@ def pin_tables_rows(pins: Sequence[tuple["HashTablePart", np.ndarray]],
             stack.enter_context(table.lock)
         for table, ids in pins:
             table._check_pin_locked(ids)
-        plans = [table.plan(ids) for table, ids in pins]
+        plans = [table.plan(ids, sighting=False) for table, ids in pins]
         reserve(sum(plan.book_bytes for plan in plans))
         for (table, ids), plan in zip(pins, plans):
             table.carry_out(plan)
@@ -156,6 +166,12 @@ class HashTablePart:
                                              for n in self.kernel.slot_names}
         self.row_steps = np.empty(0, np.int64)
         self.last_access = np.empty(0, np.int64)
+        #: Expiry: each row's version at its last update and its time stamp (row_policies).
+        self.updated_version = np.empty(0, np.int64)
+        self.updated_before = np.empty(0, np.float64)
+        self.admission = AdmissionFilter(spec.admission, spec.name) if spec.admission is not None else None
+        self.expiry = ExpiryRule(spec.expiry) if spec.expiry is not None else None
+        self.policy_counts = PolicyCounts()
         self._clock = 0
         self.version = 0
         self.optimizer_steps = 0
@@ -180,14 +196,16 @@ class HashTablePart:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes per row of capacity: value, slots, row step, last access, id, free-stack entry."""
+        """Bytes per row of capacity: value, slots, row step, last access, id, free-stack entry,
+        update version and stamp."""
         return (self.row_elements * (self.spec.dtype.itemsize + self.compute_dtype.itemsize * len(self.slots))
-                + 32)
+                + 48)
 
     def nbytes_for(self, capacity: int) -> int:
-        """Bytes booked for ``capacity`` rows: the rows, and the id index counted twice (a
-        rebuild of the index holds the old and the new buckets at once)."""
-        return capacity * self.row_bytes + 2 * index_bytes_for(capacity)
+        """Bytes booked for ``capacity`` rows: the rows, the id index counted twice (a
+        rebuild of the index holds the old and the new buckets at once), the admission filter."""
+        fixed = AdmissionFilter.nbytes_for(self.spec.admission) if self.spec.admission is not None else 0
+        return capacity * self.row_bytes + 2 * index_bytes_for(capacity) + fixed
 
     @property
     def nbytes(self) -> int:
@@ -196,10 +214,25 @@ class HashTablePart:
     # ---- row access ----
 
     def read_rows(self, ids: np.ndarray) -> np.ndarray:
-        """Values of unique ``ids`` (creating missing rows), shape (len(ids), row elements)."""
+        """Values of unique ``ids`` (creating missing rows, as admitted), shape (len(ids), row elements)."""
         with self.lock:
             slots = self._slots_for(ids)
+            return self.values_of(ids, slots)
+
+    def values_of(self, ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """The rows at ``slots`` (lock held); an id without a row (-1: not admitted) gets what
+        admission answers for it, its initializer's value or zeros."""
+        if self.admission is None or not len(slots) or slots.min() >= 0:
             return take_rows(self.value, slots)
+        present = slots >= 0
+        out = np.zeros((len(ids), self.row_elements), self.value.dtype)
+        out[present] = take_rows(self.value, slots[present])
+        missing = np.flatnonzero(~present)
+        if not self.spec.admission.zeros:
+            rows = np.empty((missing.size, self.row_elements), np.float64)
+            fill_rows(self.spec.initializer, self.spec.shape, ids[missing], rows)
+            out[missing] = rows
+        return out
 
     def lookup_rows(self, ids: np.ndarray, zeros: bool) -> np.ndarray:
         """Values of unique ``ids`` without changing the table: a missing id gets the initializer's
@@ -242,8 +275,16 @@ class HashTablePart:
     def _apply_rows_locked(self, ids: np.ndarray, grads: np.ndarray) -> None:
         compute = self.compute_dtype
         grads = grads.astype(compute, copy=False)
-        slots = self._slots_for(ids)
+        slots = self._slots_for(ids, sighting=False)
+        if len(slots) and slots.min() < 0:  # admission: ids without a row take no gradient
+            kept = slots >= 0
+            self.policy_counts.dropped_gradient_rows += int(len(slots) - np.count_nonzero(kept))
+            slots, grads = slots[kept], grads[kept]
+            if not len(slots):
+                return
         self.row_steps[slots] += 1
+        self.updated_version[slots] = self.version + 1  # the version this update makes
+        self.updated_before[slots] = NOT_STAMPED
         if self.value.dtype == compute and self.kernel.update_rows(self.value, slots, grads):
             return  # updated where the rows lie, one pass (ps_server/core/fused.py)
         w = take_rows(self.value, slots).astype(compute, copy=False)
@@ -335,35 +376,52 @@ class HashTablePart:
     def info(self) -> VariableInfo:
         with self.lock:
             return VariableInfo(self.spec, 0, 0, self.version, True, self.optimizer_steps,
-                                self.num_rows, self.evicted_rows)
+                                self.num_rows, self.evicted_rows, **self.policy_counts.as_dict())
 
     def snapshot(self):
         with self.lock:
             return PartSnapshot(self.spec, 0, 0, True, self.version, self.optimizer_steps, True,
                                 np.empty(0, self.spec.dtype), {}, rows=self._rows_snapshot_locked(),
                                 evicted_rows=self.evicted_rows, accumulator=self.accumulator.snapshot(),
-                                access_clock=self._clock)
+                                access_clock=self._clock, policy_counts=self.policy_counts.as_dict(),
+                                admission_counts=(self.admission.counts.copy() if self.admission else None),
+                                admission_sightings=self.admission.sightings if self.admission else 0)
 
     # ---- internals (lock held) ----
 
-    def _slots_for(self, ids: np.ndarray) -> np.ndarray:
-        """Slot of each id, creating rows for new ids (all or nothing)."""
-        plan = self.plan(ids)
+    def _slots_for(self, ids: np.ndarray, sighting: bool = True) -> np.ndarray:
+        """Slot of each id, creating rows for new ids (all or nothing); -1 for ids admission
+        gives no row (``sighting``: a training pull, which admission counts)."""
+        plan = self.plan(ids, sighting)
         if plan.book_bytes:
             self.reserve(plan.book_bytes)  # may refuse: nothing changed yet
         return self.carry_out(plan)
 
-    def plan(self, ids: np.ndarray) -> "RowPlan":
-        """What reading ``ids`` will create, evict and grow, checked against the row limit.
+    def plan(self, ids: np.ndarray, sighting: bool = True) -> "RowPlan":
+        """What touching ``ids`` will create, evict and grow, checked against the row limit.
 
-        Changes nothing (the lock must stay held until :meth:`carry_out`);
-        raises MEMORY_LIMIT when the table may not take the new rows.
+        ``sighting``: a training pull. With admission, only a sighting may
+        make rows, of the ids it admits; other touches (pushes, a sync
+        step's pins) make none. Changes nothing (the lock must stay held
+        until :meth:`carry_out`); raises MEMORY_LIMIT when the table may not
+        take the new rows.
         """
         slots = self._index.lookup(ids)
         missing = np.flatnonzero(slots < 0)
         if not missing.size:
             return RowPlan(ids, slots, missing, None, None, 0, self.capacity, 0)
         new_ids, inverse = np.unique(ids[missing], return_inverse=True)  # a repeated new id: one row
+        waiting = None
+        if self.admission is not None:
+            admit = (self.admission.decide(new_ids, self._clock + 1) if sighting
+                     else np.zeros(len(new_ids), bool))
+            waiting = new_ids[~admit]
+            taken = admit[inverse]
+            missing, inverse = missing[taken], (np.cumsum(admit) - 1)[inverse[taken]]
+            new_ids = new_ids[admit]
+            if not len(new_ids):
+                return RowPlan(ids, slots, missing, None, None, 0, self.capacity, 0, waiting=waiting,
+                               sighting=sighting)
         needed = len(new_ids)
         protect = slots[slots >= 0]
         if len(self._pinned):  # the open synchronous step's rows stay
@@ -394,7 +452,7 @@ class HashTablePart:
         transient = self.capacity * self.row_bytes if capacity > self.capacity else 0
         book = self.nbytes_for(capacity) - self.nbytes + transient
         return RowPlan(ids, slots, missing, new_ids, inverse.reshape(-1), evict, capacity, book, transient,
-                       protect)
+                       protect, waiting, sighting)
 
     def carry_out(self, plan: "RowPlan") -> np.ndarray:
         """Create, evict and grow as planned (``plan.book_bytes`` already booked); the slots of the ids."""
@@ -406,7 +464,15 @@ class HashTablePart:
                 if plan.transient_bytes:
                     self.reserve(-plan.transient_bytes)  # the old arrays are gone
             slots[plan.missing] = self._create(plan.new_ids, plan.evict, plan.protect)[plan.inverse]
-        self.last_access[slots] = self._clock
+            if self.admission is not None:
+                self.policy_counts.admitted_rows += len(plan.new_ids)
+        if plan.waiting is not None and plan.sighting and len(plan.waiting):
+            self.admission.count(plan.waiting)
+            self.policy_counts.unadmitted_reads += len(plan.waiting)
+        if self.admission is not None and len(slots) and slots.min() < 0:
+            self.last_access[slots[slots >= 0]] = self._clock
+        else:
+            self.last_access[slots] = self._clock
         return slots
 
     def _create(self, new_ids: np.ndarray, evict: int, protect: np.ndarray) -> np.ndarray:
@@ -426,6 +492,8 @@ class HashTablePart:
             self.kernel.init_slot(name, fresh)
             arr[slots] = fresh
         self.row_steps[slots] = 0
+        self.updated_version[slots] = self.version
+        self.updated_before[slots] = NOT_STAMPED
         return slots
 
     def _evict(self, count: int, protect: np.ndarray) -> None:
@@ -442,9 +510,49 @@ class HashTablePart:
         tied = candidates[access == threshold]
         tied = tied[np.argsort(self.ids[tied], kind="stable")][:count - len(older)]
         victims = np.concatenate([older, tied])
-        self._index.remove(self.ids[victims])
-        self._free = np.concatenate([self._free, victims])
+        self._remove(victims)
         self.evicted_rows += len(victims)
+
+    def _remove(self, slots: np.ndarray) -> None:
+        """Drop the rows at ``slots``: their ids leave the index, the slots become free."""
+        self._index.remove(self.ids[slots])
+        self._free = np.concatenate([self._free, slots])
+
+    # ---- expiry ----
+
+    def sweep(self, now: float) -> tuple[np.ndarray, bool]:
+        """An expiry sweep at ``now`` (the primary's): remove the rows due, stamp those updated since
+        the last sweep. Returns the removed ids (sorted) and whether any row was stamped; the
+        caller logs both for the backups, which apply them with :meth:`apply_sweep`."""
+        if self.expiry is None:
+            return np.empty(0, np.int64), False
+        with self.lock:
+            live = self._index.live_slots()
+            due = self.expiry.due(self.version, self.updated_version[live], self.updated_before[live], now)
+            victims = live[due]
+            if len(self._pinned) and len(victims):  # the open synchronous step updates them
+                victims = victims[~np.isin(self.ids[victims], self._pinned)]
+            ids = np.sort(self.ids[victims])
+            stamped = self._sweep_locked(ids, now)
+            return ids, stamped
+
+    def apply_sweep(self, ids: np.ndarray, now: float) -> None:
+        """A sweep the primary made: remove rows ``ids`` (unique; those still here) and stamp."""
+        with self.lock:
+            self._sweep_locked(ids, now)
+
+    def _sweep_locked(self, ids: np.ndarray, now: float) -> bool:
+        if len(ids):
+            slots = self._index.lookup(ids)
+            slots = slots[slots >= 0]
+            self._remove(slots)
+            self.policy_counts.expired_rows += len(slots)
+        if self.expiry is None or not self.expiry.expiry.seconds:
+            return False
+        live = self._index.live_slots()
+        fresh = live[self.updated_before[live] == NOT_STAMPED]
+        self.updated_before[fresh] = now
+        return bool(len(fresh))
 
     def _grow(self, new_capacity: int) -> None:
         """Grow every array (and the id index) to ``new_capacity`` rows; the caller booked the bytes."""
@@ -460,6 +568,8 @@ class HashTablePart:
         self.slots = {name: grown(arr) for name, arr in self.slots.items()}
         self.row_steps = grown(self.row_steps)
         self.last_access = grown(self.last_access)
+        self.updated_version = grown(self.updated_version)
+        self.updated_before = grown(self.updated_before)
         self._free = np.concatenate([self._free, np.arange(new_capacity - 1, old - 1, -1, dtype=np.int64)])
         self.capacity = new_capacity
         self._index.reserve(new_capacity)
@@ -476,14 +586,18 @@ class HashTablePart:
         order = np.argsort(self.ids[slots], kind="stable")
         slots = slots[order]
         out = {"ids": self.ids[slots].copy(), "value": self.value[slots].copy(),
-               "row_steps": self.row_steps[slots].copy(), "last_access": self.last_access[slots].copy()}
+               "row_steps": self.row_steps[slots].copy(), "last_access": self.last_access[slots].copy(),
+               "updated_version": self.updated_version[slots].copy(),
+               "updated_before": self.updated_before[slots].copy()}
         for name, arr in self.slots.items():
             out[f"slot:{name}"] = arr[slots].copy()
         return out
 
     def load_rows(self, rows: dict[str, np.ndarray], version: int, optimizer_steps: int, evicted: int,
-                  access_clock: int = 0) -> None:
-        """Install rows from a checkpoint (before serving)."""
+                  access_clock: int = 0, policy_counts: dict | None = None,
+                  admission_counts: np.ndarray | None = None, admission_sightings: int = 0) -> None:
+        """Install rows from a checkpoint (before serving); a checkpoint from before expiry stamps
+        counts its rows as updated at its version, and since the last sweep."""
         with self.lock:
             count = len(rows["ids"])
             capacity = max(_MIN_CAPACITY, count)
@@ -497,6 +611,11 @@ class HashTablePart:
                 arr[slots] = rows[f"slot:{name}"].reshape(count, self.row_elements)
             self.row_steps[slots] = rows["row_steps"]
             self.last_access[slots] = rows["last_access"]
+            self.updated_version[slots] = rows.get("updated_version", version)
+            self.updated_before[slots] = rows.get("updated_before", NOT_STAMPED)
+            self.policy_counts = PolicyCounts.from_dict(policy_counts)
+            if self.admission is not None:
+                self.admission.load(admission_counts, admission_sightings)
             self._clock = max(access_clock, int(rows["last_access"].max()) if count else 0)
             self._index.insert(rows["ids"], slots)
             self.version, self.optimizer_steps, self.evicted_rows = version, optimizer_steps, evicted

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ps_server.core.persistence import AccumulatorSnapshot, LoadedPart
+from ps_server.core.row_policies import PolicyCounts, merge_admission_counts
 from ps_server.durability.format import CheckpointError, tensor_name
 from wehub_ps.placement import hash_shards, rows_of
 from wehub_ps.specs import Explicit, VariableSpec
@@ -74,12 +75,15 @@ def _assemble_table(spec: VariableSpec, sources: list[Source], handles: dict[int
                     num_shards: int) -> LoadedPart:
     """This shard's rows of a hash table: the old shards' rows whose id now maps here."""
     gathered: dict[str, list[np.ndarray]] = {}
+    version = max(e["version"] for _, e in sources)
     for old_index, entry in sources:
         keys = entry["rows"] or []
         arrays = {key: handles[old_index].get_tensor(tensor_name(spec.name, f"rows:{key}")) for key in keys}
         if not arrays:
             continue
         mine = hash_shards(arrays["ids"], num_shards) == shard_index
+        if "updated_version" in arrays:  # rows keep how many versions ago they were updated
+            arrays["updated_version"] = arrays["updated_version"] + (version - int(entry["version"]))
         for key, values in arrays.items():
             gathered.setdefault(key, []).append(values[mine])
     rows = {key: np.concatenate(parts) for key, parts in gathered.items()}
@@ -88,12 +92,24 @@ def _assemble_table(spec: VariableSpec, sources: list[Source], handles: dict[int
     holders = [e for _, e in sources]
     # Each old shard's eviction count goes to exactly one new shard, so the total is kept.
     evicted = sum(e.get("evicted_rows", 0) for old, e in sources if old % num_shards == shard_index)
+    counts = [PolicyCounts.from_dict(e.get("policy_counts")) for old, e in sources
+              if old % num_shards == shard_index]
+    policy = {key: sum(c.as_dict()[key] for c in counts) for key in PolicyCounts().as_dict()}
+    filters = {old: handles[old].get_tensor(tensor_name(spec.name, "admission:counts"))
+               for old, e in sources if "admission_sightings" in e}
+    same_layout = len(sources) == num_shards
     return LoadedPart(spec, 0, 0, True,
-                      version=max(e["version"] for e in holders),
+                      version=version,
                       optimizer_steps=max(e["optimizer_steps"] for e in holders),
                       initialized=True, value=np.empty(0, spec.dtype), slots={}, rows=rows,
                       evicted_rows=evicted,
-                      access_clock=max(int(e.get("access_clock", 0)) for e in holders))
+                      access_clock=max(int(e.get("access_clock", 0)) for e in holders),
+                      policy_counts=policy,
+                      # The same shard count: this shard's own filter; else every old one's, summed.
+                      admission_counts=(filters.get(shard_index) if same_layout
+                                        else merge_admission_counts(list(filters.values()))),
+                      admission_sightings=max((int(e.get("admission_sightings", 0)) for e in holders),
+                                              default=0))
 
 
 def _copy_rows(spec: VariableSpec, row_start: int, row_end: int, row_elements: int, slot_names: list[str],

@@ -128,6 +128,11 @@ def _save_part(part: PartSnapshot, tensors: dict[str, np.ndarray]) -> dict[str, 
     if part.rows is not None:
         for key, values in part.rows.items():
             tensors[tensor_name(name, f"rows:{key}")] = values
+        if part.policy_counts is not None:
+            entry["policy_counts"] = part.policy_counts
+        if part.admission_counts is not None:
+            tensors[tensor_name(name, "admission:counts")] = part.admission_counts
+            entry["admission_sightings"] = part.admission_sightings
     elif part.holds_part:
         tensors[tensor_name(name)] = part.value
         for slot, values in part.slots.items():

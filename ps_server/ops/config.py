@@ -110,6 +110,7 @@ class ServerConfig:
     drain_timeout: float = 30.0
     checkpoint_interval: float = 300.0
     keep_checkpoints: int = 3
+    expiry_interval: float = 1.0
     worker_lease: float = 30.0
     max_rows: int = 0
     consistency: str = "async"
@@ -181,6 +182,8 @@ class ServerConfig:
                             ("--checkpoint-interval", self.checkpoint_interval)):
             if not math.isfinite(value) or value < 0:
                 raise ConfigError(f"{flag} must be a number >= 0, got {value}")
+        if not (math.isfinite(self.expiry_interval) and 0.01 <= self.expiry_interval <= 86400):
+            raise ConfigError(f"--expiry-interval must be in [0.01, 86400] seconds, got {self.expiry_interval}")
         if self.keep_checkpoints < 1:
             raise ConfigError(f"--keep-checkpoints must be at least 1, got {self.keep_checkpoints}")
         if not math.isfinite(self.worker_lease) or self.worker_lease <= 0:
@@ -298,6 +301,8 @@ _HELP = {
     "drain_timeout": "seconds to let pushes in flight finish on SIGTERM",
     "checkpoint_interval": "seconds between periodic checkpoints (with --checkpoint-dir); 0 = only on request and SIGTERM",
     "keep_checkpoints": "checkpoints of this shard to keep",
+    "expiry_interval": "seconds between sweeps of the hash tables that have expiry (a row is removed at "
+                       "most this long after it is due)",
     "worker_lease": "seconds a worker stays live without a heartbeat",
     "max_rows": "rows per hash table on this shard at most; 0 = bounded by memory only",
     "consistency": "async (apply every push at once), ssp (bounded staleness) or sync (aggregate each step)",

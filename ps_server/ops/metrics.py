@@ -17,7 +17,7 @@ from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 __all__ = ["Metrics"]
@@ -53,6 +53,11 @@ class Metrics:
         self.checkpoint_age.set_function(lambda: time.time() - self._last_checkpoint)
         self.restored_version = Gauge("wehub_ps_restored_version", "Version of each variable restored from "
                                       "the checkpoint at start", ["variable"], registry=r)
+
+    def watch_tables(self, describe: Callable[[], Sequence]) -> None:
+        """Export the hash tables' rows and policy counts, read from ``describe()`` (the store's
+        VariableInfo list) at each scrape."""
+        self.registry.register(HashTableCollector(describe))
 
     def checkpoint_written(self, seconds: float) -> None:
         self.checkpoint_seconds.observe(seconds)
@@ -109,6 +114,44 @@ class Metrics:
         httpd.shutdown()  # returns once serve_forever has left its loop
         httpd.server_close()
         thread.join()
+
+
+class HashTableCollector:
+    """Per hash table on this shard: rows held, and the rows eviction, expiry and admission counted.
+
+    Read from the store when scraped, so nothing is counted twice; the
+    labels are the tables' names (bounded by --max-variables).
+    """
+
+    #: (metric name, VariableInfo field, help) of each counter.
+    COUNTERS = (
+        ("wehub_ps_table_evicted_rows", "evicted_rows", "Rows evicted at max_rows (LRU)"),
+        ("wehub_ps_table_expired_rows", "expired_rows", "Rows removed by expiry"),
+        ("wehub_ps_table_admitted_rows", "admitted_rows", "Ids admitted as rows"),
+        ("wehub_ps_table_unadmitted_reads", "unadmitted_reads",
+         "Pull answers for ids not admitted yet (no row made)"),
+        ("wehub_ps_table_dropped_gradient_rows", "dropped_gradient_rows",
+         "Gradient rows dropped because their id had no row"),
+    )
+
+    def __init__(self, describe: Callable[[], Sequence]) -> None:
+        self._describe = describe
+
+    def describe(self) -> list:
+        return []  # the families depend on the tables: not checked at registration
+
+    def collect(self) -> Iterator:
+        tables = [info for info in self._describe() if info.spec.hash_table]
+        rows = GaugeMetricFamily("wehub_ps_table_rows", "Rows of each hash table held on this shard",
+                                 labels=["variable"])
+        for info in tables:
+            rows.add_metric([info.spec.name], info.num_rows)
+        yield rows
+        for name, attr, documentation in self.COUNTERS:
+            family = CounterMetricFamily(name, documentation, labels=["variable"])
+            for info in tables:
+                family.add_metric([info.spec.name], getattr(info, attr))
+            yield family
 
 
 class VariableOutcomeCounter:

@@ -46,7 +46,7 @@ from wehub_ps.wire.protowire import CodecError
 from wehub_ps.wire.replication import PushView, RecordView, other_op, push_op
 
 __all__ = ["Divergence", "OpenPushes", "RecordApplier", "checkpoint", "consistency_state", "finish", "push_applied",
-           "push_decided", "push_ended", "rows_read", "sync_step", "variable_created"]
+           "push_decided", "push_ended", "rows_expired", "rows_read", "sync_step", "variable_created"]
 
 #: Bytes a record costs beyond its payload (headers, the begin of a small push).
 RECORD_OVERHEAD = 128
@@ -72,6 +72,10 @@ def push_ended(stream: int, begin: ps_pb2.PushBegin | None, completed: bool) -> 
 
 def rows_read(reads: list[tuple[str, np.ndarray]]) -> Op:
     return _small(ps_pb2.ReplicationRecord(rows_read=ps_pb2.TableRowsRead(tables=_table_rows(reads))))
+
+
+def rows_expired(now: float, tables: list[tuple[str, np.ndarray]]) -> Op:
+    return _small(ps_pb2.ReplicationRecord(rows_expired=ps_pb2.RowsExpired(time=now, tables=_table_rows(tables))))
 
 
 def push_decided(stream: int, step: int, accumulate: bool, pins: list[tuple[str, np.ndarray]]) -> Op:
@@ -206,6 +210,9 @@ class RecordApplier:
                 self._push_end(record.other.push_end)
             elif op == "rows_read":
                 self._store.read_rows(self._tables(record.other.rows_read.tables))
+            elif op == "rows_expired":
+                expired = record.other.rows_expired
+                self._store.apply_sweep(self._tables(expired.tables), expired.time)
             elif op == "sync_decision":
                 self._sync_decision(record.other.sync_decision)
             elif op == "sync_step":

@@ -637,6 +637,9 @@ class ReplicaRole:
     def table_rows_read(self, reads: list[tuple[str, np.ndarray]]) -> None:
         self._append(*records.rows_read(reads))
 
+    def rows_expired(self, now: float, tables: list[tuple[str, np.ndarray]]) -> None:
+        self._append(*records.rows_expired(now, tables))
+
     def _append(self, op: list, nbytes: int) -> int:
         assert self._log is not None
         return self._log.append(op, nbytes)

@@ -20,7 +20,10 @@ def variable_info(info: VariableInfo) -> ps_pb2.VariableInfo:
     return ps_pb2.VariableInfo(spec=spec_to_proto(info.spec), row_start=info.row_start,
                                row_end=info.row_end, version=info.version,
                                initialized=info.initialized, optimizer_steps=info.optimizer_steps,
-                               num_rows=info.num_rows, evicted_rows=info.evicted_rows)
+                               num_rows=info.num_rows, evicted_rows=info.evicted_rows,
+                               expired_rows=info.expired_rows, admitted_rows=info.admitted_rows,
+                               unadmitted_reads=info.unadmitted_reads,
+                               dropped_gradient_rows=info.dropped_gradient_rows)
 
 
 def checkpoint_info(record: CheckpointRecord) -> ps_pb2.CheckpointInfo:

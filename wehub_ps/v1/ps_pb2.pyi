@@ -209,7 +209,7 @@ class PartitionerSpec(_message.Message):
     def __init__(self, min_size: _Optional[_Union[MinSizePartitionerSpec, _Mapping]] = ..., fixed_shards: _Optional[_Union[FixedShardsPartitionerSpec, _Mapping]] = ..., max_size: _Optional[_Union[MaxSizePartitionerSpec, _Mapping]] = ...) -> None: ...
 
 class VariableSpec(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "initializer", "optimizer", "partitioner", "hash_table", "max_rows", "eviction", "aggregation")
+    __slots__ = ("name", "shape", "dtype", "initializer", "optimizer", "partitioner", "hash_table", "max_rows", "eviction", "aggregation", "admission", "expiry")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,8 @@ class VariableSpec(_message.Message):
     MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
     EVICTION_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    EXPIRY_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DataType
@@ -230,10 +232,32 @@ class VariableSpec(_message.Message):
     max_rows: int
     eviction: Eviction
     aggregation: Aggregation
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DataType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., partitioner: _Optional[_Union[PartitionerSpec, _Mapping]] = ..., hash_table: _Optional[bool] = ..., max_rows: _Optional[int] = ..., eviction: _Optional[_Union[Eviction, str]] = ..., aggregation: _Optional[_Union[Aggregation, str]] = ...) -> None: ...
+    admission: AdmissionSpec
+    expiry: ExpirySpec
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DataType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., partitioner: _Optional[_Union[PartitionerSpec, _Mapping]] = ..., hash_table: _Optional[bool] = ..., max_rows: _Optional[int] = ..., eviction: _Optional[_Union[Eviction, str]] = ..., aggregation: _Optional[_Union[Aggregation, str]] = ..., admission: _Optional[_Union[AdmissionSpec, _Mapping]] = ..., expiry: _Optional[_Union[ExpirySpec, _Mapping]] = ...) -> None: ...
+
+class AdmissionSpec(_message.Message):
+    __slots__ = ("min_count", "probability", "counters", "zeros")
+    MIN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    ZEROS_FIELD_NUMBER: _ClassVar[int]
+    min_count: int
+    probability: float
+    counters: int
+    zeros: bool
+    def __init__(self, min_count: _Optional[int] = ..., probability: _Optional[float] = ..., counters: _Optional[int] = ..., zeros: _Optional[bool] = ...) -> None: ...
+
+class ExpirySpec(_message.Message):
+    __slots__ = ("steps", "seconds")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    seconds: float
+    def __init__(self, steps: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class VariableInfo(_message.Message):
-    __slots__ = ("spec", "row_start", "row_end", "version", "initialized", "optimizer_steps", "num_rows", "evicted_rows")
+    __slots__ = ("spec", "row_start", "row_end", "version", "initialized", "optimizer_steps", "num_rows", "evicted_rows", "expired_rows", "admitted_rows", "unadmitted_reads", "dropped_gradient_rows")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     ROW_START_FIELD_NUMBER: _ClassVar[int]
     ROW_END_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +266,10 @@ class VariableInfo(_message.Message):
     OPTIMIZER_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    UNADMITTED_READS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_GRADIENT_ROWS_FIELD_NUMBER: _ClassVar[int]
     spec: VariableSpec
     row_start: int
     row_end: int
@@ -250,7 +278,11 @@ class VariableInfo(_message.Message):
     optimizer_steps: int
     num_rows: int
     evicted_rows: int
-    def __init__(self, spec: _Optional[_Union[VariableSpec, _Mapping]] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., optimizer_steps: _Optional[int] = ..., num_rows: _Optional[int] = ..., evicted_rows: _Optional[int] = ...) -> None: ...
+    expired_rows: int
+    admitted_rows: int
+    unadmitted_reads: int
+    dropped_gradient_rows: int
+    def __init__(self, spec: _Optional[_Union[VariableSpec, _Mapping]] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., optimizer_steps: _Optional[int] = ..., num_rows: _Optional[int] = ..., evicted_rows: _Optional[int] = ..., expired_rows: _Optional[int] = ..., admitted_rows: _Optional[int] = ..., unadmitted_reads: _Optional[int] = ..., dropped_gradient_rows: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ("any_replica",)
@@ -743,7 +775,7 @@ class SnapshotFile(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., last: _Optional[bool] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ReplicationRecord(_message.Message):
-    __slots__ = ("sequence", "push", "push_end", "rows_read", "created", "consistency", "finish", "checkpoint", "sync_decision", "sync_step")
+    __slots__ = ("sequence", "push", "push_end", "rows_read", "created", "consistency", "finish", "checkpoint", "sync_decision", "sync_step", "rows_expired")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     PUSH_END_FIELD_NUMBER: _ClassVar[int]
@@ -754,6 +786,7 @@ class ReplicationRecord(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     SYNC_DECISION_FIELD_NUMBER: _ClassVar[int]
     SYNC_STEP_FIELD_NUMBER: _ClassVar[int]
+    ROWS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     push: PushApplied
     push_end: PushEnded
@@ -764,7 +797,16 @@ class ReplicationRecord(_message.Message):
     checkpoint: bool
     sync_decision: SyncDecision
     sync_step: SyncStep
-    def __init__(self, sequence: _Optional[int] = ..., push: _Optional[_Union[PushApplied, _Mapping]] = ..., push_end: _Optional[_Union[PushEnded, _Mapping]] = ..., rows_read: _Optional[_Union[TableRowsRead, _Mapping]] = ..., created: _Optional[_Union[VariableSpec, _Mapping]] = ..., consistency: _Optional[str] = ..., finish: _Optional[bool] = ..., checkpoint: _Optional[bool] = ..., sync_decision: _Optional[_Union[SyncDecision, _Mapping]] = ..., sync_step: _Optional[_Union[SyncStep, _Mapping]] = ...) -> None: ...
+    rows_expired: RowsExpired
+    def __init__(self, sequence: _Optional[int] = ..., push: _Optional[_Union[PushApplied, _Mapping]] = ..., push_end: _Optional[_Union[PushEnded, _Mapping]] = ..., rows_read: _Optional[_Union[TableRowsRead, _Mapping]] = ..., created: _Optional[_Union[VariableSpec, _Mapping]] = ..., consistency: _Optional[str] = ..., finish: _Optional[bool] = ..., checkpoint: _Optional[bool] = ..., sync_decision: _Optional[_Union[SyncDecision, _Mapping]] = ..., sync_step: _Optional[_Union[SyncStep, _Mapping]] = ..., rows_expired: _Optional[_Union[RowsExpired, _Mapping]] = ...) -> None: ...
+
+class RowsExpired(_message.Message):
+    __slots__ = ("time", "tables")
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    time: float
+    tables: _containers.RepeatedCompositeFieldContainer[TableRows]
+    def __init__(self, time: _Optional[float] = ..., tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ...) -> None: ...
 
 class SyncDecision(_message.Message):
     __slots__ = ("stream", "step", "accumulate", "tables")

@@ -337,7 +337,7 @@ def test_lru_keeps_num_rows_bounded_under_many_accesses():
 def test_growth_books_memory_through_the_reserve_callback():
     reserve = Reserve()
     table = _table(reserve=reserve, optimizer=Adam())
-    row_bytes = 4 * (4 + 4 * 2) + 32  # value + m + v, plus row step, last access, id, free-stack entry
+    row_bytes = 4 * (4 + 4 * 2) + 48  # value + m + v; row step, last access, id, free-stack entry, updated version and stamp
     assert table.row_bytes == row_bytes
     empty = table.nbytes  # booked by the store when it creates the table
     table.read_rows(_ids(1))
@@ -434,7 +434,8 @@ def test_rows_snapshot_is_a_sorted_compact_copy():
     snap = table.rows_snapshot()
     n = table.num_rows
     assert list(snap["ids"]) == sorted(snap["ids"]) and len(snap["ids"]) == n
-    assert set(snap) == {"ids", "value", "row_steps", "last_access", "slot:m", "slot:v"}
+    assert set(snap) == {"ids", "value", "row_steps", "last_access", "updated_version", "updated_before",
+                         "slot:m", "slot:v"}
     assert snap["value"].shape == (n, 4) and snap["slot:m"].shape == (n, 4)
     np.testing.assert_array_equal(snap["value"], table.read_rows(snap["ids"]))
     # A copy: later updates do not show through.
