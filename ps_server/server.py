@@ -83,6 +83,7 @@ class PSServer:
         if config.checkpoint_dir:
             checkpointer = Checkpointer(self.store, self.ledger, config.checkpoint_dir, self.server_id,
                                         keep=config.keep_checkpoints, interval=config.checkpoint_interval,
+                                        full_every=config.full_checkpoint_every,
                                         persist_open_pushes=config.consistency != "sync",
                                         on_written=self.metrics.checkpoint_written,
                                         consistency_state=self.consistency.snapshot)
@@ -234,7 +235,7 @@ class PSServer:
             # Give the new layout a checkpoint of its own right away.
             self.checkpointer.checkpoint("resharded")
         else:
-            self.checkpointer.mark_restored()
+            self.checkpointer.mark_restored(restored.chain)
 
     def install(self, restored: RestoredState) -> None:
         """Replace the shard's state with a restored one (a checkpoint, or a replica's snapshot)."""

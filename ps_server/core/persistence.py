@@ -60,6 +60,9 @@ class PartSnapshot:
     #: Hash tables with admission: the count-min filter's counters and its sightings since halving.
     admission_counts: np.ndarray | None = None
     admission_sightings: int = 0
+    #: A delta's hash table (checkpoints by change): ``rows`` holds only the rows changed since the
+    #: previous checkpoint, and these ids were removed since. None: ``rows`` holds every row.
+    removed_ids: np.ndarray | None = None
 
 
 #: A variable part assembled from checkpoint data: the same fields as a snapshot.

@@ -32,7 +32,7 @@ import numpy as np
 from wehub_ps.placement import splitmix64, stable_hash64
 from wehub_ps.specs import Admission, Expiry
 
-__all__ = ["AdmissionFilter", "ExpiryRule", "NOT_STAMPED", "PolicyCounts", "merge_admission_counts"]
+__all__ = ["NOT_STAMPED", "AdmissionFilter", "ExpiryRule", "PolicyCounts", "merge_admission_counts"]
 
 #: Hash rows of the count-min filter.
 DEPTH = 4
@@ -59,7 +59,7 @@ class PolicyCounts:
                 "dropped_gradient_rows": self.dropped_gradient_rows, "expired_rows": self.expired_rows}
 
     @classmethod
-    def from_dict(cls, saved: dict | None) -> "PolicyCounts":
+    def from_dict(cls, saved: dict | None) -> PolicyCounts:
         saved = saved or {}
         return cls(**{key: int(saved.get(key, 0)) for key in cls().as_dict()})
 

@@ -106,6 +106,9 @@ class VariableStore:
         """:meth:`hold` without the handle: give the bytes back with ``book(-nbytes, what)``."""
         self._memory.book(nbytes, what)
 
+    #: How many times :meth:`restore` replaced the content (a checkpoint chain breaks there).
+    restores = 0
+
     def _changed(self) -> None:
         self.generation += 1
 
@@ -419,6 +422,29 @@ class VariableStore:
         """Copies of every part; call with the gate held exclusive for a consistent instant."""
         return [part.snapshot() for part in self.parts()]
 
+    def checkpoint_snapshot(self, delta: bool) -> tuple[list[PartSnapshot], bool]:
+        """A checkpoint's copies (the gate held exclusive), and whether they are a delta.
+
+        ``delta``: the tables give only their rows changed since the last
+        checkpoint snapshot, and the ids removed since; when a table did not
+        keep all of those, every part is copied whole instead. Either way the
+        tables count their changes afresh from this instant.
+        """
+        parts = self.parts()
+        snapshots = None
+        if delta:
+            snapshots = [part.delta_snapshot() if isinstance(part, HashTablePart) else part.snapshot()
+                         for part in parts]
+            if any(s is None for s in snapshots):
+                snapshots = None
+        whole = snapshots is None
+        if whole:
+            snapshots = [part.snapshot() for part in parts]
+        for part in parts:
+            if isinstance(part, HashTablePart):
+                part.forget_changes()
+        return snapshots, not whole
+
     def restore(self, loaded: list[LoadedPart]) -> None:
         """Replace the store's content with parts read from a checkpoint (before serving).
 
@@ -455,6 +481,7 @@ class VariableStore:
         with self._lock:
             self._parts = parts
             self._memory.reserved = reserved
+            self.restores += 1
 
 
 def _cost(part: VariablePart | HashTablePart) -> int:

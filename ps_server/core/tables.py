@@ -34,6 +34,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -172,6 +173,12 @@ class HashTablePart:
         self.admission = AdmissionFilter(spec.admission, spec.name) if spec.admission is not None else None
         self.expiry = ExpiryRule(spec.expiry) if spec.expiry is not None else None
         self.policy_counts = PolicyCounts()
+        #: Checkpoints by change: rows changed since the last checkpoint (by slot), the ids removed
+        #: since (at most ``capacity`` of them are kept; past that the next checkpoint must be full).
+        self._changed = np.zeros(0, bool)
+        self._removed: list[np.ndarray] = []
+        self._removed_count = 0
+        self._changes_lost = False
         self._clock = 0
         self.version = 0
         self.optimizer_steps = 0
@@ -197,9 +204,9 @@ class HashTablePart:
     @property
     def row_bytes(self) -> int:
         """Bytes per row of capacity: value, slots, row step, last access, id, free-stack entry,
-        update version and stamp."""
+        update version and stamp, changed flag and a removed id."""
         return (self.row_elements * (self.spec.dtype.itemsize + self.compute_dtype.itemsize * len(self.slots))
-                + 48)
+                + 57)
 
     def nbytes_for(self, capacity: int) -> int:
         """Bytes booked for ``capacity`` rows: the rows, the id index counted twice (a
@@ -380,12 +387,15 @@ class HashTablePart:
 
     def snapshot(self):
         with self.lock:
-            return PartSnapshot(self.spec, 0, 0, True, self.version, self.optimizer_steps, True,
-                                np.empty(0, self.spec.dtype), {}, rows=self._rows_snapshot_locked(),
-                                evicted_rows=self.evicted_rows, accumulator=self.accumulator.snapshot(),
-                                access_clock=self._clock, policy_counts=self.policy_counts.as_dict(),
-                                admission_counts=(self.admission.counts.copy() if self.admission else None),
-                                admission_sightings=self.admission.sightings if self.admission else 0)
+            return self._snapshot_locked()
+
+    def _snapshot_locked(self, slots: np.ndarray | None = None) -> PartSnapshot:
+        return PartSnapshot(self.spec, 0, 0, True, self.version, self.optimizer_steps, True,
+                            np.empty(0, self.spec.dtype), {}, rows=self._rows_snapshot_locked(slots),
+                            evicted_rows=self.evicted_rows, accumulator=self.accumulator.snapshot(),
+                            access_clock=self._clock, policy_counts=self.policy_counts.as_dict(),
+                            admission_counts=(self.admission.counts.copy() if self.admission else None),
+                            admission_sightings=self.admission.sightings if self.admission else 0)
 
     # ---- internals (lock held) ----
 
@@ -471,8 +481,10 @@ class HashTablePart:
             self.policy_counts.unadmitted_reads += len(plan.waiting)
         if self.admission is not None and len(slots) and slots.min() < 0:
             self.last_access[slots[slots >= 0]] = self._clock
+            self._changed[slots[slots >= 0]] = True
         else:
             self.last_access[slots] = self._clock
+            self._changed[slots] = True
         return slots
 
     def _create(self, new_ids: np.ndarray, evict: int, protect: np.ndarray) -> np.ndarray:
@@ -515,6 +527,14 @@ class HashTablePart:
 
     def _remove(self, slots: np.ndarray) -> None:
         """Drop the rows at ``slots``: their ids leave the index, the slots become free."""
+        if len(slots) and not self._changes_lost:
+            if self._removed_count + len(slots) > self.capacity:
+                self._changes_lost = True  # more than is booked: the next checkpoint is a full one
+                self._removed, self._removed_count = [], 0
+            else:
+                self._removed.append(self.ids[slots].copy())
+                self._removed_count += len(slots)
+        self._changed[slots] = False
         self._index.remove(self.ids[slots])
         self._free = np.concatenate([self._free, slots])
 
@@ -552,6 +572,7 @@ class HashTablePart:
         live = self._index.live_slots()
         fresh = live[self.updated_before[live] == NOT_STAMPED]
         self.updated_before[fresh] = now
+        self._changed[fresh] = True
         return bool(len(fresh))
 
     def _grow(self, new_capacity: int) -> None:
@@ -570,6 +591,9 @@ class HashTablePart:
         self.last_access = grown(self.last_access)
         self.updated_version = grown(self.updated_version)
         self.updated_before = grown(self.updated_before)
+        changed = np.zeros(new_capacity, bool)
+        changed[:old] = self._changed[:old]
+        self._changed = changed
         self._free = np.concatenate([self._free, np.arange(new_capacity - 1, old - 1, -1, dtype=np.int64)])
         self.capacity = new_capacity
         self._index.reserve(new_capacity)
@@ -581,8 +605,24 @@ class HashTablePart:
         with self.lock:
             return self._rows_snapshot_locked()
 
-    def _rows_snapshot_locked(self) -> dict[str, np.ndarray]:
-        slots = self._index.live_slots()
+    def delta_snapshot(self) -> PartSnapshot | None:
+        """As :meth:`snapshot`, with only the rows changed since the last :meth:`forget_changes`
+        and the ids removed since (``removed_ids``); None when those were not all kept."""
+        with self.lock:
+            if self._changes_lost:
+                return None
+            live = self._index.live_slots()
+            removed = np.concatenate(self._removed) if self._removed else np.empty(0, np.int64)
+            return replace(self._snapshot_locked(live[self._changed[live]]), removed_ids=removed)
+
+    def forget_changes(self) -> None:
+        """A checkpoint holds the table as it is now: changes count from here."""
+        with self.lock:
+            self._changed[:] = False
+            self._removed, self._removed_count, self._changes_lost = [], 0, False
+
+    def _rows_snapshot_locked(self, slots: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        slots = self._index.live_slots() if slots is None else slots
         order = np.argsort(self.ids[slots], kind="stable")
         slots = slots[order]
         out = {"ids": self.ids[slots].copy(), "value": self.value[slots].copy(),
@@ -614,6 +654,8 @@ class HashTablePart:
             self.updated_version[slots] = rows.get("updated_version", version)
             self.updated_before[slots] = rows.get("updated_before", NOT_STAMPED)
             self.policy_counts = PolicyCounts.from_dict(policy_counts)
+            self._changed[:] = False
+            self._removed, self._removed_count, self._changes_lost = [], 0, False
             if self.admission is not None:
                 self.admission.load(admission_counts, admission_sightings)
             self._clock = max(access_clock, int(rows["last_access"].max()) if count else 0)

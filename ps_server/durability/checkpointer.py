@@ -4,6 +4,14 @@ A checkpoint first takes a snapshot — with the apply gate held exclusive,
 every part is copied in memory (the only pause pushes ever see) — then
 writes it to disk with the gate released. One checkpoint at a time; the
 periodic one is skipped when nothing changed since the last.
+
+Checkpoints by change (``full_every`` > 1): of every ``full_every``
+checkpoints one is full and the others deltas of the one before
+(ps_server.durability.chains), whose snapshot copies only the table rows
+changed since. The chain starts afresh with a full checkpoint after a write
+failed (the changes it held were forgotten), after the store's content was
+replaced (a replica's snapshot installed), and when a table kept too many
+removed ids to list.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ class Checkpointer:
     def __init__(self, store: VariableStore, ledger: PushLedger, directory: str, server_id: str,
                  keep: int, interval: float, persist_open_pushes: bool = True,
                  on_written: Callable[[float], None] | None = None,
-                 consistency_state: Callable[[], dict[str, Any]] | None = None) -> None:
+                 consistency_state: Callable[[], dict[str, Any]] | None = None, full_every: int = 1) -> None:
         """``persist_open_pushes=False`` (sync mode): an unfinished push's chunks live in its
         private staging, never checkpointed, so the ledger leaves them out and a retry after
         a restart sends them again. ``consistency_state()``: the consistency controller's
@@ -52,6 +60,10 @@ class Checkpointer:
         self._persist_open_pushes = persist_open_pushes
         self._on_written = on_written
         self._consistency_state = consistency_state
+        self._full_every = full_every
+        #: The ids of the last checkpoint's chain (its full one first, itself last); None: the next is full.
+        self._chain: list[int] | None = None
+        self._chain_restores = store.restores
         #: Whether the store holds state worth a checkpoint: a replica that has not yet installed or
         #: led any (ps_server.replication) holds an empty store that must never shadow a real checkpoint.
         self.holds_state: Callable[[], bool] = lambda: True
@@ -70,10 +82,13 @@ class Checkpointer:
         with self._last_lock:
             return self._last
 
-    def mark_restored(self) -> None:
-        """The store now equals a checkpoint: no need to write it again until it changes."""
+    def mark_restored(self, chain: list[int] | None = None) -> None:
+        """The store now equals a checkpoint (whose ``chain``, with itself last, is given when it is
+        this shard's own): no need to write it again until it changes; deltas may build on it."""
         with self._lock:
             self._last_generation = self._store.generation
+            self._chain = list(chain) if chain else None
+            self._chain_restores = self._store.restores
 
     def checkpoint(self, reason: str, only_if_changed: bool = False,
                    final: bool = False) -> CheckpointRecord | None:
@@ -93,12 +108,18 @@ class Checkpointer:
                 generation = self._store.generation
                 if only_if_changed and generation == self._last_generation:
                     return None
+                chain = self._chain if self._chain_restores == self._store.restores else None
+                parts, is_delta = self._store.checkpoint_snapshot(
+                    delta=chain is not None and len(chain) < self._full_every)
                 snapshot = ShardSnapshot(
-                    self._store.shard_index, self._store.num_shards, self._server_id, self._store.snapshot(),
+                    self._store.shard_index, self._store.num_shards, self._server_id, parts,
                     {"entries": self._ledger.snapshot(self._persist_open_pushes)},
-                    consistency=self._consistency_state() if self._consistency_state is not None else None)
+                    consistency=self._consistency_state() if self._consistency_state is not None else None,
+                    chain=list(chain) if is_delta and chain is not None else None)
+                self._chain, self._chain_restores = None, self._store.restores  # until this one is written
             pause = time.perf_counter() - paused
             written = write_checkpoint(self._directory, snapshot, self._keep)
+            self._chain = [*(snapshot.chain or []), int(written.checkpoint_id)]
             if self._store.spec_log is not None:
                 try:  # what every kept checkpoint holds needs no record
                     self._store.spec_log.prune()
@@ -112,6 +133,7 @@ class Checkpointer:
         if self._on_written is not None:
             self._on_written(written.write_seconds)
         event(log, logging.INFO, "checkpoint written", reason=reason, checkpoint_id=written.checkpoint_id,
+              kind="delta" if snapshot.chain is not None else "full",
               path=str(written.path), bytes=written.bytes, write_seconds=round(written.write_seconds, 3),
               pause_seconds=round(pause, 3))
         return record

@@ -77,8 +77,7 @@ def _assemble_table(spec: VariableSpec, sources: list[Source], handles: dict[int
     gathered: dict[str, list[np.ndarray]] = {}
     version = max(e["version"] for _, e in sources)
     for old_index, entry in sources:
-        keys = entry["rows"] or []
-        arrays = {key: handles[old_index].get_tensor(tensor_name(spec.name, f"rows:{key}")) for key in keys}
+        arrays = handles[old_index].table_rows(spec.name) if entry["rows"] else {}
         if not arrays:
             continue
         mine = hash_shards(arrays["ids"], num_shards) == shard_index

@@ -27,19 +27,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
-
 from ps_server.core.persistence import LoadedPart
+from ps_server.durability.chains import CheckpointChain, chain_ids, find_chain
 from ps_server.durability.format import (
     SPEC_LOG_FILE,
-    TENSORS_FILE,
     CheckpointError,
     checkpoint_ids,
     checkpoint_path,
     read_manifest,
     shard_dir_layout,
     spec_from_json,
-    verify,
 )
 from ps_server.durability.reshard import Source, assemble_part, load_accumulator
 from ps_server.durability.spec_log import replay_spec_logs
@@ -60,6 +57,9 @@ class RestorePlan:
     manifests: dict[int, dict[str, Any]]
     #: old shard index -> shard directory whose spec log to replay (ps_server.durability.spec_log)
     spec_logs: dict[int, Path] = field(default_factory=dict)
+    #: old shard index -> the checkpoint's chain (ps_server.durability.chains): the full checkpoint a
+    #: delta builds on and the deltas up to it, oldest first, each verified; just itself when full.
+    chains: dict[int, list[tuple[Path, dict[str, Any]]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,9 @@ class RestoredState:
     consistency: dict[str, Any] | None
     #: None when only spec logs were found (variables created before the first checkpoint).
     origin: RestoredFrom | None
+    #: This shard's own checkpoint's chain ids (its full one first, itself last), which the next
+    #: delta may build on; None after a restore from another layout or from spec logs only.
+    chain: list[int] | None = None
 
 
 def load_restore(root: str | os.PathLike, shard_index: int, num_shards: int) -> RestoredState | None:
@@ -113,7 +116,8 @@ def load_restore(root: str | os.PathLike, shard_index: int, num_shards: int) -> 
                               plan.num_shards)
     return RestoredState(parts, plan.num_shards, resharded, dict(plan.checkpoints),
                          ledger_entries=own["ledger"]["entries"] if own is not None else [],
-                         consistency=own.get("consistency") if own is not None else None, origin=origin)
+                         consistency=own.get("consistency") if own is not None else None, origin=origin,
+                         chain=chain_ids(own) if own is not None else None)
 
 
 # ---- choosing ------------------------------------------------------------------------------
@@ -166,26 +170,28 @@ def find_restore_plan(root: str | os.PathLike, shard_index: int, num_shards: int
         if found is None:
             raise CheckpointError(f"every checkpoint in {own} is damaged; move the directory away to "
                                   "start from scratch, or restore a backup")
-        return RestorePlan(chosen, {shard_index: found[0]}, {shard_index: found[1]}, {shard_index: own})
-    checkpoints, manifests = {}, {}
+        return RestorePlan(chosen, {shard_index: found[-1][0]}, {shard_index: found[-1][1]}, {shard_index: own},
+                           {shard_index: found})
+    checkpoints, manifests, chains = {}, {}, {}
     for old_index, directory in sorted(directories.items()):
         if not checkpoint_ids(directory):
             continue  # spec logs only (see the candidates)
         found = _newest_intact(directory)
         if found is None:
             raise CheckpointError(f"every checkpoint of old shard {old_index} in {directory} is damaged")
-        checkpoints[old_index], manifests[old_index] = found
-    return RestorePlan(chosen, checkpoints, manifests, dict(directories))
+        checkpoints[old_index], manifests[old_index] = found[-1]
+        chains[old_index] = found
+    return RestorePlan(chosen, checkpoints, manifests, dict(directories), chains)
 
 
-def _newest_intact(directory: Path) -> tuple[Path, dict[str, Any]] | None:
+def _newest_intact(directory: Path) -> list[tuple[Path, dict[str, Any]]] | None:
+    """The newest checkpoint whose every link is intact, as its chain (oldest first); None if none is."""
     for checkpoint_id in reversed(checkpoint_ids(directory)):
-        path = checkpoint_path(directory, checkpoint_id)
         try:
-            return path, verify(path)
+            return find_chain(directory, checkpoint_id)
         except CheckpointError as exc:
             event(log, logging.ERROR, "CHECKPOINT SKIPPED: damaged, falling back to the previous one",
-                  path=str(path), error=str(exc))
+                  path=str(checkpoint_path(directory, checkpoint_id)), error=str(exc))
     return None
 
 
@@ -235,7 +241,7 @@ def load_parts(plan: RestorePlan, shard_index: int, num_shards: int) -> list[Loa
                                       + "; ".join(known.differences(spec)))
             sources.setdefault(spec.name, []).append((old_index, entry))
     with contextlib.ExitStack() as stack:
-        handles = {i: stack.enter_context(safe_open(str(path / TENSORS_FILE), framework="numpy"))
+        handles = {i: stack.enter_context(CheckpointChain(plan.chains.get(i) or [(path, plan.manifests[i])]))
                    for i, path in plan.checkpoints.items()}
         parts = [assemble_part(spec, sources[spec.name], handles, shard_index, num_shards)
                  for spec in specs.values()]

@@ -24,6 +24,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from ps_server.core.persistence import AccumulatorSnapshot, PartSnapshot
+from ps_server.durability.chains import REMOVED_IDS, chain_ids, read_link_manifest
 from ps_server.durability.format import (
     FORMAT,
     FORMAT_VERSION,
@@ -54,6 +55,9 @@ class ShardSnapshot:
     created_unix: float = field(default_factory=time.time)
     #: ssp / sync: step, clocks and workers of the consistency controller (see consistency.py).
     consistency: dict[str, Any] | None = None
+    #: A delta (checkpoints by change, ps_server.durability.chains): the ids of the checkpoints it
+    #: builds on, its full one first, the previous one last. None: a full checkpoint.
+    chain: list[int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -86,6 +90,9 @@ def write_checkpoint(root: str | os.PathLike, snapshot: ShardSnapshot, keep: int
     directory.mkdir(parents=True, exist_ok=True)
     ids = checkpoint_ids(directory)
     checkpoint_id = f"{(ids[-1] + 1) if ids else 1:010d}"
+    if snapshot.chain is not None and (not snapshot.chain or snapshot.chain[-1] != (ids[-1] if ids else None)):
+        raise ValueError(f"a delta must build on the newest checkpoint ({ids[-1] if ids else None}), "
+                         f"not on {snapshot.chain[-1:] or 'nothing'}")
     tmp = directory / f".tmp-{checkpoint_id}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     tensors: dict[str, np.ndarray] = {}
@@ -97,6 +104,8 @@ def write_checkpoint(root: str | os.PathLike, snapshot: ShardSnapshot, keep: int
         "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint_id": checkpoint_id,
         "shard_index": snapshot.shard_index, "num_shards": snapshot.num_shards,
         "server_id": snapshot.server_id, "created_unix": snapshot.created_unix,
+        "kind": "full" if snapshot.chain is None else "delta",
+        **({"chain": [f"{i:010d}" for i in snapshot.chain]} if snapshot.chain is not None else {}),
         "variables": variables, "ledger": snapshot.ledger,
         **({"consistency": snapshot.consistency} if snapshot.consistency is not None else {}),
         "files": {TENSORS_FILE: {"sha256": sha256_file(tensors_path),
@@ -109,11 +118,23 @@ def write_checkpoint(root: str | os.PathLike, snapshot: ShardSnapshot, keep: int
     final = directory / f"ckpt-{checkpoint_id}"
     os.rename(tmp, final)
     fsync_path(directory, directory=True)
-    for old in checkpoint_ids(directory)[:-keep]:
-        shutil.rmtree(checkpoint_path(directory, old), ignore_errors=True)
+    _keep_newest(directory, keep)
     return WrittenCheckpoint(checkpoint_id, final, snapshot.created_unix,
                              manifest["files"][TENSORS_FILE]["bytes"],
                              time.perf_counter() - started, snapshot.num_shards)
+
+
+def _keep_newest(directory: Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` checkpoints and the ones they build on."""
+    ids = checkpoint_ids(directory)
+    needed = set(ids[-keep:])
+    for checkpoint_id in ids[-keep:]:
+        manifest = read_link_manifest(directory, checkpoint_id)
+        if manifest is not None:
+            needed.update(chain_ids(manifest))
+    for old in ids:
+        if old not in needed:
+            shutil.rmtree(checkpoint_path(directory, old), ignore_errors=True)
 
 
 def _save_part(part: PartSnapshot, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -130,6 +151,9 @@ def _save_part(part: PartSnapshot, tensors: dict[str, np.ndarray]) -> dict[str, 
             tensors[tensor_name(name, f"rows:{key}")] = values
         if part.policy_counts is not None:
             entry["policy_counts"] = part.policy_counts
+        if part.removed_ids is not None:
+            entry["removed"] = True
+            tensors[tensor_name(name, REMOVED_IDS)] = part.removed_ids
         if part.admission_counts is not None:
             tensors[tensor_name(name, "admission:counts")] = part.admission_counts
             entry["admission_sightings"] = part.admission_sightings

@@ -110,6 +110,7 @@ class ServerConfig:
     drain_timeout: float = 30.0
     checkpoint_interval: float = 300.0
     keep_checkpoints: int = 3
+    full_checkpoint_every: int = 1
     expiry_interval: float = 1.0
     worker_lease: float = 30.0
     max_rows: int = 0
@@ -184,6 +185,8 @@ class ServerConfig:
                 raise ConfigError(f"{flag} must be a number >= 0, got {value}")
         if not (math.isfinite(self.expiry_interval) and 0.01 <= self.expiry_interval <= 86400):
             raise ConfigError(f"--expiry-interval must be in [0.01, 86400] seconds, got {self.expiry_interval}")
+        if not 1 <= self.full_checkpoint_every <= 10_000:
+            raise ConfigError(f"--full-checkpoint-every must be in [1, 10000], got {self.full_checkpoint_every}")
         if self.keep_checkpoints < 1:
             raise ConfigError(f"--keep-checkpoints must be at least 1, got {self.keep_checkpoints}")
         if not math.isfinite(self.worker_lease) or self.worker_lease <= 0:
@@ -300,7 +303,9 @@ _HELP = {
                             "per worker process; more are refused and those clients use ordinary calls",
     "drain_timeout": "seconds to let pushes in flight finish on SIGTERM",
     "checkpoint_interval": "seconds between periodic checkpoints (with --checkpoint-dir); 0 = only on request and SIGTERM",
-    "keep_checkpoints": "checkpoints of this shard to keep",
+    "keep_checkpoints": "checkpoints of this shard to keep (with the ones they build on)",
+    "full_checkpoint_every": "one checkpoint in this many is full; the others write only the hash-table "
+                             "rows changed since the previous checkpoint (and every dense variable); 1 = all full",
     "expiry_interval": "seconds between sweeps of the hash tables that have expiry (a row is removed at "
                        "most this long after it is due)",
     "worker_lease": "seconds a worker stays live without a heartbeat",

@@ -337,7 +337,9 @@ def test_lru_keeps_num_rows_bounded_under_many_accesses():
 def test_growth_books_memory_through_the_reserve_callback():
     reserve = Reserve()
     table = _table(reserve=reserve, optimizer=Adam())
-    row_bytes = 4 * (4 + 4 * 2) + 48  # value + m + v; row step, last access, id, free-stack entry, updated version and stamp
+    # value + m + v; row step, last access, id, free-stack entry, updated version and stamp,
+    # changed flag, a removed id
+    row_bytes = 4 * (4 + 4 * 2) + 57
     assert table.row_bytes == row_bytes
     empty = table.nbytes  # booked by the store when it creates the table
     table.read_rows(_ids(1))
