@@ -45,6 +45,8 @@ training  training loops as users write them (a 10.5M and a 100K MLP, the
           recommender example), 1 and 2 worker processes on 2 servers: steps/s
           against 1 / (compute alone + pull and push alone) of the same run
           (bench_training.py)
+tables    embedding tables at recommender scale: a delta checkpoint after 1% of a
+          1M x 64 table's rows changed against a full one (bench_tables.py)
 
 Each figure is printed with its baseline, the ratio and the target; the exit
 status does not depend on targets (the machines are shared and noisy).
@@ -651,7 +653,7 @@ def plot(results: dict, path: str) -> None:
 
 
 SECTIONS = ("dense", "bf16", "topk", "apply", "step", "replication", "memory", "sparse", "zipf", "modes", "gpu",
-            "training")
+            "training", "tables")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -713,6 +715,10 @@ def main(argv: list[str] | None = None) -> int:
             per_variable = (results["step"]["per_variable_us"] / 1e6 if "step" in results
                             else per_variable_seconds()[0])
             rows += bench_training.section_training(tcp, rtt, per_variable, results, _row)
+        elif section == "tables":
+            import bench_tables
+
+            rows += bench_tables.section_tables(results, _row)
         print(f"  {section} measured in {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
     print_table(rows)
     if args.json:

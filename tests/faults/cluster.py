@@ -75,7 +75,9 @@ class Cluster:
         self.small_shard = 0  # the shard holding "small" whole (read back from the placement)
 
     def _server_args(self) -> list[str]:
+        # Checkpoints by change: two deltas after each full one, so kills restore from delta chains.
         args = ["--checkpoint-dir", str(self.root), "--checkpoint-interval", "1", "--keep-checkpoints", "3",
+                "--full-checkpoint-every", "3",
                 "--consistency", self.config["consistency"], "--worker-lease", "3",
                 "--drain-timeout", "0" if "drain" in self.kinds else "20",
                 "--auth-token-file", str(self.token_file), "--log-level", "info"]
