@@ -35,6 +35,7 @@ from ps_server.core.lifecycle import Lifecycle
 from ps_server.core.membership import Membership
 from ps_server.core.ordering import UNLOGGED
 from ps_server.core.sweeps import ExpirySweeper
+from ps_server.ops.disk_tier import DiskTierDirectory
 from ps_server.core.pulls import PullPlanner
 from ps_server.core.store import VariableStore
 from ps_server.core.workers import WorkerPresence
@@ -69,9 +70,12 @@ class PSServer:
         self.server_id = uuid.uuid4().hex
         spec_log = (SpecLog(config.checkpoint_dir, config.shard_index, config.num_shards)
                     if config.checkpoint_dir else None)
+        #: --disk-tier-dir: this process's directory of row files (ps_server.ops.disk_tier).
+        self.disk_tier = DiskTierDirectory(config.disk_tier_dir, self.server_id) if config.disk_tier_dir else None
         self.store = VariableStore(config.shard_index, config.num_shards, config.memory_limit, ApplyGate(),
                                    max_rows=config.max_rows, max_variables=config.max_variables,
-                                   spec_log=spec_log)
+                                   spec_log=spec_log,
+                                   disk_files=self.disk_tier.file_for if self.disk_tier is not None else None)
         self.ledger = PushLedger()
         self.membership = Membership(config.worker_lease)
         self.consistency = ConsistencyController(config.consistency, config.staleness, config.backup_workers,
@@ -328,6 +332,9 @@ class PSServer:
             self.health_server.stop(0)
         self.metrics.stop()
         self._executor.shutdown(wait=False)
+        self.store.close()
+        if self.disk_tier is not None:
+            self.disk_tier.close()
         event(log, logging.INFO, "stopped", drained=drained, ended_exchange_streams=ended_streams)
         return drained
 

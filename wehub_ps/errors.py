@@ -31,6 +31,7 @@ class Reason(str, enum.Enum):
     MEMORY_LIMIT = "MEMORY_LIMIT"  # would exceed the server's memory budget
     SHUTTING_DOWN = "SHUTTING_DOWN"  # server is starting up or draining after SIGTERM
     CHECKPOINTS_DISABLED = "CHECKPOINTS_DISABLED"  # no --checkpoint-dir
+    DISK_TIER_DISABLED = "DISK_TIER_DISABLED"  # a table with a disk tier on a server without --disk-tier-dir
     STEP_TIMEOUT = "STEP_TIMEOUT"  # ssp/sync: a pull waited its whole deadline for other workers
     FINISH_NOT_ALLOWED = "FINISH_NOT_ALLOWED"  # finish() on a server without --allow-finish
     UNAUTHENTICATED = "UNAUTHENTICATED"  # no or a wrong bearer token (set by the auth interceptor)

@@ -53,6 +53,7 @@ __all__ = [
     "EVICTIONS",
     "AGGREGATIONS",
     "Admission",
+    "DiskTier",
     "Expiry",
     "as_dict",
 ]
@@ -337,6 +338,20 @@ class Expiry:
             raise SpecError("Expiry needs steps > 0 or seconds > 0")
 
 
+@dataclass(frozen=True)
+class DiskTier:
+    """A hash table keeps at most ``memory_rows`` rows per shard in memory and the rest on the shard's
+    local disk (``ps-server --disk-tier-dir``); the least recently used rows go to disk, a row read or
+    updated comes back. Values, optimizer slots and every guarantee are the same as in memory."""
+
+    memory_rows: int
+
+    def __post_init__(self) -> None:
+        if (isinstance(self.memory_rows, bool) or not isinstance(self.memory_rows, int)
+                or not 1 <= self.memory_rows <= _UINT64_MAX):
+            raise SpecError(f"DiskTier.memory_rows must be an integer >= 1, got {self.memory_rows!r}")
+
+
 # ---- the variable spec ----------------------------------------------------------
 
 
@@ -368,6 +383,8 @@ class VariableSpec:
     admission: Admission | None = None
     #: Hash tables: rows removed when not updated for a while (None: never).
     expiry: Expiry | None = None
+    #: Hash tables: rows beyond a memory budget kept on local disk (None: all in memory).
+    tier: DiskTier | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -417,9 +434,12 @@ class VariableSpec:
                                 "take an explicit initial value")
             if self.partitioner != MinSizePartitioner():
                 raise SpecError(f"hash table {self.name!r} is placed by id; it takes no partitioner")
-        elif self.max_rows or self.eviction != "none" or self.admission is not None or self.expiry is not None:
-            raise SpecError(f"max_rows, eviction, admission and expiry apply to hash tables only "
+        elif (self.max_rows or self.eviction != "none" or self.admission is not None or self.expiry is not None
+              or self.tier is not None):
+            raise SpecError(f"max_rows, eviction, admission, expiry and tier apply to hash tables only "
                             f"({self.name!r} is dense)")
+        if self.tier is not None and not isinstance(self.tier, DiskTier):
+            raise SpecError(f"tier of {self.name!r} must be a DiskTier, got {self.tier!r}")
         if self.admission is not None and not isinstance(self.admission, Admission):
             raise SpecError(f"admission of {self.name!r} must be an Admission, got {self.admission!r}")
         if self.expiry is not None and not isinstance(self.expiry, Expiry):

@@ -16,6 +16,7 @@ from wehub_ps.specs import (
     OPTIMIZER_KINDS,
     PARTITIONER_KINDS,
     Admission,
+    DiskTier,
     Expiry,
     SpecError,
     VariableSpec,
@@ -46,6 +47,8 @@ def spec_to_proto(spec: VariableSpec) -> ps_pb2.VariableSpec:
         msg.admission.CopyFrom(ps_pb2.AdmissionSpec(**as_dict(spec.admission)))
     if spec.expiry is not None:
         msg.expiry.CopyFrom(ps_pb2.ExpirySpec(**as_dict(spec.expiry)))
+    if spec.tier is not None:
+        msg.tier.CopyFrom(ps_pb2.DiskTierSpec(memory_rows=spec.tier.memory_rows))
     return msg
 
 
@@ -73,7 +76,8 @@ def spec_from_proto(msg: ps_pb2.VariableSpec) -> VariableSpec:
                                                  counters=msg.admission.counters, zeros=msg.admission.zeros)
                                        if msg.HasField("admission") else None),
                             expiry=(Expiry(steps=msg.expiry.steps, seconds=msg.expiry.seconds)
-                                    if msg.HasField("expiry") else None))
+                                    if msg.HasField("expiry") else None),
+                            tier=DiskTier(memory_rows=msg.tier.memory_rows) if msg.HasField("tier") else None)
     except SpecError:
         raise
     except (TypeError, ValueError) as exc:

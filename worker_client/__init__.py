@@ -14,6 +14,7 @@ from wehub_ps.specs import (
     Adam,
     Admission,
     Constant,
+    DiskTier,
     Expiry,
     GlorotUniform,
     Momentum,
@@ -51,7 +52,7 @@ from worker_client.step import Step
 
 __all__ = [
     "PSClient", "Variable", "ShardInfo", "Step", "ReplicaGroup", "ReplicaStep",
-    "SGD", "Momentum", "Adagrad", "Adam", "Admission", "Expiry",
+    "SGD", "Momentum", "Adagrad", "Adam", "Admission", "Expiry", "DiskTier",
     "Zeros", "Constant", "Uniform", "Normal", "GlorotUniform",
     "MinSizePartitioner", "FixedShardsPartitioner", "MaxSizePartitioner",
     "PSError", "InvalidArgumentError", "ShapeMismatchError", "DTypeMismatchError",

@@ -29,7 +29,7 @@ from wehub_ps.cluster import (
 from wehub_ps.dtypes import is_wire_float, parse_dtype
 from wehub_ps.placement import Partitioner
 from wehub_ps.process import allocator
-from wehub_ps.specs import Admission, Expiry, Initializer, Optimizer
+from wehub_ps.specs import Admission, DiskTier, Expiry, Initializer, Optimizer
 from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.rpc import DEFAULT_CHUNK_BYTES
 from worker_client.background import BackgroundPushes, PushHandle
@@ -354,6 +354,7 @@ class PSClient:
         aggregation: str = "mean",
         admission: Admission | None = None,
         expiry: Expiry | None = None,
+        tier: DiskTier | None = None,
     ) -> Variable:
         """Create (or return) a hash table of rows keyed by unbounded 64-bit ids.
 
@@ -370,11 +371,13 @@ class PSClient:
         then pulls answer its initializer's value (or zeros) and pushes drop
         its gradient. ``expiry=Expiry(steps=n, seconds=s)``: rows not updated
         for n versions of the table on their shard, or s seconds, are removed
-        by the shard's next sweep (``--expiry-interval``).
+        by the shard's next sweep (``--expiry-interval``). ``tier=DiskTier(memory_rows=n)``:
+        each shard keeps at most n rows in memory and the rest on its local
+        disk (servers need ``--disk-tier-dir``), for tables bigger than memory.
         """
         self._background.raise_failure()
         return self._registry.create_embedding(name, dim, dtype, initializer, optimizer, max_rows, eviction,
-                                               aggregation, admission, expiry)
+                                               aggregation, admission, expiry, tier)
 
     # ---- pulls and pushes ----
 

@@ -26,6 +26,7 @@ from wehub_ps.specs import (
     SGD,
     Admission,
     Constant,
+    DiskTier,
     Explicit,
     Expiry,
     GlorotUniform,
@@ -257,7 +258,7 @@ class Registry:
     def create_embedding(self, name: str, dim: int | Sequence[int], dtype: str | np.dtype,
                          initializer: str | Initializer, optimizer: Optimizer | None, max_rows: int,
                          eviction: str, aggregation: str, admission: Admission | None = None,
-                         expiry: Expiry | None = None) -> Variable:
+                         expiry: Expiry | None = None, tier: DiskTier | None = None) -> Variable:
         """PSClient.create_embedding: a hash table on every shard."""
         row_shape = (dim,) if isinstance(dim, (int, np.integer)) else tuple(dim)
         if isinstance(initializer, str):
@@ -265,7 +266,7 @@ class Registry:
         spec = VariableSpec(name=name, shape=row_shape, dtype=dtype, initializer=initializer,
                             optimizer=optimizer if optimizer is not None else SGD(), hash_table=True,
                             max_rows=max_rows, eviction=eviction, aggregation=aggregation,
-                            admission=admission, expiry=expiry)
+                            admission=admission, expiry=expiry, tier=tier)
         results = self._create_everywhere(spec)
         return self._keep(Variable(spec, None, any(r.created for r in results.values())))
 

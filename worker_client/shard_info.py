@@ -51,7 +51,9 @@ def read_describe(address: str, raw: bytes) -> tuple[ShardInfo, list[VariableSpe
                                 "evicted_rows": info.evicted_rows, "hash_table": spec.hash_table,
                                 "expired_rows": info.expired_rows, "admitted_rows": info.admitted_rows,
                                 "unadmitted_reads": info.unadmitted_reads,
-                                "dropped_gradient_rows": info.dropped_gradient_rows}
+                                "dropped_gradient_rows": info.dropped_gradient_rows,
+                                "rows_on_disk": info.rows_on_disk, "disk_bytes": info.disk_bytes,
+                                "memory_hits": info.memory_hits, "cold_reads": info.cold_reads}
     workers = {w.worker_id: {"incarnation": w.incarnation, "live": w.live, "step": w.step,
                              "seconds_since_seen": w.seconds_since_seen, "pushes": w.pushes}
                for w in msg.workers}

@@ -27,6 +27,10 @@ class VariableInfo:
     admitted_rows: int = 0
     unadmitted_reads: int = 0
     dropped_gradient_rows: int = 0
+    memory_hits: int = 0
+    cold_reads: int = 0
+    rows_on_disk: int = 0
+    disk_bytes: int = 0
 
     @property
     def elements(self) -> int:

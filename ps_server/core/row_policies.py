@@ -53,10 +53,14 @@ class PolicyCounts:
     dropped_gradient_rows: int = 0
     #: Rows removed by expiry.
     expired_rows: int = 0
+    #: A disk tier's rows found in memory when touched, and read back from disk.
+    memory_hits: int = 0
+    cold_reads: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {"admitted_rows": self.admitted_rows, "unadmitted_reads": self.unadmitted_reads,
-                "dropped_gradient_rows": self.dropped_gradient_rows, "expired_rows": self.expired_rows}
+                "dropped_gradient_rows": self.dropped_gradient_rows, "expired_rows": self.expired_rows,
+                "memory_hits": self.memory_hits, "cold_reads": self.cold_reads}
 
     @classmethod
     def from_dict(cls, saved: dict | None) -> PolicyCounts:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -43,7 +45,9 @@ class VariableStore:
 
     def __init__(self, shard_index: int, num_shards: int, memory_limit: int,
                  gate: ApplyGate | None = None, max_rows: int = 0, max_variables: int = 100_000,
-                 spec_log: SpecRecorder | None = None) -> None:
+                 spec_log: SpecRecorder | None = None, disk_files: Callable[[str], Path] | None = None) -> None:
+        """``disk_files(table name)``: where a table with a disk tier keeps its rows beyond its memory
+        budget (None: no --disk-tier-dir, and such tables are refused)."""
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index} is outside [0, {num_shards})")
         self.shard_index = shard_index
@@ -69,6 +73,7 @@ class VariableStore:
         self._uploads = InitialValues(self._memory, self.gate, self._changed)
         #: Where specs and uploaded initial values are made durable (None: no --checkpoint-dir).
         self.spec_log = spec_log
+        self._disk_files = disk_files
 
     @property
     def memory_limit(self) -> int:
@@ -306,9 +311,10 @@ class VariableStore:
         """A new, empty part for ``spec``, refused unless it fits the limits; books nothing (_lock held)."""
         self._check_count()
         if spec.hash_table:
-            table = HashTablePart(spec, self._table_limit(spec), self._memory.reserve)
+            table = self._new_table(spec, self._memory.reserve)
             self._memory.collect()
             if not self._memory.fits(table.nbytes):
+                table.close()
                 raise RequestError(
                     Reason.MEMORY_LIMIT,
                     f"hash table {spec.name!r} needs {table.nbytes} bytes for its empty id index on "
@@ -341,6 +347,16 @@ class VariableStore:
             return
         self.spec_log.record_spec(part.spec)
         part.durable = True
+
+    def _new_table(self, spec: VariableSpec, reserve: Callable[[int], None]) -> HashTablePart:
+        disk_file = self._disk_files(spec.name) if spec.tier is not None and self._disk_files is not None else None
+        return HashTablePart(spec, self._table_limit(spec), reserve, disk_file)
+
+    def close(self) -> None:
+        """The server stops: tables let go of their disk tiers' files."""
+        for part in self.parts():
+            if isinstance(part, HashTablePart):
+                part.close()
 
     def _table_limit(self, spec: VariableSpec) -> int:
         limits = [n for n in (spec.max_rows, self.max_rows) if n]
@@ -462,26 +478,35 @@ class VariableStore:
             reserved += delta
 
         parts: dict[str, VariablePart | HashTablePart] = {}
-        for item in loaded:
-            if item.rows is not None:
-                table = HashTablePart(item.spec, self._table_limit(item.spec), reserve)
-                reserve(table.nbytes)
-                table.load_rows(item.rows, item.version, item.optimizer_steps, item.evicted_rows,
-                                item.access_clock, item.policy_counts, item.admission_counts,
-                                item.admission_sightings)
-                table.restore_accumulator(item.accumulator)
-                parts[item.spec.name] = table
-            else:
-                part = VariablePart.from_checkpoint(item)
-                reserve(part.nbytes + part.accumulator_bytes)  # the step's sum, as its pushes booked it
-                parts[item.spec.name] = part
+        try:
+            for item in loaded:
+                if item.rows is not None:
+                    table = self._new_table(item.spec, reserve)
+                    parts[item.spec.name] = table  # closed with the others if anything below fails
+                    reserve(table.nbytes)
+                    table.load_rows(item.rows, item.version, item.optimizer_steps, item.evicted_rows,
+                                    item.access_clock, item.policy_counts, item.admission_counts,
+                                    item.admission_sightings)
+                    table.restore_accumulator(item.accumulator)
+                else:
+                    part = VariablePart.from_checkpoint(item)
+                    reserve(part.nbytes + part.accumulator_bytes)  # the step's sum, as its pushes booked it
+                    parts[item.spec.name] = part
+        except BaseException:
+            for part in parts.values():  # all or nothing: the new tables' files go too
+                if isinstance(part, HashTablePart):
+                    part.close()
+            raise
         for part in parts.values():
             part.durable = True  # from a checkpoint or the spec log: already on disk
             part.reserve = self._memory.reserve
         with self._lock:
-            self._parts = parts
+            replaced, self._parts = self._parts, parts
             self._memory.reserved = reserved
             self.restores += 1
+        for part in replaced.values():
+            if isinstance(part, HashTablePart):
+                part.close()
 
 
 def _cost(part: VariablePart | HashTablePart) -> int:

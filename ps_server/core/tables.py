@@ -21,6 +21,13 @@ admission, only a training pull makes rows: a pull answers an id not
 admitted with its initializer's value (or zeros) and a push drops the
 gradient of an id without a row, counting both.
 
+With a disk tier (``DiskTier`` in the spec) a table holds at most
+``memory_rows`` rows in memory and the rest in a row file on local disk
+(:mod:`ps_server.core.row_file`): when a touch needs room, the least
+recently used rows not in the request are written there, and a touched row
+on disk is read back. Where a row lies changes nothing else: eviction at
+``max_rows`` and expiry choose among all rows, by the same rules.
+
 Synchronous mode applies a step's row gradients when the step ends, after
 its pushes were acknowledged; so a push's rows are created and pinned when
 the push begins (:meth:`HashTablePart.pin_rows`): a push that would not fit
@@ -35,6 +42,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import replace
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -45,6 +53,7 @@ from ps_server.core.id_index import IdIndex, index_bytes_for
 from ps_server.core.info import VariableInfo
 from ps_server.core.optimizers import make_kernel
 from ps_server.core.persistence import AccumulatorSnapshot, PartSnapshot
+from ps_server.core.row_file import RowFile, RowRecords
 from ps_server.core.row_policies import NOT_STAMPED, AdmissionFilter, ExpiryRule, PolicyCounts
 from wehub_ps.errors import Reason
 from wehub_ps.initializers import fill_rows
@@ -80,6 +89,10 @@ class RowPlan(NamedTuple):
     #: Admission: the new ids (unique) that get no row, and whether this touch was a sighting of them.
     waiting: np.ndarray | None = None
     sighting: bool = False
+    #: A disk tier: which of ``new_ids`` are read back from disk (None: none), and the most rows
+    #: that may be written to disk to make room.
+    cold: np.ndarray | None = None
+    spill_bound: int = 0
 
 
 def read_tables_rows(reads: Sequence[tuple["HashTablePart", np.ndarray]],
@@ -147,8 +160,14 @@ class HashTablePart:
     holds_part = True
     row_start = row_end = 0
 
-    def __init__(self, spec: VariableSpec, max_rows: int, reserve: Callable[[int], None]) -> None:
-        """``reserve(delta_bytes)`` books memory with the store (raises MEMORY_LIMIT)."""
+    def __init__(self, spec: VariableSpec, max_rows: int, reserve: Callable[[int], None],
+                 disk_file: Path | None = None) -> None:
+        """``reserve(delta_bytes)`` books memory with the store (raises MEMORY_LIMIT); ``disk_file``:
+        where a table with a disk tier keeps its rows beyond ``memory_rows`` (required for one)."""
+        if spec.tier is not None and disk_file is None:
+            raise RequestError(Reason.DISK_TIER_DISABLED,
+                               f"hash table {spec.name!r} keeps rows on disk (tier); start ps-server with "
+                               "--disk-tier-dir, or create the table without a tier")
         self.spec = spec
         self.row_elements = spec.row_elements
         self.kernel = make_kernel(spec.optimizer)
@@ -190,12 +209,22 @@ class HashTablePart:
         self.durable = False
         #: Synchronous mode: sorted ids of the rows the open step's pushes will update (never evicted).
         self._pinned = np.empty(0, np.int64)
+        #: The disk tier (None: every row in memory), and the rows memory holds at most.
+        self.tier_rows = spec.tier.memory_rows if spec.tier is not None else 0
+        self.disk = (RowFile(disk_file, self.row_elements, spec.dtype, self.compute_dtype, self.kernel.slot_names)
+                     if spec.tier is not None and disk_file is not None else None)
+
+    def close(self) -> None:
+        """Let go of the disk tier's file (the table is dropped, or replaced by a restore)."""
+        if self.disk is not None:
+            self.disk.close()
 
     # ---- sizes ----
 
     @property
     def num_rows(self) -> int:
-        return len(self._index)
+        """Rows held on this shard, in memory and on disk."""
+        return len(self._index) + (len(self.disk) if self.disk is not None else 0)
 
     @property
     def elements(self) -> int:
@@ -212,6 +241,8 @@ class HashTablePart:
         """Bytes booked for ``capacity`` rows: the rows, the id index counted twice (a
         rebuild of the index holds the old and the new buckets at once), the admission filter."""
         fixed = AdmissionFilter.nbytes_for(self.spec.admission) if self.spec.admission is not None else 0
+        if self.disk is not None:
+            fixed += self.disk.nbytes  # the disk tier's bookkeeping, booked as it grows
         return capacity * self.row_bytes + 2 * index_bytes_for(capacity) + fixed
 
     @property
@@ -249,6 +280,12 @@ class HashTablePart:
             present = slots >= 0
             out = np.zeros((len(ids), self.row_elements), self.value.dtype)
             out[present] = take_rows(self.value, slots[present])
+            if self.disk is not None and not present.all():
+                absent = np.flatnonzero(~present)
+                on_disk = self.disk.slots_of(ids[absent])
+                found = on_disk >= 0
+                out[absent[found]] = self.disk.read(on_disk[found])["value"]
+                present[absent[found]] = True
         missing = np.flatnonzero(~present)
         if missing.size and not zeros:
             rows = np.empty((missing.size, self.row_elements), np.float64)
@@ -265,14 +302,22 @@ class HashTablePart:
         """
         with self.lock:
             ids, slots = self._index.items()
-        order = np.argsort(slots, kind="stable")  # slot order: rows near each other in memory
-        ids, slots = ids[order], slots[order]
-        for start in range(0, len(ids), rows_per_piece):
-            piece_ids, piece_slots = ids[start:start + rows_per_piece], slots[start:start + rows_per_piece]
-            with self.lock:
-                still = self._index.lookup(piece_ids) == piece_slots
-                rows = take_rows(self.value, piece_slots[still])
-            yield piece_ids[still], rows
+            on_disk = self.disk.live_slots() if self.disk is not None else np.empty(0, np.int64)
+            disk_ids = self.disk.ids[on_disk] if self.disk is not None else np.empty(0, np.int64)
+        for held_ids, held_slots, disk in ((ids, slots, False), (disk_ids, on_disk, True)):
+            order = np.argsort(held_slots, kind="stable")  # slot order: rows near each other
+            held_ids, held_slots = held_ids[order], held_slots[order]
+            for start in range(0, len(held_ids), rows_per_piece):
+                piece_ids = held_ids[start:start + rows_per_piece]
+                piece_slots = held_slots[start:start + rows_per_piece]
+                with self.lock:
+                    if disk:
+                        still = self.disk.slots_of(piece_ids) == piece_slots
+                        rows = self.disk.read(piece_slots[still])["value"]
+                    else:
+                        still = self._index.lookup(piece_ids) == piece_slots
+                        rows = take_rows(self.value, piece_slots[still])
+                yield piece_ids[still], rows
 
     def apply_rows(self, ids: np.ndarray, grads: np.ndarray) -> None:
         """Run the optimizer on rows ``ids`` (unique) with ``grads`` (len(ids), row elements)."""
@@ -382,16 +427,20 @@ class HashTablePart:
 
     def info(self) -> VariableInfo:
         with self.lock:
+            disk = self.disk
             return VariableInfo(self.spec, 0, 0, self.version, True, self.optimizer_steps,
-                                self.num_rows, self.evicted_rows, **self.policy_counts.as_dict())
+                                self.num_rows, self.evicted_rows, **self.policy_counts.as_dict(),
+                                rows_on_disk=len(disk) if disk is not None else 0,
+                                disk_bytes=disk.disk_bytes if disk is not None else 0)
 
     def snapshot(self):
         with self.lock:
             return self._snapshot_locked()
 
-    def _snapshot_locked(self, slots: np.ndarray | None = None) -> PartSnapshot:
+    def _snapshot_locked(self, slots: np.ndarray | None = None,
+                         disk_slots: np.ndarray | None = None) -> PartSnapshot:
         return PartSnapshot(self.spec, 0, 0, True, self.version, self.optimizer_steps, True,
-                            np.empty(0, self.spec.dtype), {}, rows=self._rows_snapshot_locked(slots),
+                            np.empty(0, self.spec.dtype), {}, rows=self._rows_snapshot_locked(slots, disk_slots),
                             evicted_rows=self.evicted_rows, accumulator=self.accumulator.snapshot(),
                             access_clock=self._clock, policy_counts=self.policy_counts.as_dict(),
                             admission_counts=(self.admission.counts.copy() if self.admission else None),
@@ -421,39 +470,58 @@ class HashTablePart:
         if not missing.size:
             return RowPlan(ids, slots, missing, None, None, 0, self.capacity, 0)
         new_ids, inverse = np.unique(ids[missing], return_inverse=True)  # a repeated new id: one row
+        cold = None
+        if self.disk is not None and len(self.disk):
+            cold = self.disk.slots_of(new_ids) >= 0  # rows that exist, on disk
         waiting = None
         if self.admission is not None:
-            admit = (self.admission.decide(new_ids, self._clock + 1) if sighting
-                     else np.zeros(len(new_ids), bool))
+            admit = cold.copy() if cold is not None else np.zeros(len(new_ids), bool)
+            if sighting:
+                admit[~admit] = self.admission.decide(new_ids[~admit], self._clock + 1)
             waiting = new_ids[~admit]
             taken = admit[inverse]
             missing, inverse = missing[taken], (np.cumsum(admit) - 1)[inverse[taken]]
             new_ids = new_ids[admit]
+            cold = cold[admit] if cold is not None else None
             if not len(new_ids):
                 return RowPlan(ids, slots, missing, None, None, 0, self.capacity, 0, waiting=waiting,
                                sighting=sighting)
         needed = len(new_ids)
+        cold_count = int(np.count_nonzero(cold)) if cold is not None else 0
+        fresh = needed - cold_count  # rows the table gains
         protect = slots[slots >= 0]
         if len(self._pinned):  # the open synchronous step's rows stay
             pinned = self._index.lookup(self._pinned)
             protect = np.concatenate([protect, pinned[pinned >= 0]])
         evict = 0
-        if self.max_rows and self.num_rows + needed > self.max_rows:
-            if self.spec.eviction != "lru" or needed > self.max_rows:
+        if self.max_rows and self.num_rows + fresh > self.max_rows:
+            if self.spec.eviction != "lru" or fresh > self.max_rows:
                 raise RequestError(
                     Reason.MEMORY_LIMIT,
                     f"hash table {self.spec.name!r} holds {self.num_rows} rows on this shard; "
-                    f"{needed} new ones would pass its limit of {self.max_rows} (max_rows / --max-rows); "
+                    f"{fresh} new ones would pass its limit of {self.max_rows} (max_rows / --max-rows); "
                     "raise the limit, add shards, or create it with eviction='lru'")
-            evict = self.num_rows + needed - self.max_rows
-            if self.num_rows - len(np.unique(protect)) < evict:
+            evict = self.num_rows + fresh - self.max_rows
+            if self.num_rows - len(np.unique(protect)) - cold_count < evict:
                 pinned = (f", with the {len(self._pinned)} rows the open synchronous step keeps"
                           if len(self._pinned) else "")
                 raise RequestError(Reason.MEMORY_LIMIT,
                                    f"hash table {self.spec.name!r}: a single request touches more rows than "
                                    f"max_rows ({self.max_rows}) allows{pinned}")
         capacity = self.capacity
-        if len(self._free) + evict < needed:
+        spill_bound = 0
+        if self.disk is not None:
+            # Memory holds tier_rows at most: what does not fit goes to disk, least recently used first.
+            in_memory = len(self._index)
+            spill_bound = max(0, in_memory + needed - self.tier_rows)
+            if in_memory - len(np.unique(protect)) < spill_bound:
+                raise RequestError(Reason.MEMORY_LIMIT,
+                                   f"hash table {self.spec.name!r}: a single request touches more rows than "
+                                   f"its memory_rows ({self.tier_rows}) holds in memory on this shard")
+            if len(self._free) < needed and self.capacity < self.tier_rows:
+                capacity = min(max(_MIN_CAPACITY, 2 * self.capacity, self.capacity + needed - len(self._free)),
+                               self.tier_rows)
+        elif len(self._free) + evict < needed:
             at_least = needed - evict - len(self._free)
             capacity = max(_MIN_CAPACITY, 2 * self.capacity, self.capacity + at_least)
             if self.max_rows:
@@ -461,21 +529,35 @@ class HashTablePart:
         # Growing copies every array: the old ones stay alive until the copy is done.
         transient = self.capacity * self.row_bytes if capacity > self.capacity else 0
         book = self.nbytes_for(capacity) - self.nbytes + transient
+        if spill_bound:
+            book += self.disk.nbytes_for(self.disk.capacity_for(len(self.disk) + spill_bound)) - self.disk.nbytes
         return RowPlan(ids, slots, missing, new_ids, inverse.reshape(-1), evict, capacity, book, transient,
-                       protect, waiting, sighting)
+                       protect, waiting, sighting, cold if cold_count else None, spill_bound)
 
     def carry_out(self, plan: "RowPlan") -> np.ndarray:
         """Create, evict and grow as planned (``plan.book_bytes`` already booked); the slots of the ids."""
         self._clock += 1
         slots = plan.slots
+        if self.disk is not None:
+            self.policy_counts.memory_hits += int(np.count_nonzero(slots >= 0))
         if plan.new_ids is not None:
             if plan.capacity > self.capacity:
                 self._grow(plan.capacity)
                 if plan.transient_bytes:
                     self.reserve(-plan.transient_bytes)  # the old arrays are gone
-            slots[plan.missing] = self._create(plan.new_ids, plan.evict, plan.protect)[plan.inverse]
+            cold_ids = plan.new_ids[plan.cold] if plan.cold is not None else None
+            if plan.evict:
+                self._evict(plan.evict, plan.protect, cold_ids)
+            if self.disk is not None and len(plan.new_ids) > len(self._free):
+                self._spill(len(plan.new_ids) - len(self._free), plan.protect)
+            created = self._create(plan.new_ids, 0, plan.protect)
+            if cold_ids is not None:
+                self._read_back(cold_ids, created[plan.cold])
+                self.policy_counts.cold_reads += len(cold_ids)
+            slots[plan.missing] = created[plan.inverse]
             if self.admission is not None:
-                self.policy_counts.admitted_rows += len(plan.new_ids)
+                self.policy_counts.admitted_rows += len(plan.new_ids) - (len(cold_ids) if cold_ids is not None
+                                                                          else 0)
         if plan.waiting is not None and plan.sighting and len(plan.waiting):
             self.admission.count(plan.waiting)
             self.policy_counts.unadmitted_reads += len(plan.waiting)
@@ -508,11 +590,15 @@ class HashTablePart:
         self.updated_before[slots] = NOT_STAMPED
         return slots
 
-    def _evict(self, count: int, protect: np.ndarray) -> None:
-        """Drop the ``count`` least recently used rows, never those in ``protect``."""
+    def _evict(self, count: int, protect: np.ndarray, keep_on_disk: np.ndarray | None = None) -> None:
+        """Drop the ``count`` least recently used rows, never those in ``protect`` (memory slots) or
+        ``keep_on_disk`` (ids of disk rows being read back)."""
         live = self._index.live_slots()
         candidates = np.setdiff1d(live, protect, assume_unique=False)
         if not count:
+            return
+        if self.disk is not None and len(self.disk):
+            self._evict_tiered(count, candidates, keep_on_disk)
             return
         # The oldest rows; among rows last used in the same instant, the smallest ids. Never the rows'
         # positions: a replica restored from a snapshot holds them elsewhere and must evict the same.
@@ -525,18 +611,71 @@ class HashTablePart:
         self._remove(victims)
         self.evicted_rows += len(victims)
 
+    def _evict_tiered(self, count: int, candidates: np.ndarray, keep_on_disk: np.ndarray | None) -> None:
+        """:meth:`_evict` over the rows in memory and on disk alike (the same rule, the same victims
+        wherever the rows lie)."""
+        disk = self.disk
+        on_disk = disk.live_slots()
+        if keep_on_disk is not None and len(keep_on_disk):
+            on_disk = on_disk[~np.isin(disk.ids[on_disk], keep_on_disk)]
+        access = np.concatenate([self.last_access[candidates], disk.last_access[on_disk]])
+        ids = np.concatenate([self.ids[candidates], disk.ids[on_disk]])
+        chosen = np.lexsort((ids, access))[:count]
+        self._remove(candidates[chosen[chosen < len(candidates)]])
+        self._remove_from_disk(on_disk[chosen[chosen >= len(candidates)] - len(candidates)])
+        self.evicted_rows += len(chosen)
+
+    def _note_removed(self, ids: np.ndarray) -> None:
+        """Checkpoints by change: ``ids`` left the table (kept up to what the table books)."""
+        if not len(ids) or self._changes_lost:
+            return
+        room = self.capacity + (self.disk.capacity if self.disk is not None else 0)
+        if self._removed_count + len(ids) > room:
+            self._changes_lost = True  # more than is booked: the next checkpoint is a full one
+            self._removed, self._removed_count = [], 0
+        else:
+            self._removed.append(ids.copy())
+            self._removed_count += len(ids)
+
     def _remove(self, slots: np.ndarray) -> None:
         """Drop the rows at ``slots``: their ids leave the index, the slots become free."""
-        if len(slots) and not self._changes_lost:
-            if self._removed_count + len(slots) > self.capacity:
-                self._changes_lost = True  # more than is booked: the next checkpoint is a full one
-                self._removed, self._removed_count = [], 0
-            else:
-                self._removed.append(self.ids[slots].copy())
-                self._removed_count += len(slots)
+        self._note_removed(self.ids[slots])
         self._changed[slots] = False
         self._index.remove(self.ids[slots])
         self._free = np.concatenate([self._free, slots])
+
+    def _remove_from_disk(self, disk_slots: np.ndarray) -> None:
+        self._note_removed(self.disk.ids[disk_slots])
+        self.disk.remove(disk_slots)
+
+    # ---- the disk tier ----
+
+    def _spill(self, count: int, protect: np.ndarray) -> None:
+        """Move the ``count`` least recently used rows in memory, never those in ``protect``, to disk."""
+        candidates = np.setdiff1d(self._index.live_slots(), protect, assume_unique=False)
+        victims = candidates[np.lexsort((self.ids[candidates], self.last_access[candidates]))[:count]]
+        records = RowRecords(self.ids[victims], self.value[victims],
+                             {name: arr[victims] for name, arr in self.slots.items()}, self.row_steps[victims])
+        self.disk.write(self.ids[victims], records, self.last_access[victims], self.updated_version[victims],
+                        self.updated_before[victims], self._changed[victims])
+        self._index.remove(self.ids[victims])
+        self._changed[victims] = False
+        self._free = np.concatenate([self._free, victims])
+
+    def _read_back(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Rows ``ids`` from disk into memory ``slots`` (made by :meth:`_create`), as they were."""
+        disk = self.disk
+        on_disk = disk.slots_of(ids)
+        records = disk.read(on_disk)
+        self.value[slots] = records["value"]
+        for name, arr in self.slots.items():
+            arr[slots] = records[f"slot:{name}"]
+        self.row_steps[slots] = records["row_steps"]
+        self.last_access[slots] = disk.last_access[on_disk]
+        self.updated_version[slots] = disk.updated_version[on_disk]
+        self.updated_before[slots] = disk.updated_before[on_disk]
+        self._changed[slots] = disk.changed[on_disk]
+        disk.remove(on_disk)
 
     # ---- expiry ----
 
@@ -549,10 +688,15 @@ class HashTablePart:
         with self.lock:
             live = self._index.live_slots()
             due = self.expiry.due(self.version, self.updated_version[live], self.updated_before[live], now)
-            victims = live[due]
-            if len(self._pinned) and len(victims):  # the open synchronous step updates them
-                victims = victims[~np.isin(self.ids[victims], self._pinned)]
-            ids = np.sort(self.ids[victims])
+            ids = self.ids[live[due]]
+            if self.disk is not None:
+                on_disk = self.disk.live_slots()
+                disk = self.disk
+                due = self.expiry.due(self.version, disk.updated_version[on_disk], disk.updated_before[on_disk], now)
+                ids = np.concatenate([ids, disk.ids[on_disk[due]]])
+            if len(self._pinned) and len(ids):  # the open synchronous step updates them
+                ids = ids[~np.isin(ids, self._pinned)]
+            ids = np.sort(ids)
             stamped = self._sweep_locked(ids, now)
             return ids, stamped
 
@@ -564,16 +708,27 @@ class HashTablePart:
     def _sweep_locked(self, ids: np.ndarray, now: float) -> bool:
         if len(ids):
             slots = self._index.lookup(ids)
-            slots = slots[slots >= 0]
-            self._remove(slots)
-            self.policy_counts.expired_rows += len(slots)
+            self._remove(slots[slots >= 0])
+            expired = int(np.count_nonzero(slots >= 0))
+            if self.disk is not None:
+                on_disk = self.disk.slots_of(ids[slots < 0])
+                self._remove_from_disk(on_disk[on_disk >= 0])
+                expired += int(np.count_nonzero(on_disk >= 0))
+            self.policy_counts.expired_rows += expired
         if self.expiry is None or not self.expiry.expiry.seconds:
             return False
         live = self._index.live_slots()
         fresh = live[self.updated_before[live] == NOT_STAMPED]
         self.updated_before[fresh] = now
         self._changed[fresh] = True
-        return bool(len(fresh))
+        stamped = len(fresh)
+        if self.disk is not None:
+            on_disk = self.disk.live_slots()
+            fresh = on_disk[self.disk.updated_before[on_disk] == NOT_STAMPED]
+            self.disk.updated_before[fresh] = now
+            self.disk.changed[fresh] = True
+            stamped += len(fresh)
+        return bool(stamped)
 
     def _grow(self, new_capacity: int) -> None:
         """Grow every array (and the id index) to ``new_capacity`` rows; the caller booked the bytes."""
@@ -612,26 +767,49 @@ class HashTablePart:
             if self._changes_lost:
                 return None
             live = self._index.live_slots()
+            on_disk = None
+            if self.disk is not None:
+                on_disk = self.disk.live_slots()
+                on_disk = on_disk[self.disk.changed[on_disk]]
             removed = np.concatenate(self._removed) if self._removed else np.empty(0, np.int64)
-            return replace(self._snapshot_locked(live[self._changed[live]]), removed_ids=removed)
+            return replace(self._snapshot_locked(live[self._changed[live]], on_disk), removed_ids=removed)
 
     def forget_changes(self) -> None:
         """A checkpoint holds the table as it is now: changes count from here."""
         with self.lock:
             self._changed[:] = False
+            if self.disk is not None:
+                self.disk.changed[:] = False
             self._removed, self._removed_count, self._changes_lost = [], 0, False
 
-    def _rows_snapshot_locked(self, slots: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    def _rows_snapshot_locked(self, slots: np.ndarray | None = None,
+                              disk_slots: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """The rows at memory ``slots`` and ``disk_slots`` (default: every row), sorted by id.
+
+        With a disk tier the rows on disk are read into the copy: a full
+        snapshot holds the whole table in memory while it is written.
+        """
         slots = self._index.live_slots() if slots is None else slots
-        order = np.argsort(self.ids[slots], kind="stable")
-        slots = slots[order]
-        out = {"ids": self.ids[slots].copy(), "value": self.value[slots].copy(),
-               "row_steps": self.row_steps[slots].copy(), "last_access": self.last_access[slots].copy(),
-               "updated_version": self.updated_version[slots].copy(),
-               "updated_before": self.updated_before[slots].copy()}
+        if self.disk is None:  # sorted once, copied once
+            slots = slots[np.argsort(self.ids[slots], kind="stable")]
+        out = {"ids": self.ids[slots], "value": self.value[slots],
+               "row_steps": self.row_steps[slots], "last_access": self.last_access[slots],
+               "updated_version": self.updated_version[slots],
+               "updated_before": self.updated_before[slots]}
         for name, arr in self.slots.items():
-            out[f"slot:{name}"] = arr[slots].copy()
-        return out
+            out[f"slot:{name}"] = arr[slots]
+        if self.disk is not None:
+            disk = self.disk
+            disk_slots = disk.live_slots() if disk_slots is None else disk_slots
+            records = disk.read(disk_slots)
+            held = {"ids": disk.ids[disk_slots], "value": records["value"], "row_steps": records["row_steps"],
+                    "last_access": disk.last_access[disk_slots], "updated_version": disk.updated_version[disk_slots],
+                    "updated_before": disk.updated_before[disk_slots],
+                    **{f"slot:{name}": records[f"slot:{name}"] for name in self.slots}}
+            out = {key: np.concatenate([out[key], held[key]]) for key in out}
+            order = np.argsort(out["ids"], kind="stable")
+            out = {key: values[order] for key, values in out.items()}
+        return out  # fancy indexing: copies, never views of the table
 
     def load_rows(self, rows: dict[str, np.ndarray], version: int, optimizer_steps: int, evicted: int,
                   access_clock: int = 0, policy_counts: dict | None = None,
@@ -640,7 +818,16 @@ class HashTablePart:
         counts its rows as updated at its version, and since the last sweep."""
         with self.lock:
             count = len(rows["ids"])
+            if self.disk is not None and count > self.tier_rows:
+                # The most recently used rows stay in memory; the rest go to disk.
+                order = np.lexsort((rows["ids"], rows["last_access"]))
+                cold, rows_kept = order[:count - self.tier_rows], np.sort(order[count - self.tier_rows:])
+                self._load_to_disk({key: values[cold] for key, values in rows.items()}, version)
+                rows = {key: values[rows_kept] for key, values in rows.items()}
+                count = len(rows["ids"])
             capacity = max(_MIN_CAPACITY, count)
+            if self.disk is not None:
+                capacity = min(max(capacity, count), max(self.tier_rows, count))
             self.reserve(self.nbytes_for(capacity) - self.nbytes)
             self._grow(capacity)
             slots = np.arange(count, dtype=np.int64)
@@ -661,3 +848,19 @@ class HashTablePart:
             self._clock = max(access_clock, int(rows["last_access"].max()) if count else 0)
             self._index.insert(rows["ids"], slots)
             self.version, self.optimizer_steps, self.evicted_rows = version, optimizer_steps, evicted
+            if self.disk is not None and len(self.disk):
+                self._clock = max(self._clock, int(self.disk.last_access[self.disk.live_slots()].max()))
+
+    def _load_to_disk(self, rows: dict[str, np.ndarray], version: int) -> None:
+        """Restore: rows beyond the memory budget written straight to the disk tier (their bytes booked)."""
+        count = len(rows["ids"])
+        disk = self.disk
+        self.reserve(disk.nbytes_for(disk.capacity_for(len(disk) + count)) - disk.nbytes)
+        width = self.row_elements
+        records = RowRecords(rows["ids"], rows["value"].reshape(count, width),
+                             {name: rows[f"slot:{name}"].reshape(count, width) for name in self.slots},
+                             rows["row_steps"])
+        updated_version = rows.get("updated_version", np.full(count, version, np.int64))
+        updated_before = rows.get("updated_before", np.full(count, NOT_STAMPED))
+        disk.write(rows["ids"], records, rows["last_access"], updated_version, updated_before,
+                   np.zeros(count, bool))

@@ -93,6 +93,7 @@ class ServerConfig:
     shard_index: int = 0
     num_shards: int = 1
     checkpoint_dir: str | None = None
+    disk_tier_dir: str | None = None
     log_level: str = "info"
     port_file: str | None = None
     max_memory_bytes: int = 0  # 0: default_memory_limit()
@@ -282,6 +283,8 @@ _HELP = {
     "port": "port to listen on; 0 picks a free one (see --port-file)",
     "shard_index": "this server's shard index, 0-based",
     "num_shards": "number of ps-servers in the cluster",
+    "disk_tier_dir": "directory for the row files of hash tables with a disk tier (rows beyond their "
+                     "memory_rows); a cache of state checkpoints persist: files of stopped servers are removed",
     "checkpoint_dir": "checkpoint root: one for all shards of a job (a restart with another shard count "
                       "reads the old shards' checkpoints there); each replica of a replicated shard needs "
                       "its own",

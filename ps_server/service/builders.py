@@ -23,7 +23,9 @@ def variable_info(info: VariableInfo) -> ps_pb2.VariableInfo:
                                num_rows=info.num_rows, evicted_rows=info.evicted_rows,
                                expired_rows=info.expired_rows, admitted_rows=info.admitted_rows,
                                unadmitted_reads=info.unadmitted_reads,
-                               dropped_gradient_rows=info.dropped_gradient_rows)
+                               dropped_gradient_rows=info.dropped_gradient_rows,
+                               rows_on_disk=info.rows_on_disk, disk_bytes=info.disk_bytes,
+                               memory_hits=info.memory_hits, cold_reads=info.cold_reads)
 
 
 def checkpoint_info(record: CheckpointRecord) -> ps_pb2.CheckpointInfo:

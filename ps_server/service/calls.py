@@ -46,6 +46,7 @@ STATUS_BY_REASON: dict[Reason, grpc.StatusCode] = {
     Reason.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
     Reason.NOT_PRIMARY: grpc.StatusCode.UNAVAILABLE,
     Reason.CHECKPOINTS_DISABLED: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.DISK_TIER_DISABLED: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.STEP_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     Reason.FINISH_NOT_ALLOWED: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.SWITCHOVER_REFUSED: grpc.StatusCode.FAILED_PRECONDITION,

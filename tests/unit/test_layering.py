@@ -43,7 +43,7 @@ LAYERS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("core: state and rules", ("ps_server.core",)),
         ("durability: checkpoints and the spec log", ("ps_server.durability",)),
         ("settings and instruments", ("ps_server.ops.config", "ps_server.ops.metrics",
-                                      "ps_server.ops.pod_label")),
+                                      "ps_server.ops.pod_label", "ps_server.ops.disk_tier")),
         ("service: gRPC in and out", ("ps_server.service",)),
         ("replication: replica roles, the update log, the Follow stream", ("ps_server.replication",)),
         ("composition root", ("ps_server.server",)),

@@ -209,7 +209,7 @@ class PartitionerSpec(_message.Message):
     def __init__(self, min_size: _Optional[_Union[MinSizePartitionerSpec, _Mapping]] = ..., fixed_shards: _Optional[_Union[FixedShardsPartitionerSpec, _Mapping]] = ..., max_size: _Optional[_Union[MaxSizePartitionerSpec, _Mapping]] = ...) -> None: ...
 
 class VariableSpec(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "initializer", "optimizer", "partitioner", "hash_table", "max_rows", "eviction", "aggregation", "admission", "expiry")
+    __slots__ = ("name", "shape", "dtype", "initializer", "optimizer", "partitioner", "hash_table", "max_rows", "eviction", "aggregation", "admission", "expiry", "tier")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +222,7 @@ class VariableSpec(_message.Message):
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
     EXPIRY_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DataType
@@ -234,7 +235,14 @@ class VariableSpec(_message.Message):
     aggregation: Aggregation
     admission: AdmissionSpec
     expiry: ExpirySpec
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DataType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., partitioner: _Optional[_Union[PartitionerSpec, _Mapping]] = ..., hash_table: _Optional[bool] = ..., max_rows: _Optional[int] = ..., eviction: _Optional[_Union[Eviction, str]] = ..., aggregation: _Optional[_Union[Aggregation, str]] = ..., admission: _Optional[_Union[AdmissionSpec, _Mapping]] = ..., expiry: _Optional[_Union[ExpirySpec, _Mapping]] = ...) -> None: ...
+    tier: DiskTierSpec
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DataType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., partitioner: _Optional[_Union[PartitionerSpec, _Mapping]] = ..., hash_table: _Optional[bool] = ..., max_rows: _Optional[int] = ..., eviction: _Optional[_Union[Eviction, str]] = ..., aggregation: _Optional[_Union[Aggregation, str]] = ..., admission: _Optional[_Union[AdmissionSpec, _Mapping]] = ..., expiry: _Optional[_Union[ExpirySpec, _Mapping]] = ..., tier: _Optional[_Union[DiskTierSpec, _Mapping]] = ...) -> None: ...
+
+class DiskTierSpec(_message.Message):
+    __slots__ = ("memory_rows",)
+    MEMORY_ROWS_FIELD_NUMBER: _ClassVar[int]
+    memory_rows: int
+    def __init__(self, memory_rows: _Optional[int] = ...) -> None: ...
 
 class AdmissionSpec(_message.Message):
     __slots__ = ("min_count", "probability", "counters", "zeros")
@@ -257,7 +265,7 @@ class ExpirySpec(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class VariableInfo(_message.Message):
-    __slots__ = ("spec", "row_start", "row_end", "version", "initialized", "optimizer_steps", "num_rows", "evicted_rows", "expired_rows", "admitted_rows", "unadmitted_reads", "dropped_gradient_rows")
+    __slots__ = ("spec", "row_start", "row_end", "version", "initialized", "optimizer_steps", "num_rows", "evicted_rows", "expired_rows", "admitted_rows", "unadmitted_reads", "dropped_gradient_rows", "rows_on_disk", "disk_bytes", "memory_hits", "cold_reads")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     ROW_START_FIELD_NUMBER: _ClassVar[int]
     ROW_END_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +278,10 @@ class VariableInfo(_message.Message):
     ADMITTED_ROWS_FIELD_NUMBER: _ClassVar[int]
     UNADMITTED_READS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_GRADIENT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_ON_DISK_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_HITS_FIELD_NUMBER: _ClassVar[int]
+    COLD_READS_FIELD_NUMBER: _ClassVar[int]
     spec: VariableSpec
     row_start: int
     row_end: int
@@ -282,7 +294,11 @@ class VariableInfo(_message.Message):
     admitted_rows: int
     unadmitted_reads: int
     dropped_gradient_rows: int
-    def __init__(self, spec: _Optional[_Union[VariableSpec, _Mapping]] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., optimizer_steps: _Optional[int] = ..., num_rows: _Optional[int] = ..., evicted_rows: _Optional[int] = ..., expired_rows: _Optional[int] = ..., admitted_rows: _Optional[int] = ..., unadmitted_reads: _Optional[int] = ..., dropped_gradient_rows: _Optional[int] = ...) -> None: ...
+    rows_on_disk: int
+    disk_bytes: int
+    memory_hits: int
+    cold_reads: int
+    def __init__(self, spec: _Optional[_Union[VariableSpec, _Mapping]] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., optimizer_steps: _Optional[int] = ..., num_rows: _Optional[int] = ..., evicted_rows: _Optional[int] = ..., expired_rows: _Optional[int] = ..., admitted_rows: _Optional[int] = ..., unadmitted_reads: _Optional[int] = ..., dropped_gradient_rows: _Optional[int] = ..., rows_on_disk: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., memory_hits: _Optional[int] = ..., cold_reads: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ("any_replica",)

@@ -1,0 +1,194 @@
+"""A hash table's disk tier: fixed-size row records in one file, indexed in memory.
+
+Each record is a row's value, its optimizer slots and its row step count,
+at ``slot * record_bytes``; the file only ever grows to the most records it
+held at once (freed slots are reused, lowest first among those freed
+together). What decides about a row without reading it stays in memory,
+per slot: its id, last access (LRU), the version and time stamp of its last
+update (expiry), whether it changed since the last checkpoint and room for
+its id among those removed since: 41 bytes, 8 more for the free-slot stack,
+and the id index's 64 (booked twice, for its rebuild), per slot. The table
+books them against the server's memory limit; a disk tier pays where rows
+are much larger than that (64 float32 with Adam's two slots: 768 bytes).
+
+Reads and writes are ``pread`` / ``pwrite`` of runs of consecutive slots:
+the kernel's page cache holds what was written until it writes it back in
+the background, and (unlike a memory map) none of it counts in the
+process's resident memory. Chosen over LMDB by the benchmark in
+benchmarks/bench_tables.py (``disk store``): rows are fixed-size and the
+index is already in memory, so a record costs one system call and no
+serialisation, and a B-tree's per-key lookups would be pure overhead.
+
+Not thread-safe: the owning table's lock guards it. No gRPC here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ps_server.core.id_index import IdIndex, index_bytes_for
+
+__all__ = ["RowFile", "RowRecords"]
+
+#: Memory per slot of the disk tier's bookkeeping: id, last access, updated version and stamp, changed flag,
+#: a removed id (checkpoints by change keep up to one per slot).
+SLOT_BYTES = 8 + 8 + 8 + 8 + 1 + 8
+
+
+class RowRecords:
+    """Rows read from or written to the disk tier: ids, values, slots, row steps, each in id order given."""
+
+    def __init__(self, ids: np.ndarray, value: np.ndarray, slots: dict[str, np.ndarray],
+                 row_steps: np.ndarray) -> None:
+        self.ids, self.value, self.slots, self.row_steps = ids, value, slots, row_steps
+
+
+class RowFile:
+    """The disk tier of one table on one shard (see the module docstring)."""
+
+    def __init__(self, path: Path, row_elements: int, dtype: np.dtype, compute_dtype: np.dtype,
+                 slot_names: tuple[str, ...]) -> None:
+        self.path = path
+        self.slot_names = slot_names
+        fields = [("value", dtype, (row_elements,))]
+        fields += [(f"slot:{name}", compute_dtype, (row_elements,)) for name in slot_names]
+        fields += [("row_steps", np.int64)]
+        self.record = np.dtype(fields)
+        self.record_bytes = self.record.itemsize
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._index = IdIndex()
+        self._free = np.empty(0, np.int64)
+        self.capacity = 0
+        #: Slots ever written: the file's length in records.
+        self.high_water = 0
+        self.ids = np.empty(0, np.int64)
+        self.last_access = np.empty(0, np.int64)
+        self.updated_version = np.empty(0, np.int64)
+        self.updated_before = np.empty(0, np.float64)
+        self.changed = np.empty(0, bool)
+        #: Counts for operators (reads and writes of records).
+        self.reads = 0
+        self.writes = 0
+
+    # ---- sizes ----
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @staticmethod
+    def nbytes_for(capacity: int) -> int:
+        """Memory for ``capacity`` slots: bookkeeping, free stack, the id index (counted twice, as the
+        tables count theirs: a rebuild holds the old and new buckets at once)."""
+        return capacity * (SLOT_BYTES + 8) + 2 * index_bytes_for(capacity)
+
+    @property
+    def nbytes(self) -> int:
+        return self.nbytes_for(self.capacity)
+
+    def capacity_for(self, rows: int) -> int:
+        """The capacity holding ``rows`` rows would have (doubling, at least 1,024)."""
+        if rows <= self.capacity:
+            return self.capacity
+        return max(1024, 2 * self.capacity, rows)
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.high_water * self.record_bytes
+
+    # ---- lookups (no I/O) ----
+
+    def slots_of(self, ids: np.ndarray) -> np.ndarray:
+        """The slot of each id, -1 where it is not on disk."""
+        return self._index.lookup(ids)
+
+    def live_slots(self) -> np.ndarray:
+        return self._index.live_slots()
+
+    # ---- I/O ----
+
+    def write(self, ids: np.ndarray, records: RowRecords, last_access: np.ndarray, updated_version: np.ndarray,
+              updated_before: np.ndarray, changed: np.ndarray) -> None:
+        """Put rows of unique ``ids``, none on disk yet; the caller booked :meth:`capacity_for` growth."""
+        count = len(ids)
+        if not count:
+            return
+        if len(self._free) < count:
+            self._grow(self.capacity_for(len(self) + count))
+        slots = np.sort(self._free[len(self._free) - count:])  # the i-th row goes to the i-th slot
+        self._free = self._free[:len(self._free) - count]
+        packed = np.empty(count, self.record)
+        packed["value"] = records.value.reshape(count, -1)
+        for name in self.slot_names:
+            packed[f"slot:{name}"] = records.slots[name].reshape(count, -1)
+        packed["row_steps"] = records.row_steps
+        for start, end in _runs(slots):
+            os.pwrite(self._fd, packed[start:end].tobytes(), int(slots[start]) * self.record_bytes)
+        self.ids[slots] = ids
+        self.last_access[slots] = last_access
+        self.updated_version[slots] = updated_version
+        self.updated_before[slots] = updated_before
+        self.changed[slots] = changed
+        self._index.insert(ids, slots)
+        self.high_water = max(self.high_water, int(slots[-1]) + 1)
+        self.writes += count
+
+    def read(self, slots: np.ndarray) -> np.ndarray:
+        """The records at ``slots`` (any order), as a structured array in that order."""
+        out = np.empty(len(slots), self.record)
+        if not len(slots):
+            return out
+        order = np.argsort(slots, kind="stable")
+        sorted_slots = slots[order]
+        sorted_out = np.empty(len(slots), self.record)
+        for start, end in _runs(sorted_slots):
+            size = (end - start) * self.record_bytes
+            data = os.pread(self._fd, size, int(sorted_slots[start]) * self.record_bytes)
+            if len(data) != size:
+                raise OSError(f"{self.path}: short read of {len(data)} of {size} bytes")
+            sorted_out[start:end] = np.frombuffer(data, self.record)
+        out[order] = sorted_out
+        self.reads += len(slots)
+        return out
+
+    def remove(self, slots: np.ndarray) -> None:
+        """Forget the rows at ``slots`` (their records are overwritten when the slots are reused)."""
+        if len(slots):
+            self._index.remove(self.ids[slots])
+            self._free = np.concatenate([self._free, slots])
+
+    def close(self) -> None:
+        """Close and delete the file (the rows live on in checkpoints, not here)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+
+    def _grow(self, capacity: int) -> None:
+        old = self.capacity
+
+        def grown(arr: np.ndarray) -> np.ndarray:
+            out = np.zeros(capacity, arr.dtype)
+            out[:old] = arr[:old]
+            return out
+
+        self.ids, self.last_access = grown(self.ids), grown(self.last_access)
+        self.updated_version, self.updated_before = grown(self.updated_version), grown(self.updated_before)
+        self.changed = grown(self.changed)
+        self._free = np.concatenate([self._free, np.arange(capacity - 1, old - 1, -1, dtype=np.int64)])
+        self.capacity = capacity
+        self._index.reserve(capacity)
+
+
+def _runs(sorted_slots: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) index ranges of runs of consecutive slots in a sorted array."""
+    breaks = np.flatnonzero(np.diff(sorted_slots) != 1) + 1
+    edges = np.concatenate([[0], breaks, [len(sorted_slots)]])
+    return [(int(a), int(b)) for a, b in itertools.pairwise(edges)]

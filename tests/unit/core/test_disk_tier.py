@@ -1,0 +1,160 @@
+"""Hash tables with a disk tier: the same bits as a table held in memory, memory bounded by the budget."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from ps_server.core.errors import RequestError
+from ps_server.core.tables import HashTablePart, read_tables_rows
+from ps_server.ops.disk_tier import DiskTierDirectory
+from wehub_ps.errors import Reason
+from wehub_ps.specs import Adam, Admission, DiskTier, Expiry, Uniform, VariableSpec
+
+
+class Reserve:
+    def __init__(self) -> None:
+        self.total = 0
+        self.peak = 0
+
+    def __call__(self, delta: int) -> None:
+        self.total += delta
+        self.peak = max(self.peak, self.total)
+
+
+def _pair(tmp_path, memory_rows=64, **spec_kwargs) -> tuple[HashTablePart, HashTablePart]:
+    """A table held in memory and the same table with a disk tier."""
+    base = {"initializer": Uniform(seed=2), "optimizer": Adam(0.01), "hash_table": True}
+    base.update(spec_kwargs)
+    plain = HashTablePart(VariableSpec("t", (8,), "float32", **base), base.get("max_rows", 0), Reserve())
+    tiered_spec = VariableSpec("t", (8,), "float32", tier=DiskTier(memory_rows), **base)
+    tiered = HashTablePart(tiered_spec, base.get("max_rows", 0), Reserve(), tmp_path / "t.rows")
+    return plain, tiered
+
+
+def _same(a: HashTablePart, b: HashTablePart) -> None:
+    sa, sb = a.rows_snapshot(), b.rows_snapshot()
+    assert sorted(sa) == sorted(sb)
+    for key in sa:
+        assert sa[key].tobytes() == sb[key].tobytes(), key
+    assert (a.num_rows, a.evicted_rows, a.version, a.policy_counts.expired_rows) == \
+        (b.num_rows, b.evicted_rows, b.version, b.policy_counts.expired_rows)
+
+
+def _step(tables, ids: np.ndarray, grads: np.ndarray) -> list[np.ndarray]:
+    pulled = []
+    for table in tables:
+        pulled.append(read_tables_rows([(table, ids)], table.reserve)[0])
+        table.apply_rows(ids, grads)
+        table.finish_push()
+    return pulled
+
+
+def test_a_tiered_table_holds_the_same_bits_as_one_in_memory(tmp_path):
+    plain, tiered = _pair(tmp_path, memory_rows=64, max_rows=600, eviction="lru",
+                          admission=Admission(min_count=2, probability=0.9, counters=512),
+                          expiry=Expiry(steps=20))
+    rng = np.random.default_rng(5)
+    for step in range(300):
+        ids = np.unique(rng.zipf(1.05, 40) % 5000).astype(np.int64)
+        grads = rng.standard_normal((len(ids), 8)).astype(np.float32)
+        pulled = _step((plain, tiered), ids, grads)
+        assert pulled[0].tobytes() == pulled[1].tobytes(), step
+        assert len(tiered._index) <= 64 and tiered.capacity <= 64
+        if step % 25 == 24:
+            removed = plain.sweep(float(step))[0]
+            assert removed.tolist() == tiered.sweep(float(step))[0].tolist()
+            _same(plain, tiered)
+    assert len(tiered.disk) > 300 and tiered.policy_counts.cold_reads > 0
+    assert plain.evicted_rows > 0 and plain.policy_counts.expired_rows > 0
+    _same(plain, tiered)
+    every_id = np.arange(5000, dtype=np.int64)
+    assert tiered.lookup_rows(every_id, zeros=False).tobytes() == plain.lookup_rows(every_id, zeros=False).tobytes()
+    assert _exported(tiered) == _exported(plain)
+
+
+def _exported(table: HashTablePart) -> dict[int, bytes]:
+    out = {}
+    for ids, rows in table.export_rows(100):
+        out.update({i: row.tobytes() for i, row in zip(ids.tolist(), rows)})
+    return out
+
+
+def test_memory_stays_at_the_budget_while_the_table_grows_on_disk(tmp_path):
+    _, tiered = _pair(tmp_path, memory_rows=256)
+    created = tiered.nbytes  # what the store books when it creates the table
+    rng = np.random.default_rng(0)
+    for start in range(0, 256 * 20, 128):
+        ids = np.arange(start, start + 128, dtype=np.int64)
+        _step((tiered,), ids, rng.standard_normal((128, 8)).astype(np.float32))
+    assert tiered.num_rows == 256 * 20 and len(tiered._index) == 256
+    memory = tiered.capacity * tiered.row_bytes
+    disk_bookkeeping = tiered.disk.nbytes
+    assert created + tiered.reserve.total == tiered.nbytes  # every growth booked, on disk too
+    # Per row on disk: 49 bytes of bookkeeping and the id index (64, booked twice for its rebuild).
+    assert disk_bookkeeping == tiered.disk.capacity * (49 + 128) and memory == 256 * (8 * 12 + 57)
+    assert os.path.getsize(tiered.disk.path) == tiered.disk.disk_bytes >= (256 * 19) * tiered.disk.record_bytes
+
+
+def test_a_request_larger_than_the_memory_budget_is_refused_and_changes_nothing(tmp_path):
+    _, tiered = _pair(tmp_path, memory_rows=16)
+    _step((tiered,), np.arange(16, dtype=np.int64), np.ones((16, 8), np.float32))
+    before = {k: v.tobytes() for k, v in tiered.rows_snapshot().items()}
+    with pytest.raises(RequestError) as refused:
+        read_tables_rows([(tiered, np.arange(100, 120, dtype=np.int64))], tiered.reserve)
+    assert refused.value.reason == Reason.MEMORY_LIMIT and "memory_rows (16)" in refused.value.message
+    assert {k: v.tobytes() for k, v in tiered.rows_snapshot().items()} == before
+
+
+def test_read_only_lookups_do_not_bring_rows_back(tmp_path):
+    _, tiered = _pair(tmp_path, memory_rows=8)
+    _step((tiered,), np.arange(8, dtype=np.int64), np.ones((8, 8), np.float32))
+    _step((tiered,), np.arange(8, 16, dtype=np.int64), np.ones((8, 8), np.float32))
+    assert len(tiered.disk) == 8
+    values = tiered.lookup_rows(np.arange(8, dtype=np.int64), zeros=True)
+    assert len(tiered.disk) == 8 and tiered.disk.reads == 8
+    assert not (values == 0).all(axis=1).any()  # rows, not the zeros of missing ones
+
+
+def test_a_restore_puts_the_rows_beyond_the_budget_on_disk(tmp_path):
+    plain, tiered = _pair(tmp_path, memory_rows=32)
+    rng = np.random.default_rng(1)
+    for start in range(0, 200, 20):
+        ids = np.arange(start, start + 20, dtype=np.int64)
+        _step((plain, tiered), ids, rng.standard_normal((20, 8)).astype(np.float32))
+    snap = plain.snapshot()
+    _, restored = _pair(tmp_path / "r", memory_rows=32)
+    restored.load_rows(snap.rows, snap.version, snap.optimizer_steps, snap.evicted_rows, snap.access_clock,
+                       snap.policy_counts)
+    assert len(restored._index) == 32 and len(restored.disk) == 168
+    # The most recently used rows are the ones kept in memory.
+    assert set(restored._index.items()[0].tolist()) == set(range(168, 200))
+    _same(plain, restored)
+    ids = np.arange(0, 50, dtype=np.int64)[::3]
+    grads = rng.standard_normal((len(ids), 8)).astype(np.float32)
+    pulled = _step((plain, restored), ids, grads)
+    assert pulled[0].tobytes() == pulled[1].tobytes()
+    _same(plain, restored)
+
+
+def test_a_disk_tier_without_a_directory_is_refused():
+    with pytest.raises(RequestError) as refused:
+        HashTablePart(VariableSpec("t", (4,), "float32", hash_table=True, tier=DiskTier(10)), 0, Reserve())
+    assert refused.value.reason == Reason.DISK_TIER_DISABLED and "--disk-tier-dir" in refused.value.message
+
+
+def test_a_server_removes_the_row_files_of_servers_that_stopped(tmp_path):
+    running = DiskTierDirectory(tmp_path, "a")
+    crashed = DiskTierDirectory(tmp_path, "b")
+    crashed.file_for("t/x:y").write_bytes(b"rows")
+    os.close(crashed._lock_fd)  # its process died: the lock is gone, the files stayed
+    assert (tmp_path / "b").exists()
+    starting = DiskTierDirectory(tmp_path, "c")
+    assert starting.removed_stale == 1
+    assert not (tmp_path / "b").exists() and (tmp_path / "a").exists()
+    assert running.file_for("t/x:y") != running.file_for("t/x:y")  # a new file per table instance
+    running.close()
+    starting.close()
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
