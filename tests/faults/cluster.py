@@ -41,6 +41,10 @@ SERVER_EXIT_TIMEOUT = 60.0  # a SIGTERMed server that has not exited by then han
 WORKER_EXIT_TIMEOUT = 120.0
 
 
+#: Rows of emb each shard keeps in memory; the rest of its rows (one per slot) live on disk.
+TABLE_MEMORY_ROWS = 8
+
+
 class Cluster:
     """One mode's processes and the controller's client; ``setup`` starts them, ``cleanup`` ends them."""
 
@@ -76,8 +80,9 @@ class Cluster:
 
     def _server_args(self) -> list[str]:
         # Checkpoints by change: two deltas after each full one, so kills restore from delta chains.
+        # emb keeps most of its rows on disk (TABLE_MEMORY_ROWS in memory per shard): spilled, read back.
         args = ["--checkpoint-dir", str(self.root), "--checkpoint-interval", "1", "--keep-checkpoints", "3",
-                "--full-checkpoint-every", "3",
+                "--full-checkpoint-every", "3", "--disk-tier-dir", str(self.workdir / "tables"),
                 "--consistency", self.config["consistency"], "--worker-lease", "3",
                 "--drain-timeout", "0" if "drain" in self.kinds else "20",
                 "--auth-token-file", str(self.token_file), "--log-level", "info"]
@@ -136,7 +141,7 @@ class Cluster:
 
     def setup(self) -> None:
         """Workers (waiting), servers, proxies, variables; returns once every worker got a push through."""
-        from worker_client import SGD, FixedShardsPartitioner
+        from worker_client import SGD, DiskTier, FixedShardsPartitioner
 
         self.token_file.write_text(f"token-{self.seed}-0\n")
         for index in range(WORKERS):
@@ -149,7 +154,8 @@ class Cluster:
             client.create_variable("dense", shape=(layout.DENSE,), optimizer=sgd, aggregation="sum",
                                    partitioner=FixedShardsPartitioner(NUM_SHARDS))
             client.create_variable("small", shape=(layout.SLOTS,), optimizer=sgd, aggregation="sum")
-            client.create_embedding("emb", dim=2, initializer="zeros", optimizer=sgd, aggregation="sum")
+            client.create_embedding("emb", dim=2, initializer="zeros", optimizer=sgd, aggregation="sum",
+                                    tier=DiskTier(memory_rows=TABLE_MEMORY_ROWS))
             client.create_embedding("emb_rows", dim=2, initializer="zeros", optimizer=sgd,
                                     aggregation="row_mean")
             client.create_variable("ballast", shape=(BALLAST,), initializer="uniform", optimizer=sgd,

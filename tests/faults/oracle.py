@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from faults import layout
-from faults.cluster import Cluster
+from faults.cluster import TABLE_MEMORY_ROWS, Cluster
 from faults.layout import WORKERS, dense_positions, gradient_value, table_ids
 from faults.report import Report, Timeline
 
@@ -84,9 +84,20 @@ class Oracle:
         begun = sorted(pushes)
         final = self.cluster.call_admin(lambda c: c.pull(["dense", "small"]))
         emb_ids = np.concatenate([ids_a[begun], ids_b[begun]])
-        tables = {name: (self.cluster.call_admin(lambda c, name=name: c.pull_rows(name, emb_ids)) if begun
-                         else np.zeros((0, 2), np.float32)) for name in ROW_TABLES}
+        # Read only: emb keeps most rows on disk, and a pull of all of them would pass its memory budget.
+        tables = {name: (self.cluster.call_admin(
+                             lambda c, name=name: c.lookup_rows(name, emb_ids, missing="zeros"))
+                         if begun else np.zeros((0, 2), np.float32)) for name in ROW_TABLES}
         row_of = {slot: i for i, slot in enumerate(begun)}
+        # emb has a disk tier: with more rows per shard than its memory budget, some must lie on disk.
+        if len(begun) > 2 * TABLE_MEMORY_ROWS:
+            on_disk = sum(info.variables["emb"]["rows_on_disk"]
+                          for info in self.cluster.call_admin(lambda c: c.describe()))
+            if not on_disk:
+                self.report.fail("disk tier", f"emb holds {len(begun)} rows per shard, more than its memory "
+                                              f"budget of {TABLE_MEMORY_ROWS}, and none is on disk")
+            else:
+                self.report.notes.append(f"emb rows on disk at the end: {on_disk}")
         # Workers read serve_ids() with lookup_rows every step: a read-only lookup never makes a row.
         exported, _ = self.cluster.call_admin(lambda c: c.export_rows("emb"))
         made = np.intersect1d(exported, layout.serve_ids())

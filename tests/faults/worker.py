@@ -108,6 +108,10 @@ def worker_main(config: dict[str, Any]) -> int:
             background = config["consistency"] == "async" and rng.random() < 0.5
             # A serving read beside training: it must create no row, on any replica (checked at the end).
             client.lookup_rows("emb", serving)
+            if config["consistency"] == "async" and k >= 8:
+                # A training read of this worker's rows of 8 slots ago: by now on disk (emb keeps 8 rows per
+                # shard in memory), so it reads them back; the oracle's sums see any bit it got wrong.
+                client.pull_rows("emb", np.array([ids_a[slot - 8], ids_b[slot - 8]]))
             handle = None
             if config["consistency"] == "async" and (index == 0 or rng.random() < 0.5):
                 pushed_at = time.time()

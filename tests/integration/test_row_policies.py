@@ -15,7 +15,7 @@ from replica_testing import ReplicatedCluster, assert_same_bits
 
 from wehub_ps.initializers import fill_rows
 from wehub_ps.placement import hash_shards
-from worker_client import SGD, Admission, Expiry, PSClient, Uniform
+from worker_client import SGD, Admission, DiskTier, Expiry, PSClient, Uniform
 
 
 def _initial(spec, ids) -> np.ndarray:
@@ -119,7 +119,7 @@ def _train(address: str, worker: str, steps: int, seed: int) -> None:
     with PSClient([address], worker_id=worker) as client:
         client.create_embedding("table", 4, optimizer=SGD(0.5), max_rows=60, eviction="lru",
                                 admission=Admission(min_count=2, probability=0.8, counters=1024),
-                                expiry=Expiry(steps=30, seconds=0.4))
+                                expiry=Expiry(steps=30, seconds=0.4), tier=DiskTier(memory_rows=25))
         for _ in range(steps):
             ids = np.unique(rng.zipf(1.3, 24) % 500).astype(np.int64)
             client.pull_rows("table", ids)
@@ -142,10 +142,10 @@ def replicated(tmp_path, etcd_server):
         cluster.stop()
 
 
-def test_replicas_admit_evict_and_expire_the_same_rows(replicated):
-    """Admission draws, LRU evictions and swept expiries by steps and seconds: the backup's rows, filter
-    and counts are the primary's, bit for bit."""
-    cluster = replicated("--expiry-interval", "0.05")
+def test_replicas_admit_evict_and_expire_the_same_rows(replicated, tmp_path):
+    """Admission draws, LRU evictions and swept expiries by steps and seconds, on a table keeping most
+    rows on disk: the backup's rows, filter and counts are the primary's, bit for bit."""
+    cluster = replicated("--expiry-interval", "0.05", "--disk-tier-dir", str(tmp_path / "tables"))
     primary = cluster.primary(0)
     threads = [threading.Thread(target=_train, args=(primary.address, f"w{i}", 120, i)) for i in range(2)]
     for thread in threads:
@@ -156,7 +156,7 @@ def test_replicas_admit_evict_and_expire_the_same_rows(replicated):
     with PSClient([primary.address]) as client:
         counts = _table_counts(client, "table")
     assert counts["admitted_rows"] > 60 and counts["unadmitted_reads"] > 0
-    assert counts["evicted_rows"] > 0 and counts["expired_rows"] > 0
+    assert counts["evicted_rows"] > 0 and counts["expired_rows"] > 0 and counts["cold_reads"] > 0
     deadline = time.monotonic() + 30
     while True:
         status = primary.status()
