@@ -49,7 +49,7 @@ _started: set[Callable] = set()  # loops compiled_soon started building
 
 
 def compiled(fn: Callable, signatures: Callable[[Any], list] | None = None,
-             wait: bool = True) -> Callable | None:
+             wait: bool = True, cache: bool = True) -> Callable | None:
     """``fn`` compiled by numba (GIL released, NumPy's error model), or None without numba.
 
     ``error_model="numpy"`` only drops Python's zero-division checks, which
@@ -65,6 +65,9 @@ def compiled(fn: Callable, signatures: Callable[[Any], list] | None = None,
     ``wait=False``: None at once while another thread builds a loop (a
     server preparing its loops ahead), so a caller with a NumPy path of
     the same bits runs that instead of waiting up to a second.
+
+    ``cache=False``: compiled once per process, never cached on disk (a loop
+    calling C functions through ctypes, whose addresses change per process).
     """
     built = _built.get(fn, _NOT_BUILT)  # one dict read: no lock needed
     if built is not _NOT_BUILT:
@@ -73,13 +76,14 @@ def compiled(fn: Callable, signatures: Callable[[Any], list] | None = None,
         return None  # ``wait=False``: another thread is building a loop; the caller's NumPy path meanwhile
     try:
         if fn not in _built:
-            _built[fn] = _build(fn, signatures)
+            _built[fn] = _build(fn, signatures, cache)
         return _built[fn]
     finally:
         _lock.release()
 
 
-def compiled_soon(fn: Callable, signatures: Callable[[Any], list] | None = None) -> Callable | None:
+def compiled_soon(fn: Callable, signatures: Callable[[Any], list] | None = None,
+                  cache: bool = True) -> Callable | None:
     """``fn`` compiled if it is ready; else None at once, its build started on a thread (once).
 
     For loops a caller meets in its hot path with no prepared moment before
@@ -92,7 +96,8 @@ def compiled_soon(fn: Callable, signatures: Callable[[Any], list] | None = None)
     with _starting:
         if fn not in _started:
             _started.add(fn)
-            threading.Thread(target=compiled, args=(fn, signatures), name="ps-compile", daemon=True).start()
+            threading.Thread(target=compiled, args=(fn, signatures, True, cache), name="ps-compile",
+                             daemon=True).start()
     return None
 
 
@@ -106,7 +111,7 @@ def cache_in(directory: str) -> None:
         os.environ.setdefault(NUMBA_CACHE_ENV, directory)
 
 
-def _build(fn: Callable, signatures: Callable[[Any], list] | None) -> Callable | None:
+def _build(fn: Callable, signatures: Callable[[Any], list] | None, cache: bool = True) -> Callable | None:
     if os.environ.get(COMPILED_LOOPS_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     try:
@@ -115,6 +120,8 @@ def _build(fn: Callable, signatures: Callable[[Any], list] | None) -> Callable |
         event(log, logging.INFO, "numba is not installed: loops run as NumPy passes", loop=fn.__name__)
         return None
     declared = [signatures(numba.types)] if signatures is not None else []
+    if not cache:
+        return numba.njit(*declared, nogil=True, error_model="numpy")(fn)
     try:
         return numba.njit(*declared, nogil=True, cache=True, error_model="numpy")(fn)
     except RuntimeError:  # nowhere writable to cache: compile in this process only
