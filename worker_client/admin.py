@@ -197,13 +197,17 @@ def _primary_summary(shard: str, statuses: Mapping[str, ReplicaInfo | PSError | 
 
 
 def _tables_table(infos: Sequence[ShardInfo]) -> str:
-    """Each hash table on each shard: rows held, and what eviction, expiry and admission did."""
-    rows = [["table", "shard", "rows", "evicted", "expired", "admitted", "reads not admitted",
-             "gradient rows dropped"]]
+    """Each hash table on each shard: rows held (on disk too), what eviction, expiry and admission did,
+    and the disk tier's hit rate (rows found in memory among the rows touched)."""
+    rows = [["table", "shard", "rows", "on disk", "disk MB", "hit rate", "evicted", "expired", "admitted",
+             "reads not admitted", "gradient rows dropped"]]
     for info in infos:
         for name, v in sorted(info.variables.items()):
             if v.get("hash_table"):
+                hits, misses = v.get("memory_hits", 0), v.get("cold_reads", 0)
                 rows.append([name, f"{info.shard_index}/{info.num_shards}", str(v["num_rows"]),
+                             str(v.get("rows_on_disk", 0)), f"{v.get('disk_bytes', 0) / 1e6:.1f}",
+                             f"{hits / (hits + misses):.3f}" if hits + misses else "-",
                              str(v["evicted_rows"]), str(v.get("expired_rows", 0)), str(v.get("admitted_rows", 0)),
                              str(v.get("unadmitted_reads", 0)), str(v.get("dropped_gradient_rows", 0))])
     return _table(rows) if len(rows) > 1 else ""

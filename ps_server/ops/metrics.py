@@ -132,6 +132,13 @@ class HashTableCollector:
          "Pull answers for ids not admitted yet (no row made)"),
         ("wehub_ps_table_dropped_gradient_rows", "dropped_gradient_rows",
          "Gradient rows dropped because their id had no row"),
+        ("wehub_ps_table_memory_hits", "memory_hits", "Rows of a table with a disk tier found in memory when touched"),
+        ("wehub_ps_table_cold_reads", "cold_reads", "Rows read back from a table's disk tier"),
+    )
+    #: (metric name, VariableInfo field, help) of each gauge beside the rows.
+    GAUGES = (
+        ("wehub_ps_table_rows_on_disk", "rows_on_disk", "Rows of each hash table in its disk tier on this shard"),
+        ("wehub_ps_table_disk_bytes", "disk_bytes", "Bytes of each hash table's row file on this shard"),
     )
 
     def __init__(self, describe: Callable[[], Sequence]) -> None:
@@ -147,6 +154,11 @@ class HashTableCollector:
         for info in tables:
             rows.add_metric([info.spec.name], info.num_rows)
         yield rows
+        for name, attr, documentation in self.GAUGES:
+            gauge = GaugeMetricFamily(name, documentation, labels=["variable"])
+            for info in tables:
+                gauge.add_metric([info.spec.name], getattr(info, attr))
+            yield gauge
         for name, attr, documentation in self.COUNTERS:
             family = CounterMetricFamily(name, documentation, labels=["variable"])
             for info in tables:

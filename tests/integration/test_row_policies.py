@@ -65,10 +65,15 @@ def test_admission_answers_initial_values_then_makes_rows_and_counts_everything(
     assert "reads not admitted" in status.stdout and "gradient rows dropped" in status.stdout
 
 
-def test_metrics_show_each_tables_rows_and_policy_counts(cluster_factory):
+def test_metrics_show_each_tables_rows_and_policy_counts(cluster_factory, tmp_path):
     port = free_port()
-    cluster = cluster_factory(1, "--metrics-port", str(port), "--expiry-interval", "0.05")
+    cluster = cluster_factory(1, "--metrics-port", str(port), "--expiry-interval", "0.05",
+                              "--disk-tier-dir", str(tmp_path / "tables"))
     with PSClient(cluster.addresses) as client:
+        client.create_embedding("d", 4, tier=DiskTier(memory_rows=2))
+        for i in range(5):
+            client.pull_rows("d", np.array([i], np.int64))  # 3 rows go to disk
+        client.pull_rows("d", np.array([0], np.int64))  # read back
         client.create_embedding("m", 4, optimizer=SGD(1.0), admission=Admission(min_count=2),
                                 expiry=Expiry(steps=1))
         ids = np.arange(6, dtype=np.int64)
@@ -87,6 +92,11 @@ def test_metrics_show_each_tables_rows_and_policy_counts(cluster_factory):
     assert metric_value(text, 'wehub_ps_table_dropped_gradient_rows_total{variable="m"}') == 6
     assert metric_value(text, 'wehub_ps_table_expired_rows_total{variable="m"}') == 2
     assert metric_value(text, 'wehub_ps_table_evicted_rows_total{variable="m"}') == 0
+    assert metric_value(text, 'wehub_ps_table_rows{variable="d"}') == 5
+    assert metric_value(text, 'wehub_ps_table_rows_on_disk{variable="d"}') == 3
+    assert metric_value(text, 'wehub_ps_table_disk_bytes{variable="d"}') >= 3 * (4 * 4 + 8)
+    assert metric_value(text, 'wehub_ps_table_cold_reads_total{variable="d"}') == 1
+    assert metric_value(text, 'wehub_ps_table_memory_hits_total{variable="d"}') == 0
 
 
 def test_rows_not_updated_expire_on_their_own(cluster_factory):
