@@ -71,10 +71,7 @@ def spec_from_proto(msg: ps_pb2.VariableSpec) -> VariableSpec:
                             hash_table=msg.hash_table, max_rows=msg.max_rows,
                             eviction=_by_value(_EVICTIONS, msg.eviction, "eviction"),
                             aggregation=_by_value(_AGGREGATIONS, msg.aggregation, "aggregation"),
-                            admission=(Admission(min_count=msg.admission.min_count,
-                                                 probability=msg.admission.probability,
-                                                 counters=msg.admission.counters, zeros=msg.admission.zeros)
-                                       if msg.HasField("admission") else None),
+                            admission=_admission(msg.admission) if msg.HasField("admission") else None,
                             expiry=(Expiry(steps=msg.expiry.steps, seconds=msg.expiry.seconds)
                                     if msg.HasField("expiry") else None),
                             tier=DiskTier(memory_rows=msg.tier.memory_rows) if msg.HasField("tier") else None)
@@ -82,6 +79,12 @@ def spec_from_proto(msg: ps_pb2.VariableSpec) -> VariableSpec:
         raise
     except (TypeError, ValueError) as exc:
         raise SpecError(f"invalid spec for {msg.name!r}: {exc}") from exc
+
+
+def _admission(msg: ps_pb2.AdmissionSpec) -> Admission:
+    """An admission spec from the wire, where a field left at 0 means the dataclass's default."""
+    given = {"min_count": msg.min_count, "probability": msg.probability, "counters": msg.counters}
+    return Admission(**{key: value for key, value in given.items() if value}, zeros=msg.zeros)
 
 
 def _oneof_to_proto(obj: object, kinds: dict[type, str], message) -> None:

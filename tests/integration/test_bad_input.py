@@ -163,6 +163,39 @@ def test_invalid_spec(channel, unchanged):
     _expect(lambda: _create(channel, bad_name), StatusCode.INVALID_ARGUMENT, "INVALID_SPEC", "has space")
 
 
+@pytest.mark.parametrize("field,value,fragment", [
+    ("admission.probability", 1.5, "Admission.probability"),
+    ("admission.counters", 8, "Admission.counters"),
+    ("admission.min_count", 70_000, "Admission.min_count"),
+    ("expiry.seconds", float("nan"), "Expiry.seconds"),
+    ("tier.memory_rows", 0, "DiskTier.memory_rows"),
+])
+def test_invalid_row_policies(channel, unchanged, field, value, fragment):
+    spec = spec_to_proto(VariableSpec("fresh_table", (4,), "float32", hash_table=True))
+    message, attribute = field.split(".")
+    getattr(spec, message).SetInParent()
+    setattr(getattr(spec, message), attribute, value)
+    _expect(lambda: _create(channel, spec), StatusCode.INVALID_ARGUMENT, "INVALID_SPEC", fragment)
+
+
+def test_row_policies_on_a_dense_variable_or_a_server_without_a_disk_tier(channel, unchanged):
+    dense = spec_to_proto(VariableSpec("fresh_dense", (4, 4), "float32"))
+    dense.expiry.steps = 3
+    _expect(lambda: _create(channel, dense), StatusCode.INVALID_ARGUMENT, "INVALID_SPEC", "hash tables only")
+    tiered = spec_to_proto(VariableSpec("fresh_tiered", (4,), "float32", hash_table=True))
+    tiered.tier.memory_rows = 10
+    _expect(lambda: _create(channel, tiered), StatusCode.FAILED_PRECONDITION, "DISK_TIER_DISABLED",
+            "--disk-tier-dir")
+
+
+def test_an_admission_filter_past_the_memory_limit(channel, unchanged):
+    spec = spec_to_proto(VariableSpec("filtered", (4,), "float32", hash_table=True))
+    spec.admission.min_count = 2
+    spec.admission.probability = 1.0
+    spec.admission.counters = 1 << 26  # 512 MiB of counters: past the 256 MiB budget
+    _expect(lambda: _create(channel, spec), StatusCode.RESOURCE_EXHAUSTED, "MEMORY_LIMIT", "filtered")
+
+
 def test_chunk_offset_out_of_range(channel, unchanged):
     _expect(lambda: _push(channel, _begin(sequence=2), [_chunk("w", 179_999, np.ones(2, np.float32))]),
             StatusCode.INVALID_ARGUMENT, "INVALID_CHUNK", "outside the 180000 elements")
