@@ -315,3 +315,21 @@ def test_an_exported_hash_table_answers_unseen_ids_as_the_cluster_does(client, m
     np.testing.assert_array_equal(exported(query).numpy(), expected)
     with pytest.raises(ValueError, match="needs the table's initializer"):
         ExportedEmbedding(torch.from_numpy(ids), torch.from_numpy(rows), missing="initializer")
+
+
+def test_a_hash_table_module_takes_admission_and_expiry(client):
+    from worker_client import Admission, Expiry
+
+    name = _name()
+    module = PSEmbedding(client, name, DIM, optimizer=SGD(LEARNING_RATE), admission=Admission(min_count=2),
+                         expiry=Expiry(steps=1000))
+    spec = client.variables()[name].spec
+    assert (spec.admission, spec.expiry) == (Admission(min_count=2), Expiry(steps=1000))
+    ids = torch.tensor([5, 9, 5])
+    first = module(ids)  # the first sighting: initial values, no row yet
+    assert sum(info.variables[name]["num_rows"] for info in client.describe()) == 0
+    second = module(ids)  # the second admits both ids: rows made from the same initial values
+    assert torch.equal(first, second)
+    assert sum(info.variables[name]["num_rows"] for info in client.describe()) == 2
+    with pytest.raises(ValueError, match="hash tables"):
+        PSEmbedding(client, _name(), DIM, num_embeddings=10, expiry=Expiry(steps=3))

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from wehub_ps.kernels.groups import group_ids
 from wehub_ps.placement import Partitioner
-from wehub_ps.specs import Normal, Optimizer
+from wehub_ps.specs import Admission, DiskTier, Expiry, Normal, Optimizer
 from worker_client.client import PSClient
 from worker_client.errors import InvalidArgumentError
 
@@ -93,7 +93,8 @@ class PSEmbedding(torch.nn.Module):
     def __init__(self, client: PSClient, name: str, embedding_dim: int, num_embeddings: int | None = None, *,
                  dtype: str = "float32", initializer: Any = None, optimizer: Optimizer | None = None,
                  aggregation: str = "mean", partitioner: Partitioner | None = None, max_rows: int = 0,
-                 eviction: str = "none", padding_idx: int | None = None) -> None:
+                 eviction: str = "none", padding_idx: int | None = None, admission: Admission | None = None,
+                 expiry: Expiry | None = None, tier: DiskTier | None = None) -> None:
         super().__init__()
         if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim < 1:
             raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
@@ -107,14 +108,16 @@ class PSEmbedding(torch.nn.Module):
             if partitioner is not None or isinstance(initializer, np.ndarray):
                 raise ValueError("a hash table (num_embeddings=None) takes no partitioner and no array of "
                                  "initial values: give num_embeddings for a dense table")
-        elif max_rows or eviction != "none":
-            raise ValueError("max_rows and eviction bound hash tables: pass num_embeddings=None for one")
+        elif max_rows or eviction != "none" or admission or expiry or tier:
+            raise ValueError("max_rows, eviction, admission, expiry and tier apply to hash tables: pass "
+                             "num_embeddings=None for one")
         if optimizer is not None and not isinstance(optimizer, get_args(Optimizer)):
             raise TypeError(f"optimizer must be a wehub optimizer (SGD, Momentum, Adagrad, Adam) or None, got "
                             f"{type(optimizer).__name__}; a torch.optim optimizer is mapped by attach()")
         # The table is made with its optimizer: now when given, else by attach()'s (use_optimizer).
         self._table_settings = {"dtype": dtype, "initializer": initializer, "aggregation": aggregation,
-                                    "partitioner": partitioner, "max_rows": max_rows, "eviction": eviction}
+                                    "partitioner": partitioner, "max_rows": max_rows, "eviction": eviction,
+                                    "admission": admission, "expiry": expiry, "tier": tier}
         self.optimizer: Optimizer | None = None
         self.client = client
         self.name = name
@@ -145,7 +148,8 @@ class PSEmbedding(torch.nn.Module):
         if self.num_embeddings is None:
             self.client.create_embedding(self.name, self.embedding_dim, settings["dtype"], settings["initializer"],
                                          optimizer, settings["max_rows"], settings["eviction"],
-                                         settings["aggregation"])
+                                         settings["aggregation"], settings["admission"], settings["expiry"],
+                                         settings["tier"])
         else:
             self.client.create_variable(self.name, (self.num_embeddings, self.embedding_dim), settings["dtype"],
                                         settings["initializer"], optimizer, settings["partitioner"],
