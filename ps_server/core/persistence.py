@@ -10,6 +10,7 @@ never imports it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,7 +18,36 @@ import numpy as np
 
 from wehub_ps.specs import VariableSpec
 
-__all__ = ["AccumulatorSnapshot", "PartSnapshot", "LoadedPart", "SpecRecorder"]
+__all__ = ["AccumulatorSnapshot", "DiskRows", "LoadedPart", "PartSnapshot", "RowSource", "SpecRecorder"]
+
+
+@dataclass(frozen=True)
+class DiskRows:
+    """A table's rows on disk at a snapshot's instant, left where they lie until the snapshot is written.
+
+    The row file reuses none of ``slots`` until ``release()``: the writer
+    reads their records (``read(slots)``, structured records of the row
+    file's dtype, safe beside the table's own reads and writes) after the
+    apply gate is released. What decides about the rows came out as copies.
+    """
+
+    ids: np.ndarray
+    slots: np.ndarray
+    last_access: np.ndarray
+    updated_version: np.ndarray
+    updated_before: np.ndarray
+    read: Callable[[np.ndarray], np.ndarray]
+    release: Callable[[], None]
+
+
+class RowSource(Protocol):
+    """Rows of a table a restore streams in (a checkpoint's file of disk rows), a piece at a time."""
+
+    count: int
+
+    def chunks(self, rows: int) -> Iterator[dict[str, np.ndarray]]:
+        """Rows as a snapshot's rows dict (ids, value, slot:<name>, row_steps, last_access, updated_version,
+        updated_before), at most ``rows`` at a time."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +93,11 @@ class PartSnapshot:
     #: A delta's hash table (checkpoints by change): ``rows`` holds only the rows changed since the
     #: previous checkpoint, and these ids were removed since. None: ``rows`` holds every row.
     removed_ids: np.ndarray | None = None
+    #: A table with a disk tier, snapshotted for a checkpoint: ``rows`` holds the rows in memory, these
+    #: the rows on disk (written by streaming their records).
+    disk_rows: DiskRows | None = None
+    #: Restored: rows to stream in besides ``rows`` (a checkpoint's disk rows), each read piece by piece.
+    disk_sources: list[RowSource] | None = None
 
 
 #: A variable part assembled from checkpoint data: the same fields as a snapshot.

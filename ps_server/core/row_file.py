@@ -37,7 +37,16 @@ import numpy as np
 from ps_server.core.id_index import IdIndex, index_bytes_for
 from wehub_ps.kernels.compiled import compiled_soon
 
-__all__ = ["RowFile", "RowRecords"]
+__all__ = ["RowFile", "RowRecords", "record_dtype"]
+
+
+def record_dtype(row_elements: int, dtype: np.dtype, compute_dtype: np.dtype,
+                 slot_names: tuple[str, ...]) -> np.dtype:
+    """A disk record: the row's value, each optimizer slot, its row step count."""
+    fields = [("value", dtype, (row_elements,))]
+    fields += [(f"slot:{name}", compute_dtype, (row_elements,)) for name in slot_names]
+    fields += [("row_steps", np.int64)]
+    return np.dtype(fields)
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _libc_pread, _libc_pwrite = _LIBC.pread, _LIBC.pwrite
@@ -84,15 +93,16 @@ class RowFile:
                  slot_names: tuple[str, ...]) -> None:
         self.path = path
         self.slot_names = slot_names
-        fields = [("value", dtype, (row_elements,))]
-        fields += [(f"slot:{name}", compute_dtype, (row_elements,)) for name in slot_names]
-        fields += [("row_steps", np.int64)]
-        self.record = np.dtype(fields)
+        self.record = record_dtype(row_elements, dtype, compute_dtype, slot_names)
         self.record_bytes = self.record.itemsize
         path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         self._index = IdIndex()
         self._free = np.empty(0, np.int64)
+        #: Snapshots being written (:meth:`freeze`): freed slots wait in _held until the last is written.
+        self._frozen = 0
+        self._held: list[np.ndarray] = []
+        self._held_count = 0
         self.capacity = 0
         #: Slots ever written: the file's length in records.
         self.high_water = 0
@@ -120,6 +130,10 @@ class RowFile:
     @property
     def nbytes(self) -> int:
         return self.nbytes_for(self.capacity)
+
+    def capacity_for_more(self, count: int) -> int:
+        """The capacity after ``count`` more rows (slots held for a snapshot count as used)."""
+        return self.capacity_for(len(self) + self._held_count + count)
 
     def capacity_for(self, rows: int) -> int:
         """The capacity holding ``rows`` rows would have (doubling, at least 1,024)."""
@@ -149,7 +163,7 @@ class RowFile:
         if not count:
             return
         if len(self._free) < count:
-            self._grow(self.capacity_for(len(self) + count))
+            self._grow(self.capacity_for_more(count))
         slots = np.sort(self._free[len(self._free) - count:])  # the i-th row goes to the i-th slot
         self._free = self._free[:len(self._free) - count]
         packed = np.empty(count, self.record)
@@ -169,25 +183,49 @@ class RowFile:
 
     def read(self, slots: np.ndarray) -> np.ndarray:
         """The records at ``slots`` (any order), as a structured array in that order."""
+        started = time.perf_counter()
+        out = self._read(slots)
+        self.reads += len(slots)
+        self.read_seconds += time.perf_counter() - started
+        return out
+
+    def _read(self, slots: np.ndarray) -> np.ndarray:
         out = np.empty(len(slots), self.record)
         if not len(slots):
             return out
-        started = time.perf_counter()
         order = np.argsort(slots, kind="stable")
         sorted_slots = slots[order]
         raw = np.empty(len(slots) * self.record_bytes, np.uint8)  # read straight into it, run by run
         self._runs(_pread_runs, os.preadv, raw, sorted_slots)
         sorted_out = raw.view(self.record)
         out[order] = sorted_out
-        self.reads += len(slots)
-        self.read_seconds += time.perf_counter() - started
         return out
 
     def remove(self, slots: np.ndarray) -> None:
-        """Forget the rows at ``slots`` (their records are overwritten when the slots are reused)."""
+        """Forget the rows at ``slots`` (their records are overwritten when the slots are reused, which
+        waits while a snapshot that may hold them is written)."""
         if len(slots):
             self._index.remove(self.ids[slots])
-            self._free = np.concatenate([self._free, slots])
+            if self._frozen:
+                self._held.append(slots.copy())
+                self._held_count += len(slots)
+            else:
+                self._free = np.concatenate([self._free, slots])
+
+    def freeze(self) -> None:
+        """A snapshot holds the live slots: none is rewritten until :meth:`thaw` (the owner's lock held)."""
+        self._frozen += 1
+
+    def thaw(self) -> None:
+        """The snapshot is written: slots freed since may be reused."""
+        self._frozen -= 1
+        if not self._frozen and self._held:
+            self._free = np.concatenate([self._free, *self._held])
+            self._held, self._held_count = [], 0
+
+    def read_records(self, slots: np.ndarray) -> np.ndarray:
+        """:meth:`read` without touching the counters: for a snapshot's writer, beside the table."""
+        return self._read(slots)
 
     def _runs(self, loop, fallback, raw: np.ndarray, sorted_slots: np.ndarray) -> None:
         """Read or write ``raw`` (records in slot order) at ``sorted_slots``, one call per run of

@@ -434,9 +434,14 @@ class VariableStore:
         for part in self.parts():
             part.start_step(step)
 
-    def snapshot(self) -> list[PartSnapshot]:
-        """Copies of every part; call with the gate held exclusive for a consistent instant."""
-        return [part.snapshot() for part in self.parts()]
+    def snapshot(self, stream_disk: bool = False) -> list[PartSnapshot]:
+        """Copies of every part; call with the gate held exclusive for a consistent instant.
+
+        ``stream_disk``: tables leave their rows on disk in place for the
+        snapshot's writer (``PartSnapshot.disk_rows``), who must release them.
+        """
+        return [part.snapshot(stream_disk) if isinstance(part, HashTablePart) else part.snapshot()
+                for part in self.parts()]
 
     def checkpoint_snapshot(self, delta: bool) -> tuple[list[PartSnapshot], bool]:
         """A checkpoint's copies (the gate held exclusive), and whether they are a delta.
@@ -455,7 +460,8 @@ class VariableStore:
                 snapshots = None
         whole = snapshots is None
         if whole:
-            snapshots = [part.snapshot() for part in parts]
+            snapshots = [part.snapshot(stream_disk=True) if isinstance(part, HashTablePart) else part.snapshot()
+                         for part in parts]
         for part in parts:
             if isinstance(part, HashTablePart):
                 part.forget_changes()
@@ -486,7 +492,7 @@ class VariableStore:
                     reserve(table.nbytes)
                     table.load_rows(item.rows, item.version, item.optimizer_steps, item.evicted_rows,
                                     item.access_clock, item.policy_counts, item.admission_counts,
-                                    item.admission_sightings)
+                                    item.admission_sightings, item.disk_sources)
                     table.restore_accumulator(item.accumulator)
                 else:
                     part = VariablePart.from_checkpoint(item)

@@ -52,7 +52,7 @@ from ps_server.core.errors import RequestError
 from ps_server.core.id_index import IdIndex, index_bytes_for
 from ps_server.core.info import VariableInfo
 from ps_server.core.optimizers import make_kernel
-from ps_server.core.persistence import AccumulatorSnapshot, PartSnapshot
+from ps_server.core.persistence import AccumulatorSnapshot, DiskRows, PartSnapshot, RowSource
 from ps_server.core.row_file import RowFile, RowRecords
 from ps_server.core.row_policies import NOT_STAMPED, AdmissionFilter, ExpiryRule, PolicyCounts
 from wehub_ps.errors import Reason
@@ -433,9 +433,25 @@ class HashTablePart:
                                 rows_on_disk=len(disk) if disk is not None else 0,
                                 disk_bytes=disk.disk_bytes if disk is not None else 0)
 
-    def snapshot(self):
+    def snapshot(self, stream_disk: bool = False) -> PartSnapshot:
+        """Copies of the table's state. ``stream_disk`` (a checkpoint's snapshot): the rows on disk are
+        not copied but left in place for the writer (``disk_rows``), so a table bigger than memory is
+        never held in memory whole; the writer must release them."""
         with self.lock:
-            return self._snapshot_locked()
+            if self.disk is None or not stream_disk:
+                return self._snapshot_locked()
+            disk = self.disk
+            on_disk = disk.live_slots()
+            part = self._snapshot_locked(None, np.empty(0, np.int64))
+            disk.freeze()
+
+            def release() -> None:
+                with self.lock:
+                    disk.thaw()
+
+            return replace(part, disk_rows=DiskRows(
+                disk.ids[on_disk], on_disk, disk.last_access[on_disk], disk.updated_version[on_disk],
+                disk.updated_before[on_disk], disk.read_records, release))
 
     def _snapshot_locked(self, slots: np.ndarray | None = None,
                          disk_slots: np.ndarray | None = None) -> PartSnapshot:
@@ -530,7 +546,7 @@ class HashTablePart:
         transient = self.capacity * self.row_bytes if capacity > self.capacity else 0
         book = self.nbytes_for(capacity) - self.nbytes + transient
         if spill_bound:
-            book += self.disk.nbytes_for(self.disk.capacity_for(len(self.disk) + spill_bound)) - self.disk.nbytes
+            book += self.disk.nbytes_for(self.disk.capacity_for_more(spill_bound)) - self.disk.nbytes
         return RowPlan(ids, slots, missing, new_ids, inverse.reshape(-1), evict, capacity, book, transient,
                        protect, waiting, sighting, cold if cold_count else None, spill_bound)
 
@@ -813,9 +829,11 @@ class HashTablePart:
 
     def load_rows(self, rows: dict[str, np.ndarray], version: int, optimizer_steps: int, evicted: int,
                   access_clock: int = 0, policy_counts: dict | None = None,
-                  admission_counts: np.ndarray | None = None, admission_sightings: int = 0) -> None:
+                  admission_counts: np.ndarray | None = None, admission_sightings: int = 0,
+                  disk_sources: Sequence[RowSource] | None = None) -> None:
         """Install rows from a checkpoint (before serving); a checkpoint from before expiry stamps
-        counts its rows as updated at its version, and since the last sweep."""
+        counts its rows as updated at its version, and since the last sweep. ``disk_sources``: rows
+        the checkpoint kept on disk, streamed piece by piece onto this table's disk tier."""
         with self.lock:
             count = len(rows["ids"])
             if self.disk is not None and count > self.tier_rows:
@@ -848,6 +866,13 @@ class HashTablePart:
             self._clock = max(access_clock, int(rows["last_access"].max()) if count else 0)
             self._index.insert(rows["ids"], slots)
             self.version, self.optimizer_steps, self.evicted_rows = version, optimizer_steps, evicted
+            for source in disk_sources or ():
+                if self.disk is None:
+                    raise RequestError(Reason.DISK_TIER_DISABLED,
+                                       f"hash table {self.spec.name!r} has rows on disk in its checkpoint but no "
+                                       "disk tier here")
+                for piece in source.chunks(65536):
+                    self._load_to_disk(piece, version)
             if self.disk is not None and len(self.disk):
                 self._clock = max(self._clock, int(self.disk.last_access[self.disk.live_slots()].max()))
 
@@ -855,7 +880,7 @@ class HashTablePart:
         """Restore: rows beyond the memory budget written straight to the disk tier (their bytes booked)."""
         count = len(rows["ids"])
         disk = self.disk
-        self.reserve(disk.nbytes_for(disk.capacity_for(len(disk) + count)) - disk.nbytes)
+        self.reserve(disk.nbytes_for(disk.capacity_for_more(count)) - disk.nbytes)
         width = self.row_elements
         records = RowRecords(rows["ids"], rows["value"].reshape(count, width),
                              {name: rows[f"slot:{name}"].reshape(count, width) for name in self.slots},

@@ -76,8 +76,13 @@ def _assemble_table(spec: VariableSpec, sources: list[Source], handles: dict[int
     """This shard's rows of a hash table: the old shards' rows whose id now maps here."""
     gathered: dict[str, list[np.ndarray]] = {}
     version = max(e["version"] for _, e in sources)
+    disk_sources = []
     for old_index, entry in sources:
-        arrays = handles[old_index].table_rows(spec.name) if entry["rows"] else {}
+        arrays, files = handles[old_index].table_rows(spec) if entry["rows"] else ({}, [])
+        for file in files:  # rows on disk: streamed in by the restore, this shard's only
+            file.restrict(hash_shards(file.ids, num_shards) == shard_index)
+            file.version_shift = version - int(entry["version"])
+            disk_sources.append(file)
         if not arrays:
             continue
         mine = hash_shards(arrays["ids"], num_shards) == shard_index
@@ -86,7 +91,8 @@ def _assemble_table(spec: VariableSpec, sources: list[Source], handles: dict[int
         for key, values in arrays.items():
             gathered.setdefault(key, []).append(values[mine])
     rows = {key: np.concatenate(parts) for key, parts in gathered.items()}
-    if "ids" in rows and len(np.unique(rows["ids"])) != len(rows["ids"]):
+    every_id = np.concatenate([rows.get("ids", np.empty(0, np.int64)), *(f.kept_ids() for f in disk_sources)])
+    if len(np.unique(every_id)) != len(every_id):
         raise CheckpointError(f"old shards hold the same row id of {spec.name!r} twice")
     holders = [e for _, e in sources]
     # Each old shard's eviction count goes to exactly one new shard, so the total is kept.
@@ -108,7 +114,8 @@ def _assemble_table(spec: VariableSpec, sources: list[Source], handles: dict[int
                       admission_counts=(filters.get(shard_index) if same_layout
                                         else merge_admission_counts(list(filters.values()))),
                       admission_sightings=max((int(e.get("admission_sightings", 0)) for e in holders),
-                                              default=0))
+                                              default=0),
+                      disk_sources=disk_sources or None)
 
 
 def _copy_rows(spec: VariableSpec, row_start: int, row_end: int, row_elements: int, slot_names: list[str],

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-from ps_server.core.persistence import AccumulatorSnapshot, PartSnapshot
+from ps_server.core.persistence import AccumulatorSnapshot, DiskRows, PartSnapshot
 from ps_server.durability.chains import REMOVED_IDS, chain_ids, read_link_manifest
 from ps_server.durability.format import (
     FORMAT,
@@ -84,7 +84,20 @@ def clean_temporaries(directory: Path) -> None:
 
 
 def write_checkpoint(root: str | os.PathLike, snapshot: ShardSnapshot, keep: int) -> WrittenCheckpoint:
-    """Write ``snapshot`` atomically and keep only the newest ``keep`` checkpoints."""
+    """Write ``snapshot`` atomically and keep only the newest ``keep`` checkpoints.
+
+    The tables' rows left on disk by the snapshot (``disk_rows``) are
+    released when this returns or raises.
+    """
+    try:
+        return _write_checkpoint(root, snapshot, keep)
+    finally:
+        for part in snapshot.parts:
+            if part.disk_rows is not None:
+                part.disk_rows.release()
+
+
+def _write_checkpoint(root: str | os.PathLike, snapshot: ShardSnapshot, keep: int) -> WrittenCheckpoint:
     started = time.perf_counter()
     directory = shard_dir(root, snapshot.shard_index, snapshot.num_shards)
     directory.mkdir(parents=True, exist_ok=True)
@@ -96,7 +109,8 @@ def write_checkpoint(root: str | os.PathLike, snapshot: ShardSnapshot, keep: int
     tmp = directory / f".tmp-{checkpoint_id}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     tensors: dict[str, np.ndarray] = {}
-    variables = [_save_part(part, tensors) for part in snapshot.parts]
+    files: dict[str, dict[str, Any]] = {}
+    variables = [_save_part(part, tensors, tmp, files) for part in snapshot.parts]
     tensors_path = tmp / TENSORS_FILE
     save_file(tensors, str(tensors_path), metadata={"format": FORMAT, "checkpoint_id": checkpoint_id})
     fsync_path(tensors_path)
@@ -109,7 +123,7 @@ def write_checkpoint(root: str | os.PathLike, snapshot: ShardSnapshot, keep: int
         "variables": variables, "ledger": snapshot.ledger,
         **({"consistency": snapshot.consistency} if snapshot.consistency is not None else {}),
         "files": {TENSORS_FILE: {"sha256": sha256_file(tensors_path),
-                                 "bytes": tensors_path.stat().st_size}},
+                                 "bytes": tensors_path.stat().st_size}, **files},
     })
     manifest_path = tmp / MANIFEST_FILE
     manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True))
@@ -137,8 +151,10 @@ def _keep_newest(directory: Path, keep: int) -> None:
             shutil.rmtree(checkpoint_path(directory, old), ignore_errors=True)
 
 
-def _save_part(part: PartSnapshot, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
-    """Add a part's arrays to ``tensors``; its manifest entry."""
+def _save_part(part: PartSnapshot, tensors: dict[str, np.ndarray], directory: Path,
+               files: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Add a part's arrays to ``tensors`` (and a table's rows on disk to a file of their own in
+    ``directory``, listed in ``files``); its manifest entry."""
     name = part.spec.name
     entry = {"spec": spec_to_json(part.spec), "row_start": part.row_start, "row_end": part.row_end,
              "holds_part": part.holds_part, "version": part.version,
@@ -154,6 +170,8 @@ def _save_part(part: PartSnapshot, tensors: dict[str, np.ndarray]) -> dict[str, 
         if part.removed_ids is not None:
             entry["removed"] = True
             tensors[tensor_name(name, REMOVED_IDS)] = part.removed_ids
+        if part.disk_rows is not None:
+            entry["disk"] = _save_disk_rows(name, part.disk_rows, tensors, directory, files)
         if part.admission_counts is not None:
             tensors[tensor_name(name, "admission:counts")] = part.admission_counts
             entry["admission_sightings"] = part.admission_sightings
@@ -166,6 +184,27 @@ def _save_part(part: PartSnapshot, tensors: dict[str, np.ndarray]) -> dict[str, 
     if part.accumulator is not None:
         entry["accumulator"] = _save_accumulator(name, part.accumulator, tensors)
     return entry
+
+
+#: Disk rows streamed per piece: records read from the row file and appended to the checkpoint's file.
+_DISK_PIECE_ROWS = 65536
+
+
+def _save_disk_rows(name: str, rows: DiskRows, tensors: dict[str, np.ndarray], directory: Path,
+                    files: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A table's rows on disk: their ids and stamps as tensors, their records (value, optimizer slots,
+    row step, as the row file holds them) copied piece by piece into a file of their own."""
+    file_name = f"disk-rows-{len(files)}.bin"
+    path = directory / file_name
+    with open(path, "wb") as out:
+        for start in range(0, len(rows.slots), _DISK_PIECE_ROWS):
+            out.write(rows.read(rows.slots[start:start + _DISK_PIECE_ROWS]).tobytes())
+        out.flush()
+        os.fsync(out.fileno())
+    for key in ("ids", "last_access", "updated_version", "updated_before"):
+        tensors[tensor_name(name, f"disk:{key}")] = getattr(rows, key)
+    files[file_name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    return {"file": file_name, "rows": len(rows.slots)}
 
 
 def _save_accumulator(name: str, acc: AccumulatorSnapshot, tensors: dict[str, np.ndarray]) -> dict[str, Any]:

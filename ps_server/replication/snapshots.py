@@ -38,7 +38,7 @@ def take_snapshot(store: VariableStore, ledger: PushLedger, consistency: Consist
     backup must take a retry of one whole, not as the rest of its claims.
     """
     with store.gate.exclusive():
-        return ShardSnapshot(store.shard_index, store.num_shards, server_id, store.snapshot(),
+        return ShardSnapshot(store.shard_index, store.num_shards, server_id, store.snapshot(stream_disk=True),
                              {"entries": ledger.snapshot(consistency.mode != "sync")},
                              consistency=consistency.snapshot())
 

@@ -17,7 +17,7 @@ from ps_server.durability.checkpointer import Checkpointer
 from ps_server.durability.format import MANIFEST_FILE, TENSORS_FILE, CheckpointError, checkpoint_ids, shard_dir
 from ps_server.durability.restore import load_restore
 from wehub_ps.placement import hash_shards
-from wehub_ps.specs import SGD, Adam, Admission, Expiry, Uniform, VariableSpec
+from wehub_ps.specs import SGD, Adam, Admission, DiskTier, Expiry, Uniform, VariableSpec
 
 LIMIT = 1 << 30
 TABLE = VariableSpec("emb", (8,), "float32", initializer=Uniform(seed=1), optimizer=Adam(0.01), hash_table=True,
@@ -59,7 +59,8 @@ def _state(store: VariableStore) -> dict:
     for part in store.snapshot():
         if part.rows is not None:
             out.update({f"{part.spec.name}:{k}": v.tobytes() for k, v in part.rows.items()})
-            out[f"{part.spec.name}:filter"] = part.admission_counts.tobytes()
+            if part.admission_counts is not None:
+                out[f"{part.spec.name}:filter"] = part.admission_counts.tobytes()
             out[f"{part.spec.name}:scalars"] = (part.version, part.optimizer_steps, part.evicted_rows,
                                                part.access_clock, json.dumps(part.policy_counts))
         else:
@@ -227,3 +228,93 @@ def test_a_table_that_removed_more_ids_than_it_books_writes_a_full_checkpoint(tm
     record = checkpointer.checkpoint("after")
     assert _manifest(tmp_path, int(record.written.checkpoint_id))["kind"] == "full"
     assert _state(_restored(tmp_path)) == _state(store)
+
+
+# ---- tables with a disk tier ----
+
+TIERED = VariableSpec("tiered", (8,), "float32", initializer=Uniform(seed=4), optimizer=Adam(0.01), hash_table=True,
+                      tier=DiskTier(memory_rows=64), expiry=Expiry(steps=400))
+
+
+def _tiered_store(tmp_path, shard: int = 0, num_shards: int = 1) -> VariableStore:
+    files = iter(range(1_000_000))
+    store = VariableStore(shard, num_shards, LIMIT,
+                          disk_files=lambda name: tmp_path / "tables" / f"{shard}-{name}-{next(files)}.rows")
+    store.create(TIERED)
+    return store
+
+
+def _touch_tiered(store: VariableStore, ids: np.ndarray, seed: int) -> None:
+    table = store.get("tiered")
+    mine = ids[hash_shards(ids, store.num_shards) == store.shard_index]
+    for start in range(0, len(mine), 32):  # within the memory budget per request
+        batch = mine[start:start + 32]
+        read_tables_rows([(table, batch)], table.reserve)
+        table.apply_rows(batch, np.random.default_rng(seed + start).standard_normal((len(batch), 8))
+                         .astype(np.float32))
+        table.finish_push()
+    store.generation += 1
+
+
+def test_a_tiered_tables_rows_on_disk_are_streamed_into_the_checkpoint_not_copied(tmp_path):
+    store = _tiered_store(tmp_path)
+    _touch_tiered(store, np.arange(1000, dtype=np.int64), 0)
+    table = store.get("tiered")
+    assert len(table.disk) == 1000 - 64
+    parts, is_delta = store.checkpoint_snapshot(delta=False)
+    snap = next(p for p in parts if p.spec.name == "tiered")
+    assert not is_delta and len(snap.rows["ids"]) == 64 and len(snap.disk_rows.slots) == 936
+    expected = _state(store)  # the instant of the snapshot
+    # Training goes on while the snapshot is written: rows come back from disk, others go out.
+    _touch_tiered(store, np.arange(0, 2000, 3, dtype=np.int64), 1)
+    assert table.disk._held_count > 0  # slots the snapshot holds are not reused meanwhile
+    from ps_server.durability.writer import ShardSnapshot, write_checkpoint
+
+    write_checkpoint(tmp_path / "ckpt", ShardSnapshot(0, 1, "s", parts, {"entries": []}), keep=3)
+    assert table.disk._held_count == 0 and table.disk._frozen == 0
+    manifest = _manifest(tmp_path / "ckpt", 1)
+    entry = next(e for e in manifest["variables"] if e["spec"]["name"] == "tiered")
+    assert entry["disk"]["rows"] == 936 and entry["disk"]["file"] in manifest["files"]
+    assert _state(_restored_tiered(tmp_path / "ckpt", tmp_path / "restored")) == expected
+
+
+def _restored_tiered(root, table_dir, shard: int = 0, num_shards: int = 1) -> VariableStore:
+    restored = load_restore(root, shard, num_shards)
+    assert restored is not None
+    files = iter(range(1_000_000))
+    store = VariableStore(shard, num_shards, LIMIT,
+                          disk_files=lambda name: table_dir / f"{shard}-{name}-{next(files)}.rows")
+    store.restore(restored.parts)
+    return store
+
+
+def test_a_tiered_tables_chain_restores_bit_for_bit_also_onto_another_shard_count(tmp_path):
+    stores = [_tiered_store(tmp_path / f"s{i}", i, 2) for i in range(2)]
+    checkpointers = [_checkpointer(s, tmp_path / "ckpt", full_every=4, keep=10) for s in stores]
+    for store in stores:
+        _touch_tiered(store, np.arange(2000, dtype=np.int64), 0)
+    for checkpointer in checkpointers:
+        checkpointer.checkpoint("full")
+    for k in range(2):
+        for store in stores:
+            _touch_tiered(store, np.arange(k * 500, k * 500 + 300, dtype=np.int64), 10 + k)  # on disk: back
+            table = store.get("tiered")
+            table.sweep(0.0)  # nothing is 400 versions old yet
+        for shard, checkpointer in enumerate(checkpointers):
+            record = checkpointer.checkpoint("delta")
+            assert _manifest(tmp_path / "ckpt", int(record.written.checkpoint_id), shard, 2)["kind"] == "delta"
+    for i, store in enumerate(stores):
+        restored = _restored_tiered(tmp_path / "ckpt", tmp_path / f"r{i}", i, 2)
+        assert _state(restored) == _state(store)
+        assert len(restored.get("tiered").disk) > 0
+    rows = {}
+    for store in stores:
+        snap = store.get("tiered").rows_snapshot()
+        rows.update({i: v.tobytes() for i, v in zip(snap["ids"].tolist(), snap["value"])})
+    seen = {}
+    for shard in range(3):
+        restored = _restored_tiered(tmp_path / "ckpt", tmp_path / f"three-{shard}", shard, 3)
+        snap = restored.get("tiered").rows_snapshot()
+        assert (hash_shards(snap["ids"], 3) == shard).all()
+        seen.update({i: v.tobytes() for i, v in zip(snap["ids"].tolist(), snap["value"])})
+    assert seen == rows
