@@ -802,8 +802,8 @@ class HashTablePart:
                               disk_slots: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """The rows at memory ``slots`` and ``disk_slots`` (default: every row), sorted by id.
 
-        With a disk tier the rows on disk are read into the copy: a full
-        snapshot holds the whole table in memory while it is written.
+        With a disk tier the rows on disk are read into the copy (for a
+        checkpoint, :meth:`snapshot` with ``stream_disk`` leaves them in place).
         """
         slots = self._index.live_slots() if slots is None else slots
         if self.disk is None:  # sorted once, copied once
