@@ -107,11 +107,44 @@ class Replica:
 
 
 def checkpoint_contents(path: pathlib.Path) -> tuple[dict[str, np.ndarray], dict]:
-    """A checkpoint's tensors (values, optimizer slots) and the manifest's state (variables, ledger)."""
-    with safe_open(str(path / "tensors.safetensors"), framework="numpy") as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
-    manifest = json.loads((path / "manifest.json").read_text())
-    return tensors, {key: manifest[key] for key in ("variables", "ledger", "consistency") if key in manifest}
+    """What a checkpoint holds, as its tensors (values, optimizer slots, each table's rows) and the
+    manifest's state (variables, ledger).
+
+    Logical, not as laid out on disk: a delta is read with the checkpoints it
+    builds on, and a tiered table's rows in memory and on disk as one set,
+    sorted by id. Two replicas that applied the same changes hold the same
+    contents even where their checkpoints' chains and their tables' split
+    between memory and disk differ.
+    """
+    from ps_server.durability.chains import CheckpointChain, find_chain
+    from ps_server.durability.format import spec_from_json
+
+    chain = find_chain(path.parent, int(path.name.split("-")[1]))
+    manifest = chain[-1][1]
+    tensors: dict[str, np.ndarray] = {}
+    with CheckpointChain(chain) as read:
+        with safe_open(str(path / "tensors.safetensors"), framework="numpy") as f:
+            for name in f.keys():
+                if "@rows:" not in name and "@disk:" not in name:
+                    tensors[name] = f.get_tensor(name)
+        for entry in manifest["variables"]:
+            if not entry.get("rows"):
+                continue
+            spec = spec_from_json(entry["spec"])
+            rows, files = read.table_rows(spec)
+            pieces = [p for p in [rows, *(piece for file in files for piece in file.chunks(65536))]
+                      if len(p["ids"])] or [rows]
+            merged = {key: np.concatenate([p[key] for p in pieces]) for key in rows}
+            order = np.argsort(merged["ids"], kind="stable")
+            tensors.update({f"{spec.name}@rows:{key}": values[order] for key, values in merged.items()})
+    # Where rows lie and how often they were found in memory are a replica's own (a backup that
+    # installed a snapshot holds other rows in memory); everything else is the shard's state.
+    variables = [{key: ({k: v for k, v in value.items() if k not in ("memory_hits", "cold_reads")}
+                        if key == "policy_counts" else value)
+                  for key, value in entry.items() if key not in ("disk", "removed")}
+                 for entry in manifest["variables"]]
+    state = {key: manifest[key] for key in ("ledger", "consistency") if key in manifest}
+    return tensors, {"variables": variables, **state}
 
 
 
