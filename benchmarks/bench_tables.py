@@ -167,6 +167,7 @@ def tier_worker(kind: str) -> dict:
         if table.disk is not None:
             disk = table.disk
             out.update(rows_on_disk=len(disk), disk_bytes=disk.disk_bytes, record_bytes=disk.record_bytes,
+                       disk_nbytes=disk.nbytes, compactions=disk.compactions,
                        memory_rows=len(table._index), row_bytes=table.row_bytes,
                        cold_rows_per_s=(disk.reads - reads_before) / (disk.read_seconds - seconds_before),
                        cold_reads=disk.reads - reads_before,
@@ -296,7 +297,7 @@ def section_tables(results: dict, make_row: Callable) -> list:
     stores = disk_store_rates()
     results["tables"] = {"checkpoints": figures, "tier_memory": memory, "tier_disk": disk, "stores": stores}
     budget = disk["memory_rows"] * disk["row_bytes"]
-    bookkeeping = disk["rows_on_disk"] * 177  # ps_server/core/row_file.py: 49 + 128 bytes a row on disk
+    bookkeeping = disk["disk_nbytes"]  # what the disk tier books (ps_server/core/row_file.py)
     rows = [
         make_row("tables", f"full checkpoint, {ROWS:,} x {DIM} Adagrad table ({figures['full_bytes'] / 1e6:.0f} MB)",
                  figures["full_seconds"], "s", figures["full_seconds"], "itself", None),

@@ -179,6 +179,8 @@ class HashTablePart:
         self._index = IdIndex()
         #: Free slots, used from the end (a stack).
         self._free = np.empty(0, np.int64)
+        #: Slots holding a row (the complement of _free, as a mask: eviction's candidates without a scan).
+        self._occupied = np.zeros(0, bool)
         self.capacity = 0
         self.ids = np.empty(0, np.int64)
         self.value = np.empty((0, self.row_elements), spec.dtype)
@@ -233,9 +235,9 @@ class HashTablePart:
     @property
     def row_bytes(self) -> int:
         """Bytes per row of capacity: value, slots, row step, last access, id, free-stack entry,
-        update version and stamp, changed flag and a removed id."""
+        update version and stamp, changed and occupied flags and a removed id."""
         return (self.row_elements * (self.spec.dtype.itemsize + self.compute_dtype.itemsize * len(self.slots))
-                + 57)
+                + 58)
 
     def nbytes_for(self, capacity: int) -> int:
         """Bytes booked for ``capacity`` rows: the rows, the id index counted twice (a
@@ -592,6 +594,7 @@ class HashTablePart:
             self._evict(evict, protect)
         slots = self._free[len(self._free) - needed:][::-1].copy()
         self._free = self._free[:len(self._free) - needed]
+        self._occupied[slots] = True
         self.ids[slots] = new_ids
         self._index.insert(new_ids, slots)
         rows = np.empty((needed, self.row_elements), np.float64)
@@ -609,23 +612,34 @@ class HashTablePart:
     def _evict(self, count: int, protect: np.ndarray, keep_on_disk: np.ndarray | None = None) -> None:
         """Drop the ``count`` least recently used rows, never those in ``protect`` (memory slots) or
         ``keep_on_disk`` (ids of disk rows being read back)."""
-        live = self._index.live_slots()
-        candidates = np.setdiff1d(live, protect, assume_unique=False)
         if not count:
             return
+        candidates = self._unprotected(protect)
         if self.disk is not None and len(self.disk):
             self._evict_tiered(count, candidates, keep_on_disk)
             return
-        # The oldest rows; among rows last used in the same instant, the smallest ids. Never the rows'
-        # positions: a replica restored from a snapshot holds them elsewhere and must evict the same.
+        victims = self._least_recent(candidates, count)
+        self._remove(victims)
+        self.evicted_rows += len(victims)
+
+    def _unprotected(self, protect: np.ndarray) -> np.ndarray:
+        """The live slots in memory outside ``protect`` (ascending)."""
+        mask = self._occupied.copy()
+        mask[protect] = False
+        return np.flatnonzero(mask)
+
+    def _least_recent(self, candidates: np.ndarray, count: int) -> np.ndarray:
+        """The ``count`` of ``candidates`` used longest ago; among rows last used in the same instant,
+        the smallest ids. Never the rows' positions: a replica restored from a snapshot holds them
+        elsewhere and must choose the same."""
+        if count >= len(candidates):
+            return candidates
         access = self.last_access[candidates]
         threshold = np.partition(access, count - 1)[count - 1]
         older = candidates[access < threshold]
         tied = candidates[access == threshold]
         tied = tied[np.argsort(self.ids[tied], kind="stable")][:count - len(older)]
-        victims = np.concatenate([older, tied])
-        self._remove(victims)
-        self.evicted_rows += len(victims)
+        return np.concatenate([older, tied])
 
     def _evict_tiered(self, count: int, candidates: np.ndarray, keep_on_disk: np.ndarray | None) -> None:
         """:meth:`_evict` over the rows in memory and on disk alike (the same rule, the same victims
@@ -659,6 +673,7 @@ class HashTablePart:
         self._changed[slots] = False
         self._index.remove(self.ids[slots])
         self._free = np.concatenate([self._free, slots])
+        self._occupied[slots] = False
 
     def _remove_from_disk(self, disk_slots: np.ndarray) -> None:
         self._note_removed(self.disk.ids[disk_slots])
@@ -668,8 +683,7 @@ class HashTablePart:
 
     def _spill(self, count: int, protect: np.ndarray) -> None:
         """Move the ``count`` least recently used rows in memory, never those in ``protect``, to disk."""
-        candidates = np.setdiff1d(self._index.live_slots(), protect, assume_unique=False)
-        victims = candidates[np.lexsort((self.ids[candidates], self.last_access[candidates]))[:count]]
+        victims = self._least_recent(self._unprotected(protect), count)
         records = RowRecords(self.ids[victims], self.value[victims],
                              {name: arr[victims] for name, arr in self.slots.items()}, self.row_steps[victims])
         self.disk.write(self.ids[victims], records, self.last_access[victims], self.updated_version[victims],
@@ -677,6 +691,7 @@ class HashTablePart:
         self._index.remove(self.ids[victims])
         self._changed[victims] = False
         self._free = np.concatenate([self._free, victims])
+        self._occupied[victims] = False
 
     def _read_back(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Rows ``ids`` from disk into memory ``slots`` (made by :meth:`_create`), as they were."""
@@ -766,6 +781,9 @@ class HashTablePart:
         changed[:old] = self._changed[:old]
         self._changed = changed
         self._free = np.concatenate([self._free, np.arange(new_capacity - 1, old - 1, -1, dtype=np.int64)])
+        occupied = np.zeros(new_capacity, bool)
+        occupied[:old] = self._occupied[:old]
+        self._occupied = occupied
         self.capacity = new_capacity
         self._index.reserve(new_capacity)
 
@@ -850,6 +868,7 @@ class HashTablePart:
             self._grow(capacity)
             slots = np.arange(count, dtype=np.int64)
             self._free = self._free[self._free >= count]
+            self._occupied[slots] = True
             self.ids[slots] = rows["ids"]
             self.value[slots] = rows["value"].reshape(count, self.row_elements)
             for name, arr in self.slots.items():

@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 
+from ps_server.core import row_file
 from ps_server.core.errors import RequestError
 from ps_server.core.tables import HashTablePart, read_tables_rows
 from ps_server.ops.disk_tier import DiskTierDirectory
@@ -52,7 +53,13 @@ def _step(tables, ids: np.ndarray, grads: np.ndarray) -> list[np.ndarray]:
     return pulled
 
 
-def test_a_tiered_table_holds_the_same_bits_as_one_in_memory(tmp_path):
+@pytest.fixture
+def small_compactions(monkeypatch):
+    """Compact the row file once 64 records are dead (65,536 otherwise): compaction runs in these tests."""
+    monkeypatch.setattr(row_file, "_COMPACT_AT_LEAST", 64)
+
+
+def test_a_tiered_table_holds_the_same_bits_as_one_in_memory(tmp_path, small_compactions):
     plain, tiered = _pair(tmp_path, memory_rows=64, max_rows=600, eviction="lru",
                           admission=Admission(min_count=2, probability=0.9, counters=512),
                           expiry=Expiry(steps=20))
@@ -68,6 +75,9 @@ def test_a_tiered_table_holds_the_same_bits_as_one_in_memory(tmp_path):
             assert removed.tolist() == tiered.sweep(float(step))[0].tolist()
             _same(plain, tiered)
     assert len(tiered.disk) > 300 and tiered.policy_counts.cold_reads > 0
+    disk = tiered.disk
+    assert disk.compactions > 0 and disk.high_water - len(disk) <= max(len(disk), 64) + 64
+    assert os.path.getsize(disk.path) >= disk.high_water * disk.record_bytes
     assert plain.evicted_rows > 0 and plain.policy_counts.expired_rows > 0
     _same(plain, tiered)
     every_id = np.arange(5000, dtype=np.int64)
@@ -93,9 +103,10 @@ def test_memory_stays_at_the_budget_while_the_table_grows_on_disk(tmp_path):
     memory = tiered.capacity * tiered.row_bytes
     disk_bookkeeping = tiered.disk.nbytes
     assert created + tiered.reserve.total == tiered.nbytes  # every growth booked, on disk too
-    # Per row on disk: 49 bytes of bookkeeping and the id index (64, booked twice for its rebuild).
-    assert disk_bookkeeping == tiered.disk.capacity * (49 + 128) and memory == 256 * (8 * 12 + 57)
+    # Per slot on disk: 41 bytes of bookkeeping and the id index (64, booked twice for its rebuild).
+    assert disk_bookkeeping == tiered.disk.capacity * (41 + 128) and memory == 256 * (8 * 12 + 58)
     assert os.path.getsize(tiered.disk.path) == tiered.disk.disk_bytes >= (256 * 19) * tiered.disk.record_bytes
+    assert tiered.disk.high_water == len(tiered.disk)  # rows only ever went out: no dead record
 
 
 def test_a_request_larger_than_the_memory_budget_is_refused_and_changes_nothing(tmp_path):

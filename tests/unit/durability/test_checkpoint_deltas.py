@@ -10,6 +10,7 @@ import logging
 import numpy as np
 import pytest
 
+from ps_server.core import row_file
 from ps_server.core.ledger import PushLedger
 from ps_server.core.store import VariableStore
 from ps_server.core.tables import read_tables_rows
@@ -256,7 +257,7 @@ def _touch_tiered(store: VariableStore, ids: np.ndarray, seed: int) -> None:
     store.generation += 1
 
 
-def test_a_tiered_tables_rows_on_disk_are_streamed_into_the_checkpoint_not_copied(tmp_path):
+def test_a_tiered_tables_rows_on_disk_are_streamed_into_the_checkpoint_not_copied(tmp_path, monkeypatch):
     store = _tiered_store(tmp_path)
     _touch_tiered(store, np.arange(1000, dtype=np.int64), 0)
     table = store.get("tiered")
@@ -265,13 +266,19 @@ def test_a_tiered_tables_rows_on_disk_are_streamed_into_the_checkpoint_not_copie
     snap = next(p for p in parts if p.spec.name == "tiered")
     assert not is_delta and len(snap.rows["ids"]) == 64 and len(snap.disk_rows.slots) == 936
     expected = _state(store)  # the instant of the snapshot
-    # Training goes on while the snapshot is written: rows come back from disk, others go out.
-    _touch_tiered(store, np.arange(0, 2000, 3, dtype=np.int64), 1)
-    assert table.disk._held_count > 0  # slots the snapshot holds are not reused meanwhile
+    # Training goes on while the snapshot is written: rows come back from disk, others go out (appended:
+    # nothing the snapshot holds is overwritten), and no compaction moves a record meanwhile.
+    monkeypatch.setattr(row_file, "_COMPACT_AT_LEAST", 16)
+    for offset in range(6):
+        _touch_tiered(store, np.arange(offset % 3, 2000, 3, dtype=np.int64), 1 + offset)
+    assert table.disk._frozen == 1 and table.disk.compactions == 0
+    assert table.disk.high_water - len(table.disk) > max(len(table.disk), 16)  # it would have compacted
     from ps_server.durability.writer import ShardSnapshot, write_checkpoint
 
     write_checkpoint(tmp_path / "ckpt", ShardSnapshot(0, 1, "s", parts, {"entries": []}), keep=3)
-    assert table.disk._held_count == 0 and table.disk._frozen == 0
+    assert table.disk._frozen == 0
+    _touch_tiered(store, np.arange(3000, 3100, dtype=np.int64), 2)
+    assert table.disk.compactions == 1  # once the snapshot is written
     manifest = _manifest(tmp_path / "ckpt", 1)
     entry = next(e for e in manifest["variables"] if e["spec"]["name"] == "tiered")
     assert entry["disk"]["rows"] == 936 and entry["disk"]["file"] in manifest["files"]
