@@ -568,7 +568,7 @@ class HashTablePart:
                 self._evict(plan.evict, plan.protect, cold_ids)
             if self.disk is not None and len(plan.new_ids) > len(self._free):
                 self._spill(len(plan.new_ids) - len(self._free), plan.protect)
-            created = self._create(plan.new_ids, 0, plan.protect)
+            created = self._create(plan.new_ids, 0, plan.protect, plan.cold)
             if cold_ids is not None:
                 self._read_back(cold_ids, created[plan.cold])
                 self.policy_counts.cold_reads += len(cold_ids)
@@ -587,8 +587,10 @@ class HashTablePart:
             self._changed[slots] = True
         return slots
 
-    def _create(self, new_ids: np.ndarray, evict: int, protect: np.ndarray) -> np.ndarray:
-        """Rows for unique new ids, room made (grown, or ``evict`` rows to drop) by the caller's plan."""
+    def _create(self, new_ids: np.ndarray, evict: int, protect: np.ndarray,
+                cold: np.ndarray | None = None) -> np.ndarray:
+        """Slots for unique new ids, room made (grown, or ``evict`` rows to drop) by the caller's plan;
+        rows from the initializer, except those ``cold`` marks (read back from disk by the caller)."""
         needed = len(new_ids)
         if evict:
             self._evict(evict, protect)
@@ -597,16 +599,19 @@ class HashTablePart:
         self._occupied[slots] = True
         self.ids[slots] = new_ids
         self._index.insert(new_ids, slots)
-        rows = np.empty((needed, self.row_elements), np.float64)
-        fill_rows(self.spec.initializer, self.spec.shape, new_ids, rows)
-        self.value[slots] = rows
-        for name, arr in self.slots.items():
-            fresh = np.empty((needed, self.row_elements), arr.dtype)
-            self.kernel.init_slot(name, fresh)
-            arr[slots] = fresh
-        self.row_steps[slots] = 0
-        self.updated_version[slots] = self.version
-        self.updated_before[slots] = NOT_STAMPED
+        fresh_ids, fresh_slots = (new_ids, slots) if cold is None else (new_ids[~cold], slots[~cold])
+        count = len(fresh_ids)
+        if count:
+            rows = np.empty((count, self.row_elements), np.float64)
+            fill_rows(self.spec.initializer, self.spec.shape, fresh_ids, rows)
+            self.value[fresh_slots] = rows
+            for name, arr in self.slots.items():
+                fresh = np.empty((count, self.row_elements), arr.dtype)
+                self.kernel.init_slot(name, fresh)
+                arr[fresh_slots] = fresh
+            self.row_steps[fresh_slots] = 0
+            self.updated_version[fresh_slots] = self.version
+            self.updated_before[fresh_slots] = NOT_STAMPED
         return slots
 
     def _evict(self, count: int, protect: np.ndarray, keep_on_disk: np.ndarray | None = None) -> None:
