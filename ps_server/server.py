@@ -34,15 +34,15 @@ from ps_server.core.ledger import PushLedger
 from ps_server.core.lifecycle import Lifecycle
 from ps_server.core.membership import Membership
 from ps_server.core.ordering import UNLOGGED
-from ps_server.core.sweeps import ExpirySweeper
-from ps_server.ops.disk_tier import DiskTierDirectory
 from ps_server.core.pulls import PullPlanner
 from ps_server.core.store import VariableStore
+from ps_server.core.sweeps import ExpirySweeper
 from ps_server.core.workers import WorkerPresence
 from ps_server.durability.checkpointer import Checkpointer
 from ps_server.durability.restore import RestoredFrom, RestoredState, load_restore
 from ps_server.durability.spec_log import SpecLog
 from ps_server.ops.config import ServerConfig
+from ps_server.ops.disk_tier import DiskTierDirectory
 from ps_server.ops.metrics import Metrics
 from ps_server.service.auth import AuthInterceptor, TokenFile
 from ps_server.service.context import ShardContext

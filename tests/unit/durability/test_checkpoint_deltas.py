@@ -15,7 +15,13 @@ from ps_server.core.ledger import PushLedger
 from ps_server.core.store import VariableStore
 from ps_server.core.tables import read_tables_rows
 from ps_server.durability.checkpointer import Checkpointer
-from ps_server.durability.format import MANIFEST_FILE, TENSORS_FILE, CheckpointError, checkpoint_ids, shard_dir
+from ps_server.durability.format import (
+    MANIFEST_FILE,
+    TENSORS_FILE,
+    CheckpointError,
+    checkpoint_ids,
+    shard_dir,
+)
 from ps_server.durability.restore import load_restore
 from wehub_ps.placement import hash_shards
 from wehub_ps.specs import SGD, Adam, Admission, DiskTier, Expiry, Uniform, VariableSpec
