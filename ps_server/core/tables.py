@@ -298,28 +298,32 @@ class HashTablePart:
     def export_rows(self, rows_per_piece: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(ids, rows) of every row, ``rows_per_piece`` at a time, each piece read under the lock.
 
-        The ids and slots are listed once (the caller books ``16 * num_rows``
-        bytes for them); a row evicted before its piece is read is left out,
-        one created after the listing is not in it. Changes nothing.
+        The ids are listed once (the caller books ``16 * num_rows`` bytes for
+        them), in memory first and in slot order; each piece reads its rows
+        wherever they are by then (a row may have gone to disk or come back,
+        or a compaction moved it). A row removed before its piece is read is
+        left out, one created after the listing is not in it. Changes nothing.
         """
         with self.lock:
             ids, slots = self._index.items()
-            on_disk = self.disk.live_slots() if self.disk is not None else np.empty(0, np.int64)
-            disk_ids = self.disk.ids[on_disk] if self.disk is not None else np.empty(0, np.int64)
-        for held_ids, held_slots, disk in ((ids, slots, False), (disk_ids, on_disk, True)):
-            order = np.argsort(held_slots, kind="stable")  # slot order: rows near each other
-            held_ids, held_slots = held_ids[order], held_slots[order]
-            for start in range(0, len(held_ids), rows_per_piece):
-                piece_ids = held_ids[start:start + rows_per_piece]
-                piece_slots = held_slots[start:start + rows_per_piece]
-                with self.lock:
-                    if disk:
-                        still = self.disk.slots_of(piece_ids) == piece_slots
-                        rows = self.disk.read(piece_slots[still])["value"]
-                    else:
-                        still = self._index.lookup(piece_ids) == piece_slots
-                        rows = take_rows(self.value, piece_slots[still])
-                yield piece_ids[still], rows
+            listed = ids[np.argsort(slots, kind="stable")]  # slot order: rows near each other in memory
+            if self.disk is not None:
+                on_disk = np.sort(self.disk.live_slots())
+                listed = np.concatenate([listed, self.disk.ids[on_disk]])
+        for start in range(0, len(listed), rows_per_piece):
+            piece = listed[start:start + rows_per_piece]
+            with self.lock:
+                in_memory = self._index.lookup(piece)
+                found = in_memory >= 0
+                rows = np.empty((len(piece), self.row_elements), self.value.dtype)
+                rows[found] = take_rows(self.value, in_memory[found])
+                if self.disk is not None and not found.all():
+                    elsewhere = np.flatnonzero(~found)
+                    on_disk = self.disk.slots_of(piece[elsewhere])
+                    there = on_disk >= 0
+                    rows[elsewhere[there]] = self.disk.read(on_disk[there])["value"]
+                    found[elsewhere[there]] = True
+            yield piece[found], rows[found]
 
     def apply_rows(self, ids: np.ndarray, grads: np.ndarray) -> None:
         """Run the optimizer on rows ``ids`` (unique) with ``grads`` (len(ids), row elements)."""

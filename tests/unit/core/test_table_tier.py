@@ -169,3 +169,20 @@ def test_a_server_removes_the_row_files_of_servers_that_stopped(tmp_path):
     running.close()
     starting.close()
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+
+
+def test_an_export_finds_rows_that_moved_between_its_pieces(tmp_path, small_compactions):
+    _, tiered = _pair(tmp_path, memory_rows=8)
+    for start in range(0, 200, 8):
+        _step((tiered,), np.arange(start, start + 8, dtype=np.int64), np.ones((8, 8), np.float32))
+    expected = {i: row.tobytes() for i, row in zip(range(200), tiered.lookup_rows(np.arange(200, dtype=np.int64),
+                                                                                   zeros=True))}
+    pieces = tiered.export_rows(7)
+    exported = {}
+    compactions = tiered.disk.compactions
+    for n, (ids, rows) in enumerate(pieces):
+        exported.update({i: row.tobytes() for i, row in zip(ids.tolist(), rows)})
+        # Reads move rows between memory and disk (and compact the file) while the export goes on.
+        read_tables_rows([(tiered, np.arange(n * 8 % 200, n * 8 % 200 + 8, dtype=np.int64))], tiered.reserve)
+    assert exported == expected
+    assert tiered.disk.compactions > compactions
