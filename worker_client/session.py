@@ -396,6 +396,13 @@ class Session:
                 if not shard.follow(error):
                     raise
                 continue
+            except PSUnavailableError as error:
+                # The client left that replica mid-call (it stopped serving as the primary: often the very
+                # handover asked for). With the target named, asking the replica now in use again is
+                # safe: the target, once it leads, answers at once; another primary hands over to it.
+                if to_replica is None or error.address == shard.address:
+                    raise
+                continue
             answer = ps_pb2.SwitchoverResponse.FromString(raw)
             return {"shard": shard_index, "from": shard.address, "replica_index": answer.replica_index,
                     "address": answer.address, "seconds": answer.seconds}

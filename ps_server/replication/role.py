@@ -787,7 +787,12 @@ class ReplicaRole:
         return max(links, key=lambda link: link.acknowledged)
 
     def switch_over(self, to_replica: int | None, timeout: float) -> tuple[int, str]:
-        """ShardRole.switch_over: ``hand_over`` for an operator's request."""
+        """ShardRole.switch_over: ``hand_over`` for an operator's request. Asked to hand the role to
+        itself, a primary answers at once: a client whose first request was cut off by the handover it
+        asked for (it left the old primary mid-call) asks the replica it named again, and is answered."""
+        if to_replica == self.settings.replica_index:
+            self.check_primary()
+            return self.settings.replica_index, self.settings.address
         target = self.hand_over(to_replica, timeout)
         return target.replica_index, target.address
 
