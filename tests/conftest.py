@@ -106,3 +106,22 @@ def etcd_factory(tmp_path):
 def etcd_server(etcd_factory) -> EtcdServer:
     """A running single-member etcd on loopback (1 s leases allowed)."""
     return etcd_factory()
+
+
+@pytest.fixture
+def replicated(tmp_path, etcd_server):
+    """``replicated(num_shards=1, replicas=2, *server_flags) -> ReplicatedCluster`` on a real etcd
+    (tests/replica_testing.py), started; every cluster stopped at teardown."""
+    from replica_testing import ReplicatedCluster
+
+    clusters: list[ReplicatedCluster] = []
+
+    def make(num_shards: int = 1, replicas: int = 2, *extra_args: str) -> ReplicatedCluster:
+        cluster = ReplicatedCluster(tmp_path / f"replicated-{len(clusters)}", etcd_server.endpoint,
+                                    num_shards, replicas, tuple(extra_args))
+        clusters.append(cluster)
+        return cluster.start()
+
+    yield make
+    for cluster in clusters:
+        cluster.stop()

@@ -25,7 +25,7 @@ No gRPC here; the table's lock guards all of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
@@ -58,14 +58,13 @@ class PolicyCounts:
     cold_reads: int = 0
 
     def as_dict(self) -> dict[str, int]:
-        return {"admitted_rows": self.admitted_rows, "unadmitted_reads": self.unadmitted_reads,
-                "dropped_gradient_rows": self.dropped_gradient_rows, "expired_rows": self.expired_rows,
-                "memory_hits": self.memory_hits, "cold_reads": self.cold_reads}
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, saved: dict | None) -> PolicyCounts:
+        """From a checkpoint's counts; a count it lacks (an older checkpoint) starts at 0."""
         saved = saved or {}
-        return cls(**{key: int(saved.get(key, 0)) for key in cls().as_dict()})
+        return cls(**{f.name: int(saved.get(f.name, 0)) for f in fields(cls)})
 
 
 class AdmissionFilter:

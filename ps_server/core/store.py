@@ -460,8 +460,7 @@ class VariableStore:
                 snapshots = None
         whole = snapshots is None
         if whole:
-            snapshots = [part.snapshot(stream_disk=True) if isinstance(part, HashTablePart) else part.snapshot()
-                         for part in parts]
+            snapshots = self.snapshot(stream_disk=True)
         for part in parts:
             if isinstance(part, HashTablePart):
                 part.forget_changes()

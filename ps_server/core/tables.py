@@ -267,32 +267,17 @@ class HashTablePart:
         present = slots >= 0
         out = np.zeros((len(ids), self.row_elements), self.value.dtype)
         out[present] = take_rows(self.value, slots[present])
-        missing = np.flatnonzero(~present)
         if not self.spec.admission.zeros:
-            rows = np.empty((missing.size, self.row_elements), np.float64)
-            fill_rows(self.spec.initializer, self.spec.shape, ids[missing], rows)
-            out[missing] = rows
+            self._fill_initial(ids, out, np.flatnonzero(~present))
         return out
 
     def lookup_rows(self, ids: np.ndarray, zeros: bool) -> np.ndarray:
         """Values of unique ``ids`` without changing the table: a missing id gets the initializer's
         value for it (the row it would be created with), or zeros; no access is recorded."""
         with self.lock:
-            slots = self._index.lookup(ids)
-            present = slots >= 0
-            out = np.zeros((len(ids), self.row_elements), self.value.dtype)
-            out[present] = take_rows(self.value, slots[present])
-            if self.disk is not None and not present.all():
-                absent = np.flatnonzero(~present)
-                on_disk = self.disk.slots_of(ids[absent])
-                found = on_disk >= 0
-                out[absent[found]] = self.disk.read(on_disk[found])["value"]
-                present[absent[found]] = True
-        missing = np.flatnonzero(~present)
-        if missing.size and not zeros:
-            rows = np.empty((missing.size, self.row_elements), np.float64)
-            fill_rows(self.spec.initializer, self.spec.shape, ids[missing], rows)
-            out[missing] = rows
+            out, present = self._held_values(ids)
+        if not zeros:
+            self._fill_initial(ids, out, np.flatnonzero(~present))
         return out
 
     def export_rows(self, rows_per_piece: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -313,17 +298,30 @@ class HashTablePart:
         for start in range(0, len(listed), rows_per_piece):
             piece = listed[start:start + rows_per_piece]
             with self.lock:
-                in_memory = self._index.lookup(piece)
-                found = in_memory >= 0
-                rows = np.empty((len(piece), self.row_elements), self.value.dtype)
-                rows[found] = take_rows(self.value, in_memory[found])
-                if self.disk is not None and not found.all():
-                    elsewhere = np.flatnonzero(~found)
-                    on_disk = self.disk.slots_of(piece[elsewhere])
-                    there = on_disk >= 0
-                    rows[elsewhere[there]] = self.disk.read(on_disk[there])["value"]
-                    found[elsewhere[there]] = True
+                rows, found = self._held_values(piece)
             yield piece[found], rows[found]
+
+    def _held_values(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(values, found) of ``ids`` wherever their rows lie, in memory or on disk (read there, not
+        brought back); zeros where an id has no row. The lock is held; nothing changes."""
+        slots = self._index.lookup(ids)
+        found = slots >= 0
+        out = np.zeros((len(ids), self.row_elements), self.value.dtype)
+        out[found] = take_rows(self.value, slots[found])
+        if self.disk is not None and not found.all():
+            elsewhere = np.flatnonzero(~found)
+            on_disk = self.disk.slots_of(ids[elsewhere])
+            there = on_disk >= 0
+            out[elsewhere[there]] = self.disk.read(on_disk[there])["value"]
+            found[elsewhere[there]] = True
+        return out, found
+
+    def _fill_initial(self, ids: np.ndarray, out: np.ndarray, positions: np.ndarray) -> None:
+        """``out[positions]``: the initializer's values for those ids (the rows they would start from)."""
+        if positions.size:
+            rows = np.empty((positions.size, self.row_elements), np.float64)
+            fill_rows(self.spec.initializer, self.spec.shape, ids[positions], rows)
+            out[positions] = rows
 
     def apply_rows(self, ids: np.ndarray, grads: np.ndarray) -> None:
         """Run the optimizer on rows ``ids`` (unique) with ``grads`` (len(ids), row elements)."""

@@ -241,8 +241,7 @@ def load_parts(plan: RestorePlan, shard_index: int, num_shards: int) -> list[Loa
                                       + "; ".join(known.differences(spec)))
             sources.setdefault(spec.name, []).append((old_index, entry))
     with contextlib.ExitStack() as stack:
-        handles = {i: stack.enter_context(CheckpointChain(plan.chains.get(i) or [(path, plan.manifests[i])]))
-                   for i, path in plan.checkpoints.items()}
+        handles = {i: stack.enter_context(CheckpointChain(chain)) for i, chain in plan.chains.items()}
         parts = [assemble_part(spec, sources[spec.name], handles, shard_index, num_shards)
                  for spec in specs.values()]
         if plan.num_shards == num_shards and parts:

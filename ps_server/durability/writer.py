@@ -11,6 +11,7 @@ No gRPC here.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -196,14 +197,18 @@ def _save_disk_rows(name: str, rows: DiskRows, tensors: dict[str, np.ndarray], d
     row step, as the row file holds them) copied piece by piece into a file of their own."""
     file_name = f"disk-rows-{len(files)}.bin"
     path = directory / file_name
+    digest, size = hashlib.sha256(), 0
     with open(path, "wb") as out:
         for start in range(0, len(rows.slots), _DISK_PIECE_ROWS):
-            out.write(rows.read(rows.slots[start:start + _DISK_PIECE_ROWS]).tobytes())
+            piece = memoryview(rows.read(rows.slots[start:start + _DISK_PIECE_ROWS]).view(np.uint8))
+            out.write(piece)
+            digest.update(piece)  # hashed as written: the file is not read back
+            size += piece.nbytes
         out.flush()
         os.fsync(out.fileno())
     for key in ("ids", "last_access", "updated_version", "updated_before"):
         tensors[tensor_name(name, f"disk:{key}")] = getattr(rows, key)
-    files[file_name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    files[file_name] = {"sha256": digest.hexdigest(), "bytes": size}
     return {"file": file_name, "rows": len(rows.slots)}
 
 

@@ -22,21 +22,6 @@ from wehub_ps.wire.rpc import PRIMARY_METADATA_KEY, method_path
 from worker_client import SGD, Adam, PSClient, Zeros
 
 
-@pytest.fixture
-def replicated(tmp_path, etcd_server):
-    clusters: list[ReplicatedCluster] = []
-
-    def make(num_shards: int = 1, replicas: int = 2, *extra_args: str) -> ReplicatedCluster:
-        cluster = ReplicatedCluster(tmp_path / f"replicated-{len(clusters)}", etcd_server.endpoint,
-                                    num_shards, replicas, tuple(extra_args))
-        clusters.append(cluster)
-        return cluster.start()
-
-    yield make
-    for cluster in clusters:
-        cluster.stop()
-
-
 def _wait_caught_up(cluster: ReplicatedCluster, shard: int = 0, timeout: float = 30.0) -> int:
     """Every backup of ``shard`` applied all the primary ordered; returns that sequence."""
     deadline = time.monotonic() + timeout

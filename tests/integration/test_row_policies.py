@@ -9,9 +9,8 @@ import threading
 import time
 
 import numpy as np
-import pytest
 from ps_testing import free_port, metric_value, scrape
-from replica_testing import ReplicatedCluster, assert_same_bits
+from replica_testing import assert_same_bits
 
 from wehub_ps.initializers import fill_rows
 from wehub_ps.placement import hash_shards
@@ -137,25 +136,10 @@ def _train(address: str, worker: str, steps: int, seed: int) -> None:
             time.sleep(0.005)
 
 
-@pytest.fixture
-def replicated(tmp_path, etcd_server):
-    clusters: list[ReplicatedCluster] = []
-
-    def make(*extra_args: str) -> ReplicatedCluster:
-        cluster = ReplicatedCluster(tmp_path / f"replicated-{len(clusters)}", etcd_server.endpoint, 1, 2,
-                                    tuple(extra_args))
-        clusters.append(cluster)
-        return cluster.start()
-
-    yield make
-    for cluster in clusters:
-        cluster.stop()
-
-
 def test_replicas_admit_evict_and_expire_the_same_rows(replicated, tmp_path):
     """Admission draws, LRU evictions and swept expiries by steps and seconds, on a table keeping most
     rows on disk: the backup's rows, filter and counts are the primary's, bit for bit."""
-    cluster = replicated("--expiry-interval", "0.05", "--disk-tier-dir", str(tmp_path / "tables"))
+    cluster = replicated(1, 2, "--expiry-interval", "0.05", "--disk-tier-dir", str(tmp_path / "tables"))
     primary = cluster.primary(0)
     threads = [threading.Thread(target=_train, args=(primary.address, f"w{i}", 120, i)) for i in range(2)]
     for thread in threads:
