@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
@@ -43,6 +44,9 @@ log = logging.getLogger("worker_client")
 DEFAULT_LEASE_SECONDS = 30.0
 # At most this long to name a TLS mismatch after a failed connect attempt (two handshakes).
 _TLS_CHECK_SECONDS = 5.0
+#: Pauses between rounds of a switchover request over a shard's replicas while none takes it as the primary.
+_SWITCHOVER_FIRST_PAUSE = 0.05
+_SWITCHOVER_MAX_PAUSE = 1.0
 
 
 def check_addresses(addresses: Sequence[str | Sequence[str]] | str) -> tuple[tuple[str, ...], ...]:
@@ -381,7 +385,8 @@ class Session:
     def switchover(self, shard_index: int, to_replica: int | None, timeout: float) -> dict[str, Any]:
         """Hand shard ``shard_index``'s primary role to an in-sync backup (``to_replica``, or the one
         furthest along); the replica told to take over. Not retried once a primary took the request (a
-        retry could hand the role on again); a refusal naming another primary is followed there."""
+        retry could hand the role on again); a refusal naming another primary is followed there, round the
+        replicas and with growing pauses while an election is under way, for up to ``timeout``."""
         if not 0 <= shard_index < len(self.shards):
             raise ValueError(f"shard must be in [0, {len(self.shards)}), got {shard_index}")
         shard = self.shards[shard_index]
@@ -389,7 +394,16 @@ class Session:
         if to_replica is not None:
             request.to_replica = to_replica
         raw_request = request.SerializeToString()
-        for _ in range(2 * len(shard.replicas)):
+        # Replicas may point at each other for a while (an election under way, a handover not yet won):
+        # refusals are followed round the list, with a growing pause after each round, until ``timeout``.
+        deadline = time.monotonic() + timeout
+        rounds = itertools.count()
+        for attempt in itertools.count(1):
+            if attempt > 2 * len(shard.replicas) and time.monotonic() >= deadline:
+                break
+            if attempt > len(shard.replicas) and attempt % len(shard.replicas) == 1:
+                pause = min(_SWITCHOVER_MAX_PAUSE, _SWITCHOVER_FIRST_PAUSE * 2 ** next(rounds))
+                time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
             try:
                 raw = shard.switchover(raw_request, timeout + self.control_timeout)
             except NotPrimaryError as error:  # refused before anything was handed over: go to the primary
@@ -407,7 +421,8 @@ class Session:
             return {"shard": shard_index, "from": shard.address, "replica_index": answer.replica_index,
                     "address": answer.address, "seconds": answer.seconds}
         raise PSUnavailableError(f"switchover: no replica of shard {shard_index} took the request as its "
-                                 f"primary ({', '.join(shard.replicas)})", address=shard.address)
+                                 f"primary within {timeout:g}s ({', '.join(shard.replicas)}); the replicas "
+                                 "name no primary that answers: see `ps-admin status`", address=shard.address)
 
     def health(self, timeout: float) -> list[str]:
         """Each shard's gRPC health status, in shard order (one check each, shard by shard): of the

@@ -17,9 +17,11 @@ import pytest
 from ps_testing import child_env, free_port
 
 from wehub_ps.errors import REASON_METADATA_KEY, Reason
+from wehub_ps.v1 import ps_pb2
 from wehub_ps.wire.rpc import PRIMARY_METADATA_KEY, SERVICE_NAME, method_path
 from worker_client import NotPrimaryError, PSUnavailableError
 from worker_client.errors import ServerBusyError, VariableNotFoundError, error_for, translate_rpc_error
+from worker_client.session import Session
 from worker_client.transport.channels import ShardChannel
 from worker_client.transport.retry import RetryPolicy, call_with_retry
 
@@ -323,3 +325,40 @@ def test_a_replica_named_the_primary_is_not_left_at_once_for_answering_as_a_back
         shard.close()
         old.stop()
         named.stop()
+
+
+def _election_then_primary(session, refusals: int, primary: str, calls: list[str]):
+    """Shard 0 of ``session`` answers a switchover as replicas in an election do: each backup names the
+    other as the primary for ``refusals`` calls, then ``primary`` takes the request."""
+    shard = session.shards[0]
+
+    def switchover(raw: bytes, timeout: float) -> bytes:
+        calls.append(shard.address)
+        if len(calls) > refusals and shard.address == primary:
+            return ps_pb2.SwitchoverResponse(replica_index=0, address=primary, seconds=0.0).SerializeToString()
+        other = B if shard.address == A else A
+        raise _not_primary(shard.address, other)
+
+    shard.switchover = switchover
+
+
+def test_a_switchover_waits_out_replicas_naming_each_other_until_its_timeout():
+    session = Session([f"{A}|{B}"], "admin", register=False, chunk_bytes=1 << 20, control_timeout=5.0,
+                      data_timeout=5.0, retry_timeout=5.0, tls_ca=None, tls_cert=None, tls_key=None,
+                      server_name=None, auth_token=None, auth_token_file=None)
+    try:
+        calls: list[str] = []
+        _election_then_primary(session, 9, A, calls)
+        answer = session.switchover(0, to_replica=0, timeout=30.0)
+        assert answer["address"] == A and len(calls) >= 10
+        assert calls[:4] == [A, B, A, B]  # followed round the replicas, not stuck on one
+
+        calls.clear()
+        _election_then_primary(session, 10**6, A, calls)
+        started = time.monotonic()
+        with pytest.raises(PSUnavailableError, match="within 0.5s"):
+            session.switchover(0, to_replica=0, timeout=0.5)
+        assert 0.5 <= time.monotonic() - started < 5.0
+        assert 4 <= len(calls) < 100  # paused between rounds, not asked in a tight loop
+    finally:
+        session.close()
