@@ -187,37 +187,68 @@ def tier_worker(kind: str) -> dict:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def served_steps(kind: str) -> dict:
-    """The same Zipf batches through a real ps-server and PSClient (pull_rows, push_rows): steps/s, and
-    the server's resident memory sampled at every batch."""
+#: Served run: batches after the fill before measuring (the row file's one growth to twice the rows on
+#: disk falls in them), then blocks alternating between the two servers. The measured batches spill
+#: about as many rows as are on disk, so one compaction of the row file falls in them: the figure is
+#: the long-run rate, compactions included.
+SERVED_SETTLE, SERVED_BLOCKS, SERVED_BLOCK_BATCHES = 150, 8, 125
+
+
+def served_steps() -> dict[str, dict]:
+    """The same Zipf batches through real ps-servers and PSClient (pull_rows, push_rows), one server
+    holding the table in memory and one with the disk tier, both running at once: after the fill and a
+    warm-up on each, blocks of batches go to one and then the other, so a slower minute of the machine
+    weighs on both. Per kind: steps/s over all blocks (SERVED_SETTLE says what they include), each
+    block's rate, the server's resident memory at every batch."""
+    from contextlib import ExitStack
+
     from common import ps_cluster, rss_bytes
 
     from worker_client import PSClient
 
-    tier = DiskTier(TIER_MEMORY_ROWS) if kind == "disk" else None
-    batches = _zipf_batches(WARM_BATCHES + MEASURED_BATCHES, seed=7)
-    with tempfile.TemporaryDirectory(prefix="bench-tier-served-") as tables:
-        flags = ("--disk-tier-dir", tables) if tier else ()
-        with ps_cluster(1, *flags) as (addresses, procs), PSClient(addresses) as client:
-            pid = procs[0].pid
-            client.create_embedding("emb", DIM, optimizer=Adagrad(0.05), tier=tier)
-            grads = np.random.default_rng(3).standard_normal((BATCH, DIM)).astype(np.float32)
+    kinds = ("memory", "disk")
+    settled = WARM_BATCHES + SERVED_SETTLE
+    batches = _zipf_batches(settled + SERVED_BLOCKS * SERVED_BLOCK_BATCHES, seed=7)
+    grads = np.random.default_rng(3).standard_normal((BATCH, DIM)).astype(np.float32)
+    with ExitStack() as stack:
+        tables = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-tier-served-"))
+        clients, pids, started_rss = {}, {}, {}
+        for kind in kinds:
+            tier = DiskTier(TIER_MEMORY_ROWS) if kind == "disk" else None
+            addresses, procs = stack.enter_context(ps_cluster(1, *(("--disk-tier-dir", tables) if tier else ())))
+            clients[kind], pids[kind] = stack.enter_context(PSClient(addresses)), procs[0].pid
+            clients[kind].create_embedding("emb", DIM, optimizer=Adagrad(0.05), tier=tier)
+
+        def step(kind: str, ids: np.ndarray) -> None:
+            clients[kind].pull_rows("emb", ids)
+            clients[kind].push_rows("emb", ids, grads[:len(ids)])
+
+        for kind in kinds:
             for ids in batches[:WARM_BATCHES]:  # numba's loops compile meanwhile: measured after
-                client.pull_rows("emb", ids)
-                client.push_rows("emb", ids, grads[:len(ids)])
-            started_rss = rss_bytes(pid)
+                step(kind, ids)
+            started_rss[kind] = rss_bytes(pids[kind])
             for start in range(0, TIER_ROWS, 25_000):  # every row exists: a table 20x its budget
-                client.pull_rows("emb", np.arange(start, start + 25_000, dtype=np.int64))
-            rss = []
-            started = time.perf_counter()
-            for ids in batches[WARM_BATCHES:]:
-                client.pull_rows("emb", ids)
-                client.push_rows("emb", ids, grads[:len(ids)])
-                rss.append(rss_bytes(pid))
-            elapsed = time.perf_counter() - started
-            info = client.describe()[0].variables["emb"]
-    return {"steps_per_s": MEASURED_BATCHES / elapsed, "rss_start": started_rss, "rss_max": max(rss),
-            "rows_on_disk": info["rows_on_disk"], "cold_reads": info["cold_reads"]}
+                clients[kind].pull_rows("emb", np.arange(start, start + 25_000, dtype=np.int64))
+            for ids in batches[WARM_BATCHES:settled]:  # memory holds the hot rows again
+                step(kind, ids)
+        seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
+        rss: dict[str, list[int]] = {kind: [] for kind in kinds}
+        for block in range(SERVED_BLOCKS):
+            first = settled + block * SERVED_BLOCK_BATCHES
+            for kind in kinds if block % 2 == 0 else kinds[::-1]:
+                started = time.perf_counter()
+                for ids in batches[first:first + SERVED_BLOCK_BATCHES]:
+                    step(kind, ids)
+                    rss[kind].append(rss_bytes(pids[kind]))
+                seconds[kind].append(time.perf_counter() - started)
+        out = {}
+        for kind in kinds:
+            info = clients[kind].describe()[0].variables["emb"]
+            out[kind] = {"steps_per_s": SERVED_BLOCKS * SERVED_BLOCK_BATCHES / sum(seconds[kind]),
+                         "block_steps_per_s": [SERVED_BLOCK_BATCHES / t for t in seconds[kind]],
+                         "rss_start": started_rss[kind], "rss_max": max(rss[kind]),
+                         "rows_on_disk": info["rows_on_disk"], "cold_reads": info["cold_reads"]}
+    return out
 
 
 def _load_loops() -> None:
@@ -337,7 +368,7 @@ def disk_store_rates(records: int = 200_000, batches: int = 20) -> dict[str, dic
 def section_tables(results: dict, make_row: Callable) -> list:
     figures = delta_checkpoint_seconds()
     memory, disk = _run_tier_worker("memory"), _run_tier_worker("disk")
-    served = {kind: served_steps(kind) for kind in ("memory", "disk")}
+    served = served_steps()
     stores = disk_store_rates()
     results["tables"] = {"checkpoints": figures, "tier_memory": memory, "tier_disk": disk, "served": served,
                          "stores": stores}

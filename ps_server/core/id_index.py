@@ -85,6 +85,12 @@ class IdIndex:
         self._slots[positions] = _DELETED
         self._live -= len(positions)
 
+    def renumber(self, new_slots: np.ndarray) -> None:
+        """Every id at slot ``s`` moves to slot ``new_slots[s]`` (the rows were moved together), in one
+        pass over the buckets: no id is hashed again."""
+        live = self._slots >= 0
+        self._slots[live] = new_slots[self._slots[live]]
+
     def live_slots(self) -> np.ndarray:
         """The slot of every id in the index (in bucket order)."""
         return self._slots[self._slots >= 0].copy()

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +78,48 @@ def _pwrite_runs(fd, base, starts, ends, slots, size):  # pragma: no cover - run
         if _libc_pwrite(fd, base + starts[r] * size, count, slots[starts[r]] * size) != count:
             return r
     return -1
+
+_libc_pwritev = _LIBC.pwritev
+_libc_pwritev.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_long)
+_libc_pwritev.restype = ctypes.c_ssize_t
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
+
+
+def _write_kept(fd: int, piece: np.ndarray, keep: np.ndarray, at_record: int, path: Path) -> int:
+    """Write the records of ``piece`` (rows of bytes) that ``keep`` marks, in order, from record
+    ``at_record`` of ``fd`` on: one ``pwritev`` per up to IOV_MAX runs, straight from ``piece`` (no
+    copy of the kept records is made first). The number of records written."""
+    edges = np.diff(np.concatenate(([0], keep.view(np.int8), [0])))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    size = piece.shape[1]
+    vectors = np.empty((len(starts), 2), np.uint64)  # struct iovec: base, length
+    vectors[:, 0] = piece.ctypes.data + starts * size
+    vectors[:, 1] = (ends - starts) * size
+    offset = at_record * size
+    for first in range(0, len(vectors), _IOV_MAX):
+        batch = vectors[first:first + _IOV_MAX]
+        nbytes = int(batch[:, 1].sum())
+        if _libc_pwritev(fd, batch.ctypes.data, len(batch), offset) != nbytes:
+            error = ctypes.get_errno()
+            raise OSError(error, f"{path}: a write while compacting came back short "
+                                 f"({os.strerror(error) if error else 'no room?'})")
+        offset += nbytes
+    return int((ends - starts).sum())
+
+
+#: From this many runs on, a helper thread issues half of a batch's system calls.
+_SHARED_RUNS = 256
+_HELPER: ThreadPoolExecutor | None = None
+_HELPER_LOCK = threading.Lock()
+
+
+def _helper() -> ThreadPoolExecutor:
+    """The thread that shares large batches of reads and writes with the caller (one per process)."""
+    global _HELPER
+    with _HELPER_LOCK:
+        if _HELPER is None:
+            _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-row-file-io")
+        return _HELPER
 
 #: Memory per slot of the disk tier's bookkeeping: id, last access, updated version and stamp, changed flag,
 #: a removed id (checkpoints by change keep up to one per slot).
@@ -205,11 +249,16 @@ class RowFile:
         if not len(slots):
             return out
         order = np.argsort(slots, kind="stable")
-        sorted_slots = slots[order]
-        raw = np.empty(len(slots) * self.record_bytes, np.uint8)  # read straight into it, run by run
-        self._runs(_pread_runs, os.preadv, raw, sorted_slots)
-        out[order] = raw.view(self.record)
-        return out
+        raw = self._read_sorted(slots[order])
+        placed = np.empty_like(raw)
+        placed[order] = raw  # rows of bytes: a structured array's scatter copies field by field
+        return placed.view(self.record).reshape(-1)
+
+    def _read_sorted(self, sorted_slots: np.ndarray) -> np.ndarray:
+        """The records at ascending ``sorted_slots``, as rows of bytes, read straight into place."""
+        raw = np.empty((len(sorted_slots), self.record_bytes), np.uint8)
+        self._runs(_pread_runs, os.preadv, raw.reshape(-1), sorted_slots)
+        return raw
 
     def remove(self, slots: np.ndarray) -> None:
         """Forget the rows at ``slots``: their records are dead until a compaction drops them."""
@@ -232,20 +281,25 @@ class RowFile:
     def _maybe_compact(self) -> None:
         """Copy the live records, in slot order, into a new file and drop the dead ones, once they are
         as many as the live ones: each record is copied at most once per time the file doubles, so
-        a write costs O(1) amortized, appended and copied sequentially rather than written in place."""
+        a write costs O(1) amortized, appended and copied sequentially rather than written in place.
+        The file is read in large sequential pieces and the live records picked out in memory (dead
+        ones are interleaved: reading live runs one by one was a system call per two records)."""
         live = len(self)
         if self._frozen or self.high_water - live < max(live, _COMPACT_AT_LEAST):
             return
-        slots = np.sort(self._index.live_slots())
+        keep = np.zeros(self.high_water, bool)
+        keep[self._index.live_slots()] = True
         new_path = self.path.with_name(self.path.name + ".compacting")
         fd = os.open(new_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        size = self.record_bytes
+        buffer = np.empty((min(_COMPACT_PIECE, self.high_water), size), np.uint8)
         try:
-            for start in range(0, live, _COMPACT_PIECE):
-                piece = slots[start:start + _COMPACT_PIECE]
-                records = self._read(piece)
-                written = os.pwrite(fd, records.tobytes(), start * self.record_bytes)
-                if written != len(piece) * self.record_bytes:
-                    raise OSError(f"{new_path}: short write while compacting")
+            written = 0
+            for start in range(0, self.high_water, _COMPACT_PIECE):
+                piece = buffer[:min(_COMPACT_PIECE, self.high_water - start)]
+                if os.preadv(self._fd, [piece], start * size) != piece.nbytes:
+                    raise OSError(f"{self.path}: records {start}.. came back short while compacting")
+                written += _write_kept(fd, piece, keep[start:start + len(piece)], written, new_path)
             os.rename(new_path, self.path)
         except BaseException:
             os.close(fd)
@@ -253,12 +307,13 @@ class RowFile:
             raise
         os.close(self._fd)
         self._fd = fd
+        slots = np.flatnonzero(keep)
         for name in ("ids", "last_access", "updated_version", "updated_before", "changed"):
             arr = getattr(self, name)
             arr[:live] = arr[slots]  # slots are sorted and slots[i] >= i: a forward move
-        self._index = IdIndex()
-        self._index.reserve(self.capacity)
-        self._index.insert(self.ids[:live], np.arange(live, dtype=np.int64))
+        renumbered = np.full(self.high_water, -1, np.int64)
+        renumbered[slots] = np.arange(live, dtype=np.int64)
+        self._index.renumber(renumbered)
         self.high_water = live
         self.compactions += 1
         self.compacted += live
@@ -271,18 +326,31 @@ class RowFile:
         ends = np.concatenate([breaks, [len(sorted_slots)]]).astype(np.int64)
         size = self.record_bytes
         fast = compiled_soon(loop, cache=False)  # it calls libc through ctypes: nothing to cache
-        if fast is not None:
-            short = fast(self._fd, raw.ctypes.data, starts, ends, sorted_slots, size)
-            if short >= 0:
-                raise OSError(f"{self.path}: a {loop.__name__[1:6]} of {ends[short] - starts[short]} records at "
-                              f"record {sorted_slots[starts[short]]} came back short "
-                              f"({os.strerror(ctypes.get_errno()) or 'end of file'})")
+        if fast is None:
+            self._python_runs(fallback, raw, sorted_slots, starts, ends)
             return
+        # Many runs (a batch of cold rows): a helper thread issues the second half meanwhile, as the
+        # loop holds no GIL; the system calls, not the copies, are the cost.
+        split = len(starts) // 2 if len(starts) >= _SHARED_RUNS else len(starts)
+        helper = (_helper().submit(fast, self._fd, raw.ctypes.data, starts[split:], ends[split:], sorted_slots,
+                                   size) if split < len(starts) else None)
+        pieces = [(fast(self._fd, raw.ctypes.data, starts[:split], ends[:split], sorted_slots, size), 0, split)]
+        if helper is not None:
+            pieces.append((helper.result(), split, len(starts)))
+        for short, first, end in pieces:
+            if short >= 0:  # again in Python from the run that failed: its OSError names the cause
+                self._python_runs(fallback, raw, sorted_slots, starts[first + short:end], ends[first + short:end])
+
+    def _python_runs(self, call, raw: np.ndarray, sorted_slots: np.ndarray, starts: np.ndarray,
+                     ends: np.ndarray) -> None:
+        """:meth:`_runs` one ``os.preadv`` / ``os.pwritev`` per run (before the compiled loop is ready)."""
+        size = self.record_bytes
         view = memoryview(raw)
         for start, end in zip(starts.tolist(), ends.tolist()):
             count = (end - start) * size
-            if fallback(self._fd, [view[start * size:end * size]], int(sorted_slots[start]) * size) != count:
-                raise OSError(f"{self.path}: a {fallback.__name__} of {end - start} records came back short")
+            if call(self._fd, [view[start * size:end * size]], int(sorted_slots[start]) * size) != count:
+                raise OSError(f"{self.path}: a {call.__name__} of {end - start} records at record "
+                              f"{sorted_slots[start]} came back short (end of file)")
 
     def fileno(self) -> int:
         return self._fd

@@ -65,6 +65,21 @@ __all__ = ["HashTablePart", "RowPlan", "pin_tables_rows", "read_tables_rows"]
 _MIN_CAPACITY = 1024
 
 
+#: A spill to disk moves at least this share of memory_rows (1/32): choosing the victims scans every row
+#: in memory, so it is done for several requests' cold rows at once (0.2 ms a scan of 50,000 rows).
+_SPILL_SHARE = 32
+
+
+def _kth_smallest(values: np.ndarray, k: int) -> int:
+    """The ``k``-th smallest of integer ``values`` (1-based). Access clocks of rows in memory span a
+    narrow range: counting them beats a selection (0.1 against 0.5 ms for 50,000 rows)."""
+    low, high = int(values.min()), int(values.max())
+    if high - low > 4 * len(values):
+        return int(np.partition(values, k - 1)[k - 1])
+    counts = np.cumsum(np.bincount(values - low, minlength=high - low + 1))
+    return low + int(np.searchsorted(counts, k))
+
+
 class RowPlan(NamedTuple):
     """What touching some ids of a table will do (:meth:`HashTablePart.plan`)."""
 
@@ -534,10 +549,13 @@ class HashTablePart:
             # Memory holds tier_rows at most: what does not fit goes to disk, least recently used first.
             in_memory = len(self._index)
             spill_bound = max(0, in_memory + needed - self.tier_rows)
-            if in_memory - len(np.unique(protect)) < spill_bound:
+            spillable = in_memory - len(np.unique(protect))
+            if spillable < spill_bound:
                 raise RequestError(Reason.MEMORY_LIMIT,
                                    f"hash table {self.spec.name!r}: a single request touches more rows than "
                                    f"its memory_rows ({self.tier_rows}) holds in memory on this shard")
+            if spill_bound:  # room for the next requests' cold rows too: the search for victims is per spill
+                spill_bound = max(spill_bound, min(self.tier_rows // _SPILL_SHARE, spillable))
             if len(self._free) < needed and self.capacity < self.tier_rows:
                 capacity = min(max(_MIN_CAPACITY, 2 * self.capacity, self.capacity + needed - len(self._free)),
                                self.tier_rows)
@@ -569,7 +587,7 @@ class HashTablePart:
             if plan.evict:
                 self._evict(plan.evict, plan.protect, cold_ids)
             if self.disk is not None and len(plan.new_ids) > len(self._free):
-                self._spill(len(plan.new_ids) - len(self._free), plan.protect)
+                self._spill(max(len(plan.new_ids) - len(self._free), plan.spill_bound), plan.protect)
             created = self._create(plan.new_ids, 0, plan.protect, plan.cold)
             if cold_ids is not None:
                 self._read_back(cold_ids, created[plan.cold])
@@ -642,7 +660,7 @@ class HashTablePart:
         if count >= len(candidates):
             return candidates
         access = self.last_access[candidates]
-        threshold = np.partition(access, count - 1)[count - 1]
+        threshold = _kth_smallest(access, count)
         older = candidates[access < threshold]
         tied = candidates[access == threshold]
         tied = tied[np.argsort(self.ids[tied], kind="stable")][:count - len(older)]

@@ -55,8 +55,11 @@ def _step(tables, ids: np.ndarray, grads: np.ndarray) -> list[np.ndarray]:
 
 @pytest.fixture
 def small_compactions(monkeypatch):
-    """Compact the row file once 64 records are dead (65,536 otherwise): compaction runs in these tests."""
+    """Compact the row file once 64 records are dead (65,536 otherwise): compaction runs in these tests,
+    reading the file in several pieces and writing each piece's records in several calls."""
     monkeypatch.setattr(row_file, "_COMPACT_AT_LEAST", 64)
+    monkeypatch.setattr(row_file, "_COMPACT_PIECE", 50)
+    monkeypatch.setattr(row_file, "_IOV_MAX", 3)
 
 
 def test_a_tiered_table_holds_the_same_bits_as_one_in_memory(tmp_path, small_compactions):
@@ -186,3 +189,38 @@ def test_an_export_finds_rows_that_moved_between_its_pieces(tmp_path, small_comp
         read_tables_rows([(tiered, np.arange(n * 8 % 200, n * 8 % 200 + 8, dtype=np.int64))], tiered.reserve)
     assert exported == expected
     assert tiered.disk.compactions > compactions
+
+
+@pytest.mark.parametrize("loops", ["python", "compiled, shared with the helper thread"])
+def test_the_row_file_reads_back_what_it_wrote_in_any_order(tmp_path, monkeypatch, loops):
+    from wehub_ps.kernels.compiled import compiled
+
+    if loops == "python":
+        monkeypatch.setattr(row_file, "compiled_soon", lambda *args, **kwargs: None)
+    else:
+        pytest.importorskip("numba")
+        for loop in (row_file._pread_runs, row_file._pwrite_runs):
+            assert compiled(loop, cache=False) is not None
+        monkeypatch.setattr(row_file, "_SHARED_RUNS", 4)  # every batch here has more runs
+    disk = row_file.RowFile(tmp_path / "t.rows", 8, np.dtype(np.float32), np.dtype(np.float32), ("m",))
+    rng = np.random.default_rng(3)
+    values = {}
+    for batch in range(4):
+        ids = np.arange(batch * 500, batch * 500 + 500, dtype=np.int64)
+        value = rng.standard_normal((500, 8)).astype(np.float32)
+        slot = rng.standard_normal((500, 8)).astype(np.float32)
+        steps = rng.integers(0, 99, 500)
+        disk.write(ids, row_file.RowRecords(ids, value, {"m": slot}, steps), steps, steps,
+                   steps.astype(np.float64), np.zeros(500, bool))
+        values.update({int(i): (value[k], slot[k], steps[k]) for k, i in enumerate(ids)})
+    wanted = rng.permutation(2000)[:700].astype(np.int64)  # scattered: hundreds of runs
+    records = disk.read(disk.slots_of(wanted))
+    for k, i in enumerate(wanted.tolist()):
+        value, slot, steps = values[i]
+        assert records["value"][k].tobytes() == value.tobytes()
+        assert records["slot:m"][k].tobytes() == slot.tobytes() and records["row_steps"][k] == steps
+
+    os.truncate(tmp_path / "t.rows", 1000 * disk.record_bytes)  # the file lost its end
+    with pytest.raises(OSError, match="came back short"):
+        disk.read(disk.slots_of(wanted))
+    disk.close()
