@@ -3,8 +3,9 @@
 Each record is a row's value, its optimizer slots and its row step count,
 at ``slot * record_bytes``. The file is a log: rows are appended, a row
 read back or removed leaves a dead record, and once the dead records are as
-many as the live ones (and at least 65,536) the live ones are copied, in
-order, into a new file that replaces it. Writing in place was measured at
+many as the live ones (and at least 65,536), and a batch would not fit in
+the slots booked, the live ones are copied, in order, into a new file that
+replaces it. Writing in place was measured at
 39 us a random 520-byte record on this machine's disk, appending at 0.07:
 rows go out in batches, so the log writes each batch in one call. What decides about a row without reading it stays in memory,
 per slot: its id, last access (LRU), the version and time stamp of its last
@@ -134,10 +135,12 @@ class RowRecords:
         self.ids, self.value, self.slots, self.row_steps = ids, value, slots, row_steps
 
 
+#: Slots the bookkeeping starts with.
+_MIN_SLOTS = 1024
 #: Compaction waits until the dead records are at least this many (and as many as the live ones).
 _COMPACT_AT_LEAST = 65536
 #: Records copied per piece while compacting.
-_COMPACT_PIECE = 65536
+_COMPACT_PIECE = 2048
 
 
 class RowFile:
@@ -187,13 +190,22 @@ class RowFile:
 
     def capacity_for_more(self, count: int) -> int:
         """The capacity after appending ``count`` records (dead ones count until compacted away)."""
-        return self.capacity_for(self.high_water + count)
+        return self.capacity_for((len(self) if self._compacts_for(count) else self.high_water) + count)
+
+    def _compacts_for(self, count: int) -> bool:
+        """Whether appending ``count`` records compacts the file first: when they do not fit in the
+        slots it has (a compaction, not a growth, makes room) and the dead records are as many as the
+        live ones. Until then the slots already booked fill up, so each compaction frees as many as
+        it can."""
+        live = len(self)
+        return (not self._frozen and self.high_water + count > self.capacity
+                and self.high_water - live >= max(live, _COMPACT_AT_LEAST))
 
     def capacity_for(self, rows: int) -> int:
         """The capacity holding ``rows`` slots would have (doubling, at least 1,024)."""
         if rows <= self.capacity:
             return self.capacity
-        return max(1024, 2 * self.capacity, rows)
+        return max(_MIN_SLOTS, 2 * self.capacity, rows)
 
     @property
     def disk_bytes(self) -> int:
@@ -213,11 +225,12 @@ class RowFile:
     def write(self, ids: np.ndarray, records: RowRecords, last_access: np.ndarray, updated_version: np.ndarray,
               updated_before: np.ndarray, changed: np.ndarray) -> None:
         """Append rows of unique ``ids``, none on disk yet, in one run; the caller booked
-        :meth:`capacity_for_more` growth. Compacts first when half the file is dead records."""
+        :meth:`capacity_for_more` growth. Compacts first when they do not fit and half the file is dead."""
         count = len(ids)
         if not count:
             return
-        self._maybe_compact()
+        if self._compacts_for(count):
+            self._compact()
         if self.high_water + count > self.capacity:
             self._grow(self.capacity_for_more(count))
         slots = np.arange(self.high_water, self.high_water + count, dtype=np.int64)
@@ -278,25 +291,23 @@ class RowFile:
         """:meth:`read` without touching the counters: for a snapshot's writer, beside the table."""
         return self._read(slots)
 
-    def _maybe_compact(self) -> None:
-        """Copy the live records, in slot order, into a new file and drop the dead ones, once they are
-        as many as the live ones: each record is copied at most once per time the file doubles, so
+    def _compact(self) -> None:
+        """Copy the live records, in slot order, into a new file and drop the dead ones (as many as
+        the live ones at least): each record is copied at most once per time the file doubles, so
         a write costs O(1) amortized, appended and copied sequentially rather than written in place.
-        The file is read in large sequential pieces and the live records picked out in memory (dead
-        ones are interleaved: reading live runs one by one was a system call per two records)."""
+        The file is read in sequential pieces and the live records written from them (dead ones are
+        interleaved: reading live runs one by one was a system call per two records)."""
         live = len(self)
-        if self._frozen or self.high_water - live < max(live, _COMPACT_AT_LEAST):
-            return
         keep = np.zeros(self.high_water, bool)
         keep[self._index.live_slots()] = True
         new_path = self.path.with_name(self.path.name + ".compacting")
         fd = os.open(new_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        size = self.record_bytes
-        buffer = np.empty((min(_COMPACT_PIECE, self.high_water), size), np.uint8)
+        size, high_water = self.record_bytes, self.high_water
+        buffer = np.empty((min(_COMPACT_PIECE, high_water), size), np.uint8)
         try:
             written = 0
-            for start in range(0, self.high_water, _COMPACT_PIECE):
-                piece = buffer[:min(_COMPACT_PIECE, self.high_water - start)]
+            for start in range(0, high_water, _COMPACT_PIECE):
+                piece = buffer[:min(_COMPACT_PIECE, high_water - start)]
                 if os.preadv(self._fd, [piece], start * size) != piece.nbytes:
                     raise OSError(f"{self.path}: records {start}.. came back short while compacting")
                 written += _write_kept(fd, piece, keep[start:start + len(piece)], written, new_path)
