@@ -68,6 +68,8 @@ _MIN_CAPACITY = 1024
 #: A spill to disk moves at least this share of memory_rows (1/32): choosing the victims scans every row
 #: in memory, so it is done for several requests' cold rows at once (0.2 ms a scan of 50,000 rows).
 _SPILL_SHARE = 32
+#: Touches of a row that was pulled and pushed once: spilled before rows asked for again.
+_TOUCHES_ONCE = 2
 
 
 def _kth_smallest(values: np.ndarray, k: int) -> int:
@@ -212,6 +214,8 @@ class HashTablePart:
         #: Checkpoints by change: rows changed since the last checkpoint (by slot), the ids removed
         #: since (at most ``capacity`` of them are kept; past that the next checkpoint must be full).
         self._changed = np.zeros(0, bool)
+        #: Disk tier: touches of each row in memory since it came in (created or read back), up to 255.
+        self._touches = np.zeros(0, np.uint8)
         self._removed: list[np.ndarray] = []
         self._removed_count = 0
         self._changes_lost = False
@@ -250,9 +254,9 @@ class HashTablePart:
     @property
     def row_bytes(self) -> int:
         """Bytes per row of capacity: value, slots, row step, last access, id, free-stack entry,
-        update version and stamp, changed and occupied flags and a removed id."""
+        update version and stamp, changed and occupied flags, a touch count and a removed id."""
         return (self.row_elements * (self.spec.dtype.itemsize + self.compute_dtype.itemsize * len(self.slots))
-                + 58)
+                + 59)
 
     def nbytes_for(self, capacity: int) -> int:
         """Bytes booked for ``capacity`` rows: the rows, the id index counted twice (a
@@ -600,11 +604,13 @@ class HashTablePart:
             self.admission.count(plan.waiting)
             self.policy_counts.unadmitted_reads += len(plan.waiting)
         if self.admission is not None and len(slots) and slots.min() < 0:
-            self.last_access[slots[slots >= 0]] = self._clock
-            self._changed[slots[slots >= 0]] = True
+            touched = slots[slots >= 0]
         else:
-            self.last_access[slots] = self._clock
-            self._changed[slots] = True
+            touched = slots
+        self.last_access[touched] = self._clock
+        self._changed[touched] = True
+        if self.disk is not None:
+            self._touches[touched] = np.minimum(self._touches[touched], 254) + 1
         return slots
 
     def _create(self, new_ids: np.ndarray, evict: int, protect: np.ndarray,
@@ -617,6 +623,7 @@ class HashTablePart:
         slots = self._free[len(self._free) - needed:][::-1].copy()
         self._free = self._free[:len(self._free) - needed]
         self._occupied[slots] = True
+        self._touches[slots] = 0
         self.ids[slots] = new_ids
         self._index.insert(new_ids, slots)
         fresh_ids, fresh_slots = (new_ids, slots) if cold is None else (new_ids[~cold], slots[~cold])
@@ -707,8 +714,8 @@ class HashTablePart:
     # ---- the disk tier ----
 
     def _spill(self, count: int, protect: np.ndarray) -> None:
-        """Move the ``count`` least recently used rows in memory, never those in ``protect``, to disk."""
-        victims = self._least_recent(self._unprotected(protect), count)
+        """Move ``count`` rows in memory (:meth:`_spill_victims`), never those in ``protect``, to disk."""
+        victims = self._spill_victims(self._unprotected(protect), count)
         records = RowRecords(self.ids[victims], self.value[victims],
                              {name: arr[victims] for name, arr in self.slots.items()}, self.row_steps[victims])
         self.disk.write(self.ids[victims], records, self.last_access[victims], self.updated_version[victims],
@@ -717,6 +724,21 @@ class HashTablePart:
         self._changed[victims] = False
         self._free = np.concatenate([self._free, victims])
         self._occupied[victims] = False
+
+    def _spill_victims(self, candidates: np.ndarray, count: int) -> np.ndarray:
+        """The rows to move to disk: first those touched at most twice since they came in (a pull and
+        its push: most rows of a Zipf batch's tail are not asked for again soon), least recent first,
+        outside the most recently used quarter; then the least recently used. Rows asked for again stay,
+        rather than being pushed out by the next batches' one-off rows (the 2Q policy's idea)."""
+        if count >= len(candidates):
+            return candidates
+        access = self.last_access[candidates]
+        recent = _kth_smallest(access, len(candidates) - len(candidates) // 4)
+        once = (access < recent) & (self._touches[candidates] <= _TOUCHES_ONCE)
+        first = candidates[once]
+        if len(first) >= count:
+            return self._least_recent(first, count)
+        return np.concatenate([first, self._least_recent(candidates[~once], count - len(first))])
 
     def _read_back(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Rows ``ids`` from disk into memory ``slots`` (made by :meth:`_create`), as they were."""
@@ -800,6 +822,7 @@ class HashTablePart:
         self.slots = {name: grown(arr) for name, arr in self.slots.items()}
         self.row_steps = grown(self.row_steps)
         self.last_access = grown(self.last_access)
+        self._touches = grown(self._touches)
         self.updated_version = grown(self.updated_version)
         self.updated_before = grown(self.updated_before)
         changed = np.zeros(new_capacity, bool)

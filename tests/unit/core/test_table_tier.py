@@ -109,7 +109,7 @@ def test_memory_stays_at_the_budget_while_the_table_grows_on_disk(tmp_path):
     disk_bookkeeping = tiered.disk.nbytes
     assert created + tiered.reserve.total == tiered.nbytes  # every growth booked, on disk too
     # Per slot on disk: 41 bytes of bookkeeping and the id index (64, booked twice for its rebuild).
-    assert disk_bookkeeping == tiered.disk.capacity * (41 + 128) and memory == 256 * (8 * 12 + 58)
+    assert disk_bookkeeping == tiered.disk.capacity * (41 + 128) and memory == 256 * (8 * 12 + 59)
     assert os.path.getsize(tiered.disk.path) == tiered.disk.disk_bytes >= (256 * 19) * tiered.disk.record_bytes
     assert tiered.disk.high_water == len(tiered.disk)  # rows only ever went out: no dead record
 

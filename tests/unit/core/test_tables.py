@@ -339,7 +339,7 @@ def test_growth_books_memory_through_the_reserve_callback():
     table = _table(reserve=reserve, optimizer=Adam())
     # value + m + v; row step, last access, id, free-stack entry, updated version and stamp,
     # changed and occupied flags, a removed id
-    row_bytes = 4 * (4 + 4 * 2) + 58
+    row_bytes = 4 * (4 + 4 * 2) + 59
     assert table.row_bytes == row_bytes
     empty = table.nbytes  # booked by the store when it creates the table
     table.read_rows(_ids(1))
