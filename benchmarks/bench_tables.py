@@ -390,6 +390,8 @@ def section_tables(results: dict, make_row: Callable) -> list:
         make_row("tables", f"table 20x its memory budget, Zipf {ZIPF} batches of {BATCH}: pull_rows + push_rows, "
                            "1 server", served["disk"]["steps_per_s"], "step/s", served["memory"]["steps_per_s"],
                  "all in memory", 0.5),
+        make_row("tables", "  row file compactions in the measured batches (one cycle of the log)",
+                 served["disk"]["compactions"], "", 1, "one", None),
         make_row("tables", "  the same, in process (the table alone, no network)", disk["steps_per_s"], "step/s",
                  memory["steps_per_s"], "all in memory", None),
         make_row("tables", "  rows read back from disk, file in the page cache", disk["cold_rows_per_s"], "rows/s",

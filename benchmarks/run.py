@@ -45,8 +45,13 @@ training  training loops as users write them (a 10.5M and a 100K MLP, the
           recommender example), 1 and 2 worker processes on 2 servers: steps/s
           against 1 / (compute alone + pull and push alone) of the same run
           (bench_training.py)
-tables    embedding tables at recommender scale: a delta checkpoint after 1% of a
-          1M x 64 table's rows changed against a full one (bench_tables.py)
+tables    embedding tables at recommender scale (bench_tables.py): a delta checkpoint
+          after 1% of a 1M x 64 table's rows changed against a full one; the table
+          20x its memory budget against the same table in memory, Zipf batches
+          through a server (one cycle of the row file, its compaction included)
+          and in process; cold reads against random preads of the same file;
+          memory growth against the budget and bookkeeping; the disk store
+          (row file, LMDB, RocksDB)
 
 Each figure is printed with its baseline, the ratio and the target; the exit
 status does not depend on targets (the machines are shared and noisy).

@@ -226,3 +226,18 @@ def test_the_row_file_reads_back_what_it_wrote_in_any_order(tmp_path, monkeypatc
     with pytest.raises(OSError, match="came back short"):
         disk.read(disk.slots_of(wanted))
     disk.close()
+
+
+def test_rows_asked_for_again_stay_in_memory_while_one_off_rows_go_to_disk(tmp_path):
+    _, tiered = _pair(tmp_path, memory_rows=64)
+    again = np.arange(24, dtype=np.int64)
+    for _ in range(2):  # pulled and pushed twice: asked for again
+        _step((tiered,), again, np.ones((24, 8), np.float32))
+    for k in range(10):  # 80 rows pulled and pushed once: memory overflows
+        one_off = np.arange(1000 + 8 * k, 1008 + 8 * k, dtype=np.int64)
+        _step((tiered,), one_off, np.ones((8, 8), np.float32))
+    in_memory = tiered._index.lookup(again) >= 0
+    assert in_memory.all(), np.flatnonzero(~in_memory)  # least recently used, but kept
+    assert len(tiered._index) <= 64 and len(tiered.disk) == 24 + 80 - len(tiered._index)
+    newest = np.arange(1072, 1080, dtype=np.int64)
+    assert (tiered._index.lookup(newest) >= 0).all()  # the most recent rows stay too
