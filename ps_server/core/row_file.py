@@ -116,6 +116,9 @@ _HELPER: ThreadPoolExecutor | None = None
 _HELPER_LOCK = threading.Lock()
 
 
+_COMPACTOR: ThreadPoolExecutor | None = None
+
+
 def _helper() -> ThreadPoolExecutor:
     """The thread that shares large batches of reads and writes with the caller (one per process)."""
     global _HELPER
@@ -123,6 +126,70 @@ def _helper() -> ThreadPoolExecutor:
         if _HELPER is None:
             _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-row-file-io")
         return _HELPER
+
+
+def _compactor() -> ThreadPoolExecutor:
+    """The thread that copies row files being compacted in the background (one per process)."""
+    global _COMPACTOR
+    with _HELPER_LOCK:
+        if _COMPACTOR is None:
+            _COMPACTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-row-file-compact")
+        return _COMPACTOR
+
+
+def _replace(new: Path, old: Path) -> None:
+    """``new`` takes ``old``'s name. Not a rename over it: ext4 then starts writing ``new`` out at once
+    (its guard for files replaced by a rename), 0.2 s for a GB with the table's lock held. The row
+    file needs no atomic swap: it is never read after a restart."""
+    old.unlink(missing_ok=True)
+    os.rename(new, old)
+
+
+def _close_later(fd: int) -> None:
+    """Close the descriptor of a replaced row file on the compactor thread: the last close of a
+    removed file frees its pages in the page cache (a quarter of a second for 1.6 GB)."""
+    _compactor().submit(os.close, fd)
+
+
+#: A compaction starts in the background once the records fill this share of the slots booked (and half
+#: of them are dead): it copies while the table serves, before a batch finds no room.
+_BACKGROUND_FROM = 0.75
+
+
+class _Compaction:
+    """A compaction copying the live records below ``high_water`` into a new file, off the owner's lock:
+    records below ``high_water`` are never written again (the file only appends), so the copy is
+    consistent however the table goes on meanwhile; rows removed meanwhile are copied dead."""
+
+    def __init__(self, path: Path, source: int, keep: np.ndarray) -> None:
+        self.path = path
+        self.source = source
+        self.keep = keep
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        #: Set once the copy is done (or failed: ``error``); ``written`` records are in the new file.
+        self.copied = threading.Event()
+        self.written = 0
+        self.error: BaseException | None = None
+        #: Records copied: those live when it started, then those appended meanwhile (``appended``,
+        #: the slots of a second round), up to slot ``keep_end``.
+        self.kept = int(np.count_nonzero(keep))
+        self.keep_end = len(keep)
+        self.appended: list[np.ndarray] = []
+        #: A write holds the owner's lock waiting for the copy.
+        self.waited = False
+        #: The row file was closed meanwhile: the compactor thread closes both files and removes the new one.
+        self.abandoned = False
+        #: The compactor thread is done with it (under the owner's lock).
+        self.finished = False
+
+    @property
+    def high_water(self) -> int:
+        """Records below this slot are copied (the live ones of them)."""
+        return self.keep_end
+
+    def discard(self) -> None:
+        os.close(self.fd)
+        self.path.unlink(missing_ok=True)
 
 #: Memory per slot of the disk tier's bookkeeping: id, last access, updated version and stamp, changed flag,
 #: a removed id (checkpoints by change keep up to one per slot).
@@ -150,8 +217,12 @@ class RowFile:
     """The disk tier of one table on one shard (see the module docstring)."""
 
     def __init__(self, path: Path, row_elements: int, dtype: np.dtype, compute_dtype: np.dtype,
-                 slot_names: tuple[str, ...]) -> None:
+                 slot_names: tuple[str, ...], lock: threading.Lock | None = None) -> None:
+        """``lock``: the owner's lock, which guards this file; with it, compactions copy in the
+        background and take it only to install the copy (without, every compaction is in line)."""
         self.path = path
+        self._lock = lock
+        self._background: _Compaction | None = None
         self.slot_names = slot_names
         self.record = record_dtype(row_elements, dtype, compute_dtype, slot_names)
         self.record_bytes = self.record.itemsize
@@ -175,6 +246,8 @@ class RowFile:
         self.read_seconds = 0.0
         self.compactions = 0
         self.compacted = 0
+        #: Compactions copied off the owner's lock.
+        self.background_compactions = 0
 
     # ---- sizes ----
 
@@ -193,7 +266,24 @@ class RowFile:
 
     def capacity_for_more(self, count: int) -> int:
         """The capacity after appending ``count`` records (dead ones count until compacted away)."""
-        return self.capacity_for((len(self) if self._compacts_for(count) else self.high_water) + count)
+        background = self._background
+        if background is not None and self.high_water + count > self.capacity and not self._frozen:
+            rows = self._high_water_after(background)  # the write waits for the copy and installs it
+        elif self._compacts_for(count):
+            rows = len(self)
+        else:
+            rows = self.high_water
+        return self.capacity_for(rows + count)
+
+    def _high_water_after(self, background: _Compaction) -> int:
+        """The records the file holds once ``background`` is installed: those it copied and the live
+        ones appended since it started."""
+        return background.kept + len(self._live_tail(background))
+
+    def _live_tail(self, background: _Compaction) -> np.ndarray:
+        """The live slots appended since ``background`` started (ascending)."""
+        tail = np.arange(background.high_water, self.high_water, dtype=np.int64)
+        return tail[self._index.lookup(self.ids[tail]) == tail]
 
     def _compacts_for(self, count: int) -> bool:
         """Whether appending ``count`` records compacts the file first: when they do not fit in the
@@ -201,7 +291,7 @@ class RowFile:
         live ones. Until then the slots already booked fill up, so each compaction frees as many as
         it can."""
         live = len(self)
-        return (not self._frozen and self.high_water + count > self.capacity
+        return (not self._frozen and self._background is None and self.high_water + count > self.capacity
                 and self.high_water - live >= max(live, _COMPACT_AT_LEAST))
 
     def capacity_for(self, rows: int) -> int:
@@ -232,6 +322,13 @@ class RowFile:
         count = len(ids)
         if not count:
             return
+        background = self._background
+        if background is not None and not self._frozen:
+            if self.high_water + count > self.capacity:
+                background.waited = True
+                background.copied.wait()  # the copy takes no lock: it finishes while this one is held
+            if background.copied.is_set():
+                self._install(background)
         if self._compacts_for(count):
             self._compact()
         if self.high_water + count > self.capacity:
@@ -251,6 +348,7 @@ class RowFile:
         self._index.insert(ids, slots)
         self.high_water += count
         self.writes += count
+        self._maybe_compact_in_background()
 
     def read(self, slots: np.ndarray) -> np.ndarray:
         """The records at ``slots`` (any order), as a structured array in that order."""
@@ -296,41 +394,141 @@ class RowFile:
 
     def _compact(self) -> None:
         """Copy the live records, in slot order, into a new file and drop the dead ones (as many as
-        the live ones at least): each record is copied at most once per time the file doubles, so
-        a write costs O(1) amortized, appended and copied sequentially rather than written in place.
-        The file is read in sequential pieces and the live records written from them (dead ones are
-        interleaved: reading live runs one by one was a system call per two records)."""
-        live = len(self)
+        the live ones at least), in line: each record is copied at most once per time the file
+        doubles, so a write costs O(1) amortized, appended and copied sequentially rather than written
+        in place."""
         keep = np.zeros(self.high_water, bool)
         keep[self._index.live_slots()] = True
         new_path = self.path.with_name(self.path.name + ".compacting")
         fd = os.open(new_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        size, high_water = self.record_bytes, self.high_water
-        buffer = np.empty((min(_COMPACT_PIECE, high_water), size), np.uint8)
         try:
-            written = 0
-            for start in range(0, high_water, _COMPACT_PIECE):
-                piece = buffer[:min(_COMPACT_PIECE, high_water - start)]
-                if os.preadv(self._fd, [piece], start * size) != piece.nbytes:
-                    raise OSError(f"{self.path}: records {start}.. came back short while compacting")
-                written += _write_kept(fd, piece, keep[start:start + len(piece)], written, new_path)
-            os.rename(new_path, self.path)
+            self._copy_kept(self._fd, fd, keep, 0, 0, new_path)
+            _replace(new_path, self.path)
         except BaseException:
             os.close(fd)
             new_path.unlink(missing_ok=True)
             raise
-        os.close(self._fd)
+        _close_later(self._fd)
         self._fd = fd
-        slots = np.flatnonzero(keep)
+        self._moved(np.flatnonzero(keep))
+
+    def _maybe_compact_in_background(self) -> None:
+        """Start a compaction on the compactor thread once the records fill ``_BACKGROUND_FROM`` of the
+        slots and half of them are dead (lock held); it takes the owner's lock only to install."""
+        live = len(self)
+        if (self._lock is None or self._background is not None or self._frozen
+                or self.high_water < _BACKGROUND_FROM * self.capacity
+                or self.high_water - live < max(live, _COMPACT_AT_LEAST)):
+            return
+        keep = np.zeros(self.high_water, bool)
+        keep[self._index.live_slots()] = True
+        background = _Compaction(self.path.with_name(self.path.name + ".compacting"), self._fd, keep)
+        self._background = background
+        _compactor().submit(self._copy_in_background, background)
+
+    def _copy_in_background(self, background: _Compaction) -> None:
+        try:
+            background.written = self._copy_kept(background.source, background.fd, background.keep, 0, 0,
+                                                 background.path)
+            self._copy_appended(background)
+        except BaseException as error:  # installed as nothing: the in-line compaction takes over
+            background.error = error
+        finally:
+            background.copied.set()
+        assert self._lock is not None
+        with self._lock:
+            background.finished = True
+            if background.abandoned:  # the file was closed meanwhile
+                background.discard()
+                os.close(background.source)
+            elif self._background is background and not self._frozen:
+                self._install(background)
+
+    def _copy_appended(self, background: _Compaction) -> None:
+        """A second round off the lock: the live records appended while the first copied, so that
+        installing copies only those appended since. Skipped when the lock is not free at once (a
+        write may hold it, waiting for this copy)."""
+        assert self._lock is not None
+        if not self._lock.acquire(timeout=0.01):
+            return
+        try:
+            if background.abandoned or self._background is not background:
+                return
+            tail = self._live_tail(background)
+            first, end = background.high_water, self.high_water
+        finally:
+            self._lock.release()
+        keep = np.zeros(end - first, bool)
+        keep[tail - first] = True
+        written = self._copy_kept(background.source, background.fd, keep, first, background.written,
+                                  background.path)
+        # Published under the lock (installing and the capacity forecast go by it); not when a write
+        # holds the lock waiting for this copy: it then copies these records again, over these.
+        while not self._lock.acquire(timeout=0.01):
+            if background.waited:
+                return
+        try:
+            background.appended.append(tail)
+            background.keep_end = end
+            background.kept += written
+            background.written += written
+        finally:
+            self._lock.release()
+
+    def _install(self, background: _Compaction) -> None:
+        """The copied file replaces this one (lock held): the live records appended since the copy
+        started are copied after it, and every slot is renumbered."""
+        self._background = None
+        if background.error is not None:
+            background.discard()
+            return
+        tail = self._live_tail(background)
+        keep_tail = np.zeros(self.high_water - background.high_water, bool)
+        keep_tail[tail - background.high_water] = True
+        try:
+            self._copy_kept(self._fd, background.fd, keep_tail, background.high_water, background.written,
+                            background.path)
+            _replace(background.path, self.path)
+        except BaseException:
+            background.discard()
+            raise
+        _close_later(self._fd)
+        self._fd = background.fd
+        self._moved(np.concatenate([np.flatnonzero(background.keep), *background.appended, tail]))
+        self.background_compactions += 1
+
+    def _moved(self, kept: np.ndarray) -> None:
+        """The records at ascending ``kept`` slots now lie at 0, 1, ...: renumber the bookkeeping."""
+        count = len(kept)
         for name in ("ids", "last_access", "updated_version", "updated_before", "changed"):
             arr = getattr(self, name)
-            arr[:live] = arr[slots]  # slots are sorted and slots[i] >= i: a forward move
+            arr[:count] = arr[kept]  # kept is ascending and kept[i] >= i: a forward move
         renumbered = np.full(self.high_water, -1, np.int64)
-        renumbered[slots] = np.arange(live, dtype=np.int64)
+        renumbered[kept] = np.arange(count, dtype=np.int64)
         self._index.renumber(renumbered)
-        self.high_water = live
+        self.high_water = count
         self.compactions += 1
-        self.compacted += live
+        self.compacted += count
+
+    @property
+    def compacting(self) -> bool:
+        """A compaction is copying in the background, or waits to be installed."""
+        return self._background is not None
+
+    def _copy_kept(self, source: int, target: int, keep: np.ndarray, first: int, at: int, target_path: Path) -> int:
+        """Copy the records of ``source`` from slot ``first`` on that ``keep`` marks, in order, to
+        ``target`` from record ``at`` on; the records copied. The file is read in sequential pieces and
+        the kept records written from them (dead ones are interleaved: reading live runs one by one
+        was a system call per two records). Uses nothing of this object's state but its record size."""
+        size = self.record_bytes
+        buffer = np.empty((min(_COMPACT_PIECE, max(1, len(keep))), size), np.uint8)
+        written = 0
+        for offset in range(0, len(keep), _COMPACT_PIECE):
+            piece = buffer[:min(_COMPACT_PIECE, len(keep) - offset)]
+            if os.preadv(source, [piece], (first + offset) * size) != piece.nbytes:
+                raise OSError(f"{self.path}: records {first + offset}.. came back short while compacting")
+            written += _write_kept(target, piece, keep[offset:offset + len(piece)], at + written, target_path)
+        return written
 
     def _runs(self, loop, fallback, raw: np.ndarray, sorted_slots: np.ndarray) -> None:
         """Read or write ``raw`` (records in slot order) at ``sorted_slots``, one call per run of
@@ -370,9 +568,16 @@ class RowFile:
         return self._fd
 
     def close(self) -> None:
-        """Close and delete the file (the rows live on in checkpoints, not here)."""
+        """Close and delete the file (the rows live on in checkpoints, not here). The owner's lock is
+        held: a compaction copying in the background closes the files it reads and writes itself."""
         if self._fd >= 0:
-            os.close(self._fd)
+            background, self._background = self._background, None
+            if background is not None and not background.finished:
+                background.abandoned = True  # it still reads self._fd: it closes it
+            else:
+                if background is not None:
+                    background.discard()
+                os.close(self._fd)
             self._fd = -1
             try:
                 self.path.unlink()

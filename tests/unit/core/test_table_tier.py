@@ -64,7 +64,11 @@ def small_compactions(monkeypatch):
     monkeypatch.setattr(row_file, "_IOV_MAX", 3)
 
 
-def test_a_tiered_table_holds_the_same_bits_as_one_in_memory(tmp_path, small_compactions):
+@pytest.mark.parametrize("compactions", ["in the background", "in line"])
+def test_a_tiered_table_holds_the_same_bits_as_one_in_memory(tmp_path, small_compactions, monkeypatch,
+                                                              compactions):
+    if compactions == "in line":
+        monkeypatch.setattr(row_file, "_BACKGROUND_FROM", 10.0)  # never
     plain, tiered = _pair(tmp_path, memory_rows=64, max_rows=600, eviction="lru",
                           admission=Admission(min_count=2, probability=0.9, counters=512),
                           expiry=Expiry(steps=20))
@@ -82,6 +86,7 @@ def test_a_tiered_table_holds_the_same_bits_as_one_in_memory(tmp_path, small_com
     assert len(tiered.disk) > 300 and tiered.policy_counts.cold_reads > 0
     disk = tiered.disk
     assert disk.compactions > 0 and disk.high_water <= disk.capacity
+    assert (disk.background_compactions > 0) == (compactions == "in the background")
     assert os.path.getsize(disk.path) >= disk.high_water * disk.record_bytes
     assert plain.evicted_rows > 0 and plain.policy_counts.expired_rows > 0
     _same(plain, tiered)
@@ -241,3 +246,140 @@ def test_rows_asked_for_again_stay_in_memory_while_one_off_rows_go_to_disk(tmp_p
     assert len(tiered._index) <= 64 and len(tiered.disk) == 24 + 80 - len(tiered._index)
     newest = np.arange(1072, 1080, dtype=np.int64)
     assert (tiered._index.lookup(newest) >= 0).all()  # the most recent rows stay too
+
+
+def _row_file_with_dead_records(tmp_path, lock) -> tuple[row_file.RowFile, dict[int, bytes]]:
+    """A row file of 96 records, 64 of them dead: the next write compacts it (small_compactions)."""
+    disk = row_file.RowFile(tmp_path / "t.rows", 8, np.dtype(np.float32), np.dtype(np.float32), ("m",), lock)
+    rng = np.random.default_rng(1)
+    values = {}
+    for start in range(0, 96, 32):
+        ids = np.arange(start, start + 32, dtype=np.int64)
+        value = rng.standard_normal((32, 8)).astype(np.float32)
+        zeros = np.zeros(32, np.int64)
+        with lock:
+            disk.write(ids, row_file.RowRecords(ids, value, {"m": value}, zeros), zeros, zeros,
+                       zeros.astype(np.float64), np.zeros(32, bool))
+        values.update({int(i): value[k].tobytes() for k, i in enumerate(ids)})
+    with lock:
+        disk.remove(disk.slots_of(np.arange(0, 64, dtype=np.int64)))
+    return disk, {i: v for i, v in values.items() if i >= 64}
+
+
+def _held(disk: row_file.RowFile, lock) -> dict[int, bytes]:
+    with lock:
+        ids = disk.ids[disk.live_slots()]
+        records = disk.read(disk.slots_of(ids))
+    return {int(i): records["value"][k].tobytes() for k, i in enumerate(ids)}
+
+
+def _write_rows(disk: row_file.RowFile, lock, ids: np.ndarray, values: dict[int, bytes]) -> None:
+    value = np.full((len(ids), 8), 7.0, np.float32)
+    zeros = np.zeros(len(ids), np.int64)
+    with lock:
+        disk.write(ids, row_file.RowRecords(ids, value, {"m": value}, zeros), zeros, zeros,
+                   zeros.astype(np.float64), np.zeros(len(ids), bool))
+    values.update({int(i): value[0].tobytes() for i in ids})
+
+
+def test_a_compaction_copied_in_the_background_keeps_rows_written_and_removed_meanwhile(
+        tmp_path, small_compactions, monkeypatch):
+    import threading
+
+    lock = threading.Lock()
+    release = threading.Event()
+    copy = row_file.RowFile._copy_kept
+
+    def slow_copy(self, source, *args):
+        if threading.current_thread().name.startswith("ps-row-file-compact"):
+            assert release.wait(10)
+        return copy(self, source, *args)
+
+    monkeypatch.setattr(row_file.RowFile, "_copy_kept", slow_copy)
+    disk, expected = _row_file_with_dead_records(tmp_path, lock)
+    _write_rows(disk, lock, np.arange(200, 204, dtype=np.int64), expected)  # starts the copy
+    assert disk.compacting and disk.compactions == 0
+    _write_rows(disk, lock, np.arange(300, 306, dtype=np.int64), expected)  # appended meanwhile
+    with lock:
+        disk.remove(disk.slots_of(np.array([70, 301], np.int64)))  # removed meanwhile: one copied, one not
+    del expected[70], expected[301]
+    assert _held(disk, lock) == expected
+    release.set()
+    for _ in range(200):
+        if not disk.compacting:
+            break
+        threading.Event().wait(0.05)
+    assert disk.background_compactions == 1 and disk.high_water < 96 + 10
+    assert _held(disk, lock) == expected
+    assert not (tmp_path / "t.rows.compacting").exists()
+    with lock:
+        disk.close()
+
+
+def test_a_row_file_closed_while_compacting_in_the_background_leaves_no_file_or_descriptor(
+        tmp_path, small_compactions, monkeypatch):
+    import threading
+
+    lock = threading.Lock()
+    release = threading.Event()
+    copy = row_file.RowFile._copy_kept
+
+    def slow_copy(self, source, *args):
+        if threading.current_thread().name.startswith("ps-row-file-compact"):
+            assert release.wait(10)
+        return copy(self, source, *args)
+
+    monkeypatch.setattr(row_file.RowFile, "_copy_kept", slow_copy)
+    descriptors = len(os.listdir("/proc/self/fd"))
+    disk, expected = _row_file_with_dead_records(tmp_path, lock)
+    _write_rows(disk, lock, np.arange(200, 204, dtype=np.int64), expected)
+    assert disk.compacting
+    with lock:
+        disk.close()  # the table is dropped while the copy goes on
+    release.set()
+    for _ in range(200):
+        if not (tmp_path / "t.rows.compacting").exists() and len(os.listdir("/proc/self/fd")) == descriptors:
+            break
+        threading.Event().wait(0.05)
+    assert not (tmp_path / "t.rows.compacting").exists() and not (tmp_path / "t.rows").exists()
+    assert len(os.listdir("/proc/self/fd")) == descriptors
+
+
+def test_a_background_compaction_waits_for_a_snapshot_being_written(tmp_path, small_compactions, monkeypatch):
+    import threading
+
+    lock = threading.Lock()
+    release = threading.Event()
+    copy = row_file.RowFile._copy_kept
+
+    def slow_copy(self, source, *args):
+        if threading.current_thread().name.startswith("ps-row-file-compact"):
+            assert release.wait(10)
+        return copy(self, source, *args)
+
+    monkeypatch.setattr(row_file.RowFile, "_copy_kept", slow_copy)
+    disk, expected = _row_file_with_dead_records(tmp_path, lock)
+    with lock:
+        disk.freeze()  # a checkpoint streams the records by slot
+        slots = disk.slots_of(np.array(sorted(expected), np.int64))
+    _write_rows(disk, lock, np.arange(200, 204, dtype=np.int64), expected)
+    assert not disk.compacting  # none starts while frozen
+    with lock:
+        assert disk.read_records(slots)["value"].tobytes() == b"".join(
+            expected[i] for i in sorted(expected) if i < 200)
+        disk.thaw()
+    _write_rows(disk, lock, np.arange(210, 214, dtype=np.int64), expected)  # starts one now
+    with lock:
+        assert disk.compacting
+        disk.freeze()  # frozen while it copies: it is installed only after the thaw
+        copied = disk._background.copied
+    release.set()
+    assert copied.wait(10)
+    threading.Event().wait(0.2)  # the compactor thread had its chance to install
+    assert disk.compactions == 0 and disk.compacting and _held(disk, lock) == expected
+    with lock:
+        disk.thaw()
+    _write_rows(disk, lock, np.arange(220, 224, dtype=np.int64), expected)  # installs it
+    assert disk.compactions == 1 and not disk.compacting and _held(disk, lock) == expected
+    with lock:
+        disk.close()
