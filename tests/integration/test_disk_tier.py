@@ -132,6 +132,31 @@ def _settled_rss(pid: int, timeout: float = 60.0) -> int:
     return last
 
 
+def test_the_row_file_is_compacted_in_the_background_while_training_goes_on(cluster_factory, tmp_path):
+    """Rows read back leave dead records; once they are half the file the server's compactor thread
+    copies the live ones while pushes go on, and every row keeps its exact sum."""
+    rows, chunk = 100_000, 1000
+    cluster = cluster_factory(1, "--disk-tier-dir", str(tmp_path / "tables"))
+    ids = np.arange(rows, dtype=np.int64)
+    with PSClient(cluster.addresses) as client:
+        client.create_embedding("big", 2, initializer="zeros", optimizer=SGD(1.0),
+                                tier=DiskTier(memory_rows=chunk))
+        for start in range(0, rows, chunk):  # every row exists: 99% of them on disk
+            client.pull_rows("big", ids[start:start + chunk])
+        disk_bytes = [client.describe()[0].variables["big"]["disk_bytes"]]
+        for step in range(3):  # each pass reads every row back and writes it out again
+            for start in range(0, rows, chunk):
+                batch = ids[start:start + chunk]
+                client.pull_rows("big", batch)
+                client.push_rows("big", batch, np.full((len(batch), 2), step + 1.0, np.float32))
+                disk_bytes.append(client.describe()[0].variables["big"]["disk_bytes"])
+        table = client.describe()[0].variables["big"]
+        assert table["num_rows"] == rows and table["rows_on_disk"] >= rows - chunk
+        assert any(after < before for before, after in zip(disk_bytes, disk_bytes[1:])), "never compacted"
+        assert max(disk_bytes) < 4 * rows * (2 * 4 * 2 + 8)  # dead records are dropped, not kept
+        np.testing.assert_array_equal(client.lookup_rows("big", ids), np.full((rows, 2), -6.0, np.float32))
+
+
 def test_a_disk_tier_needs_a_directory(cluster_factory):
     cluster = cluster_factory(1)
     with PSClient(cluster.addresses) as client:
