@@ -158,6 +158,8 @@ def _close_later(fd: int) -> None:
 #: A compaction starts in the background once the records fill this share of the slots booked (and half
 #: of them are dead): it copies while the table serves, before a batch finds no room.
 _BACKGROUND_FROM = 0.75
+#: The longest the compactor thread waits for a table's lock before leaving the work to the next write.
+_LOCK_PATIENCE = 0.05
 
 
 class _Compaction:
@@ -181,10 +183,10 @@ class _Compaction:
         self.appended: list[np.ndarray] = []
         #: A write holds the owner's lock waiting for the copy.
         self.waited = False
-        #: The row file was closed meanwhile: the compactor thread closes both files and removes the new one.
+        #: Decides who closes the files: the row file was closed (``abandoned``) before the copy was
+        #: done (``copied``), and the compactor thread closes both files, or after, and its closer does.
+        self.handoff = threading.Lock()
         self.abandoned = False
-        #: The compactor thread is done with it (under the owner's lock).
-        self.finished = False
 
     @property
     def high_water(self) -> int:
@@ -437,16 +439,32 @@ class RowFile:
             self._copy_appended(background)
         except BaseException as error:  # installed as nothing: the in-line compaction takes over
             background.error = error
-        finally:
+        with background.handoff:
             background.copied.set()
+            abandoned = background.abandoned
+        if abandoned:  # the row file was closed meanwhile
+            background.discard()
+            os.close(background.source)
+            return
+        # Installed here when the lock comes free soon, otherwise by the next write.
+        if self._lock_briefly(background):
+            try:
+                if self._background is background and not self._frozen:
+                    self._install(background)
+            finally:
+                self._lock.release()
+
+    def _lock_briefly(self, background: _Compaction) -> bool:
+        """Take the owner's lock on the compactor thread, or give up after ``_LOCK_PATIENCE`` s (at once
+        when a write holds it waiting for ``background``). The thread never waits longer: the lock's
+        holder may wait for a copy queued behind this one (another table's, when a request locks
+        several tables, or this table's next one)."""
         assert self._lock is not None
-        with self._lock:
-            background.finished = True
-            if background.abandoned:  # the file was closed meanwhile
-                background.discard()
-                os.close(background.source)
-            elif self._background is background and not self._frozen:
-                self._install(background)
+        deadline = time.monotonic() + _LOCK_PATIENCE
+        while not self._lock.acquire(timeout=0.005):
+            if background.waited or time.monotonic() > deadline:
+                return False
+        return True
 
     def _copy_appended(self, background: _Compaction) -> None:
         """A second round off the lock: the live records appended while the first copied, so that
@@ -466,11 +484,10 @@ class RowFile:
         keep[tail - first] = True
         written = self._copy_kept(background.source, background.fd, keep, first, background.written,
                                   background.path)
-        # Published under the lock (installing and the capacity forecast go by it); not when a write
-        # holds the lock waiting for this copy: it then copies these records again, over these.
-        while not self._lock.acquire(timeout=0.01):
-            if background.waited:
-                return
+        # Published under the lock (installing and the capacity forecast go by it); when the lock is
+        # not had soon, installing copies these records again, over these.
+        if not self._lock_briefly(background):
+            return
         try:
             background.appended.append(tail)
             background.keep_end = end
@@ -576,11 +593,13 @@ class RowFile:
         held: a compaction copying in the background closes the files it reads and writes itself."""
         if self._fd >= 0:
             background, self._background = self._background, None
-            if background is not None and not background.finished:
-                background.abandoned = True  # it still reads self._fd: it closes it
-            else:
-                if background is not None:
+            copying = False
+            if background is not None:
+                with background.handoff:
+                    copying = background.abandoned = not background.copied.is_set()
+                if not copying:
                     background.discard()
+            if not copying:  # else the compactor thread still reads self._fd: it closes it
                 os.close(self._fd)
             self._fd = -1
             try:

@@ -316,6 +316,49 @@ def test_a_compaction_copied_in_the_background_keeps_rows_written_and_removed_me
         disk.close()
 
 
+def test_a_copy_done_under_a_lock_held_elsewhere_does_not_hold_up_the_next_copy(
+        tmp_path, small_compactions, monkeypatch):
+    """A request locks several tables at once; one compactor thread serves them all. A copy finished
+    while its table's lock is held must not make the thread wait for that lock: the holder may be
+    waiting, in a write to another table, for that table's copy queued behind it."""
+    import threading
+
+    first_lock, second_lock = threading.Lock(), threading.Lock()
+    release = threading.Event()
+    copy = row_file.RowFile._copy_kept
+
+    def held_copy(self, source, *args):
+        if self._lock is first_lock and threading.current_thread().name.startswith("ps-row-file-compact"):
+            assert release.wait(10)
+        return copy(self, source, *args)
+
+    monkeypatch.setattr(row_file.RowFile, "_copy_kept", held_copy)
+    first, first_rows = _row_file_with_dead_records(tmp_path / "a", first_lock)
+    second, second_rows = _row_file_with_dead_records(tmp_path / "b", second_lock)
+    _write_rows(first, first_lock, np.arange(200, 204, dtype=np.int64), first_rows)  # starts the first copy
+    assert first.compacting
+    with first_lock:  # a request holding both tables
+        copied = first._background.copied
+        release.set()
+        assert copied.wait(10)  # done: installing it needs the lock held here
+        _write_rows(second, second_lock, np.arange(200, 204, dtype=np.int64), second_rows)  # the second copy
+        room = second.capacity - second.high_water + 1  # the next write waits for that copy
+        writer = threading.Thread(target=_write_rows, daemon=True, args=(
+            second, second_lock, np.arange(300, 300 + room, dtype=np.int64), second_rows))
+        writer.start()
+        writer.join(10)
+        assert not writer.is_alive(), "the write to the second table waits for ever"
+        assert first.compactions == 0 and first.compacting  # left for the next write
+    assert second.background_compactions == 1 and _held(second, second_lock) == second_rows
+    _write_rows(first, first_lock, np.arange(210, 212, dtype=np.int64), first_rows)  # installs the first
+    assert first.background_compactions == 1 and not first.compacting
+    assert _held(first, first_lock) == first_rows
+    for disk, lock in ((first, first_lock), (second, second_lock)):
+        with lock:
+            disk.close()
+    assert not list(tmp_path.rglob("*.rows*"))
+
+
 def test_a_row_file_closed_while_compacting_in_the_background_leaves_no_file_or_descriptor(
         tmp_path, small_compactions, monkeypatch):
     import threading
