@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import pairwise
 from collections.abc import Callable
 from pathlib import Path
 
@@ -254,7 +255,7 @@ def served_steps() -> dict[str, dict]:
                          "block_steps_per_s": [SERVED_BLOCK_BATCHES / t for t in seconds[kind]],
                          "rss_start": started_rss[kind], "rss_max": max(rss[kind]),
                          "rows_on_disk": info["rows_on_disk"], "cold_reads": info["cold_reads"],
-                         "compactions": sum(after < before for before, after in zip(disk_bytes, disk_bytes[1:]))}
+                         "compactions": sum(after < before for before, after in pairwise(disk_bytes))}
     return out
 
 

@@ -116,29 +116,25 @@ def _write_kept(fd: int, piece: np.ndarray, keep: np.ndarray, at_record: int, pa
 
 #: From this many runs on, a helper thread issues half of a batch's system calls.
 _SHARED_RUNS = 256
-_HELPER: ThreadPoolExecutor | None = None
-_HELPER_LOCK = threading.Lock()
+_THREADS: dict[str, ThreadPoolExecutor] = {}
+_THREADS_LOCK = threading.Lock()
 
 
-_COMPACTOR: ThreadPoolExecutor | None = None
+def _thread(name: str) -> ThreadPoolExecutor:
+    """One thread per process for each job: "io" shares large batches of reads and writes with the
+    caller; "compact" copies row files being compacted in the background (a copy must not hold up
+    the reads of a request)."""
+    with _THREADS_LOCK:
+        if name not in _THREADS:
+            _THREADS[name] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ps-row-file-{name}")
+        return _THREADS[name]
 
 
-def _helper() -> ThreadPoolExecutor:
-    """The thread that shares large batches of reads and writes with the caller (one per process)."""
-    global _HELPER
-    with _HELPER_LOCK:
-        if _HELPER is None:
-            _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-row-file-io")
-        return _HELPER
-
-
-def _compactor() -> ThreadPoolExecutor:
-    """The thread that copies row files being compacted in the background (one per process)."""
-    global _COMPACTOR
-    with _HELPER_LOCK:
-        if _COMPACTOR is None:
-            _COMPACTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-row-file-compact")
-        return _COMPACTOR
+def _marked(slots: np.ndarray, first: int, end: int) -> np.ndarray:
+    """A mask over slots ``first`` to ``end`` with ``slots`` (all within them) set."""
+    mask = np.zeros(end - first, bool)
+    mask[slots - first] = True
+    return mask
 
 
 def _replace(new: Path, old: Path) -> None:
@@ -152,7 +148,7 @@ def _replace(new: Path, old: Path) -> None:
 def _close_later(fd: int) -> None:
     """Close the descriptor of a replaced row file on the compactor thread: the last close of a
     removed file frees its pages in the page cache (a quarter of a second for 1.6 GB)."""
-    _compactor().submit(os.close, fd)
+    _thread("compact").submit(os.close, fd)
 
 
 #: A compaction starts in the background once the records fill this share of the slots booked (and half
@@ -177,9 +173,9 @@ class _Compaction:
         self.written = 0
         self.error: BaseException | None = None
         #: Records copied: those live when it started, then those appended meanwhile (``appended``,
-        #: the slots of a second round), up to slot ``keep_end``.
+        #: the slots of a second round); the live ones below slot ``high_water``.
         self.kept = int(np.count_nonzero(keep))
-        self.keep_end = len(keep)
+        self.high_water = len(keep)
         self.appended: list[np.ndarray] = []
         #: A write holds the owner's lock waiting for the copy.
         self.waited = False
@@ -187,11 +183,6 @@ class _Compaction:
         #: done (``copied``), and the compactor thread closes both files, or after, and its closer does.
         self.handoff = threading.Lock()
         self.abandoned = False
-
-    @property
-    def high_water(self) -> int:
-        """Records below this slot are copied (the live ones of them)."""
-        return self.keep_end
 
     def discard(self) -> None:
         os.close(self.fd)
@@ -403,20 +394,21 @@ class RowFile:
         the live ones at least), in line: each record is copied at most once per time the file
         doubles, so a write costs O(1) amortized, appended and copied sequentially rather than written
         in place."""
-        keep = np.zeros(self.high_water, bool)
-        keep[self._index.live_slots()] = True
-        new_path = self.path.with_name(self.path.name + ".compacting")
-        fd = os.open(new_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        copy = self._new_compaction()
         try:
-            self._copy_kept(self._fd, fd, keep, 0, 0, new_path)
-            _replace(new_path, self.path)
+            self._copy_kept(self._fd, copy.fd, copy.keep, 0, 0, copy.path)
+            _replace(copy.path, self.path)
         except BaseException:
-            os.close(fd)
-            new_path.unlink(missing_ok=True)
+            copy.discard()
             raise
         _close_later(self._fd)
-        self._fd = fd
-        self._moved(np.flatnonzero(keep))
+        self._fd = copy.fd
+        self._moved(np.flatnonzero(copy.keep))
+
+    def _new_compaction(self) -> _Compaction:
+        """A compaction of the records live now, its new file opened beside this one."""
+        live = _marked(self._index.live_slots(), 0, self.high_water)
+        return _Compaction(self.path.with_name(self.path.name + ".compacting"), self._fd, live)
 
     def _maybe_compact_in_background(self) -> None:
         """Start a compaction on the compactor thread once the records fill ``_BACKGROUND_FROM`` of the
@@ -426,18 +418,15 @@ class RowFile:
                 or self.high_water < _BACKGROUND_FROM * self.capacity
                 or self.high_water - live < max(live, _COMPACT_AT_LEAST)):
             return
-        keep = np.zeros(self.high_water, bool)
-        keep[self._index.live_slots()] = True
-        background = _Compaction(self.path.with_name(self.path.name + ".compacting"), self._fd, keep)
-        self._background = background
-        _compactor().submit(self._copy_in_background, background)
+        background = self._background = self._new_compaction()
+        _thread("compact").submit(self._copy_in_background, background)
 
     def _copy_in_background(self, background: _Compaction) -> None:
         try:
             background.written = self._copy_kept(background.source, background.fd, background.keep, 0, 0,
                                                  background.path)
             self._copy_appended(background)
-        except BaseException as error:  # installed as nothing: the in-line compaction takes over
+        except BaseException as error:  # kept for the installer: it discards the copy
             background.error = error
         with background.handoff:
             background.copied.set()
@@ -480,17 +469,15 @@ class RowFile:
             first, end = background.high_water, self.high_water
         finally:
             self._lock.release()
-        keep = np.zeros(end - first, bool)
-        keep[tail - first] = True
-        written = self._copy_kept(background.source, background.fd, keep, first, background.written,
-                                  background.path)
+        written = self._copy_kept(background.source, background.fd, _marked(tail, first, end), first,
+                                  background.written, background.path)
         # Published under the lock (installing and the capacity forecast go by it); when the lock is
         # not had soon, installing copies these records again, over these.
         if not self._lock_briefly(background):
             return
         try:
             background.appended.append(tail)
-            background.keep_end = end
+            background.high_water = end
             background.kept += written
             background.written += written
         finally:
@@ -504,11 +491,9 @@ class RowFile:
             background.discard()
             return
         tail = self._live_tail(background)
-        keep_tail = np.zeros(self.high_water - background.high_water, bool)
-        keep_tail[tail - background.high_water] = True
         try:
-            self._copy_kept(self._fd, background.fd, keep_tail, background.high_water, background.written,
-                            background.path)
+            self._copy_kept(self._fd, background.fd, _marked(tail, background.high_water, self.high_water),
+                            background.high_water, background.written, background.path)
             _replace(background.path, self.path)
         except BaseException:
             background.discard()
@@ -565,7 +550,7 @@ class RowFile:
         # Many runs (a batch of cold rows): a helper thread issues the second half meanwhile, as the
         # loop holds no GIL; the system calls, not the copies, are the cost.
         split = len(starts) // 2 if len(starts) >= _SHARED_RUNS else len(starts)
-        helper = (_helper().submit(fast, self._fd, raw.ctypes.data, starts[split:], ends[split:], sorted_slots,
+        helper = (_thread("io").submit(fast, self._fd, raw.ctypes.data, starts[split:], ends[split:], sorted_slots,
                                    size) if split < len(starts) else None)
         pieces = [(fast(self._fd, raw.ctypes.data, starts[:split], ends[:split], sorted_slots, size), 0, split)]
         if helper is not None:

@@ -825,6 +825,7 @@ class HashTablePart:
         self.row_steps = grown(self.row_steps)
         self.last_access = grown(self.last_access)
         self._touches = grown(self._touches)
+        self._touches[old:] = 0  # rows a restore loads are not made by _create
         self.updated_version = grown(self.updated_version)
         self.updated_before = grown(self.updated_before)
         changed = np.zeros(new_capacity, bool)

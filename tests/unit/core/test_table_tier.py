@@ -248,6 +248,23 @@ def test_rows_asked_for_again_stay_in_memory_while_one_off_rows_go_to_disk(tmp_p
     assert (tiered._index.lookup(newest) >= 0).all()  # the most recent rows stay too
 
 
+@pytest.fixture
+def held_copies(monkeypatch):
+    """Background compactions copy nothing until the event this returns is set (10 s at most)."""
+    import threading
+
+    release = threading.Event()
+    copy = row_file.RowFile._copy_kept
+
+    def held_copy(self, source, *args):
+        if threading.current_thread().name.startswith("ps-row-file-compact"):
+            assert release.wait(10)
+        return copy(self, source, *args)
+
+    monkeypatch.setattr(row_file.RowFile, "_copy_kept", held_copy)
+    return release
+
+
 def _row_file_with_dead_records(tmp_path, lock) -> tuple[row_file.RowFile, dict[int, bytes]]:
     """A row file of 96 records, 64 of them dead: the next write compacts it (small_compactions)."""
     disk = row_file.RowFile(tmp_path / "t.rows", 8, np.dtype(np.float32), np.dtype(np.float32), ("m",), lock)
@@ -283,19 +300,11 @@ def _write_rows(disk: row_file.RowFile, lock, ids: np.ndarray, values: dict[int,
 
 
 def test_a_compaction_copied_in_the_background_keeps_rows_written_and_removed_meanwhile(
-        tmp_path, small_compactions, monkeypatch):
+        tmp_path, small_compactions, held_copies):
     import threading
 
     lock = threading.Lock()
-    release = threading.Event()
-    copy = row_file.RowFile._copy_kept
-
-    def slow_copy(self, source, *args):
-        if threading.current_thread().name.startswith("ps-row-file-compact"):
-            assert release.wait(10)
-        return copy(self, source, *args)
-
-    monkeypatch.setattr(row_file.RowFile, "_copy_kept", slow_copy)
+    release = held_copies
     disk, expected = _row_file_with_dead_records(tmp_path, lock)
     _write_rows(disk, lock, np.arange(200, 204, dtype=np.int64), expected)  # starts the copy
     assert disk.compacting and disk.compactions == 0
@@ -360,19 +369,12 @@ def test_a_copy_done_under_a_lock_held_elsewhere_does_not_hold_up_the_next_copy(
 
 
 def test_a_row_file_closed_while_compacting_in_the_background_leaves_no_file_or_descriptor(
-        tmp_path, small_compactions, monkeypatch):
+        tmp_path, small_compactions, held_copies):
     import threading
 
     lock = threading.Lock()
-    release = threading.Event()
-    copy = row_file.RowFile._copy_kept
-
-    def slow_copy(self, source, *args):
-        if threading.current_thread().name.startswith("ps-row-file-compact"):
-            assert release.wait(10)
-        return copy(self, source, *args)
-
-    monkeypatch.setattr(row_file.RowFile, "_copy_kept", slow_copy)
+    release = held_copies
+    row_file._thread("compact").submit(lambda: None).result()  # earlier tests' files are closed
     descriptors = len(os.listdir("/proc/self/fd"))
     disk, expected = _row_file_with_dead_records(tmp_path, lock)
     _write_rows(disk, lock, np.arange(200, 204, dtype=np.int64), expected)
@@ -388,19 +390,11 @@ def test_a_row_file_closed_while_compacting_in_the_background_leaves_no_file_or_
     assert len(os.listdir("/proc/self/fd")) == descriptors
 
 
-def test_a_background_compaction_waits_for_a_snapshot_being_written(tmp_path, small_compactions, monkeypatch):
+def test_a_background_compaction_waits_for_a_snapshot_being_written(tmp_path, small_compactions, held_copies):
     import threading
 
     lock = threading.Lock()
-    release = threading.Event()
-    copy = row_file.RowFile._copy_kept
-
-    def slow_copy(self, source, *args):
-        if threading.current_thread().name.startswith("ps-row-file-compact"):
-            assert release.wait(10)
-        return copy(self, source, *args)
-
-    monkeypatch.setattr(row_file.RowFile, "_copy_kept", slow_copy)
+    release = held_copies
     disk, expected = _row_file_with_dead_records(tmp_path, lock)
     with lock:
         disk.freeze()  # a checkpoint streams the records by slot
