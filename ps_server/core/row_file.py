@@ -8,8 +8,11 @@ order, into a new file that replaces it. The copy runs on a compactor
 thread off the owner's lock once the records fill three quarters of the
 slots booked (records below the high water are never written again, so the
 copy holds whatever the table does meanwhile); the lock is taken only to
-install it. A batch that finds no slot left waits for that copy, or, with
-none running, compacts in line. Writing in place was measured at
+install it. One compactor thread serves every table of the process and
+never waits long for a table's lock (a request may hold several tables'
+locks while a write waits for a copy queued behind): a copy done while its
+lock is busy is installed by the next write. A batch that finds no slot
+left waits for that copy, or, with none running, compacts in line. Writing in place was measured at
 39 us a random 520-byte record on this machine's disk, appending at 0.07:
 rows go out in batches, so the log writes each batch in one call. What decides about a row without reading it stays in memory,
 per slot: its id, last access (LRU), the version and time stamp of its last
