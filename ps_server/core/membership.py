@@ -64,6 +64,9 @@ class Membership:
         self._listeners: list[Callable[[], None]] = []
         #: A backup replica: ``live`` is what the primary's table said (restore), not a lease run here.
         self._following = False
+        #: Moves (under the lock) whenever the live set or a worker's incarnation changes: a replicated
+        #: primary logs the table before its next ordered change when it moved.
+        self.generation = 0
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` (without locks held) whenever the live set may have changed."""
@@ -94,11 +97,13 @@ class Membership:
                 new_worker = record is None
                 record = WorkerRecord(worker_id, incarnation, time.time(), now, step or 0, 0, True)
                 changed = joined = True
+                self.generation += 1
                 if new_worker and len(self._workers) >= MAX_WORKERS:
                     self._workers.popitem(last=False)  # the least recently seen
             elif not self._is_live(record, now):
                 event(log, logging.INFO, "worker back", worker_id=worker_id)
                 changed = True
+                self.generation += 1
             # Built directly, not with dataclasses.replace: this runs for every pull and push
             # (replace took 1.6 us of the 2 us of a warm call).
             self._workers[worker_id] = WorkerRecord(
@@ -117,6 +122,7 @@ class Membership:
             if record is None or record.incarnation != incarnation or not record.live:
                 return
             self._workers[worker_id] = replace(record, live=False, last_seen=self._clock() - self.lease_seconds - 1)
+            self.generation += 1
             self._workers.move_to_end(worker_id, last=False)  # its last_seen is now the oldest
         event(log, logging.INFO, "worker left", worker_id=worker_id)
         self._notify()
@@ -130,6 +136,7 @@ class Membership:
                 if record.live and not self._is_live(record, now):
                     self._workers[worker_id] = replace(record, live=False)
                     expired.append(worker_id)
+                    self.generation += 1
         for worker_id in expired:
             event(log, logging.INFO, "worker lease expired", worker_id=worker_id,
                   lease_seconds=self.lease_seconds)
@@ -185,6 +192,7 @@ class Membership:
         ordered = OrderedDict(sorted(workers.items(), key=lambda item: item[1].live))
         with self._lock:
             self._workers = ordered
+            self.generation += 1
         self._notify()
 
     def follow(self) -> None:

@@ -196,6 +196,10 @@ class ReplicaRole:
         #: ssp, sync: the consistency controller's state (steps, clocks, workers), logged whenever it changed.
         self.consistency_state: Callable[[], dict] | None = None
         self._logged_consistency: dict | None = None
+        #: ssp, sync: the membership's generation (it moves when workers join, restart, leave or expire);
+        #: the consistency state is logged before the next ordered change whenever it moved.
+        self.membership_generation: Callable[[], int] | None = None
+        self._logged_generation = -1
         #: Planned switchovers: one at a time; the address of the replica this one handed its term to
         #: (refusals name it until the next primary is known); no campaign of its own until then.
         self._handover_lock = threading.Lock()
@@ -545,6 +549,7 @@ class ReplicaRole:
         # at 0, so (epoch, sequence) tells a reset from a continuation.
         start = held.sequence if self.has_state else 0
         self._log = UpdateLog(start)
+        self._logged_consistency, self._logged_generation = None, -1  # this term logs its own
         self._open_pushes.clear()
         self._handed_to = None
         self.applied, self.state_epoch = start, epoch
@@ -601,6 +606,7 @@ class ReplicaRole:
                 raise self._not_primary(f"this replica is {self._state}")
             self._holding.order = True
             try:
+                self._log_membership()
                 yield
             finally:
                 self._holding.order = False
@@ -886,6 +892,23 @@ class ReplicaRole:
     def proven(self) -> bool:
         """Primary: whether the last check proved its term (see proves_lease)."""
         return self._proven
+
+    def _log_membership(self) -> None:
+        """Under the order, before the change about to be ordered: when workers joined, restarted, left
+        or expired since the consistency state was last logged, log it now. A sync step decided with a
+        worker live is then never acknowledged before the backups know that worker, and the replica
+        elected next waits for it as this one would (the loop's logging every 50 ms may come too late:
+        a stalled loop, a kill in between)."""
+        if self.membership_generation is None or self.consistency_state is None:
+            return
+        generation = self.membership_generation()  # read before the state: a later move logs again
+        if generation == self._logged_generation:
+            return
+        state = self.consistency_state()
+        if state != self._logged_consistency:
+            self._append(*records.consistency_state(state))
+            self._logged_consistency = state
+        self._logged_generation = generation
 
     def _log_consistency(self) -> None:
         if self.consistency_state is None:

@@ -91,6 +91,7 @@ class ReplicaWiring:
                                       on_checkpoint=self._checkpoint)
         if config.consistency in ("ssp", "sync"):
             self.role.consistency_state = server.consistency.snapshot
+            self.role.membership_generation = lambda: server.membership.generation
         # Sync: the step moves in the shard's order and is logged (a backup's moves only at the records).
         server.consistency.changes = self.role
         server.membership.follow()  # until elected: the primary's workers, as its records say

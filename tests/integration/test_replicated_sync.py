@@ -116,8 +116,10 @@ def test_a_step_in_progress_survives_the_primarys_sigkill(replicated):
         assert survivor is not primary
         # The new primary holds step 1 open with a's and b's gradients, and waits for c.
         time.sleep(1.5)  # more than the default worker lease of a heartbeat period: nothing applies early
-        state = observer.describe()[0].consistency
-        assert (state["step"], state["steps_applied"]) == (1, 1), state
+        described = observer.describe()[0]
+        state = described.consistency
+        assert (state["step"], state["steps_applied"]) == (1, 1), \
+            f"{state}\nworkers: {described.workers}\n{cluster.logs(0)}"
         np.testing.assert_array_equal(_value(observer), np.full(SIZE, -4.0, np.float32))
         late.push(_grad(grads["c"]))  # retried against the new primary: completes step 1
         late.__exit__(None, None, None)
