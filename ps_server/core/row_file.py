@@ -12,9 +12,10 @@ install it. One compactor thread serves every table of the process and
 never waits long for a table's lock (a request may hold several tables'
 locks while a write waits for a copy queued behind): a copy done while its
 lock is busy is installed by the next write. A batch that finds no slot
-left waits for that copy, or, with none running, compacts in line. Writing in place was measured at
-39 us a random 520-byte record on this machine's disk, appending at 0.07:
-rows go out in batches, so the log writes each batch in one call. What decides about a row without reading it stays in memory,
+left waits for that copy, or, with none running, compacts in line.
+Writing in place was measured at 39 us a random 520-byte record on this
+machine's disk, appending at 0.07: rows go out in batches, so the log
+writes each batch in one call. What decides about a row without reading it stays in memory,
 per slot: its id, last access (LRU), the version and time stamp of its last
 update (expiry), whether it changed since the last checkpoint and room for
 its id among those removed since: 41 bytes, and the id index's 64 (booked
@@ -398,15 +399,7 @@ class RowFile:
         doubles, so a write costs O(1) amortized, appended and copied sequentially rather than written
         in place."""
         copy = self._new_compaction()
-        try:
-            self._copy_kept(self._fd, copy.fd, copy.keep, 0, 0, copy.path)
-            _replace(copy.path, self.path)
-        except BaseException:
-            copy.discard()
-            raise
-        _close_later(self._fd)
-        self._fd = copy.fd
-        self._moved(np.flatnonzero(copy.keep))
+        self._take_copy(copy, copy.keep, 0, np.flatnonzero(copy.keep))
 
     def _new_compaction(self) -> _Compaction:
         """A compaction of the records live now, its new file opened beside this one."""
@@ -494,17 +487,23 @@ class RowFile:
             background.discard()
             return
         tail = self._live_tail(background)
+        appended = _marked(tail, background.high_water, self.high_water)
+        self._take_copy(background, appended, background.high_water,
+                        np.concatenate([np.flatnonzero(background.keep), *background.appended, tail]))
+        self.background_compactions += 1
+
+    def _take_copy(self, copy: _Compaction, keep: np.ndarray, first: int, kept: np.ndarray) -> None:
+        """Copy the records ``keep`` marks from slot ``first`` on after those ``copy`` holds, and make
+        it this file (lock held); ``kept``: every slot copied, ascending, for the renumbering."""
         try:
-            self._copy_kept(self._fd, background.fd, _marked(tail, background.high_water, self.high_water),
-                            background.high_water, background.written, background.path)
-            _replace(background.path, self.path)
+            self._copy_kept(self._fd, copy.fd, keep, first, copy.written, copy.path)
+            _replace(copy.path, self.path)
         except BaseException:
-            background.discard()
+            copy.discard()
             raise
         _close_later(self._fd)
-        self._fd = background.fd
-        self._moved(np.concatenate([np.flatnonzero(background.keep), *background.appended, tail]))
-        self.background_compactions += 1
+        self._fd = copy.fd
+        self._moved(kept)
 
     def _moved(self, kept: np.ndarray) -> None:
         """The records at ascending ``kept`` slots now lie at 0, 1, ...: renumber the bookkeeping."""
@@ -524,7 +523,8 @@ class RowFile:
         """A compaction is copying in the background, or waits to be installed."""
         return self._background is not None
 
-    def _copy_kept(self, source: int, target: int, keep: np.ndarray, first: int, at: int, target_path: Path) -> int:
+    def _copy_kept(self, source: int, target: int, keep: np.ndarray, first: int, at: int,
+                   target_path: Path) -> int:
         """Copy the records of ``source`` from slot ``first`` on that ``keep`` marks, in order, to
         ``target`` from record ``at`` on; the records copied. The file is read in sequential pieces and
         the kept records written from them (dead ones are interleaved: reading live runs one by one
@@ -553,8 +553,8 @@ class RowFile:
         # Many runs (a batch of cold rows): a helper thread issues the second half meanwhile, as the
         # loop holds no GIL; the system calls, not the copies, are the cost.
         split = len(starts) // 2 if len(starts) >= _SHARED_RUNS else len(starts)
-        helper = (_thread("io").submit(fast, self._fd, raw.ctypes.data, starts[split:], ends[split:], sorted_slots,
-                                   size) if split < len(starts) else None)
+        helper = (_thread("io").submit(fast, self._fd, raw.ctypes.data, starts[split:], ends[split:],
+                                       sorted_slots, size) if split < len(starts) else None)
         pieces = [(fast(self._fd, raw.ctypes.data, starts[:split], ends[:split], sorted_slots, size), 0, split)]
         if helper is not None:
             pieces.append((helper.result(), split, len(starts)))

@@ -232,8 +232,8 @@ class HashTablePart:
         self._pinned = np.empty(0, np.int64)
         #: The disk tier (None: every row in memory), and the rows memory holds at most.
         self.tier_rows = spec.tier.memory_rows if spec.tier is not None else 0
-        self.disk = (RowFile(disk_file, self.row_elements, spec.dtype, self.compute_dtype, self.kernel.slot_names,
-                             self.lock)
+        self.disk = (RowFile(disk_file, self.row_elements, spec.dtype, self.compute_dtype,
+                             self.kernel.slot_names, self.lock)
                      if spec.tier is not None and disk_file is not None else None)
 
     def close(self) -> None:

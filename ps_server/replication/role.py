@@ -904,10 +904,7 @@ class ReplicaRole:
         generation = self.membership_generation()  # read before the state: a later move logs again
         if generation == self._logged_generation:
             return
-        state = self.consistency_state()
-        if state != self._logged_consistency:
-            self._append(*records.consistency_state(state))
-            self._logged_consistency = state
+        self._log_state_if_changed()
         self._logged_generation = generation
 
     def _log_consistency(self) -> None:
@@ -915,13 +912,17 @@ class ReplicaRole:
             return
         try:
             with self.ordered():  # read in the order: a sync step moves only under it
-                state = self.consistency_state()
-                if state == self._logged_consistency:
-                    return
-                self._append(*records.consistency_state(state))
+                self._log_state_if_changed()
         except RequestError:
             return  # deposed meanwhile
-        self._logged_consistency = state
+
+    def _log_state_if_changed(self) -> None:
+        """Under the order: log the consistency state unless it is the one logged last."""
+        assert self.consistency_state is not None
+        state = self.consistency_state()
+        if state != self._logged_consistency:
+            self._append(*records.consistency_state(state))
+            self._logged_consistency = state
 
     def _join(self, log_: UpdateLog) -> None:
         """Backups join at a fixed sequence (as Kafka's in-sync replicas do), not at "every change so far",

@@ -81,7 +81,8 @@ def test_workers_that_joined_are_logged_before_the_next_ordered_change():
             role.checkpointed()
     assert [r.WhichOneof("op") for r in logged] == ["consistency", "checkpoint", "checkpoint"]
     assert _live(logged[0]) == ["a", "b", "c"]
-    assert {w["worker_id"]: w["incarnation"] for w in json.loads(logged[0].consistency)["workers"]}["a"] == "2"
+    incarnations = {w["worker_id"]: w["incarnation"] for w in json.loads(logged[0].consistency)["workers"]}
+    assert incarnations["a"] == "2"
 
     # One leaves, one's lease runs out: logged as well.
     membership.leave("b", "1")
