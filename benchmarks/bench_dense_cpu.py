@@ -9,6 +9,13 @@ is the median over the rounds. CPU is each process's own (user + system
 from /proc and getrusage), so the split between the worker and the
 servers shows where a difference lies. Target: ours ≤ 1.15x gRPC alone,
 for pull and for push.
+
+A third party in each round is gRPC alone plus the least work a parameter
+server adds to those bytes: the pull copies each message into the caller's
+arrays (``pull(out=)``'s copy), the push's servers apply each message to
+float32 values of their own with NumPy's SGD, the calls ps-server's SGD
+kernel makes. Its ratio to gRPC alone is the floor of ours with NumPy's
+apply; what is above it is our framing, checks, ledger and thread hand-offs.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import sys
 import threading
 from collections.abc import Callable
 
+import numpy as np
 from common import _GRPC_STREAM_SERVER, child_env, median, stop_process
 
 REPEATS, ROUNDS = 6, 7
@@ -50,7 +58,7 @@ def _round(fn: Callable[[], object], server_pids: list[int], nbytes: int) -> tup
 
 
 def measure(pull: Callable[[], object], push: Callable[[], object], server_pids: list[int], nbytes: int) -> dict:
-    """{direction: {"ours"|"bare": {"worker", "servers", "total"}}}: medians over the rounds, core-s per GB.
+    """{direction: {"ours"|"bare"|"floor": {"worker", "servers", "total"}}}: medians over the rounds, core-s per GB.
 
     ``pull`` / ``push`` move ``nbytes`` through ps-servers ``server_pids`` (2 of them); the bare
     servers are started here and stopped before returning.
@@ -58,33 +66,45 @@ def measure(pull: Callable[[], object], push: Callable[[], object], server_pids:
     import grpc
 
     half = nbytes // 2
-    bare = [subprocess.Popen([sys.executable, "-c", _GRPC_STREAM_SERVER, str(half)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, env=child_env()) for _ in range(2)]
+    bare = [subprocess.Popen([sys.executable, "-c", _GRPC_STREAM_SERVER, str(half), *mode], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=child_env())
+            for mode in ([], [], ["sgd"], ["sgd"])]
     channels = []
     try:
         options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
         channels = [grpc.insecure_channel(f"127.0.0.1:{int(s.stdout.readline())}", options=options) for s in bare]
         source = memoryview(b"\x01" * half)  # written pages, as gradients are
+        into = [np.ones(half // 4, np.float32) for _ in range(2)]  # written pages, as out= arrays are
 
-        def bare_pull(channel) -> None:
+        def bare_pull(channel, index: int) -> None:
             for _ in channel.unary_stream("/bench.Raw/Pull")(b""):
                 pass
 
-        def bare_push(channel) -> None:
+        def copying_pull(channel, index: int) -> None:
+            out, start = into[index], 0
+            for message in channel.unary_stream("/bench.Raw/Pull")(b""):
+                values = np.frombuffer(message, np.float32)
+                out[start:start + values.size] = values
+                start += values.size
+
+        def bare_push(channel, index: int) -> None:
             channel.stream_unary("/bench.Raw/Push")(bytes(source[i:i + _CHUNK]) for i in range(0, half, _CHUNK))
 
-        def both(fn: Callable) -> Callable[[], None]:
+        def both(fn: Callable, pair: list) -> Callable[[], None]:
             def run() -> None:
-                threads = [threading.Thread(target=fn, args=(channel,)) for channel in channels]
+                threads = [threading.Thread(target=fn, args=(channel, i)) for i, channel in enumerate(pair)]
                 for thread in threads:
                     thread.start()
                 for thread in threads:
                     thread.join()
             return run
 
-        bare_pids = [s.pid for s in bare]
-        calls = {("pull", "ours"): (pull, server_pids), ("pull", "bare"): (both(bare_pull), bare_pids),
-                 ("push", "ours"): (push, server_pids), ("push", "bare"): (both(bare_push), bare_pids)}
+        plain, applying = channels[:2], channels[2:]
+        plain_pids, applying_pids = [s.pid for s in bare[:2]], [s.pid for s in bare[2:]]
+        calls = {("pull", "ours"): (pull, server_pids), ("pull", "bare"): (both(bare_pull, plain), plain_pids),
+                 ("pull", "floor"): (both(copying_pull, plain), plain_pids),
+                 ("push", "ours"): (push, server_pids), ("push", "bare"): (both(bare_push, plain), plain_pids),
+                 ("push", "floor"): (both(bare_push, applying), applying_pids)}
         for fn, _ in calls.values():  # warm: connections open, loops loaded
             fn()
         rounds: dict[tuple[str, str], list[tuple[float, float]]] = {key: [] for key in calls}
@@ -106,12 +126,17 @@ def measure(pull: Callable[[], object], push: Callable[[], object], server_pids:
 
 
 def rows(figures: dict, make_row: Callable) -> list:
-    """One row per direction (target ≤ TARGET x gRPC alone) with the per-process split in its title."""
+    """Per direction: ours (target ≤ TARGET x gRPC alone) and the floor, each with the per-process split."""
+    least = {"pull": "copy into out=", "push": "NumPy's SGD"}
     out = []
     for direction in ("pull", "push"):
-        ours, bare = figures[direction]["ours"], figures[direction]["bare"]
+        ours, bare, floor = (figures[direction][who] for who in ("ours", "bare", "floor"))
         out.append(make_row(
             "dense", f"  CPU per GB, 1 worker x 2 servers, {direction}: worker {ours['worker']:.3f} "
                      f"(alone {bare['worker']:.3f}), servers {ours['servers']:.3f} (alone {bare['servers']:.3f})",
             ours["total"], "core-s", bare["total"], "gRPC alone", TARGET, higher=False))
+        out.append(make_row(
+            "dense", f"    floor: gRPC alone + {least[direction]}: worker {floor['worker']:.3f}, "
+                     f"servers {floor['servers']:.3f}",
+            floor["total"], "core-s", bare["total"], "gRPC alone", target_text="reference"))
     return out

@@ -19,6 +19,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -444,21 +445,34 @@ def peak_rss_bytes() -> int:
 
 
 # Same malloc thresholds as ps-server and PSClient (wehub_ps.process.allocator), so the
-# reference differs from our figures by our code only.
+# reference differs from our figures by our code only. With "sgd" as its second argument the
+# server also applies each pushed message to float32 values of its own as a gradient, with the
+# NumPy calls of ps-server's SGD kernel (ps_server.core.optimizers): the least a parameter
+# server's push must do beyond gRPC.
 _GRPC_STREAM_SERVER = """
 import sys, grpc
+import numpy as np
 from concurrent import futures
 from wehub_ps.process.allocator import keep_freed_buffers
 keep_freed_buffers()
 N, CHUNK = int(sys.argv[1]), 1 << 20
+SGD = sys.argv[2:] == ["sgd"]
 data = b"\x01" * N  # written pages, as a ps-server's variables are (bytes(N) reads the kernel's zero page)
+weights = np.ones(N // 4, np.float32)
+scratch = np.empty(CHUNK // 4, np.float32)
 def pull(request, context):
     view = memoryview(data)
     for i in range(0, N, CHUNK):
         yield bytes(view[i:i + CHUNK])
 def push(requests, context):
-    for _ in requests:
-        pass
+    start = 0
+    for message in requests:
+        if SGD:
+            g = np.frombuffer(message, np.float32)
+            w, s = weights[start:start + g.size], scratch[:g.size]
+            np.multiply(g, 0.01, out=s, casting="unsafe")
+            np.subtract(w, s, out=w)
+            start += g.size
     return b"ok"
 h = grpc.method_handlers_generic_handler("bench.Raw", {
     "Pull": grpc.unary_stream_rpc_method_handler(pull), "Push": grpc.stream_unary_rpc_method_handler(push)})
@@ -489,6 +503,51 @@ def grpc_stream_seconds(nbytes: int, repeats: int) -> tuple[list[float], list[fl
     finally:
         server.stdin.close()
         stop_process(server)
+
+
+def grpc_stream_round_trip_seconds(nbytes_per_server: int, count: int) -> list[float]:
+    """Seconds of gRPC Python alone pulling, then pushing, ``nbytes_per_server`` from and to 2 servers at once.
+
+    A dense training loop's communication with nothing of ours: raw 1 MiB
+    messages on a Pull and a Push stream per server, a thread per server (as
+    PSClient's calls), the pulled messages dropped and the pushed ones made
+    from written pages. ``count`` timed round trips after two for warm-up.
+    """
+    import grpc
+
+    servers = [subprocess.Popen([sys.executable, "-c", _GRPC_STREAM_SERVER, str(nbytes_per_server)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env())
+               for _ in range(2)]
+    channels = []
+    try:
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        channels = [grpc.insecure_channel(f"127.0.0.1:{int(s.stdout.readline())}", options=options)
+                    for s in servers]
+        source = memoryview(np.ones(nbytes_per_server, np.uint8))
+        chunk = 1 << 20
+
+        def pull(channel) -> None:
+            for _ in channel.unary_stream("/bench.Raw/Pull")(b""):
+                pass
+
+        def push(channel) -> None:
+            channel.stream_unary("/bench.Raw/Push")(bytes(source[i:i + chunk])
+                                                    for i in range(0, nbytes_per_server, chunk))
+
+        def on_both(fn: Callable) -> None:
+            threads = [threading.Thread(target=fn, args=(channel,)) for channel in channels]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+
+        return time_calls(lambda: (on_both(pull), on_both(push)), count, warmup=2)
+    finally:
+        for channel in channels:
+            channel.close()
+        for proc in servers:
+            proc.stdin.close()
+            stop_process(proc)
 
 
 # The least a sparse call can do over gRPC Python: ids out as raw int64 and
