@@ -14,7 +14,8 @@ dense     100 MB model (4 x 6400x1024 float32): pull and push with 1 worker and
           alone (raw 1 MiB messages, no serialisation) with 1 worker and 1
           server, and with 2 worker processes x 2 servers; CPU per GB of
           pull and of push by process, 1 worker x 2 servers, against gRPC
-          alone in alternating rounds (bench_dense_cpu.py)
+          alone and gRPC alone plus the copy into out= or NumPy's SGD in
+          alternating rounds (bench_dense_cpu.py)
 bf16      the same model with bfloat16 on the wire: float32 parameters moved per second
 topk      the same model's push with top-k rows (1%) and error feedback: gradient
           parameters per second, and the time choosing the rows takes
@@ -43,8 +44,9 @@ gpu       (skipped without CuPy and a CUDA GPU) the GPU path: the pull's upload 
           the same calls on the host
 training  training loops as users write them (a 10.5M and a 100K MLP, the
           recommender example), 1 and 2 worker processes on 2 servers: steps/s
-          against 1 / (compute alone + pull and push alone) of the same run
-          (bench_training.py)
+          against 1 / (compute alone + pull and push alone) of the same run;
+          the 10.5M pull and push alone also against gRPC Python alone moving
+          the same bytes (bench_training.py)
 tables    embedding tables at recommender scale (bench_tables.py): a delta checkpoint
           after 1% of a 1M x 64 table's rows changed against a full one; the table
           20x its memory budget against the same table in memory, Zipf batches
