@@ -221,12 +221,17 @@ def _append_aligned(pieces: list, outer_tag: bytes, header: bytes, data: memoryv
     """One TensorChunk at ``offset`` in its message, padded so that its data starts at a multiple of
     DATA_ALIGNMENT; the bytes it adds."""
     data_len = piece_size(data)
-    for pad in range(2 * DATA_ALIGNMENT + 2):  # a pad field takes 2 bytes or more: 0, 2, 3, ... reach all
-        if pad == 1:
-            continue
-        framing = _framing(outer_tag, _TAG_TENSOR_CHUNK_HEADER, _TAG_TENSOR_CHUNK_DATA, header, data_len, pad)
-        if (offset + len(framing)) % DATA_ALIGNMENT == 0:
-            break
+    framing = _framing(outer_tag, _TAG_TENSOR_CHUNK_HEADER, _TAG_TENSOR_CHUNK_DATA, header, data_len)
+    short = -(offset + len(framing)) % DATA_ALIGNMENT
+    if short:
+        # A pad field of p >= 2 bytes adds p bytes (1 byte of p - 2 < 128 zeros' length): one try lands
+        # unless the outer length's varint grows with it, which the search below then corrects.
+        first = short if short > 1 else short + DATA_ALIGNMENT
+        for pad in (first, *range(2, 2 * DATA_ALIGNMENT + 2)):
+            framing = _framing(outer_tag, _TAG_TENSOR_CHUNK_HEADER, _TAG_TENSOR_CHUNK_DATA, header, data_len,
+                               pad)
+            if (offset + len(framing)) % DATA_ALIGNMENT == 0:
+                break
     pieces.append(framing)
     pieces.append(data)
     return len(framing) + data_len
