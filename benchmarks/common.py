@@ -458,7 +458,7 @@ keep_freed_buffers()
 N, CHUNK = int(sys.argv[1]), 1 << 20
 SGD = sys.argv[2:] == ["sgd"]
 data = b"\x01" * N  # written pages, as a ps-server's variables are (bytes(N) reads the kernel's zero page)
-weights = np.ones(N // 4, np.float32)
+weights = np.ones(N // 4, np.float32) if SGD else None
 scratch = np.empty(CHUNK // 4, np.float32)
 def pull(request, context):
     view = memoryview(data)
