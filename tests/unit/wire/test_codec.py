@@ -536,6 +536,26 @@ def test_large_chunks_data_starts_aligned_in_pushes_and_pulls(large, small, with
             (c.header.variable, bytes(c.data)) for c in chunks)
 
 
+def test_large_chunks_stay_aligned_where_the_chunk_length_needs_another_varint_byte():
+    """Around 2 MiB of data a TensorChunk's length crosses 2**21, where its varint grows from 3 to 4 bytes,
+    and a pad can be what pushes it over: the data still starts at a multiple of DATA_ALIGNMENT, with a
+    pad shorter than 2 * DATA_ALIGNMENT, and decodes unchanged."""
+    values = np.arange((1 << 21) // 4, dtype="<f4")
+    lengths = set()
+    for elements in range(values.size - 24, values.size + 1):
+        for name in ("", "a", "ab", "abc", "abcd", "abcde", "abcdef", "abcdefg"):
+            (chunk,) = _outgoing(values[:elements], elements, variable=name)
+            message = encode_pull_response([chunk])
+            (decoded,) = decode_pull_response(message)
+            start = np.frombuffer(decoded.data, np.uint8).ctypes.data - np.frombuffer(message, np.uint8).ctypes.data
+            assert start % DATA_ALIGNMENT == 0, f"{elements} elements, name {name!r}: data at byte {start}"
+            assert decoded.data == chunk.data
+            (parsed,) = ps_pb2.PullResponse.FromString(message).chunks
+            assert parsed.pad == bytes(len(parsed.pad)) and len(parsed.pad) < 2 * DATA_ALIGNMENT
+            lengths.add(parsed.ByteSize())
+    assert min(lengths) < 1 << 21 <= max(lengths)
+
+
 def test_decoded_data_is_a_view_of_the_message():
     wire = np.arange(10, dtype="<i4")
     message = encode_pull_response(_outgoing(wire, 10))
