@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import os
 import resource
-import subprocess
-import sys
-import threading
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
-from common import _GRPC_STREAM_SERVER, child_env, median, stop_process
+from common import bare_stream_servers, median, on_each
 
 REPEATS, ROUNDS = 6, 7
 TARGET = 1.15
@@ -58,65 +56,44 @@ def _round(fn: Callable[[], object], server_pids: list[int], nbytes: int) -> tup
 
 
 def measure(pull: Callable[[], object], push: Callable[[], object], server_pids: list[int], nbytes: int) -> dict:
-    """{direction: {"ours"|"bare"|"floor": {"worker", "servers", "total"}}}: medians over the rounds, core-s per GB.
+    """{direction: {"ours"|"bare"|"floor": {"worker", "servers", "total"}}}: median core-s per GB of the rounds.
 
     ``pull`` / ``push`` move ``nbytes`` through ps-servers ``server_pids`` (2 of them); the bare
     servers are started here and stopped before returning.
     """
-    import grpc
-
     half = nbytes // 2
-    bare = [subprocess.Popen([sys.executable, "-c", _GRPC_STREAM_SERVER, str(half), *mode], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, env=child_env())
-            for mode in ([], [], ["sgd"], ["sgd"])]
-    channels = []
-    try:
-        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-        channels = [grpc.insecure_channel(f"127.0.0.1:{int(s.stdout.readline())}", options=options) for s in bare]
-        source = memoryview(b"\x01" * half)  # written pages, as gradients are
-        into = [np.ones(half // 4, np.float32) for _ in range(2)]  # written pages, as out= arrays are
+    source = memoryview(b"\x01" * half)  # written pages, as gradients are
+    into = [np.ones(half // 4, np.float32) for _ in range(2)]  # written pages, as out= arrays are
 
-        def bare_pull(channel, index: int) -> None:
-            for _ in channel.unary_stream("/bench.Raw/Pull")(b""):
-                pass
+    def bare_pull(channel, index: int) -> None:
+        for _ in channel.unary_stream("/bench.Raw/Pull")(b""):
+            pass
 
-        def copying_pull(channel, index: int) -> None:
-            out, start = into[index], 0
-            for message in channel.unary_stream("/bench.Raw/Pull")(b""):
-                values = np.frombuffer(message, np.float32)
-                out[start:start + values.size] = values
-                start += values.size
+    def copying_pull(channel, index: int) -> None:
+        out, start = into[index], 0
+        for message in channel.unary_stream("/bench.Raw/Pull")(b""):
+            values = np.frombuffer(message, np.float32)
+            out[start:start + values.size] = values
+            start += values.size
 
-        def bare_push(channel, index: int) -> None:
-            channel.stream_unary("/bench.Raw/Push")(bytes(source[i:i + _CHUNK]) for i in range(0, half, _CHUNK))
+    def bare_push(channel, index: int) -> None:
+        channel.stream_unary("/bench.Raw/Push")(bytes(source[i:i + _CHUNK]) for i in range(0, half, _CHUNK))
 
-        def both(fn: Callable, pair: list) -> Callable[[], None]:
-            def run() -> None:
-                threads = [threading.Thread(target=fn, args=(channel, i)) for i, channel in enumerate(pair)]
-                for thread in threads:
-                    thread.start()
-                for thread in threads:
-                    thread.join()
-            return run
-
+    with bare_stream_servers(half, ([], [], ["sgd"], ["sgd"])) as (channels, bare):
         plain, applying = channels[:2], channels[2:]
         plain_pids, applying_pids = [s.pid for s in bare[:2]], [s.pid for s in bare[2:]]
-        calls = {("pull", "ours"): (pull, server_pids), ("pull", "bare"): (both(bare_pull, plain), plain_pids),
-                 ("pull", "floor"): (both(copying_pull, plain), plain_pids),
-                 ("push", "ours"): (push, server_pids), ("push", "bare"): (both(bare_push, plain), plain_pids),
-                 ("push", "floor"): (both(bare_push, applying), applying_pids)}
+        calls = {("pull", "ours"): (pull, server_pids),
+                 ("pull", "bare"): (partial(on_each, bare_pull, plain), plain_pids),
+                 ("pull", "floor"): (partial(on_each, copying_pull, plain), plain_pids),
+                 ("push", "ours"): (push, server_pids),
+                 ("push", "bare"): (partial(on_each, bare_push, plain), plain_pids),
+                 ("push", "floor"): (partial(on_each, bare_push, applying), applying_pids)}
         for fn, _ in calls.values():  # warm: connections open, loops loaded
             fn()
         rounds: dict[tuple[str, str], list[tuple[float, float]]] = {key: [] for key in calls}
         for _ in range(ROUNDS):
             for key, (fn, pids) in calls.items():
                 rounds[key].append(_round(fn, pids, nbytes))
-    finally:
-        for channel in channels:
-            channel.close()
-        for proc in bare:
-            proc.stdin.close()
-            stop_process(proc)
     figures: dict = {}
     for (direction, who), samples in rounds.items():
         figures.setdefault(direction, {})[who] = {

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -482,72 +483,71 @@ print(s.add_insecure_port("127.0.0.1:0"), flush=True); s.start(); sys.stdin.read
 """
 
 
-def grpc_stream_seconds(nbytes: int, repeats: int) -> tuple[list[float], list[float]]:
-    """gRPC Python's own ceiling: (pull, push) seconds of ``nbytes`` as a stream of 1 MiB raw-bytes messages."""
+@contextmanager
+def bare_stream_servers(nbytes: int,
+                        modes: Sequence[Sequence[str]]) -> Iterator[tuple[list, list[subprocess.Popen]]]:
+    """One ``_GRPC_STREAM_SERVER`` of ``nbytes`` per entry of ``modes`` (its extra arguments: ``["sgd"]`` or
+    none) and a channel to each: yields (channels, processes); closes and stops them all after."""
     import grpc
 
-    server = subprocess.Popen([sys.executable, "-c", _GRPC_STREAM_SERVER, str(nbytes)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=child_env())
-    try:
-        port = int(server.stdout.readline())
-        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-        source = np.ones(nbytes, np.uint8)  # written pages, as gradients are
-        view = memoryview(source)
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
-            pull = channel.unary_stream("/bench.Raw/Pull")
-            push = channel.stream_unary("/bench.Raw/Push")
-            pulls = time_calls(lambda: [len(m) for m in pull(b"")], repeats)
-            pushes = time_calls(lambda: push(bytes(view[i:i + (1 << 20)]) for i in range(0, nbytes, 1 << 20)),
-                                repeats)
-        return pulls, pushes
-    finally:
-        server.stdin.close()
-        stop_process(server)
-
-
-def grpc_stream_round_trip_seconds(nbytes_per_server: int, count: int) -> list[float]:
-    """Seconds of gRPC Python alone pulling, then pushing, ``nbytes_per_server`` from and to 2 servers at once.
-
-    A dense training loop's communication with nothing of ours: raw 1 MiB
-    messages on a Pull and a Push stream per server, a thread per server (as
-    PSClient's calls), the pulled messages dropped and the pushed ones made
-    from written pages. ``count`` timed round trips after two for warm-up.
-    """
-    import grpc
-
-    servers = [subprocess.Popen([sys.executable, "-c", _GRPC_STREAM_SERVER, str(nbytes_per_server)],
+    servers = [subprocess.Popen([sys.executable, "-c", _GRPC_STREAM_SERVER, str(nbytes), *mode],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env())
-               for _ in range(2)]
+               for mode in modes]
     channels = []
     try:
         options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
         channels = [grpc.insecure_channel(f"127.0.0.1:{int(s.stdout.readline())}", options=options)
                     for s in servers]
-        source = memoryview(np.ones(nbytes_per_server, np.uint8))
-        chunk = 1 << 20
-
-        def pull(channel) -> None:
-            for _ in channel.unary_stream("/bench.Raw/Pull")(b""):
-                pass
-
-        def push(channel) -> None:
-            channel.stream_unary("/bench.Raw/Push")(bytes(source[i:i + chunk])
-                                                    for i in range(0, nbytes_per_server, chunk))
-
-        def on_both(fn: Callable) -> None:
-            threads = [threading.Thread(target=fn, args=(channel,)) for channel in channels]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-
-        return time_calls(lambda: (on_both(pull), on_both(push)), count, warmup=2)
+        yield channels, servers
     finally:
         for channel in channels:
             channel.close()
         for proc in servers:
             proc.stdin.close()
             stop_process(proc)
+
+
+def on_each(fn: Callable[[Any, int], object], channels: Sequence) -> None:
+    """``fn(channel, index)`` for every channel at once, a thread each (as PSClient calls its shards)."""
+    threads = [threading.Thread(target=fn, args=(channel, i)) for i, channel in enumerate(channels)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def grpc_stream_seconds(nbytes: int, repeats: int) -> tuple[list[float], list[float]]:
+    """gRPC Python's own ceiling: (pull, push) seconds of ``nbytes`` as a stream of 1 MiB raw-bytes messages."""
+    view = memoryview(np.ones(nbytes, np.uint8))  # written pages, as gradients are
+    with bare_stream_servers(nbytes, [[]]) as ((channel,), _):
+        pull = channel.unary_stream("/bench.Raw/Pull")
+        push = channel.stream_unary("/bench.Raw/Push")
+        pulls = time_calls(lambda: [len(m) for m in pull(b"")], repeats)
+        pushes = time_calls(lambda: push(bytes(view[i:i + (1 << 20)]) for i in range(0, nbytes, 1 << 20)),
+                            repeats)
+    return pulls, pushes
+
+
+def grpc_stream_round_trip_seconds(nbytes_per_server: int, count: int) -> list[float]:
+    """Seconds of gRPC Python alone pulling, then pushing, ``nbytes_per_server`` from and to 2 servers.
+
+    A dense training loop's communication with nothing of ours: raw 1 MiB
+    messages on a Pull and a Push stream per server, a thread per server (as
+    PSClient's calls), the pulled messages dropped and the pushed ones made
+    from written pages. ``count`` timed round trips after two for warm-up.
+    """
+    source = memoryview(np.ones(nbytes_per_server, np.uint8))
+    chunk = 1 << 20
+
+    def pull(channel, index: int) -> None:
+        for _ in channel.unary_stream("/bench.Raw/Pull")(b""):
+            pass
+
+    def push(channel, index: int) -> None:
+        channel.stream_unary("/bench.Raw/Push")(bytes(source[i:i + chunk]) for i in range(0, nbytes_per_server, chunk))
+
+    with bare_stream_servers(nbytes_per_server, [[], []]) as (channels, _):
+        return time_calls(lambda: (on_each(pull, channels), on_each(push, channels)), count, warmup=2)
 
 
 # The least a sparse call can do over gRPC Python: ids out as raw int64 and
