@@ -13,7 +13,9 @@ pushes known gradients throughout:
 2. The etcd leader's host is lost for good, and the member is replaced as
    deploy/README.md's "Replacing an etcd member" says, with the same etcdctl
    commands (member remove, member add, the ConfigMap `etcd-bootstrap` set to
-   `existing`, a new pod on an empty volume, then `new` again). etcd must have
+   `existing`, a new pod on an empty volume, then `new` again; a member
+   command etcd refuses as an unhealthy cluster is run again, as that
+   section says). etcd must have
    three started members again, and the replicas must go on through it.
 3. The shard is switched over to the re-seeded replica (an election through
    the replaced etcd), whose values must then hold every acknowledged push
