@@ -71,29 +71,28 @@ ETCD_TLS = "/etc/etcd/tls"
 RECONFIGURE_RETRY_SECONDS = 30.0
 
 
-def _etcdctl(cluster: ReplicatedPods, via: Pod, *args: str) -> str:
+def _run_etcdctl(cluster: ReplicatedPods, via: Pod, *args: str) -> subprocess.CompletedProcess:
     """etcdctl inside pod ``via``, as ``kubectl exec <via> -- etcdctl ...`` runs it (deploy/README.md)."""
     tls = via.mount(ETCD_TLS)
     argv = [*cluster.wraps[via.name], "etcdctl", f"--endpoints=https://{via.name}.etcd:2379",
             f"--cacert={tls}/ca.crt", f"--cert={tls}/tls.crt", f"--key={tls}/tls.key", "--command-timeout=10s",
             *args]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60,
                           env={"PATH": os.environ["PATH"], "ETCDCTL_API": "3"}, check=False)
+
+
+def _etcdctl(cluster: ReplicatedPods, via: Pod, *args: str, retry_unhealthy: bool = False) -> str:
+    """The output of an etcdctl command in pod ``via`` that must succeed; with ``retry_unhealthy`` (the
+    ``member`` commands) it is run again while etcd refuses it as an unhealthy cluster (deploy/README.md)."""
+    deadline = time.monotonic() + RECONFIGURE_RETRY_SECONDS
+    done = _run_etcdctl(cluster, via, *args)
+    while (retry_unhealthy and done.returncode != 0 and "unhealthy cluster" in done.stderr
+           and time.monotonic() < deadline):
+        print(f"etcd refused etcdctl {' '.join(args)} as an unhealthy cluster; again in 1 s")
+        time.sleep(1.0)
+        done = _run_etcdctl(cluster, via, *args)
     assert done.returncode == 0, f"etcdctl {' '.join(args)} in {via.name}: {done.stderr.strip()}"
     return done.stdout
-
-
-def _reconfigure(cluster: ReplicatedPods, via: Pod, *args: str) -> str:
-    """A ``member`` command, run again while etcd refuses it as an unhealthy cluster (deploy/README.md)."""
-    deadline = time.monotonic() + RECONFIGURE_RETRY_SECONDS
-    while True:
-        try:
-            return _etcdctl(cluster, via, *args)
-        except AssertionError as refused:
-            if "unhealthy cluster" not in str(refused) or time.monotonic() > deadline:
-                raise
-            print(f"etcd refused etcdctl {' '.join(args)} as an unhealthy cluster; again in 1 s")
-        time.sleep(1.0)
 
 
 def _members(cluster: ReplicatedPods, via: Pod) -> dict[str, tuple[str, str]]:
@@ -168,8 +167,9 @@ def test_a_lost_node_and_a_replaced_etcd_member_lose_nothing(objects, work, etcd
              "the two other etcd members to elect a leader", [], 0.2)
     via = survivors[0]
     member_id, _ = _members(cluster, via)[lost.name]
-    _reconfigure(cluster, via, "member", "remove", member_id)
-    _reconfigure(cluster, via, "member", "add", lost.name, f"--peer-urls=https://{lost.name}.etcd:2380")
+    _etcdctl(cluster, via, "member", "remove", member_id, retry_unhealthy=True)
+    _etcdctl(cluster, via, "member", "add", lost.name, f"--peer-urls=https://{lost.name}.etcd:2380",
+             retry_unhealthy=True)
     _set_bootstrap_state(objects, "existing")
     replacement = replace_pod(cluster, objects, work, net, lost.name)
     assert replacement.env.get("INITIAL_CLUSTER_STATE") == "existing", replacement.env
