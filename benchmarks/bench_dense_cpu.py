@@ -26,11 +26,10 @@ from collections.abc import Callable
 from functools import partial
 
 import numpy as np
-from common import bare_stream_servers, median, on_each
+from common import bare_pull, bare_push, bare_stream_servers, median, on_each
 
 REPEATS, ROUNDS = 6, 7
 TARGET = 1.15
-_CHUNK = 1 << 20
 
 
 def _process_seconds(pid: int) -> float:
@@ -62,12 +61,8 @@ def measure(pull: Callable[[], object], push: Callable[[], object], server_pids:
     servers are started here and stopped before returning.
     """
     half = nbytes // 2
-    source = memoryview(b"\x01" * half)  # written pages, as gradients are
+    push_half = bare_push(memoryview(b"\x01" * half))  # written pages, as gradients are
     into = [np.ones(half // 4, np.float32) for _ in range(2)]  # written pages, as out= arrays are
-
-    def bare_pull(channel, index: int) -> None:
-        for _ in channel.unary_stream("/bench.Raw/Pull")(b""):
-            pass
 
     def copying_pull(channel, index: int) -> None:
         out, start = into[index], 0
@@ -76,9 +71,6 @@ def measure(pull: Callable[[], object], push: Callable[[], object], server_pids:
             out[start:start + values.size] = values
             start += values.size
 
-    def bare_push(channel, index: int) -> None:
-        channel.stream_unary("/bench.Raw/Push")(bytes(source[i:i + _CHUNK]) for i in range(0, half, _CHUNK))
-
     with bare_stream_servers(half, ([], [], ["sgd"], ["sgd"])) as (channels, bare):
         plain, applying = channels[:2], channels[2:]
         plain_pids, applying_pids = [s.pid for s in bare[:2]], [s.pid for s in bare[2:]]
@@ -86,8 +78,8 @@ def measure(pull: Callable[[], object], push: Callable[[], object], server_pids:
                  ("pull", "bare"): (partial(on_each, bare_pull, plain), plain_pids),
                  ("pull", "floor"): (partial(on_each, copying_pull, plain), plain_pids),
                  ("push", "ours"): (push, server_pids),
-                 ("push", "bare"): (partial(on_each, bare_push, plain), plain_pids),
-                 ("push", "floor"): (partial(on_each, bare_push, applying), applying_pids)}
+                 ("push", "bare"): (partial(on_each, push_half, plain), plain_pids),
+                 ("push", "floor"): (partial(on_each, push_half, applying), applying_pids)}
         for fn, _ in calls.values():  # warm: connections open, loops loaded
             fn()
         rounds: dict[tuple[str, str], list[tuple[float, float]]] = {key: [] for key in calls}

@@ -507,6 +507,24 @@ def bare_stream_servers(nbytes: int,
             stop_process(proc)
 
 
+#: The size of the bare servers' messages, ps-server's default chunk.
+BARE_CHUNK = 1 << 20
+
+
+def bare_pull(channel: Any, index: int = 0) -> None:
+    """One Pull stream from a ``_GRPC_STREAM_SERVER``, its messages dropped."""
+    for _ in channel.unary_stream("/bench.Raw/Pull")(b""):
+        pass
+
+
+def bare_push(source: memoryview) -> Callable[[Any, int], None]:
+    """``fn(channel, index)`` pushing ``source`` to a ``_GRPC_STREAM_SERVER`` as one stream of 1 MiB messages."""
+    def push(channel: Any, index: int = 0) -> None:
+        channel.stream_unary("/bench.Raw/Push")(bytes(source[i:i + BARE_CHUNK])
+                                                for i in range(0, len(source), BARE_CHUNK))
+    return push
+
+
 def on_each(fn: Callable[[Any, int], object], channels: Sequence) -> None:
     """``fn(channel, index)`` for every channel at once, a thread each (as PSClient calls its shards)."""
     threads = [threading.Thread(target=fn, args=(channel, i)) for i, channel in enumerate(channels)]
@@ -518,13 +536,10 @@ def on_each(fn: Callable[[Any, int], object], channels: Sequence) -> None:
 
 def grpc_stream_seconds(nbytes: int, repeats: int) -> tuple[list[float], list[float]]:
     """gRPC Python's own ceiling: (pull, push) seconds of ``nbytes`` as a stream of 1 MiB raw-bytes messages."""
-    view = memoryview(np.ones(nbytes, np.uint8))  # written pages, as gradients are
+    push = bare_push(memoryview(np.ones(nbytes, np.uint8)))  # written pages, as gradients are
     with bare_stream_servers(nbytes, [[]]) as ((channel,), _):
-        pull = channel.unary_stream("/bench.Raw/Pull")
-        push = channel.stream_unary("/bench.Raw/Push")
-        pulls = time_calls(lambda: [len(m) for m in pull(b"")], repeats)
-        pushes = time_calls(lambda: push(bytes(view[i:i + (1 << 20)]) for i in range(0, nbytes, 1 << 20)),
-                            repeats)
+        pulls = time_calls(lambda: bare_pull(channel), repeats)
+        pushes = time_calls(lambda: push(channel), repeats)
     return pulls, pushes
 
 
@@ -536,18 +551,9 @@ def grpc_stream_round_trip_seconds(nbytes_per_server: int, count: int) -> list[f
     PSClient's calls), the pulled messages dropped and the pushed ones made
     from written pages. ``count`` timed round trips after two for warm-up.
     """
-    source = memoryview(np.ones(nbytes_per_server, np.uint8))
-    chunk = 1 << 20
-
-    def pull(channel, index: int) -> None:
-        for _ in channel.unary_stream("/bench.Raw/Pull")(b""):
-            pass
-
-    def push(channel, index: int) -> None:
-        channel.stream_unary("/bench.Raw/Push")(bytes(source[i:i + chunk]) for i in range(0, nbytes_per_server, chunk))
-
+    push = bare_push(memoryview(np.ones(nbytes_per_server, np.uint8)))
     with bare_stream_servers(nbytes_per_server, [[], []]) as (channels, _):
-        return time_calls(lambda: (on_each(pull, channels), on_each(push, channels)), count, warmup=2)
+        return time_calls(lambda: (on_each(bare_pull, channels), on_each(push, channels)), count, warmup=2)
 
 
 # The least a sparse call can do over gRPC Python: ids out as raw int64 and
